@@ -1,0 +1,42 @@
+# `make demo` and `make test` each set everything up on a fresh machine (idempotently), then run.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+REQS := requirements/cpu.txt requirements/test.txt pyproject.toml
+# The pinned CPU torch: from a local wheel directory when the machine has one, otherwise from
+# PyTorch's CPU index (PyPI's torch for Linux is the multi-GB CUDA build).
+TORCH_WHEELS ?= /opt/wheels
+TORCH_SOURCE := $(if $(wildcard $(TORCH_WHEELS)/torch-*),--find-links $(TORCH_WHEELS),--extra-index-url https://download.pytorch.org/whl/cpu)
+PYTEST_ARGS ?=
+
+.PHONY: demo test setup lint clean-venv
+
+setup: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(REQS) | $(PY)
+	@start=$$(date +%s); \
+	$(PIP) install -q --disable-pip-version-check $(TORCH_SOURCE) -r requirements/cpu.txt -r requirements/test.txt && \
+	$(PIP) install -q --disable-pip-version-check --no-deps -e . && \
+	echo "set-up: installed the CPU stack in $$(( $$(date +%s) - start )) s"
+	@touch $@
+
+demo: $(STAMP)
+	$(PY) -m recipe_gkd.main --dry-run
+	$(PY) -m recipe_gkd.check_placement
+
+# pytest exits 5 when it collects no test; that is not a failure of the suite's set-up.
+test: $(STAMP)
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check recipe_gkd teacher_server tests benchmarks
+	$(VENV)/bin/ruff format --check recipe_gkd teacher_server tests benchmarks
+
+clean-venv:
+	rm -rf $(VENV)

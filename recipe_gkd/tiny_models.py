@@ -1,0 +1,95 @@
+"""Tiny HF models and a character tokenizer, built offline and deterministically.
+
+No model or tokenizer is ever downloaded: tests and the CPU demo build theirs here. The
+tokenizer is character-level (one token per printable ASCII character, plus specials and a
+chat template), so any text round-trips and the vocabulary is small.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+USER, ASSISTANT = "<user>", "<assistant>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, USER, ASSISTANT)
+# Printable ASCII without the whitespace controls other than space and newline.
+CHARACTERS = tuple(sorted(set(string.printable) - set("\t\r\x0b\x0c")))
+# {{ }} templates: the user turn, then the assistant marker the model continues from.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<user>{{ m['content'] }}{% else %}<assistant>{{ m['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Llama-family shape of a tiny causal LM (RoPE, GQA, SwiGLU, RMSNorm).
+
+    Llama rather than Qwen2: transformers 5 loads a Qwen2 directory's tokenizer as its own
+    byte-level Qwen2Tokenizer whatever tokenizer.json says, which would break the char tokenizer.
+    """
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+
+
+def build_char_tokenizer(out_dir: str | Path):
+    """Write a character-level PreTrainedTokenizerFast with a chat template to `out_dir`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+def build_tiny_causal_lm(out_dir: str | Path, seed: int, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write a randomly initialised tiny Llama model and the char tokenizer to `out_dir`.
+
+    Deterministic for a given (seed, spec): the same bytes on every machine with this torch.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    tokenizer = build_char_tokenizer(out)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out

@@ -1,0 +1,43 @@
+"""check_placement on fake GPUs: what each worker sees from inside equals the plan, per preset."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipe_gkd.config import CONFIG_DIR, load_config
+from recipe_gkd.placement import build_plan
+
+FAKE = ["cluster.fake_gpus=true", "cluster.ray_address=null", "cluster.placement_timeout_s=60"]
+MULTI_GPU = [p for p in sorted((CONFIG_DIR / "presets").glob("*.yaml")) if load_config(p).cluster.gpus_per_node > 1]
+
+
+def _check(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "recipe_gkd.check_placement", "--config", str(path), *FAKE, *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+
+
+def _seen_rows(stdout: str) -> list[tuple[str, int, int, str]]:
+    section = stdout.split("seen from inside the workers:")[1].splitlines()[2:]
+    rows = [line.split() for line in section if line and line.split()[0] in ("actor", "rollout")]
+    return [(r[0], int(r[1]), int(r[2]), r[3]) for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", MULTI_GPU, ids=lambda p: p.name)
+def test_workers_see_the_planned_gpus(path: Path) -> None:
+    assert len(MULTI_GPU) >= 5
+    proc = _check(path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "placement OK" in proc.stdout
+    plan = build_plan(load_config(path, FAKE))
+    expected = [(s.role, s.rank, s.node, s.cuda_visible_devices) for s in plan.workers]
+    assert _seen_rows(proc.stdout) == expected
+
+
+def test_bad_config_exits_2() -> None:
+    proc = _check(CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml", "actor.gpus_per_node=6", "rollout.gpus_per_node=4")
+    assert proc.returncode == 2 and "actor.gpus_per_node" in proc.stderr

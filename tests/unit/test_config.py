@@ -1,0 +1,204 @@
+"""Config schema, presets and every validation rule (each with a bad value)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipe_gkd.config import (
+    CONFIG_DIR,
+    DEFAULT_CONFIG,
+    ConfigError,
+    GKDConfig,
+    LrScaling,
+    load_config,
+    scaled_lr,
+    to_yaml,
+)
+
+PRESETS = sorted((CONFIG_DIR / "presets").glob("*.yaml"))
+ONE_BY_EIGHT = CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"
+
+
+def test_presets_found_and_default_exists() -> None:
+    assert len(PRESETS) >= 6, PRESETS
+    assert DEFAULT_CONFIG in PRESETS
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_every_preset_loads_and_validates(path: Path) -> None:
+    cfg = load_config(path)
+    assert isinstance(cfg, GKDConfig)
+    first_line = path.read_text().splitlines()[0]
+    assert first_line.startswith("# ") and len(first_line) > 20, "each preset opens with who it is for"
+
+
+def test_default_is_the_cpu_demo() -> None:
+    cfg = load_config(None)
+    assert cfg.cluster.device.value == "cpu" and cfg.cluster.fake_gpus and cfg.teacher.autostart
+
+
+def test_resolved_yaml_round_trips(tmp_path: Path) -> None:
+    cfg = load_config(ONE_BY_EIGHT, ["algorithm.beta=0.25", "trainer.total_steps=7"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+def _error(overrides: list[str], path: Path = ONE_BY_EIGHT) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return info.value
+
+
+# (override(s), the key the error must name). Each row breaks exactly one rule.
+BAD_VALUES = [
+    (["actor.gpus_per_node=6", "rollout.gpus_per_node=4"], "actor.gpus_per_node"),
+    (["teacher.replicas=3"], "teacher.replicas"),
+    (["actor.nnodes=2"], "actor.nnodes"),
+    (["rollout.node_offset=1"], "rollout.nnodes"),
+    (["teacher.location=remote"], "teacher.location"),
+    (["actor.megatron.tp=2"], "actor.megatron.tp"),
+    (
+        ["actor.gpus_per_node=2", "rollout.gpus_per_node=2", "actor.megatron.pp=4", "data.train_batch_size=96"],
+        "actor.megatron.pp",
+    ),
+    (["rollout.tp=2"], "rollout.tp"),
+    (["data.train_batch_size=100"], "data.train_batch_size"),
+    (["data.eval_batch_size=100"], "data.eval_batch_size"),
+    (["actor.micro_batch_size=5"], "actor.micro_batch_size"),
+    (["teacher.top_k=512"], "teacher.top_k"),
+    (["algorithm.beta=1.5"], "algorithm.beta"),
+    (["algorithm.beta=-0.1"], "algorithm.beta"),
+    (["algorithm.lmbda=2"], "algorithm.lmbda"),
+    (["algorithm.schedule=two_step_off", "algorithm.max_staleness=1"], "algorithm.max_staleness"),
+    (["algorithm.lmbda=0.5", "data.response_key="], "data.response_key"),
+    (["teacher.address=localhost:5555"], "teacher.address"),
+    (["teacher.autostart=true", "teacher.location=remote", "teacher.replicas=0"], "teacher.replicas"),
+    (["trainer.loggers=[console,wandb]"], "trainer.loggers"),
+    (["trainer.resume=/no/such/checkpoint"], "trainer.resume"),
+    (["trainer.total_steps=0"], "trainer.total_steps"),
+    (["teacher.client.max_inflight=0"], "teacher.client.max_inflight"),
+    (["rollout.sampling.top_p=0"], "rollout.sampling.top_p"),
+    (["rollout.sampling.temperature=0"], "rollout.sampling.temperature"),
+    (["teacher.timeout_s=-1"], "teacher.timeout_s"),
+    (["cluster.device=cpu"], "cluster.fake_gpus"),
+    (["cluster.gpus_per_node=0"], "cluster.gpus_per_node"),
+    (["actor.optim.clip_grad=-1"], "actor.optim.clip_grad"),
+    (["algorithm.divergence=kl"], "algorithm.divergence"),
+    (["teacher.top_k=eight"], "teacher.top_k"),
+    (["actor.optim.lr_scaling=cubic"], "actor.optim.lr_scaling"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key"), BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
+def test_each_rule_names_its_key(overrides: list[str], key: str) -> None:
+    err = _error(overrides)
+    assert err.key == key, str(err)
+    assert key in str(err)
+
+
+def test_teacher_replica_cannot_span_nodes() -> None:
+    # node 0: actor 6 -> 2 teacher GPUs; node 1: rollout 4 -> 4 teacher GPUs; 2 x 3 = 6 in total.
+    overrides = ["actor.gpus_per_node=6", "teacher.replicas=2", "teacher.gpus_per_replica=3"]
+    err = _error(overrides, CONFIG_DIR / "presets" / "2x8_a8_r4_t4.yaml")
+    assert err.key == "teacher.gpus_per_replica"
+
+
+def test_autostart_remote_is_refused() -> None:
+    err = _error(
+        ["teacher.location=remote", "teacher.autostart=true"], CONFIG_DIR / "presets" / "1x8_a4_r4_t0_remote.yaml"
+    )
+    assert err.key == "teacher.autostart"
+
+
+def test_autostart_on_two_nodes_is_refused() -> None:
+    err = _error(["teacher.autostart=true"], CONFIG_DIR / "presets" / "2x8_a8_r4_t4.yaml")
+    assert err.key == "teacher.autostart"
+
+
+def test_vllm_tp_on_cpu_is_refused() -> None:
+    err = _error(
+        ["rollout.backend=vllm", "rollout.tp=2", "rollout.gpus_per_node=2", "cluster.gpus_per_node=4"], DEFAULT_CONFIG
+    )
+    assert err.key == "rollout.tp"
+
+
+@pytest.mark.parametrize(
+    ("typo", "suggestion"),
+    [
+        ("teacher.topk=8", "teacher.top_k"),
+        ("actor.optim.learning_rate=1", "actor.optim.lr"),
+        ("trainer.total_step=3", "trainer.total_steps"),
+        ("teacher.n_server_workers=4", "teacher.client.max_inflight"),
+    ],
+)
+def test_typo_suggests_the_right_key(typo: str, suggestion: str) -> None:
+    err = _error([typo])
+    assert f"did you mean `{suggestion}`" in str(err)
+
+
+def test_unknown_key_in_yaml_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(ONE_BY_EIGHT.read_text() + "\nalgorithm:\n  divergnce: jsd\n")
+    err = _error([], path)
+    assert "algorithm.divergence" in str(err) and str(path) in str(err)
+
+
+def test_malformed_override_is_a_config_error() -> None:
+    assert _error(["trainer.total_steps"]).key == "trainer.total_steps"
+
+
+def test_missing_config_file() -> None:
+    assert _error([], Path("/no/such.yaml")).key == "--config"
+
+
+@pytest.mark.parametrize(("scaling", "factor"), [("none", 1.0), ("linear", 2.0), ("sqrt", 2**0.5)])
+def test_lr_scaling_over_data_parallel(scaling: str, factor: float) -> None:
+    cfg = load_config(
+        CONFIG_DIR / "presets" / "1x8_a2_r2_t4.yaml", [f"actor.optim.lr_scaling={scaling}", "actor.optim.lr=1e-5"]
+    )
+    assert cfg.actor.optim.lr_scaling == LrScaling(scaling)
+    assert scaled_lr(cfg) == pytest.approx(1e-5 * factor)
+
+
+def _run_main(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "recipe_gkd.main", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_cli_impossible_split_exits_2_naming_keys() -> None:
+    proc = _run_main("--config", str(ONE_BY_EIGHT), "--dry-run", "actor.gpus_per_node=6", "rollout.gpus_per_node=4")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "actor.gpus_per_node" in lines[0] and "rollout.gpus_per_node" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_typo_exits_2_with_suggestion() -> None:
+    proc = _run_main("--config", str(ONE_BY_EIGHT), "--dry-run", "teacher.topk=8")
+    assert proc.returncode == 2
+    assert "did you mean `teacher.top_k`" in proc.stderr
+
+
+def test_cli_dry_run_prints_the_1x8_split() -> None:
+    proc = _run_main("--config", str(ONE_BY_EIGHT), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    gpus = {role: [r[4] for r in rows if r and r[0] == role] for role in ("actor", "rollout", "teacher")}
+    assert gpus == {"actor": ["0"], "rollout": ["1", "2", "3"], "teacher": ["4,5", "6,7"]}
+    assert "teacher GPUs 4,5,6,7" in proc.stdout
+
+
+def test_dry_run_imports_no_engine() -> None:
+    code = (
+        "import sys; from recipe_gkd.main import main; rc = main(['--dry-run']);"
+        "heavy = [m for m in ('torch', 'ray', 'vllm', 'megatron', 'transformers') if m in sys.modules];"
+        "print(rc, heavy)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert proc.stdout.strip().splitlines()[-1] == "0 []"

@@ -1,0 +1,90 @@
+"""The GPU plan (pure arithmetic) and the checks against what Ray reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from recipe_gkd.check_placement import Observed, compare
+from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
+from recipe_gkd.placement import build_plan, check_ray_gpus, format_plan, node_resource
+from recipe_gkd.placement import main as placement_cli
+
+PRESETS = sorted((CONFIG_DIR / "presets").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_plan_is_disjoint_and_covers_every_gpu(path: Path) -> None:
+    cfg = load_config(path)
+    plan = build_plan(cfg)
+    for node in range(plan.nnodes):
+        used = [g for s in plan.all_slots() if s.node == node for g in s.gpu_ids]
+        assert len(used) == len(set(used)), f"node {node} GPUs shared: {used}"
+        if cfg.teacher.location.value == "local":
+            assert sorted(used) == list(range(cfg.cluster.gpus_per_node))
+    assert len(plan.teacher) == (cfg.teacher.replicas if cfg.teacher.location.value == "local" else 0)
+
+
+def test_1x8_a1_r3_t4_split() -> None:
+    plan = build_plan(load_config(CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"))
+    assert [s.gpu_ids for s in plan.role("actor")] == [(0,)]
+    assert [s.gpu_ids for s in plan.role("rollout")] == [(1,), (2,), (3,)]
+    assert [s.gpu_ids for s in plan.teacher] == [(4, 5), (6, 7)]
+    assert plan.ray_gpus(0) == 4 and plan.teacher_gpu_ids(0) == (4, 5, 6, 7)
+    assert "teacher GPUs 4,5,6,7" in format_plan(plan)
+
+
+def test_two_nodes_pools_on_their_nodes() -> None:
+    plan = build_plan(load_config(CONFIG_DIR / "presets" / "2x8_a8_r4_t4.yaml"))
+    assert {s.node for s in plan.role("actor")} == {0} and len(plan.role("actor")) == 8
+    assert [(s.node, s.gpu_ids) for s in plan.role("rollout")] == [(1, (0,)), (1, (1,)), (1, (2,)), (1, (3,))]
+    assert [(s.node, s.gpu_ids) for s in plan.teacher] == [(1, (4, 5, 6, 7))]
+    assert (plan.ray_gpus(0), plan.ray_gpus(1)) == (8, 4)
+
+
+def test_rollout_tp_gives_multi_gpu_bundles() -> None:
+    cfg = load_config(CONFIG_DIR / "presets" / "1x8_a2_r2_t4.yaml", ["rollout.tp=2", "data.train_batch_size=64"])
+    assert [s.gpu_ids for s in build_plan(cfg).role("rollout")] == [(2, 3)]
+
+
+def _ray_node(gpus: int, *extra: str, alive: bool = True) -> dict:
+    return {"Alive": alive, "NodeID": "n", "Resources": {"GPU": float(gpus), **{k: 1.0 for k in extra}}}
+
+
+def test_ray_seeing_teacher_gpus_is_refused() -> None:
+    plan = build_plan(load_config(CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"))
+    check_ray_gpus(plan, [_ray_node(4)])
+    with pytest.raises(ConfigError, match="teacher") as info:
+        check_ray_gpus(plan, [_ray_node(8)])
+    assert info.value.key == "cluster.gpus_per_node"
+    with pytest.raises(ConfigError, match="need 4"):
+        check_ray_gpus(plan, [_ray_node(3)])
+
+
+def test_multi_node_needs_node_labels() -> None:
+    plan = build_plan(load_config(CONFIG_DIR / "presets" / "2x8_a8_r4_t4.yaml"))
+    check_ray_gpus(plan, [_ray_node(8, node_resource(0)), _ray_node(4, node_resource(1)), _ray_node(0)])
+    with pytest.raises(ConfigError, match=r"ray_start\.sh"):
+        check_ray_gpus(plan, [_ray_node(8), _ray_node(4)])
+    with pytest.raises(ConfigError, match="teacher"):
+        check_ray_gpus(plan, [_ray_node(8, node_resource(0)), _ray_node(8, node_resource(1))])
+
+
+def test_compare_reports_every_mismatch() -> None:
+    plan = build_plan(load_config(CONFIG_DIR / "presets" / "1x4_a1_r1_t2.yaml"))
+    good = [Observed("actor", 0, 0, "0", (0,)), Observed("rollout", 0, 0, "1", (1,))]
+    assert compare(plan, good) == []
+    swapped = [Observed("actor", 0, 0, "1", (1,)), Observed("rollout", 0, 0, "1", (1,))]
+    problems = compare(plan, swapped)
+    assert any("shared" in p for p in problems) and any("planned node 0 GPUs 0" in p for p in problems)
+    on_teacher = [Observed("actor", 0, 0, "0", (0,)), Observed("rollout", 0, 0, "2", (2,))]
+    assert any("belongs to the teacher" in p for p in compare(plan, on_teacher))
+
+
+def test_placement_cli_for_launch_scripts(capsys: pytest.CaptureFixture[str]) -> None:
+    preset = str(CONFIG_DIR / "presets" / "2x8_a8_r4_t4.yaml")
+    assert placement_cli(["--config", preset, "--node-rank", "1", "--print", "ray-gpus"]) == 0
+    assert placement_cli(["--config", preset, "--node-rank", "1", "--print", "teacher-gpus"]) == 0
+    assert capsys.readouterr().out.split() == ["0,1,2,3", "4,5,6,7"]
+    assert placement_cli(["--config", preset, "--node-rank", "2", "--print", "ray-gpus"]) == 2
