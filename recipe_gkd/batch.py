@@ -1,0 +1,61 @@
+"""The data that moves between workers in one step: ragged per-sequence numpy arrays.
+
+Rollout workers build `TrainShard`s (generated or dataset responses + the teacher's top-k) and
+put them in Ray's object store; the driver hands the refs to the actor ranks, which collate
+them into padded tensors. Arrays are numpy so they cross processes without pickling torch.
+
+Alignment: a sequence is `input_ids[:L]` = prompt + response. The teacher's arrays cover the
+response tokens only: row j describes token `response_start + j` (the teacher's distribution
+for that position, computed from the logits at the position before it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Sequence:
+    """One prompt with its response and the teacher's scores for every response token."""
+
+    sample_id: int  # global index of the prompt in the dataset (for exactly-once accounting)
+    input_ids: np.ndarray  # int32 [L]: prompt + response (ends with EOS unless truncated)
+    response_start: int  # index of the first response token, >= 1
+    on_policy: bool  # sampled from the student (True) or taken from the dataset (False)
+    teacher_topk_logprobs: np.ndarray  # float32 [L - response_start, K]
+    teacher_topk_ids: np.ndarray  # int32 [L - response_start, K]
+    # The student's logprob of each sampled response token at sampling time (on-policy only).
+    rollout_logprobs: np.ndarray | None = None  # float32 [L - response_start]
+    reward: float | None = None  # task reward when the dataset defines an answer
+
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self.input_ids) - self.response_start
+
+
+@dataclass
+class TrainShard:
+    """The sequences of one step destined for one actor data-parallel rank, from one rollout worker."""
+
+    step: int
+    weight_version: int  # version of the student weights these were sampled with
+    sequences: list[Sequence] = field(default_factory=list)
+    # Seconds spent by the producing rollout worker (generate, teacher) for this step.
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutStats:
+    """What a rollout worker tells the driver about a step (small: no per-token data)."""
+
+    step: int
+    weight_version: int
+    num_sequences: int
+    num_response_tokens: int
+    sample_ids: list[int]
+    timings: dict[str, float]
+    mean_reward: float | None = None
+    # Mean over response tokens of the teacher's top-k mass (1 = top-k covers everything).
+    teacher_topk_mass: float | None = None

@@ -1,0 +1,172 @@
+"""Prompt datasets read by the rollout workers themselves: indexed files, sharded streams.
+
+No process holds the dataset. A `RecordFile` index keeps one byte offset per jsonl line (or
+the row-group layout of a parquet file) and reads records on demand. The global order is a
+permutation fixed by (seed, epoch); epochs are concatenated into one stream, and worker r of
+R takes stream positions r, r+R, r+2R, ... . So, per epoch, the workers' shards partition the
+dataset (sizes differ by at most 1, no prompt twice), a step's prompts over all workers are
+one contiguous block of the stream, and a worker's position is simply how many prompts it
+has consumed (resumable from the step number alone). This works for any dataset size,
+including one smaller than the number of workers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recipe_gkd.config import ConfigError
+
+
+class RecordFile:
+    """Random access to the records of one jsonl or parquet file without loading it."""
+
+    def __init__(self, path: str | Path, key: str = "data.train_files") -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ConfigError(key, f"no such data file {self.path}")
+        self._parquet: Any = None
+        if self.path.suffix == ".parquet":
+            self._open_parquet()
+        elif self.path.suffix in (".jsonl", ".json"):
+            self._offsets = _line_offsets(self.path)
+        else:
+            raise ConfigError(key, f"{self.path}: expected .jsonl or .parquet")
+
+    def _open_parquet(self) -> None:
+        import pyarrow.parquet as pq
+
+        self._parquet = pq.ParquetFile(self.path)
+        rows = [self._parquet.metadata.row_group(i).num_rows for i in range(self._parquet.num_row_groups)]
+        self._group_starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        self._cached_group: tuple[int, list[dict[str, Any]]] | None = None
+
+    def __len__(self) -> int:
+        if self._parquet is not None:
+            return int(self._group_starts[-1])
+        return len(self._offsets)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        if self._parquet is not None:
+            return self._parquet_row(index)
+        with self.path.open("rb") as f:
+            f.seek(int(self._offsets[index]))
+            line = f.readline()
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{self.path} line {index + 1}: invalid JSON ({err})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{self.path} line {index + 1}: expected a JSON object")
+        return record
+
+    def _parquet_row(self, index: int) -> dict[str, Any]:
+        group = int(np.searchsorted(self._group_starts, index, side="right") - 1)
+        if self._cached_group is None or self._cached_group[0] != group:
+            # One row group at a time: bounded memory, sequential reads stay cheap.
+            self._cached_group = (group, self._parquet.read_row_group(group).to_pylist())
+        return self._cached_group[1][index - int(self._group_starts[group])]
+
+
+def _line_offsets(path: Path) -> np.ndarray:
+    """Byte offset of every non-empty line (int64), read in one streaming pass."""
+    offsets = []
+    position = 0
+    with path.open("rb") as f:
+        for line in f:
+            if line.strip():
+                offsets.append(position)
+            position += len(line)
+    return np.asarray(offsets, dtype=np.int64)
+
+
+class Dataset:
+    """Several record files seen as one indexed dataset."""
+
+    def __init__(self, files: Sequence[str], key: str) -> None:
+        if not files:
+            raise ConfigError(key, "no data files given")
+        self.files = [RecordFile(f, key) for f in files]
+        self._starts = np.concatenate([[0], np.cumsum([len(f) for f in self.files])]).astype(np.int64)
+        if len(self) == 0:
+            raise ConfigError(key, f"{list(files)} hold no records")
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        file_index = int(np.searchsorted(self._starts, index, side="right") - 1)
+        return self.files[file_index][index - int(self._starts[file_index])]
+
+
+def epoch_order(size: int, seed: int, epoch: int) -> np.ndarray:
+    """The global order of epoch `epoch`: a permutation fixed by (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(size)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    sample_id: int  # index in the dataset
+    epoch: int
+    record: dict[str, Any]
+
+
+class ShardedStream:
+    """Worker `rank` of `world`'s share of the epoch-concatenated prompt stream.
+
+    The k-th prompt this worker reads is stream position k * world + rank. `position` (prompts
+    consumed) is the whole state: set it to resume.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int, rank: int, world: int) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} outside world {world}")
+        self.dataset = dataset
+        self.seed = seed
+        self.rank = rank
+        self.world = world
+        self.position = 0
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def _stream_index(self, k: int) -> tuple[int, int]:
+        """(epoch, sample id) at this worker's k-th read."""
+        global_position = k * self.world + self.rank
+        epoch, offset = divmod(global_position, len(self.dataset))
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, epoch_order(len(self.dataset), self.seed, epoch))
+        return epoch, int(self._order[1][offset])
+
+    def take(self, count: int) -> list[Prompt]:
+        """The next `count` prompts of this worker's shard."""
+        prompts = []
+        for k in range(self.position, self.position + count):
+            epoch, sample_id = self._stream_index(k)
+            prompts.append(Prompt(sample_id, epoch, self.dataset[sample_id]))
+        self.position += count
+        return prompts
+
+
+def encode_prompt(tokenizer: Any, record: dict[str, Any], prompt_key: str, chat_template: bool) -> list[int]:
+    """Token ids of a record's prompt, through the tokenizer's chat template when asked."""
+    if prompt_key not in record:
+        raise ConfigError("data.prompt_key", f"record has no field {prompt_key!r} (fields: {sorted(record)})")
+    prompt = record[prompt_key]
+    if chat_template:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    return list(tokenizer(str(prompt), add_special_tokens=True)["input_ids"])
+
+
+def encode_response(tokenizer: Any, record: dict[str, Any], response_key: str) -> list[int]:
+    """Token ids of a record's reference response, ending with EOS (off-policy distillation)."""
+    if response_key not in record:
+        raise ConfigError("data.response_key", f"record has no field {response_key!r} (fields: {sorted(record)})")
+    ids = list(tokenizer(str(record[response_key]), add_special_tokens=False)["input_ids"])
+    return [*ids, tokenizer.eos_token_id]
