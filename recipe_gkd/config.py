@@ -190,6 +190,8 @@ class DataConfig:
     prompt_key: str = "prompt"
     # Dataset response used for off-policy (supervised) KD when algorithm.lmbda < 1.
     response_key: str = "response"
+    # Reference answer for the task reward (exact match of the decoded response); optional.
+    answer_key: str = "answer"
     apply_chat_template: bool = True
     # Prompts per training step, over all rollout workers.
     train_batch_size: int = 64

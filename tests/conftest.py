@@ -57,3 +57,20 @@ def clean_env() -> Iterator[dict[str, str]]:
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     yield env
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[None]:
+    """One local Ray (4 fake GPUs, loopback, small object store) shared by the in-process tests."""
+    import ray
+
+    ray.init(
+        num_cpus=2,
+        num_gpus=4,
+        include_dashboard=False,
+        object_store_memory=256 * 1024 * 1024,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}},
+    )
+    yield
+    ray.shutdown()

@@ -97,7 +97,7 @@ def test_bad_files_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         Dataset([], "data.train_files")
     (tmp_path / "d.csv").write_text("a,b\n")
-    with pytest.raises(ConfigError, match="jsonl or .parquet"):
+    with pytest.raises(ConfigError, match=r"jsonl or \.parquet"):
         RecordFile(tmp_path / "d.csv")
     (tmp_path / "bad.jsonl").write_text('{"prompt": 1}\nnot json\n')
     with pytest.raises(ValueError, match="line 2"):

@@ -1,0 +1,106 @@
+"""Run metrics: `<run_dir>/metrics.jsonl` (one object per step), TensorBoard, console, progress bar.
+
+The progress bar lives on the driver only and is created by `start_progress` after every
+worker has reported ready (a bar created between barriers has deadlocked DDP jobs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+# Keys shown on the console line and the progress bar, in this order, when present.
+CONSOLE_KEYS = ("loss", "teacher_kl", "reward", "eval_reward", "eval_teacher_kl", "step_s")
+
+
+class MetricsLogger:
+    """Writes each step's metrics to the configured sinks; flushes every line (nothing lost on a crash)."""
+
+    def __init__(self, run_dir: str | Path, loggers: list[str], total_steps: int) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.loggers = set(loggers)
+        self.total_steps = total_steps
+        self._jsonl = (self.run_dir / METRICS_FILE).open("a") if "jsonl" in self.loggers else None
+        self._eval = (self.run_dir / EVAL_FILE).open("a")
+        self._tb: Any = None
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._bar: Any = None
+
+    def start_progress(self, initial_step: int) -> None:
+        """Create the driver's progress bar (call once every worker is ready)."""
+        from tqdm import tqdm
+
+        disable = not sys.stderr.isatty() and os.environ.get("RECIPE_GKD_PROGRESS") != "1"
+        self._bar = tqdm(total=self.total_steps, initial=initial_step, desc="gkd", unit="step", disable=disable)
+
+    def log_step(self, row: dict[str, Any]) -> None:
+        clean = {k: _jsonable(v) for k, v in row.items()}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(clean) + "\n")
+            self._jsonl.flush()
+        self._tensorboard(clean, "train")
+        self._console(clean, "step")
+
+    def log_eval(self, row: dict[str, Any]) -> None:
+        clean = {k: _jsonable(v) for k, v in row.items()}
+        self._eval.write(json.dumps(clean) + "\n")
+        self._eval.flush()
+        self._tensorboard(clean, "eval")
+        self._console(clean, "eval")
+
+    def _tensorboard(self, row: dict[str, Any], prefix: str) -> None:
+        if self._tb is None:
+            return
+        for key, value in row.items():
+            if isinstance(value, int | float) and key != "step":
+                self._tb.add_scalar(f"{prefix}/{key}", value, row["step"])
+        self._tb.flush()
+
+    def _console(self, row: dict[str, Any], kind: str) -> None:
+        shown = {k: row[k] for k in CONSOLE_KEYS if row.get(k) is not None}
+        text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+        if self._bar is not None and kind == "step":
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.update(1)
+        if "console" in self.loggers and (self._bar is None or self._bar.disable or kind == "eval"):
+            print(f"[{kind} {row['step']}] {text}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        for f in (self._jsonl, self._eval):
+            if f is not None:
+                f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+def read_metrics(run_dir: str | Path, name: str = METRICS_FILE) -> list[dict[str, Any]]:
+    """The rows of a run's metrics file."""
+    path = Path(run_dir) / name
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def process_memory_mb() -> float:
+    """Resident memory of this process in MiB (for debug.log_memory)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / (1024 * 1024)

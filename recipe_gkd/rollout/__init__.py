@@ -1,0 +1,1 @@
+"""Rollout workers: one RolloutWorker over an `hf` or `vllm` engine."""

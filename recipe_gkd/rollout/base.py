@@ -1,0 +1,248 @@
+"""The rollout worker: reads its prompt shard, samples with the student, has the teacher score.
+
+One class for every engine: the engine (`hf` or `vllm`) only generates and loads weights.
+The worker is a plain class; the driver applies `ray.remote` when it launches it. Finished
+sequences go to the teacher from here, and the results go into Ray's object store as one
+`TrainShard` per actor data-parallel rank: the driver only ever sees small `RolloutStats`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from recipe_gkd.batch import RolloutStats, Sequence, TrainShard
+from recipe_gkd.config import GKDConfig, rollout_engines
+from recipe_gkd.data import Dataset, Prompt, ShardedStream, encode_prompt, encode_response
+
+# Salt that separates the on/off-policy coin flips from the epoch order's random stream.
+MIX_SALT = 0x6B64
+
+
+@dataclass
+class Generation:
+    """One sampled response: token ids (ending with EOS unless cut by max_new_tokens) and their logprobs."""
+
+    response_ids: list[int]
+    logprobs: np.ndarray  # float32 [len(response_ids)], under the unscaled student distribution
+
+
+class Engine(Protocol):
+    """What a rollout backend implements."""
+
+    tokenizer: Any
+
+    def generate(self, prompts: list[list[int]], *, greedy: bool) -> list[Generation]: ...
+
+    def load_weights(self, named_arrays: dict[str, np.ndarray]) -> None: ...
+
+    def finish_weight_update(self, loaded: set[str]) -> None: ...
+
+    def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray: ...
+
+
+class Scorer(Protocol):
+    """The teacher as the rollout worker sees it."""
+
+    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per sequence: (top-k logprobs [n, K] float32, top-k ids [n, K] int32) for positions score_from.."""
+        ...
+
+
+def make_engine(cfg: GKDConfig) -> Engine:
+    """The configured rollout backend (imports its engine only here)."""
+    if cfg.rollout.backend.value == "hf":
+        from recipe_gkd.rollout.hf import HFEngine
+
+        return HFEngine(cfg)
+    from recipe_gkd.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(cfg)
+
+
+class RolloutWorker:
+    """Rollout engine `rank` of `world`: its own data shard, its own teacher client."""
+
+    def __init__(self, cfg: GKDConfig, rank: int, world: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world = world
+        self.weight_version = 0
+        self.engine: Engine | None = None
+        self.scorer: Scorer | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def setup(self, scorer: Scorer | None = None) -> dict[str, Any]:
+        """Load the engine, open the data shards, connect to the teacher. Returns small info."""
+        cfg = self.cfg
+        self.engine = make_engine(cfg)
+        self.scorer = scorer if scorer is not None else connect_teacher(cfg, self.engine.tokenizer)
+        train = Dataset(cfg.data.train_files, "data.train_files")
+        self.train_stream = ShardedStream(train, cfg.data.seed, self.rank, self.world)
+        self.eval_dataset = Dataset(cfg.data.eval_files, "data.eval_files") if cfg.data.eval_files else None
+        self.per_step = cfg.data.train_batch_size // rollout_engines(cfg)
+        return {"rank": self.rank, "train_prompts": len(train), "backend": cfg.rollout.backend.value}
+
+    def set_position(self, prompts_consumed: int) -> None:
+        """Resume: this worker has already used `prompts_consumed` prompts of its shard."""
+        self.train_stream.position = prompts_consumed
+
+    # ------------------------------------------------------------------ one step
+
+    def produce(self, step: int, dp_size: int) -> tuple[RolloutStats, list[Any]]:
+        """Generate this worker's share of step `step`, score it, split it over `dp_size` actor ranks.
+
+        Returns the stats and one object ref per actor rank (each a TrainShard).
+        """
+        prompts = self.train_stream.take(self.per_step)
+        first_position = (self.train_stream.position - self.per_step) * self.world + self.rank
+        sequences, timings = self._rollout(prompts, greedy=False, mix_from=first_position)
+        return self._publish(step, sequences, timings, dp_size)
+
+    def produce_eval(self, dp_size: int) -> tuple[RolloutStats, list[Any]]:
+        """Greedy responses to this worker's share of the first data.eval_batch_size held-out prompts."""
+        if self.eval_dataset is None:
+            raise ValueError("trainer.eval_every > 0 needs data.eval_files")
+        count = min(self.cfg.data.eval_batch_size, len(self.eval_dataset))
+        prompts = [Prompt(i, 0, self.eval_dataset[i]) for i in range(self.rank, count, self.world)]
+        sequences, timings = self._rollout(prompts, greedy=True, mix_from=None)
+        return self._publish(-1, sequences, timings, dp_size)
+
+    def _rollout(
+        self, prompts: list[Prompt], greedy: bool, mix_from: int | None
+    ) -> tuple[list[Sequence], dict[str, float]]:
+        assert self.engine is not None and self.scorer is not None, "call setup() first"
+        tokenizer = self.engine.tokenizer
+        d = self.cfg.data
+        prompt_ids = [self._encode(p) for p in prompts]
+        on_policy = [True] * len(prompts) if mix_from is None else self._on_policy_flags(mix_from, len(prompts))
+        start = time.perf_counter()
+        sampled = iter(
+            self.engine.generate([ids for ids, on in zip(prompt_ids, on_policy, strict=True) if on], greedy=greedy)
+        )
+        responses: list[tuple[list[int], np.ndarray | None]] = []
+        for prompt, on in zip(prompts, on_policy, strict=True):
+            if on:
+                gen = next(sampled)
+                responses.append((gen.response_ids, gen.logprobs))
+            else:
+                responses.append((encode_response(tokenizer, prompt.record, d.response_key), None))
+        generate_s = time.perf_counter() - start
+        ids = [np.asarray(p + r, dtype=np.int32) for p, (r, _) in zip(prompt_ids, responses, strict=True)]
+        starts = [len(p) for p in prompt_ids]
+        start = time.perf_counter()
+        scores = self.scorer.score(ids, starts)
+        teacher_s = time.perf_counter() - start
+        sequences = [
+            Sequence(
+                sample_id=prompt.sample_id,
+                input_ids=seq,
+                response_start=first,
+                on_policy=on,
+                teacher_topk_logprobs=logprobs,
+                teacher_topk_ids=topk_ids,
+                rollout_logprobs=rollout_lp,
+                reward=self._reward(prompt, response),
+            )
+            for prompt, seq, first, on, (response, rollout_lp), (logprobs, topk_ids) in zip(
+                prompts, ids, starts, on_policy, responses, scores, strict=True
+            )
+        ]
+        return sequences, {"generate_s": generate_s, "teacher_s": teacher_s}
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        assert self.engine is not None
+        d = self.cfg.data
+        ids = encode_prompt(self.engine.tokenizer, prompt.record, d.prompt_key, d.apply_chat_template)
+        if len(ids) > d.max_prompt_length:
+            raise ValueError(
+                f"prompt {prompt.sample_id} has {len(ids)} tokens > data.max_prompt_length={d.max_prompt_length}; "
+                "raise data.max_prompt_length or filter the dataset"
+            )
+        return ids
+
+    def _on_policy_flags(self, first_position: int, count: int) -> list[bool]:
+        """GKD's lambda per sequence, fixed by (seed, stream position) so a resumed run flips the same coins."""
+        lmbda = self.cfg.algorithm.lmbda
+        if lmbda >= 1.0:
+            return [True] * count
+        positions = [first_position + k * self.world for k in range(count)]
+        return [bool(np.random.default_rng([self.cfg.data.seed, MIX_SALT, p]).random() < lmbda) for p in positions]
+
+    def _reward(self, prompt: Prompt, response: list[int]) -> float | None:
+        """Exact match of the decoded response with the record's answer, when the dataset has one."""
+        answer = prompt.record.get(self.cfg.data.answer_key)
+        if answer is None:
+            return None
+        assert self.engine is not None
+        text = self.engine.tokenizer.decode(response, skip_special_tokens=True)
+        return float(text.strip() == str(answer).strip())
+
+    def _publish(
+        self, step: int, sequences: list[Sequence], timings: dict[str, float], dp_size: int
+    ) -> tuple[RolloutStats, list[Any]]:
+        import ray
+
+        # Sequence j of this worker goes to actor rank (global index) % dp: every rank gets
+        # the same count when the global batch divides by dp (config.validate checks that).
+        offset = self.rank * len(sequences)
+        shards = [TrainShard(step, self.weight_version, timings=timings) for _ in range(dp_size)]
+        for j, seq in enumerate(sequences):
+            shards[(offset + j) % dp_size].sequences.append(seq)
+        refs = [ray.put(s) for s in shards]
+        rewards = [s.reward for s in sequences if s.reward is not None]
+        mass = [
+            float(np.exp(s.teacher_topk_logprobs.astype(np.float64)).sum(-1).mean())
+            for s in sequences
+            if s.num_response_tokens
+        ]
+        stats = RolloutStats(
+            step=step,
+            weight_version=self.weight_version,
+            num_sequences=len(sequences),
+            num_response_tokens=sum(s.num_response_tokens for s in sequences),
+            sample_ids=[s.sample_id for s in sequences],
+            timings=timings,
+            mean_reward=float(np.mean(rewards)) if rewards else None,
+            teacher_topk_mass=float(np.mean(mass)) if mass else None,
+        )
+        return stats, refs
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, version: int, bucket_refs: list[Any], timeout_s: float) -> dict[str, float]:
+        """Load the buckets of weight version `version` (fetched one at a time) and switch to it."""
+        import ray
+
+        assert self.engine is not None
+        start = time.perf_counter()
+        loaded: set[str] = set()
+        for ref in bucket_refs:
+            bucket: dict[str, np.ndarray] = ray.get(ref, timeout=timeout_s)
+            self.engine.load_weights(bucket)
+            loaded.update(bucket)
+        self.engine.finish_weight_update(loaded)
+        self.weight_version = version
+        return {"load_s": time.perf_counter() - start, "tensors": float(len(loaded))}
+
+    def shutdown(self) -> None:
+        """Close the teacher connection (the driver kills the process afterwards)."""
+        close = getattr(self.scorer, "close", None)
+        if close is not None:
+            close()
+
+    def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray:
+        """Logprob of token t+1 at every position under the current weights (weight-sync probe)."""
+        assert self.engine is not None
+        return self.engine.token_logprobs(input_ids)
+
+
+def connect_teacher(cfg: GKDConfig, tokenizer: Any) -> Scorer:
+    """A client for the configured teacher server, checked against the student's tokenizer."""
+    from recipe_gkd.rollout.teacher import TeacherScorer
+
+    return TeacherScorer(cfg, tokenizer)

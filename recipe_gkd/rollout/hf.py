@@ -1,0 +1,106 @@
+"""HF transformers rollout engine: batched sampling with a KV cache (CPU, or a GPU without vLLM)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from recipe_gkd.config import Device, GKDConfig
+from recipe_gkd.rollout.base import Generation
+
+# Prompts generated together; bounds the KV cache (batch x (prompt + new tokens) x layers).
+GENERATE_CHUNK = 64
+
+
+class HFEngine:
+    """The student as a transformers causal LM, sampling with `generate`."""
+
+    def __init__(self, cfg: GKDConfig) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        path = cfg.model.student_path
+        self.device = torch.device("cuda" if cfg.cluster.device == Device.cuda else "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+        # Every name a sender may use (tied weights under both names) -> the tensor to fill.
+        self._params = dict(self.model.state_dict(keep_vars=True))
+        # Names that must arrive on every update: tied weights count once, as the embedding.
+        self.expected = {name for name, _ in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], *, greedy: bool) -> list[Generation]:
+        out: list[Generation] = []
+        for first in range(0, len(prompts), GENERATE_CHUNK):
+            out.extend(self._generate_chunk(prompts[first : first + GENERATE_CHUNK], greedy))
+        return out
+
+    def _generate_chunk(self, prompts: list[list[int]], greedy: bool) -> list[Generation]:
+        if not prompts:
+            return []
+        s = self.cfg.rollout.sampling
+        tok = self.tokenizer
+        width = max(len(p) for p in prompts)
+        # Left padding: every prompt ends at the same column, so new tokens line up.
+        input_ids_BP = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
+        attention_BP = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids_BP[i, width - len(p) :] = torch.tensor(p)
+            attention_BP[i, width - len(p) :] = 1
+        sampling = {} if greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or None}
+        result = self.model.generate(
+            input_ids=input_ids_BP.to(self.device),
+            attention_mask=attention_BP.to(self.device),
+            do_sample=not greedy,
+            max_new_tokens=s.max_new_tokens,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **sampling,
+        )
+        new_BN = result.sequences[:, width:].cpu()
+        # Raw (unprocessed) logits -> logprob of each sampled token under the student itself.
+        logits_BNV = torch.stack(result.logits, dim=1).float().cpu()
+        logprobs_BN = torch.log_softmax(logits_BNV, dim=-1).gather(-1, new_BN.unsqueeze(-1)).squeeze(-1)
+        return [self._cut(new_BN[i], logprobs_BN[i]) for i in range(len(prompts))]
+
+    def _cut(self, new_N: torch.Tensor, logprobs_N: torch.Tensor) -> Generation:
+        """Keep the response up to and including its first EOS."""
+        ids = new_N.tolist()
+        eos = self.tokenizer.eos_token_id
+        length = ids.index(eos) + 1 if eos in ids else len(ids)
+        return Generation(ids[:length], logprobs_N[:length].numpy().astype(np.float32))
+
+    @torch.no_grad()
+    def load_weights(self, named_arrays: dict[str, np.ndarray]) -> None:
+        for name, array in named_arrays.items():
+            if name not in self._params:
+                raise KeyError(f"weight sync sent {name!r}, which the HF rollout model does not have")
+            param = self._params[name]
+            if tuple(array.shape) != tuple(param.shape):
+                raise ValueError(f"weight sync: {name} has shape {array.shape}, the rollout model {tuple(param.shape)}")
+            param.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+
+    def finish_weight_update(self, loaded: set[str]) -> None:
+        missing = {n for n in self.expected - loaded if not self._tied_alias_loaded(n, loaded)}
+        if missing:
+            raise ValueError(f"weight sync left {len(missing)} tensors stale, e.g. {sorted(missing)[:3]}")
+
+    def _tied_alias_loaded(self, name: str, loaded: set[str]) -> bool:
+        """True when `name` shares storage with a tensor that was loaded."""
+        ptr = self._params[name].data_ptr()
+        return any(self._params[other].data_ptr() == ptr for other in loaded)
+
+    @torch.no_grad()
+    def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray:
+        ids_BL = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)
+        logits_BLV = self.model(input_ids=ids_BL).logits.float()
+        logprobs_BLV = torch.log_softmax(logits_BLV[:, :-1], dim=-1)
+        return logprobs_BLV.gather(-1, ids_BL[:, 1:].unsqueeze(-1)).squeeze(-1).cpu().numpy()
+
+
+def describe(engine: HFEngine) -> dict[str, Any]:
+    return {"params": sum(p.numel() for p in engine.model.parameters()), "device": str(engine.device)}
