@@ -76,11 +76,14 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ set-up
 
-    def setup(self, scorer: Scorer | None = None) -> dict[str, Any]:
-        """Load the engine, open the data shards, connect to the teacher. Returns small info."""
+    def setup(self, scorer: Scorer | None = None, teacher_address: str | None = None) -> dict[str, Any]:
+        """Load the engine, open the data shards, connect to the teacher. Returns small info.
+
+        `teacher_address` overrides teacher.address (an autostarted server's bound address).
+        """
         cfg = self.cfg
         self.engine = make_engine(cfg)
-        self.scorer = scorer if scorer is not None else connect_teacher(cfg, self.engine.tokenizer)
+        self.scorer = scorer if scorer is not None else connect_teacher(cfg, self.engine.tokenizer, teacher_address)
         train = Dataset(cfg.data.train_files, "data.train_files")
         self.train_stream = ShardedStream(train, cfg.data.seed, self.rank, self.world)
         self.eval_dataset = Dataset(cfg.data.eval_files, "data.eval_files") if cfg.data.eval_files else None
@@ -241,8 +244,8 @@ class RolloutWorker:
         return self.engine.token_logprobs(input_ids)
 
 
-def connect_teacher(cfg: GKDConfig, tokenizer: Any) -> Scorer:
+def connect_teacher(cfg: GKDConfig, tokenizer: Any, address: str | None) -> Scorer:
     """A client for the configured teacher server, checked against the student's tokenizer."""
     from recipe_gkd.rollout.teacher import TeacherScorer
 
-    return TeacherScorer(cfg, tokenizer)
+    return TeacherScorer(cfg, tokenizer, address)

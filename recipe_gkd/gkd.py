@@ -1,0 +1,172 @@
+"""On-policy knowledge distillation (GKD): the training loop, top to bottom.
+
+1. Each rollout worker takes its shard of the step's prompts, samples responses with the
+   student (a fraction 1 - algorithm.lmbda comes from the dataset instead), and has the
+   teacher server score every response token with its top-k logprobs.
+2. Each actor rank trains on its share: the GKD divergence over the teacher's top-k plus a
+   tail bucket, token mean over the whole global batch, one optimizer step.
+3. The new weights go to every rollout worker; the weight version goes up by one.
+4. Metrics every step; evaluation every trainer.eval_every steps; the student exported at the end.
+
+    python -m recipe_gkd.main                                            # CPU demo
+    python -m recipe_gkd.main --config configs/presets/1x8_a1_r3_t4.yaml  # one 8-GPU node
+
+The driver holds no model and no per-token data: it passes Ray object refs between pools.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from recipe_gkd.batch import RolloutStats
+from recipe_gkd.config import GKDConfig
+from recipe_gkd.metrics import MetricsLogger
+from recipe_gkd.placement import PlacementPlan
+from recipe_gkd.ray_cluster import ray_cluster
+from recipe_gkd.weight_sync import sync_weights
+from recipe_gkd.workers import Workers, launch_workers, wait
+
+FINAL_EXPORT_DIR = "final_student"
+
+
+@dataclass
+class Rollout:
+    """One step's data as the driver sees it: stats, and per actor rank the refs of its shards."""
+
+    stats: list[RolloutStats]
+    shard_refs: list[list[Any]]  # [dp rank][rollout worker]
+    seconds: float
+
+
+def run(cfg: GKDConfig, plan: PlacementPlan) -> Path:
+    """Run the configured distillation to the end; returns the run directory."""
+    metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.loggers, cfg.trainer.total_steps)
+    try:
+        with ray_cluster(cfg, plan), teacher_service(cfg) as address, launch_workers(cfg, plan, address) as workers:
+            print(f"workers ready in {workers.setup_s:.1f}s", flush=True)
+            train(cfg, workers, metrics)
+    finally:
+        metrics.close()
+    return Path(cfg.trainer.run_dir)
+
+
+def train(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger) -> None:
+    version = 0  # the rollout workers start from the same student weights as the actor
+    if cfg.trainer.eval_every:
+        evaluate(cfg, workers, metrics, step=0)
+    metrics.start_progress(0)
+    for step in range(cfg.trainer.total_steps):
+        start = time.perf_counter()
+        rollout = generate_and_score(cfg, workers, step)
+        stats = train_on(cfg, workers, rollout)
+        sync = sync_weights(
+            workers.actors, workers.rollouts, version + 1, cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s
+        )
+        version += 1
+        metrics.log_step(step_row(step, version, rollout, stats, sync, time.perf_counter() - start))
+        if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
+            evaluate(cfg, workers, metrics, step=step + 1)
+    export_student(cfg, workers)
+
+
+def generate_and_score(cfg: GKDConfig, workers: Workers, step: int) -> Rollout:
+    """Every rollout worker samples and scores its share; returns refs, never tensors."""
+    start = time.perf_counter()
+    results = wait(
+        [r.produce.remote(step, workers.dp_size) for r in workers.rollouts], cfg.debug.hang_timeout_s, "rollout"
+    )
+    stats = [s for s, _ in results]
+    by_rank = [[refs[d] for _, refs in results] for d in range(workers.dp_size)]
+    return Rollout(stats, by_rank, time.perf_counter() - start)
+
+
+def train_on(cfg: GKDConfig, workers: Workers, rollout: Rollout) -> dict[str, float]:
+    """One optimizer step on every actor rank, each on its own shards."""
+    start = time.perf_counter()
+    calls = [a.train_refs.remote(rollout.shard_refs[rank % workers.dp_size]) for rank, a in enumerate(workers.actors)]
+    stats: dict[str, float] = wait(calls, cfg.debug.hang_timeout_s, "train")[0]
+    return {**stats, "train_s": time.perf_counter() - start}
+
+
+def evaluate(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger, step: int) -> None:
+    """Greedy responses to the held-out prompts: task reward and the divergence to the teacher."""
+    start = time.perf_counter()
+    results = wait(
+        [r.produce_eval.remote(workers.dp_size) for r in workers.rollouts], cfg.debug.hang_timeout_s, "eval rollout"
+    )
+    by_rank = [[refs[d] for _, refs in results] for d in range(workers.dp_size)]
+    calls = [a.eval_refs.remote(by_rank[rank % workers.dp_size]) for rank, a in enumerate(workers.actors)]
+    loss = wait(calls, cfg.debug.hang_timeout_s, "eval loss")[0]
+    rollout_stats = [s for s, _ in results]
+    metrics.log_eval(
+        {
+            "step": step,
+            "eval_teacher_kl": loss["loss"],
+            "eval_reward": _weighted_reward(rollout_stats),
+            "eval_sequences": sum(s.num_sequences for s in rollout_stats),
+            "eval_s": time.perf_counter() - start,
+        }
+    )
+
+
+def export_student(cfg: GKDConfig, workers: Workers) -> Path:
+    """The trained student as an HF directory under the run directory (every actor rank takes part)."""
+    out = Path(cfg.trainer.run_dir).resolve() / FINAL_EXPORT_DIR
+    wait([a.save_hf.remote(str(out)) for a in workers.actors], cfg.debug.hang_timeout_s, "export")
+    return out
+
+
+def step_row(
+    step: int, version: int, rollout: Rollout, train: dict[str, float], sync: dict[str, float], step_s: float
+) -> dict[str, Any]:
+    """The metrics.jsonl row of one step."""
+    sampled_with = min(s.weight_version for s in rollout.stats)
+    return {
+        "step": step + 1,
+        "loss": train["loss"],
+        "teacher_kl": train["loss"],
+        "weight_version": version,
+        "staleness": (version - 1) - sampled_with,
+        "reward": _weighted_reward(rollout.stats),
+        "response_tokens": sum(s.num_response_tokens for s in rollout.stats),
+        "sequences": sum(s.num_sequences for s in rollout.stats),
+        "teacher_topk_mass": _mean([s.teacher_topk_mass for s in rollout.stats]),
+        "grad_norm": train.get("grad_norm"),
+        "lr": train.get("lr"),
+        "generate_s": max(s.timings["generate_s"] for s in rollout.stats),
+        "teacher_s": max(s.timings["teacher_s"] for s in rollout.stats),
+        "rollout_s": rollout.seconds,
+        "train_s": train["train_s"],
+        "sync_s": sync["sync_export_s"] + sync["sync_load_s"],
+        "step_s": step_s,
+        "sample_ids": sorted(i for s in rollout.stats for i in s.sample_ids),
+    }
+
+
+def _weighted_reward(stats: list[RolloutStats]) -> float | None:
+    pairs = [(s.mean_reward, s.num_sequences) for s in stats if s.mean_reward is not None]
+    total = sum(n for _, n in pairs)
+    return sum(r * n for r, n in pairs) / total if total else None
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+@contextmanager
+def teacher_service(cfg: GKDConfig) -> Iterator[str]:
+    """The teacher's address: with teacher.autostart a local server started for this run."""
+    if not cfg.teacher.autostart:
+        yield cfg.teacher.address
+        return
+    from recipe_gkd.rollout.teacher import autostart_teacher
+
+    with autostart_teacher(cfg) as address:
+        print(f"teacher server autostarted at {address}", flush=True)
+        yield address

@@ -1,0 +1,66 @@
+"""PNG plots of a run (loss, teacher KL, held-out accuracy vs step) and the before/after table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from recipe_gkd.metrics import EVAL_FILE, METRICS_FILE, read_metrics
+
+PLOT_FILE = "training.png"
+
+
+def plot_run(run_dir: str | Path) -> Path:
+    """Write <run_dir>/training.png from the run's metrics files; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: render straight to a file
+    import matplotlib.pyplot as plt
+
+    run = Path(run_dir)
+    steps = read_metrics(run, METRICS_FILE)
+    evals = read_metrics(run, EVAL_FILE) if (run / EVAL_FILE).is_file() else []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    _line(axes[0], steps, "loss", "training loss (GKD divergence)")
+    _line(axes[1], evals, "eval_teacher_kl", "held-out divergence to the teacher")
+    _line(axes[2], evals, "eval_reward", "held-out exact-match accuracy")
+    if evals and evals[0].get("teacher_reward") is not None:
+        axes[2].axhline(evals[0]["teacher_reward"], color="gray", linestyle="--", label="teacher")
+        axes[2].legend()
+    fig.tight_layout()
+    out = run / PLOT_FILE
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _line(ax: Any, rows: list[dict[str, Any]], key: str, title: str) -> None:
+    points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+    if points:
+        xs, ys = zip(*points, strict=True)
+        ax.plot(xs, ys, marker="o" if len(points) < 30 else None)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+
+
+def before_after_table(evals: list[dict[str, Any]], teacher_accuracy: float | None) -> str:
+    """The demo's summary: student accuracy and divergence to the teacher, first vs last evaluation."""
+    if not evals:
+        return "no evaluation was run (trainer.eval_every=0)"
+    first, last = evals[0], evals[-1]
+    rows = [
+        ("student held-out accuracy", _pct(first.get("eval_reward")), _pct(last.get("eval_reward"))),
+        ("divergence to the teacher", _num(first.get("eval_teacher_kl")), _num(last.get("eval_teacher_kl"))),
+        ("teacher held-out accuracy", _pct(teacher_accuracy), _pct(teacher_accuracy)),
+    ]
+    header = f"{'':28}{'step ' + str(first['step']):>14}{'step ' + str(last['step']):>14}"
+    return "\n".join([header] + [f"{name:28}{a:>14}{b:>14}" for name, a, b in rows])
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"

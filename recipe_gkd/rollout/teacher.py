@@ -1,0 +1,54 @@
+"""The teacher server as the rollout worker uses it, and its autostart for single-node runs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recipe_gkd.config import GKDConfig, to_yaml
+
+
+class TeacherScorer:
+    """A teacher_server client checked against the student's tokenizer at connect time.
+
+    The vocabularies are compared through the tokenizer hash, not the embedding sizes: models of
+    one family often pad their embeddings differently (Qwen2.5 0.5B vs 7B) over one tokenizer.
+    """
+
+    def __init__(self, cfg: GKDConfig, tokenizer: Any, address: str | None = None) -> None:
+        from teacher_server.client import TeacherClient
+        from teacher_server.protocol import tokenizer_fingerprint
+
+        self.client = TeacherClient.from_config(
+            cfg.teacher, tokenizer_hash=tokenizer_fingerprint(tokenizer), address=address
+        )
+        self.client.connect()
+
+    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [(t.topk_logprobs, t.topk_ids) for t in self.client.score(sequences, score_from)]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@contextmanager
+def autostart_teacher(cfg: GKDConfig) -> Iterator[str]:
+    """A local teacher server process for the run (teacher.autostart); yields its bound address.
+
+    The server reads the run's resolved config, so it serves exactly what the trainer expects;
+    its log goes to <run_dir>/teacher_server.log.
+    """
+    from teacher_server.launcher import launch_teacher
+
+    run_dir = Path(cfg.trainer.run_dir)
+    resolved = run_dir / "resolved_config.yaml"
+    if not resolved.is_file():
+        resolved.write_text(to_yaml(cfg))
+    with launch_teacher(
+        resolved, log_path=run_dir / "teacher_server.log", ready_timeout_s=cfg.teacher.timeout_s
+    ) as server:
+        yield server.address

@@ -1,0 +1,146 @@
+"""Launching the actor and rollout workers into their placement-group bundles, and stopping them.
+
+The worker classes stay plain (tests build them directly); `ray.remote` is applied here.
+Every wait is bounded: worker start-up by debug.hang_timeout_s, naming the phase.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from recipe_gkd.config import GKDConfig, actor_data_parallel_size
+from recipe_gkd.placement import PlacementPlan, ResourcePoolManager, Slot
+
+
+class PhaseTimeoutError(TimeoutError):
+    """A phase of the step did not finish within debug.hang_timeout_s."""
+
+
+def wait(refs: list[Any], timeout_s: float, phase: str) -> list[Any]:
+    """ray.get with a timeout whose error names the phase and the key to change."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError:
+        raise PhaseTimeoutError(
+            f"phase '{phase}' did not finish within debug.hang_timeout_s={timeout_s}s; raise it if the step is "
+            "legitimately this slow"
+        ) from None
+
+
+def actor_worker_class() -> type:
+    """MegatronActor plus the Ray-facing methods (imported lazily: megatron stays out of the driver)."""
+    from recipe_gkd.actor.megatron_actor import MegatronActor
+
+    class ActorWorker(MegatronActor):  # type: ignore[misc, valid-type]
+        def train_refs(self, shard_refs: list[Any]) -> dict[str, float]:
+            """Train on the TrainShards behind `shard_refs` (one per rollout worker)."""
+            import ray
+
+            return self.train_step(ray.get(shard_refs))
+
+        def eval_refs(self, shard_refs: list[Any]) -> dict[str, float]:
+            import ray
+
+            return self.eval_loss(ray.get(shard_refs))
+
+        def export_weight_buckets(self, bucket_mb: int) -> list[Any] | None:
+            from recipe_gkd.weight_sync import put_buckets
+
+            state = self.export_hf_state_dict()
+            return None if state is None else put_buckets(state, bucket_mb)
+
+    return ActorWorker
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank0_endpoint(pools: ResourcePoolManager, slot: Slot, timeout_s: float) -> tuple[str, int]:
+    """Address and a free port on actor rank 0's node, for torch.distributed's rendezvous."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def endpoint() -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return ray.util.get_node_ip_address(), port
+
+    ip, port = wait(
+        [endpoint.options(scheduling_strategy=pools.scheduling_strategy(slot)).remote()], timeout_s, "rendezvous"
+    )[0]
+    return ("127.0.0.1", _free_port()) if pools.plan.nnodes == 1 else (ip, port)
+
+
+@dataclass
+class Workers:
+    actors: list[Any]
+    rollouts: list[Any]
+    dp_size: int
+    setup_s: float
+
+
+@contextmanager
+def launch_workers(cfg: GKDConfig, plan: PlacementPlan, teacher_address: str | None) -> Iterator[Workers]:
+    """Placement groups, then every actor rank and rollout worker set up; all stopped on exit."""
+    import ray
+
+    from recipe_gkd.rollout.base import RolloutWorker
+
+    start = time.perf_counter()
+    timeout = cfg.debug.hang_timeout_s
+    pools = ResourcePoolManager(plan, cfg.cluster.placement_timeout_s)
+    handles: list[Any] = []
+    try:
+        pools.create()
+        actor_slots, rollout_slots = plan.role("actor"), plan.role("rollout")
+        master = _rank0_endpoint(pools, actor_slots[0], cfg.cluster.placement_timeout_s)
+        actor_cls = ray.remote(num_cpus=0)(actor_worker_class())
+        actors = [
+            actor_cls.options(num_gpus=len(s.gpu_ids), scheduling_strategy=pools.scheduling_strategy(s)).remote(
+                cfg, s.rank, len(actor_slots), master[0], master[1]
+            )
+            for s in actor_slots
+        ]
+        rollout_cls = ray.remote(num_cpus=0)(RolloutWorker)
+        rollouts = [
+            rollout_cls.options(num_gpus=len(s.gpu_ids), scheduling_strategy=pools.scheduling_strategy(s)).remote(
+                cfg, s.rank, len(rollout_slots)
+            )
+            for s in rollout_slots
+        ]
+        handles = actors + rollouts
+        wait(
+            [a.setup.remote() for a in actors] + [r.setup.remote(None, teacher_address) for r in rollouts],
+            timeout,
+            "worker setup",
+        )
+        yield Workers(actors, rollouts, actor_data_parallel_size(cfg), time.perf_counter() - start)
+    finally:
+        _stop(handles, timeout)
+        pools.remove()
+
+
+def _stop(handles: list[Any], timeout_s: float) -> None:
+    """Ask actors to release their process groups, then kill every worker this run started."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayError
+
+    shutdowns = [h.shutdown.remote() for h in handles if hasattr(h, "shutdown")]
+    try:
+        ray.get(shutdowns, timeout=min(timeout_s, 30.0))
+    except (GetTimeoutError, RayError) as err:
+        print(f"warning: a worker did not shut down cleanly ({type(err).__name__}); killing it", flush=True)
+    for h in handles:
+        ray.kill(h)

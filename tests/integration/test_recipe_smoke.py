@@ -1,0 +1,110 @@
+"""The real CLI for a few steps on tiny random models: metrics rows, versions, no orphan process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from recipe_gkd.config import DEFAULT_CONFIG
+from recipe_gkd.metrics import read_metrics
+from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+
+WORDS = ["abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd"]
+TAG_VAR = "RECIPE_GKD_TEST_TAG"
+
+
+@pytest.fixture(scope="module")
+def tiny_run_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("smoke")
+    student = build_tiny_causal_lm(root / "student", seed=0)
+    teacher = build_tiny_causal_lm(root / "teacher", seed=1, spec=TinyModelSpec(hidden_size=96, num_layers=3))
+    data = root / "data.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"rev:{w}", "response": w[::-1], "answer": w[::-1]}) + "\n" for w in WORDS)
+    )
+    return {"student": student, "teacher": teacher, "data": data, "root": root}
+
+
+def _tagged_processes(tag: str) -> list[int]:
+    """Pids of live processes whose environment carries `tag` (every descendant of the run inherits it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if f"{TAG_VAR}={tag}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def run_cli(
+    inputs: dict[str, Path], run_dir: Path, *overrides: str, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    tag = uuid.uuid4().hex
+    env = {**os.environ, TAG_VAR: tag, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipe_gkd.main",
+        "--config",
+        str(DEFAULT_CONFIG),
+        f"model.student_path={inputs['student']}",
+        f"teacher.model_path={inputs['teacher']}",
+        f"data.train_files=[{inputs['data']}]",
+        f"data.eval_files=[{inputs['data']}]",
+        "data.train_batch_size=8",
+        "data.eval_batch_size=8",
+        "actor.micro_batch_size=4",
+        "rollout.sampling.max_new_tokens=6",
+        "teacher.address=tcp://127.0.0.1:0",
+        f"trainer.run_dir={run_dir}",
+        *overrides,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    deadline = time.monotonic() + 20
+    while _tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    leftover = _tagged_processes(tag)
+    assert not leftover, f"the run left processes behind: {leftover}"
+    return proc
+
+
+@pytest.mark.slow
+def test_three_steps_of_the_cpu_preset(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_cli(tiny_run_inputs, run_dir, "trainer.total_steps=3", "trainer.eval_every=2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["weight_version"] for r in rows] == [1, 2, 3]
+    assert all(r["staleness"] == 0 for r in rows)
+    for row in rows:
+        assert row["loss"] > 0 and row["teacher_kl"] > 0
+        for key in ("generate_s", "teacher_s", "train_s", "sync_s", "step_s"):
+            assert row[key] >= 0
+        assert len(row["sample_ids"]) == 8
+    seen = Counter(i for r in rows for i in r["sample_ids"])
+    assert seen == dict.fromkeys(range(12), 2), "3 steps x 8 prompts = exactly two epochs of the 12 prompts"
+    assert (run_dir / "resolved_config.yaml").is_file()
+    evals = read_metrics(run_dir, "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(run_dir / "final_student")
+
+
+def test_bad_override_exits_2_before_starting_anything(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    proc = run_cli(tiny_run_inputs, tmp_path / "run", "algorithm.divergence=kl", timeout=60)
+    assert proc.returncode == 2
+    assert "algorithm.divergence" in proc.stderr and "Traceback" not in proc.stderr
