@@ -155,6 +155,10 @@ class TeacherClientConfig:
     # Concurrent requests the trainer keeps in flight to the server. Not a GPU count.
     max_inflight: int = 4
     retries: int = 3
+    # Wire dtype of top-k logprobs: float16 (half the bytes, |error| <= 4e-3 at logprob -16) or float32 (exact).
+    logprob_dtype: str = "float16"
+    # Wire encoding of top-k ids: elias_fano (~1.1 B/id at K=256, decoded to int32) or int32.
+    id_encoding: str = "elias_fano"
 
 
 @dataclass
@@ -173,6 +177,18 @@ class TeacherConfig:
     temperature: float = 1.0
     timeout_s: float = 300.0
     client: TeacherClientConfig = field(default_factory=TeacherClientConfig)
+    # File holding a shared secret that clients and replicas present; required for a non-loopback address.
+    secret_file: str = ""
+    # The server answers `too_large` to bigger requests; clients split their batches below it.
+    max_request_mb: float = 64.0
+    # hf backend: padded tokens (rows x longest sequence) per forward pass.
+    max_batch_tokens: int = 8192
+    # Requests queued per replica before the server answers `busy` instead of growing memory.
+    queue_depth: int = 8
+    # A replica silent (no heartbeat) this long is dropped and its requests are retried elsewhere.
+    replica_timeout_s: float = 30.0
+    # Teacher weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.
+    dtype: str = "auto"
 
 
 @dataclass
@@ -544,12 +560,7 @@ def _validate_algorithm(cfg: GKDConfig) -> None:
 
 def _validate_teacher(cfg: GKDConfig) -> None:
     t = cfg.teacher
-    _require(t.top_k <= t.max_top_k, "teacher.top_k", f"top_k={t.top_k} exceeds teacher.max_top_k={t.max_top_k}")
-    _require(
-        t.address.startswith(("tcp://", "ipc://")),
-        "teacher.address",
-        f"must be a ZeroMQ address like tcp://127.0.0.1:5555, got {t.address!r}",
-    )
+    validate_teacher_section(t)
     _require(
         not (t.autostart and t.location == TeacherLocation.remote),
         "teacher.autostart",
@@ -562,11 +573,60 @@ def _validate_teacher(cfg: GKDConfig) -> None:
     )
 
 
+TEACHER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+TEACHER_WIRE_DTYPES = ("float16", "float32")
+TEACHER_ID_ENCODINGS = ("elias_fano", "int32")
+
+
+def validate_teacher_section(t: TeacherConfig) -> None:
+    """The rules of the `teacher` section alone (also used for standalone configs/teacher/*.yaml)."""
+    for key, value in {
+        "teacher.replicas": t.replicas,
+        "teacher.gpus_per_replica": t.gpus_per_replica,
+        "teacher.top_k": t.top_k,
+        "teacher.max_top_k": t.max_top_k,
+        "teacher.client.max_inflight": t.client.max_inflight,
+        "teacher.max_batch_tokens": t.max_batch_tokens,
+        "teacher.queue_depth": t.queue_depth,
+    }.items():
+        _require(value >= 1, key, f"must be >= 1, got {value}")
+    _require(t.client.retries >= 0, "teacher.client.retries", f"must be >= 0, got {t.client.retries}")
+    for key, fvalue in {
+        "teacher.timeout_s": t.timeout_s,
+        "teacher.temperature": t.temperature,
+        "teacher.max_request_mb": t.max_request_mb,
+        "teacher.replica_timeout_s": t.replica_timeout_s,
+    }.items():
+        _require(fvalue > 0, key, f"must be > 0, got {fvalue}")
+    _require(t.top_k <= t.max_top_k, "teacher.top_k", f"top_k={t.top_k} exceeds teacher.max_top_k={t.max_top_k}")
+    _require(
+        t.address.startswith(("tcp://", "ipc://")),
+        "teacher.address",
+        f"must be a ZeroMQ address like tcp://127.0.0.1:5555, got {t.address!r}",
+    )
+    _require(t.dtype in TEACHER_DTYPES, "teacher.dtype", f"must be one of {TEACHER_DTYPES}, got {t.dtype!r}")
+    wire = t.client.logprob_dtype
+    _require(
+        wire in TEACHER_WIRE_DTYPES,
+        "teacher.client.logprob_dtype",
+        f"must be one of {TEACHER_WIRE_DTYPES}, got {wire!r}",
+    )
+    enc = t.client.id_encoding
+    _require(
+        enc in TEACHER_ID_ENCODINGS, "teacher.client.id_encoding", f"must be one of {TEACHER_ID_ENCODINGS}, got {enc!r}"
+    )
+
+
 def _validate_trainer(cfg: GKDConfig) -> None:
     tr = cfg.trainer
     bad = [x for x in tr.loggers if x not in VALID_LOGGERS]
     _require(not bad, "trainer.loggers", f"unknown logger(s) {bad}; choose from {list(VALID_LOGGERS)}")
     _require(bool(tr.run_dir), "trainer.run_dir", "must not be empty")
+    _require(
+        tr.eval_every == 0 or bool(cfg.data.eval_files),
+        "data.eval_files",
+        f"trainer.eval_every={tr.eval_every} evaluates on held-out prompts: set data.eval_files or trainer.eval_every=0",
+    )
     _require(
         tr.resume in ("auto", "none") or Path(tr.resume).exists(),
         "trainer.resume",

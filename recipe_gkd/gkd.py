@@ -25,7 +25,7 @@ from typing import Any
 
 from recipe_gkd.batch import RolloutStats
 from recipe_gkd.config import GKDConfig
-from recipe_gkd.metrics import MetricsLogger
+from recipe_gkd.metrics import MetricsLogger, process_memory_mb
 from recipe_gkd.placement import PlacementPlan
 from recipe_gkd.ray_cluster import ray_cluster
 from recipe_gkd.weight_sync import sync_weights
@@ -68,7 +68,10 @@ def train(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger) -> None:
             workers.actors, workers.rollouts, version + 1, cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s
         )
         version += 1
-        metrics.log_step(step_row(step, version, rollout, stats, sync, time.perf_counter() - start))
+        row = step_row(step, version, rollout, stats, sync, time.perf_counter() - start)
+        if cfg.debug.log_memory:
+            row.update(memory_row(rollout, stats))
+        metrics.log_step(row)
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
             evaluate(cfg, workers, metrics, step=step + 1)
     export_student(cfg, workers)
@@ -146,6 +149,14 @@ def step_row(
         "step_s": step_s,
         "sample_ids": sorted(i for s in rollout.stats for i in s.sample_ids),
     }
+
+
+def memory_row(rollout: Rollout, train: dict[str, float]) -> dict[str, float]:
+    """debug.log_memory: resident MiB of the driver and of every worker."""
+    row = {"driver_rss_mb": process_memory_mb()}
+    row.update({f"rollout{i}_rss_mb": s.rss_mb for i, s in enumerate(rollout.stats) if s.rss_mb is not None})
+    row.update({k: v for k, v in train.items() if k.endswith("_rss_mb")})
+    return row
 
 
 def _weighted_reward(stats: list[RolloutStats]) -> float | None:

@@ -108,3 +108,21 @@ def test_bad_override_exits_2_before_starting_anything(tiny_run_inputs: dict[str
     proc = run_cli(tiny_run_inputs, tmp_path / "run", "algorithm.divergence=kl", timeout=60)
     assert proc.returncode == 2
     assert "algorithm.divergence" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_driver_memory_does_not_grow_with_the_dataset(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    big = tmp_path / "big.jsonl"
+    padding = "x" * 1000
+    with big.open("w") as f:
+        for i in range(60_000):
+            f.write(json.dumps({"prompt": f"rev:{WORDS[i % len(WORDS)]}", "pad": padding}) + "\n")
+    assert big.stat().st_size > 60e6
+    rss = {}
+    for name, data in (("small", tiny_run_inputs["data"]), ("big", big)):
+        inputs = {**tiny_run_inputs, "data": data}
+        run_dir = tmp_path / name
+        proc = run_cli(inputs, run_dir, "trainer.total_steps=2", "debug.log_memory=true", "trainer.eval_every=0")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rss[name] = read_metrics(run_dir)[-1]["driver_rss_mb"]
+    assert abs(rss["big"] - rss["small"]) < 20, f"driver RSS small={rss['small']:.0f} MiB big={rss['big']:.0f} MiB"

@@ -81,6 +81,7 @@ BAD_VALUES = [
     (["trainer.loggers=[console,wandb]"], "trainer.loggers"),
     (["trainer.resume=/no/such/checkpoint"], "trainer.resume"),
     (["trainer.total_steps=0"], "trainer.total_steps"),
+    (["trainer.eval_every=5", "data.eval_files=[]"], "data.eval_files"),
     (["teacher.client.max_inflight=0"], "teacher.client.max_inflight"),
     (["rollout.sampling.top_p=0"], "rollout.sampling.top_p"),
     (["rollout.sampling.temperature=0"], "rollout.sampling.temperature"),

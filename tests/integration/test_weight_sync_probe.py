@@ -1,0 +1,83 @@
+"""After a sync, the rollout's logprobs on a fixed probe equal the actor's (fp32, <= 1e-5)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from recipe_gkd.batch import Sequence, TrainShard
+from recipe_gkd.config import load_config
+from recipe_gkd.rollout.base import RolloutWorker, make_engine
+from recipe_gkd.weight_sync import sync_weights
+from recipe_gkd.workers import actor_worker_class
+
+TOP_K = 4
+
+
+class EngineOnlyRollout(RolloutWorker):
+    """The real rollout worker with its engine only (no teacher, no data): what the sync touches."""
+
+    def setup(self, scorer: Any = None, teacher_address: str | None = None) -> dict[str, Any]:
+        self.engine = make_engine(self.cfg)
+        return {"rank": self.rank}
+
+
+def _shard(rng: np.random.Generator, vocab: int, n: int) -> TrainShard:
+    sequences = []
+    for i in range(n):
+        prompt, response = rng.integers(6, vocab, 5), rng.integers(6, vocab, 7)
+        logits = rng.standard_normal((len(response), vocab))
+        logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        ids = np.argsort(-logprobs, axis=-1)[:, :TOP_K]
+        sequences.append(
+            Sequence(
+                sample_id=i,
+                input_ids=np.concatenate([prompt, response]).astype(np.int32),
+                response_start=len(prompt),
+                on_policy=True,
+                teacher_topk_logprobs=np.take_along_axis(logprobs, ids, -1).astype(np.float32),
+                teacher_topk_ids=ids.astype(np.int32),
+            )
+        )
+    return TrainShard(step=0, weight_version=0, sequences=sequences)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_rollout_matches_actor_after_sync(tiny_model_dir: Path, ray_local: None) -> None:
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cfg = load_config(None, [f"model.student_path={tiny_model_dir}", "actor.micro_batch_size=2", "actor.optim.lr=0.01"])
+    actor = (
+        ray.remote(num_cpus=0)(actor_worker_class()).options(num_gpus=1).remote(cfg, 0, 1, "127.0.0.1", _free_port())
+    )
+    rollout = ray.remote(num_cpus=0)(EngineOnlyRollout).options(num_gpus=1).remote(cfg, 0, 1)
+    try:
+        ray.get([actor.setup.remote(), rollout.setup.remote()], timeout=180)
+        rng = np.random.default_rng(0)
+        probe = rng.integers(6, 102, (3, 12))
+        before = ray.get(rollout.token_logprobs.remote(probe), timeout=60)
+        np.testing.assert_allclose(ray.get(actor.token_logprobs.remote(probe), timeout=60), before, atol=1e-5)
+        for step in range(2):
+            stats = ray.get(actor.train_refs.remote([ray.put(_shard(rng, 102, 4))]), timeout=120)
+            assert stats["loss"] > 0
+            sync_weights([actor], [rollout], version=step + 1, bucket_mb=1, timeout_s=60)
+        after_actor = ray.get(actor.token_logprobs.remote(probe), timeout=60)
+        after_rollout = ray.get(rollout.token_logprobs.remote(probe), timeout=60)
+        assert np.abs(after_actor - before).max() > 1e-3, "training changed the weights"
+        assert np.abs(after_rollout - after_actor).max() <= 1e-5
+    finally:
+        ray.get([actor.shutdown.remote()], timeout=60)
+        ray.kill(actor)
+        ray.kill(rollout)
