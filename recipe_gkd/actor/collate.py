@@ -1,0 +1,100 @@
+"""Ragged `Sequence`s -> padded, aligned tensors for one micro-batch (no megatron import).
+
+Alignment (see recipe_gkd/batch.py): a sequence is `input_ids[:L]` = prompt + response, and
+teacher row j describes token `response_start + j`. The model reads `input_ids[:L-1]`; its
+logits at position t predict token t+1, so teacher row j lands at position
+`response_start + j - 1`. `loss_mask` marks exactly those positions: response tokens only,
+never the prompt or the right padding. Right padding keeps every real token's logits exact
+under a plain causal mask (padding only ever comes after the tokens that could see it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from recipe_gkd.batch import Sequence
+
+
+@dataclass
+class MicroBatch:
+    input_ids_BT: Tensor  # int64, right-padded with pad_id
+    position_ids_BT: Tensor  # int64, 0..T-1 on every row
+    teacher_logprobs_BTK: Tensor  # float32, 0 where loss_mask is False
+    teacher_ids_BTK: Tensor  # int64, 0 where loss_mask is False
+    loss_mask_BT: Tensor  # bool: position t predicts a response token
+    num_tokens: int  # loss_mask.sum()
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(
+            input_ids_BT=self.input_ids_BT.to(device),
+            position_ids_BT=self.position_ids_BT.to(device),
+            teacher_logprobs_BTK=self.teacher_logprobs_BTK.to(device),
+            teacher_ids_BTK=self.teacher_ids_BTK.to(device),
+            loss_mask_BT=self.loss_mask_BT.to(device),
+            num_tokens=self.num_tokens,
+        )
+
+
+def collate(sequences: SequenceOf[Sequence], pad_id: int) -> MicroBatch:
+    """Pad `sequences` to one [B, T] batch (T = longest L - 1) with the teacher arrays aligned."""
+    if not sequences:
+        raise ValueError("collate needs at least one sequence")
+    top_k = _common_top_k(sequences)
+    seq_len = max(len(s.input_ids) for s in sequences) - 1
+    if seq_len < 1:
+        raise ValueError("every sequence has a single token: nothing to predict")
+    batch = len(sequences)
+    input_ids_BT = np.full((batch, seq_len), pad_id, dtype=np.int64)
+    teacher_logprobs_BTK = np.zeros((batch, seq_len, top_k), dtype=np.float32)
+    teacher_ids_BTK = np.zeros((batch, seq_len, top_k), dtype=np.int64)
+    loss_mask_BT = np.zeros((batch, seq_len), dtype=bool)
+    for row, seq in enumerate(sequences):
+        _check_sequence(seq)
+        length = len(seq.input_ids)
+        input_ids_BT[row, : length - 1] = seq.input_ids[: length - 1]
+        # Position t predicts token t + 1: response tokens rs..L-1 are predicted at rs-1..L-2.
+        predicted = slice(seq.response_start - 1, length - 1)
+        teacher_logprobs_BTK[row, predicted] = seq.teacher_topk_logprobs
+        teacher_ids_BTK[row, predicted] = seq.teacher_topk_ids
+        loss_mask_BT[row, predicted] = True
+    position_ids_BT = np.broadcast_to(np.arange(seq_len, dtype=np.int64), (batch, seq_len))
+    return MicroBatch(
+        input_ids_BT=torch.from_numpy(input_ids_BT),
+        position_ids_BT=torch.from_numpy(np.ascontiguousarray(position_ids_BT)),
+        teacher_logprobs_BTK=torch.from_numpy(teacher_logprobs_BTK),
+        teacher_ids_BTK=torch.from_numpy(teacher_ids_BTK),
+        loss_mask_BT=torch.from_numpy(loss_mask_BT),
+        num_tokens=int(loss_mask_BT.sum()),
+    )
+
+
+def split_micro_batches(sequences: SequenceOf[Sequence], micro_batch_size: int) -> list[list[Sequence]]:
+    """Consecutive groups of `micro_batch_size` sequences (the last one may be smaller)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"actor.micro_batch_size must be >= 1, got {micro_batch_size}")
+    return [list(sequences[i : i + micro_batch_size]) for i in range(0, len(sequences), micro_batch_size)]
+
+
+def _common_top_k(sequences: SequenceOf[Sequence]) -> int:
+    top_ks = {s.teacher_topk_ids.shape[-1] for s in sequences if s.teacher_topk_ids.ndim == 2}
+    if len(top_ks) != 1:
+        raise ValueError(f"sequences disagree on the teacher's top-k width: {sorted(top_ks)} (teacher.top_k)")
+    return top_ks.pop()
+
+
+def _check_sequence(seq: Sequence) -> None:
+    length = len(seq.input_ids)
+    responses = length - seq.response_start
+    if not 1 <= seq.response_start <= length:
+        raise ValueError(f"sample {seq.sample_id}: response_start={seq.response_start} outside [1, {length}]")
+    for name in ("teacher_topk_logprobs", "teacher_topk_ids"):
+        rows = getattr(seq, name).shape[0]
+        if rows != responses:
+            raise ValueError(
+                f"sample {seq.sample_id}: {name} has {rows} rows but the sequence has {responses} response tokens"
+            )

@@ -1,0 +1,153 @@
+"""Let megatron-core 0.16.1 run on CPU over gloo: the one place that knows CUDA is absent.
+
+megatron-core assumes CUDA throughout (~175 `torch.cuda.current_device()` calls, literal
+`device="cuda"` tensors in the causal mask, the DDP buffers and the optimizer, a CUDA-only
+RNG tracker). `enable_cpu_compat()` makes those harmless, process-wide and for the calling
+thread, without touching megatron's source:
+
+1. `torch.cuda.current_device()` returns the CPU device; `torch.cuda.synchronize`,
+   `empty_cache` and `manual_seed(_all)` become no-ops (`torch.cuda.is_available()` stays False).
+2. A `TorchFunctionMode` rewrites every CUDA device argument (`device="cuda"`, `cuda:0`, a bare
+   device index, `Tensor.to(...)`, `Tensor.cuda()`) to the CPU, and names CPU tensor types as
+   CUDA ones (`Tensor.type()` -> 'torch.cuda.FloatTensor'), which megatron's optimizer checks.
+3. megatron's model-parallel RNG tracker forks the CPU generator instead of the CUDA one, so
+   `model_parallel_cuda_manual_seed` works unchanged.
+
+Dropout is off in every model `hf_convert` builds (HF Llama/Qwen2 fine-tune without it), so no
+dropout mask ever depends on the RNG tracker. Call this only when `cluster.device=cpu`.
+Torch function modes are thread-local: call it again from every thread that runs megatron
+code (it is idempotent and cheap).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+CPU = torch.device("cpu")
+
+_process_patched = False
+_patch_lock = threading.Lock()
+_thread_state = threading.local()
+
+
+def enable_cpu_compat() -> None:
+    """Make megatron-core run on CPU in this process and thread (idempotent)."""
+    global _process_patched
+    with _patch_lock:
+        if not _process_patched:
+            _patch_torch_cuda()
+            _patch_megatron_rng_tracker()
+            _process_patched = True
+    if not getattr(_thread_state, "mode_entered", False):
+        # Entered for good: the mode lives as long as the thread (the worker process).
+        CudaToCpuMode().__enter__()
+        _thread_state.mode_entered = True
+
+
+def cpu_compat_enabled() -> bool:
+    """True when `enable_cpu_compat()` has run in this thread."""
+    return bool(getattr(_thread_state, "mode_entered", False))
+
+
+# ----------------------------------------------------------------------------- torch.cuda
+
+
+def _noop(name: str) -> Callable[..., None]:
+    # One function object per patched name: torch._dynamo's trace rules reject a shared one.
+    def noop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    noop.__name__ = noop.__qualname__ = f"cpu_compat_{name}"
+    return noop
+
+
+def _current_device() -> torch.device:
+    return CPU
+
+
+def _patch_torch_cuda() -> None:
+    torch.cuda.current_device = _current_device  # type: ignore[assignment]
+    # Megatron seeds the CUDA generator next to its tracker; the CPU tracker below seeds its own.
+    for name in ("synchronize", "empty_cache", "manual_seed", "manual_seed_all"):
+        setattr(torch.cuda, name, _noop(name))
+
+
+def _is_cuda_device(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare index means a CUDA device (`tensor.to(0)`, `device=torch.cuda.current_device()`).
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_TENSOR_TO_LIKE: frozenset[Callable[..., Any]] = frozenset({torch.Tensor.to})
+_TENSOR_CUDA_LIKE: frozenset[Callable[..., Any]] = frozenset({torch.Tensor.cuda})
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments of any torch call to the CPU."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs) if kwargs else {}
+        if func in _TENSOR_CUDA_LIKE:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's bf16 optimizer accepts only 'torch.cuda.*Tensor' type names.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = CPU
+        if func in _TENSOR_TO_LIKE and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- megatron RNG
+
+
+def _patch_megatron_rng_tracker() -> None:
+    """Swap megatron's CUDA RNG tracker class for one that forks the CPU generator."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
+        """megatron's named RNG states (data-parallel, model-parallel, expert) on the CPU generator."""
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise ValueError(f"seed {seed} already exists")
+            if name in self.states_:
+                raise ValueError(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            original = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(original)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+            if name not in self.states_:
+                raise KeyError(f"rng state {name} is not added")
+            original = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(original)
+
+    mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker  # type: ignore[misc]
+    # A tracker built before this patch would still be the CUDA one: rebuild on next use.
+    mcore_random.initialize_rng_tracker(force_reset=True)

@@ -1,0 +1,456 @@
+"""HF Llama/Qwen2 <-> megatron-core GPTModel: config, weight layout and tensor-parallel sharding.
+
+Three layers, each testable on its own:
+1. `read_hf_arch(hf_config)`: the few numbers that define the model (checked: only what the
+   megatron local layer spec reproduces exactly is accepted).
+2. `hf_to_mcore_full` / `mcore_full_to_hf`: HF names <-> megatron names over the *unsharded*
+   megatron layout (fused QKV interleaved per GQA group, fused [gate; up] fc1, vocabulary
+   padded to a multiple of the tensor-parallel size). Pure torch, no megatron import.
+3. `shard_for_tp` / `unshard_from_tp`: one rank's slice of an unsharded megatron tensor and
+   back (column-parallel on dim 0, row-parallel on dim 1, fc1 per-rank [gate_r; up_r]).
+
+`build_gpt_model` is the only function here that imports megatron.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default",)
+# Megatron's embedding / output layer shard the vocabulary evenly over tensor-parallel ranks.
+# Padding only to a multiple of tp keeps the padded columns (masked out of every loss) few.
+VOCAB_PAD_MULTIPLE_PER_TP_RANK = 1
+
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+_LAYER = "decoder.layers.{i}."
+_HF_LAYER = "model.layers.{i}."
+
+
+class UnsupportedModelError(ValueError):
+    """The HF checkpoint uses a feature the megatron actor does not reproduce exactly."""
+
+
+@dataclass(frozen=True)
+class HFArch:
+    """The architecture of a Llama/Qwen2-family causal LM, as read from its HF config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    initializer_range: float = 0.02
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def read_hf_arch(hf_config: Any) -> HFArch:
+    """HFArch from a transformers `LlamaConfig` / `Qwen2Config` (or any object with those fields)."""
+    model_type = getattr(hf_config, "model_type", "")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model.student_path holds a {model_type!r} model; the megatron actor supports {SUPPORTED_MODEL_TYPES}"
+        )
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act={hf_config.hidden_act!r}: only SwiGLU (silu) is supported")
+    rope = _rope_parameters(hf_config)
+    if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type={rope.get('rope_type')!r} (rope scaling) is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    if model_type == "qwen2":
+        if getattr(hf_config, "use_sliding_window", False):
+            raise UnsupportedModelError("Qwen2 use_sliding_window=true is not supported")
+        qkv_bias = True  # Qwen2 always has q/k/v biases and no o_proj bias
+    else:
+        if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+            raise UnsupportedModelError("Llama attention_bias / mlp_bias = true is not supported")
+        qkv_bias = False
+    num_heads = int(hf_config.num_attention_heads)
+    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    return HFArch(
+        model_type=model_type,
+        vocab_size=int(hf_config.vocab_size),
+        hidden_size=int(hf_config.hidden_size),
+        intermediate_size=int(hf_config.intermediate_size),
+        num_layers=int(hf_config.num_hidden_layers),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=int(head_dim),
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
+        max_position_embeddings=int(hf_config.max_position_embeddings),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        initializer_range=float(getattr(hf_config, "initializer_range", 0.02)),
+    )
+
+
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    # transformers 5 keeps RoPE settings in `rope_parameters`; 4.x used rope_theta/rope_scaling.
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    return dict(params)
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """Smallest size >= vocab_size that splits evenly over `tp_size` ranks."""
+    multiple = tp_size * VOCAB_PAD_MULTIPLE_PER_TP_RANK
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+def check_parallel_layout(arch: HFArch, tp_size: int) -> None:
+    """Raise naming actor.megatron.tp when the model cannot be split over `tp_size` ranks."""
+    for what, count in (("num_attention_heads", arch.num_heads), ("intermediate_size", arch.intermediate_size)):
+        if count % tp_size:
+            raise UnsupportedModelError(
+                f"actor.megatron.tp={tp_size} must divide the student's {what}={count}; choose another actor.megatron.tp"
+            )
+    # Fewer KV heads than TP ranks is fine when each KV head spans whole ranks (megatron
+    # all-gathers the fused QKV output and each rank picks its query heads).
+    kv = arch.num_kv_heads
+    if kv % tp_size and tp_size % kv:
+        raise UnsupportedModelError(
+            f"actor.megatron.tp={tp_size} and the student's num_key_value_heads={kv}: one must divide the other; "
+            "choose another actor.megatron.tp"
+        )
+    shard = padded_vocab_size(arch.vocab_size, tp_size) // tp_size
+    if shard * (tp_size - 1) >= arch.vocab_size:
+        raise UnsupportedModelError(
+            f"actor.megatron.tp={tp_size} leaves the last rank only vocabulary padding (vocab_size={arch.vocab_size})"
+        )
+
+
+def check_pipeline_context(pp_size: int, cp_size: int) -> None:
+    """Raise naming the key: the actor implements tensor and data parallelism only."""
+    if pp_size != 1:
+        raise UnsupportedModelError(
+            f"actor.megatron.pp={pp_size}: pipeline parallelism is not implemented in the megatron actor; "
+            "set actor.megatron.pp=1 (use actor.megatron.tp or data parallelism)"
+        )
+    if cp_size != 1:
+        raise UnsupportedModelError(
+            f"actor.megatron.cp={cp_size}: context parallelism is not implemented in the megatron actor; "
+            "set actor.megatron.cp=1"
+        )
+
+
+def load_hf_state(model_dir: str | Path) -> dict[str, Tensor]:
+    """Every tensor of an HF safetensors checkpoint (single file or sharded with an index), fp32."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {model_dir} (model.student_path); save the student with safe_serialization"
+        )
+    state: dict[str, Tensor] = {}
+    for file in files:
+        state.update({name: t.float() for name, t in load_file(str(file)).items()})
+    return state
+
+
+# ----------------------------------------------------------------------------- megatron model
+
+
+def build_transformer_config(
+    arch: HFArch,
+    *,
+    tp_size: int,
+    pp_size: int,
+    cp_size: int,
+    bf16: bool,
+    on_cpu: bool,
+) -> TransformerConfig:
+    """megatron TransformerConfig reproducing the HF model (local spec, no fused kernels)."""
+    from megatron.core.transformer import TransformerConfig
+
+    check_pipeline_context(pp_size, cp_size)
+    check_parallel_layout(arch, tp_size)
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        # Distillation fine-tunes as HF does: no dropout (this also keeps TP=1 == TP=2 exact).
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.initializer_range,
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        context_parallel_size=cp_size,
+        sequence_parallel=False,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
+        # The loss is a token sum over the global token count: DDP must sum, not average.
+        calculate_per_token_loss=True,
+        attention_softmax_in_fp32=True,
+        # Weights always come from the HF checkpoint: skip the random init.
+        perform_initialization=False,
+        use_cpu_initialization=on_cpu,
+        # Fused kernels need CUDA/apex/TE; the plain torch paths run everywhere.
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_gpt_model(arch: HFArch, config: TransformerConfig) -> GPTModel:
+    """GPTModel with megatron's local (no Transformer Engine) layer spec."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=arch.rope_theta,  # type: ignore[arg-type]  # a float base is what HF uses
+    )
+    _mark_tensor_parallel_params(model)
+    return model
+
+
+def _mark_tensor_parallel_params(model: torch.nn.Module) -> None:
+    """Tag sharded weights the way megatron's weight init would have.
+
+    With perform_initialization=False megatron 0.16 leaves `tensor_model_parallel` unset on
+    linear and embedding weights, so its grad-norm helpers would count their shards on TP
+    rank 0 only. The tags must match `partition_dim`.
+    """
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for name, param in model.named_parameters():
+        dim = partition_dim(name)
+        if dim is None:
+            continue
+        if getattr(param, "tensor_model_parallel", False):
+            if param.partition_dim != dim:
+                raise RuntimeError(f"{name}: megatron shards dim {param.partition_dim}, the converter dim {dim}")
+            continue
+        set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
+
+
+# ----------------------------------------------------------------------------- HF <-> megatron (unsharded)
+
+
+def mcore_param_names(arch: HFArch) -> list[str]:
+    """Every megatron parameter name of the model, in a fixed order."""
+    names = [EMBEDDING]
+    for i in range(arch.num_layers):
+        layer = _LAYER.format(i=i)
+        names += [layer + "input_layernorm.weight", layer + "self_attention.linear_qkv.weight"]
+        if arch.qkv_bias:
+            names.append(layer + "self_attention.linear_qkv.bias")
+        names += [
+            layer + "self_attention.linear_proj.weight",
+            layer + "pre_mlp_layernorm.weight",
+            layer + "mlp.linear_fc1.weight",
+            layer + "mlp.linear_fc2.weight",
+        ]
+    names.append(FINAL_NORM)
+    if not arch.tie_word_embeddings:
+        names.append(OUTPUT_LAYER)
+    return names
+
+
+def hf_param_names(arch: HFArch) -> list[str]:
+    """The HF parameter names (tied embeddings appear once, as `model.embed_tokens.weight`)."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(arch.num_layers):
+        layer = _HF_LAYER.format(i=i)
+        names += [layer + "input_layernorm.weight"]
+        names += [layer + f"self_attn.{p}_proj.weight" for p in "qkv"]
+        if arch.qkv_bias:
+            names += [layer + f"self_attn.{p}_proj.bias" for p in "qkv"]
+        names += [
+            layer + "self_attn.o_proj.weight",
+            layer + "post_attention_layernorm.weight",
+            layer + "mlp.gate_proj.weight",
+            layer + "mlp.up_proj.weight",
+            layer + "mlp.down_proj.weight",
+        ]
+    names.append("model.norm.weight")
+    if not arch.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def hf_to_mcore_full(hf_state: Mapping[str, Tensor], arch: HFArch, tp_size: int) -> dict[str, Tensor]:
+    """HF state dict -> unsharded megatron tensors (vocabulary padded for `tp_size`)."""
+    _require_keys(hf_state, hf_param_names(arch), "HF checkpoint")
+    vocab_padded = padded_vocab_size(arch.vocab_size, tp_size)
+    out = {EMBEDDING: _pad_rows(hf_state["model.embed_tokens.weight"], vocab_padded)}
+    for i in range(arch.num_layers):
+        hf, mc = _HF_LAYER.format(i=i), _LAYER.format(i=i)
+        attn = hf + "self_attn."
+        out[mc + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
+        out[mc + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            hf_state[attn + "q_proj.weight"], hf_state[attn + "k_proj.weight"], hf_state[attn + "v_proj.weight"], arch
+        )
+        if arch.qkv_bias:
+            out[mc + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                hf_state[attn + "q_proj.bias"], hf_state[attn + "k_proj.bias"], hf_state[attn + "v_proj.bias"], arch
+            )
+        out[mc + "self_attention.linear_proj.weight"] = hf_state[attn + "o_proj.weight"]
+        out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
+        # Unsharded fc1 is [gate; up]; `shard_for_tp` regroups it per rank.
+        out[mc + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]], dim=0
+        )
+        out[mc + "mlp.linear_fc2.weight"] = hf_state[hf + "mlp.down_proj.weight"]
+    out[FINAL_NORM] = hf_state["model.norm.weight"]
+    if not arch.tie_word_embeddings:
+        out[OUTPUT_LAYER] = _pad_rows(hf_state["lm_head.weight"], vocab_padded)
+    return out
+
+
+def mcore_full_to_hf(mcore_state: Mapping[str, Tensor], arch: HFArch) -> dict[str, Tensor]:
+    """Unsharded megatron tensors -> HF state dict (padding removed; tied embedding once)."""
+    _require_keys(mcore_state, mcore_param_names(arch), "megatron state")
+    vocab = arch.vocab_size
+    out = {"model.embed_tokens.weight": mcore_state[EMBEDDING][:vocab]}
+    for i in range(arch.num_layers):
+        hf, mc = _HF_LAYER.format(i=i), _LAYER.format(i=i)
+        attn = hf + "self_attn."
+        out[hf + "input_layernorm.weight"] = mcore_state[mc + "input_layernorm.weight"]
+        q, k, v = split_qkv(mcore_state[mc + "self_attention.linear_qkv.weight"], arch)
+        out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
+        if arch.qkv_bias:
+            q, k, v = split_qkv(mcore_state[mc + "self_attention.linear_qkv.bias"], arch)
+            out[attn + "q_proj.bias"], out[attn + "k_proj.bias"], out[attn + "v_proj.bias"] = q, k, v
+        out[attn + "o_proj.weight"] = mcore_state[mc + "self_attention.linear_proj.weight"]
+        out[hf + "post_attention_layernorm.weight"] = mcore_state[mc + "pre_mlp_layernorm.weight"]
+        gate, up = mcore_state[mc + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
+        out[hf + "mlp.down_proj.weight"] = mcore_state[mc + "mlp.linear_fc2.weight"]
+    out["model.norm.weight"] = mcore_state[FINAL_NORM]
+    if not arch.tie_word_embeddings:
+        out["lm_head.weight"] = mcore_state[OUTPUT_LAYER][:vocab]
+    return out
+
+
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, arch: HFArch) -> Tensor:
+    """HF q/k/v projections -> megatron's fused QKV, interleaved per GQA group.
+
+    Row order: for each KV group g, its heads_per_group query heads, then k_g, then v_g
+    (megatron splits each group's rows into q, k, v after the matmul).
+    """
+    groups, per_group, head_dim = arch.num_kv_heads, arch.heads_per_group, arch.head_dim
+    trailing = q.shape[1:]  # (hidden,) for weights, () for biases
+    q_GRD = q.reshape(groups, per_group * head_dim, *trailing)  # [nh*hd, ...] -> [ng, qpg*hd, ...]
+    k_GRD = k.reshape(groups, head_dim, *trailing)  # [ng*hd, ...] -> [ng, hd, ...]
+    v_GRD = v.reshape(groups, head_dim, *trailing)
+    fused = torch.cat([q_GRD, k_GRD, v_GRD], dim=1)  # [ng, (qpg + 2) * hd, ...]
+    return fused.reshape(groups * (per_group + 2) * head_dim, *trailing)
+
+
+def split_qkv(fused: Tensor, arch: HFArch) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of `fuse_qkv`: megatron's fused QKV -> HF (q, k, v)."""
+    groups, per_group, head_dim = arch.num_kv_heads, arch.heads_per_group, arch.head_dim
+    trailing = fused.shape[1:]
+    grouped = fused.reshape(groups, (per_group + 2) * head_dim, *trailing)  # [ng, (qpg+2)*hd, ...]
+    q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
+    return (
+        q.reshape(groups * per_group * head_dim, *trailing),
+        k.reshape(groups * head_dim, *trailing),
+        v.reshape(groups * head_dim, *trailing),
+    )
+
+
+def _pad_rows(weight: Tensor, rows: int) -> Tensor:
+    if weight.shape[0] == rows:
+        return weight
+    padding = weight.new_zeros((rows - weight.shape[0], *weight.shape[1:]))
+    return torch.cat([weight, padding], dim=0)
+
+
+def _require_keys(state: Mapping[str, Tensor], names: Sequence[str], what: str) -> None:
+    missing = [n for n in names if n not in state]
+    if missing:
+        raise KeyError(f"{what} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+# ----------------------------------------------------------------------------- tensor-parallel sharding
+
+_COLUMN_PARALLEL = re.compile(r"(word_embeddings|output_layer|linear_qkv)\.(weight|bias)$")
+_ROW_PARALLEL = re.compile(r"(linear_proj|linear_fc2)\.weight$")
+_GATED_FC1 = re.compile(r"linear_fc1\.weight$")
+
+
+def partition_dim(name: str) -> int | None:
+    """The dimension megatron shards `name` along over TP ranks (None: replicated)."""
+    if _COLUMN_PARALLEL.search(name) or _GATED_FC1.search(name):
+        return 0
+    if _ROW_PARALLEL.search(name):
+        return 1
+    return None
+
+
+def shard_for_tp(name: str, full: Tensor, tp_rank: int, tp_size: int) -> Tensor:
+    """This rank's slice of the unsharded megatron tensor `name`."""
+    dim = partition_dim(name)
+    if dim is None or tp_size == 1:
+        return full
+    if _GATED_FC1.search(name):
+        # Each rank holds [gate_r; up_r], so SwiGLU's chunk(2) works locally.
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]], dim=0)
+    if full.shape[dim] % tp_size:
+        raise ValueError(f"{name}: dim {dim} of size {full.shape[dim]} does not split over tp={tp_size}")
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def unshard_from_tp(name: str, shards: Sequence[Tensor]) -> Tensor:
+    """Inverse of `shard_for_tp`: the shards of all TP ranks, in rank order -> unsharded tensor."""
+    dim = partition_dim(name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if _GATED_FC1.search(name):
+        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards), strict=True)
+        return torch.cat([*gates, *ups], dim=0)
+    return torch.cat(list(shards), dim=dim)

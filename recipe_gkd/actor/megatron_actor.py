@@ -1,0 +1,492 @@
+"""The student trainer: one megatron-core GPTModel rank (TP x DP; PP = CP = 1), a plain class.
+
+The driver applies `ray.remote` and calls every method on every actor rank (they all take part
+in collectives); tests construct it directly, one process per rank. One step:
+
+1. collate this rank's sequences into right-padded micro-batches (`actor.micro_batch_size`),
+2. all-reduce the number of loss tokens over data-parallel ranks (N, the global count),
+3. per micro-batch: forward, GKD divergence summed over its loss tokens (vocab-parallel over TP),
+   backward of sum / N; megatron DDP sums the gradients over DP (`calculate_per_token_loss`),
+   so the final gradient is d(global token-mean loss), whatever the micro-batch split,
+4. clip by the global grad norm (torch ops: runs on CPU and GPU), warmup lr, Adam(W) step.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from collections.abc import Sequence as SequenceOf
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from recipe_gkd.actor import hf_convert
+from recipe_gkd.actor.collate import MicroBatch, collate, split_micro_batches
+from recipe_gkd.actor.layout import rank_layout
+from recipe_gkd.batch import Sequence, TrainShard
+from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, scaled_lr
+from recipe_gkd.losses import gkd_loss_sum, vocab_parallel_gkd_loss_sum
+
+# megatron's RNG tracker needs a seed; nothing random runs (no dropout, weights from HF).
+MEGATRON_SEED = 1234
+# Clip coefficient max_norm / (norm + eps), as torch.nn.utils.clip_grad_norm_ and megatron do.
+CLIP_EPS = 1.0e-6
+WEIGHTS_FILE = "model.safetensors"
+# Files of an HF directory that hold weights or the model config (everything else is copied).
+HF_NON_TOKENIZER_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".pt", ".pth")
+
+
+class MegatronActor:
+    """One rank of the megatron student trainer (see module docstring)."""
+
+    def __init__(self, cfg: GKDConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.on_cpu = cfg.cluster.device == Device.cpu
+        self.layout = rank_layout(cfg, rank)
+        self._steps = 0
+        self._model: Any = None
+
+    # ------------------------------------------------------------------------- setup / teardown
+
+    def setup(self) -> dict[str, Any]:
+        """Process group + megatron parallel state, model with the student's HF weights, optimizer."""
+        start = time.perf_counter()
+        from transformers import AutoConfig
+
+        self._check_world()  # before anything global changes: a bad layout fails cleanly
+        self._enter_device()
+        self._init_distributed()
+        m = self.cfg.actor.megatron
+        hf_config = AutoConfig.from_pretrained(self.cfg.model.student_path)
+        self.arch = hf_convert.read_hf_arch(hf_config)
+        self.pad_id = int(getattr(hf_config, "pad_token_id", None) or 0)
+        bf16 = self.cfg.actor.precision == Precision.bf16
+        self.tconfig = hf_convert.build_transformer_config(
+            self.arch, tp_size=m.tp, pp_size=m.pp, cp_size=m.cp, bf16=bf16, on_cpu=self.on_cpu
+        )
+        self.gpt = hf_convert.build_gpt_model(self.arch, self.tconfig)
+        if not self.on_cpu:
+            self.gpt.cuda(torch.cuda.current_device())
+        hf_state = hf_convert.load_hf_state(self.cfg.model.student_path)
+        self._load_hf_state(hf_state)
+        num_params = sum(hf_state[n].numel() for n in hf_convert.hf_param_names(self.arch))
+        del hf_state
+        self._model = self._wrap_ddp(bf16)
+        self._build_optimizer(bf16)
+        self._vocab_shard = self._local_vocab_slice()
+        return {
+            "rank": self.rank,
+            "tp_rank": self.layout.tp_rank,
+            "dp_rank": self.layout.dp_rank,
+            "tp_size": self.layout.tp_size,
+            "dp_size": self.layout.dp_size,
+            "device": str(self.device),
+            "num_params": num_params,
+            "num_local_params": sum(p.numel() for p in self.gpt.parameters()),
+            "setup_s": time.perf_counter() - start,
+        }
+
+    def shutdown(self) -> None:
+        """Destroy megatron's parallel state and the process group (idempotent)."""
+        from megatron.core import parallel_state
+
+        if dist.is_available() and dist.is_initialized():
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+    def _enter_device(self) -> None:
+        # Torch function modes are per thread: re-enter in whichever thread runs this call.
+        if self.on_cpu:
+            from recipe_gkd.actor.cpu_compat import enable_cpu_compat
+
+            enable_cpu_compat()
+
+    def _check_world(self) -> None:
+        expected = actor_world_size(self.cfg)
+        if self.world_size != expected:
+            raise ValueError(
+                f"MegatronActor got world_size={self.world_size} but actor.nnodes x actor.gpus_per_node = {expected}; "
+                "set actor.gpus_per_node to the number of actor ranks"
+            )
+        hf_convert.check_pipeline_context(self.cfg.actor.megatron.pp, self.cfg.actor.megatron.cp)
+
+    def _init_distributed(self) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        if self.on_cpu:
+            backend, self.device = "gloo", torch.device("cpu")
+        else:
+            # Under Ray each rank sees only its own GPU; without Ray, rank i takes GPU i.
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+            backend, self.device = "nccl", torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{self.master_addr}:{self.master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=self.cfg.debug.hang_timeout_s),
+        )
+        m = self.cfg.actor.megatron
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp, context_parallel_size=m.cp
+        )
+        model_parallel_cuda_manual_seed(MEGATRON_SEED)
+        megatron_coords = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank())
+        if megatron_coords != (self.layout.tp_rank, self.layout.dp_rank):
+            raise RuntimeError(
+                f"rank {self.rank}: megatron places it at (tp, dp) = {megatron_coords}, "
+                f"recipe_gkd.actor.layout at {(self.layout.tp_rank, self.layout.dp_rank)}"
+            )
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+
+    def _load_hf_state(self, hf_state: dict[str, Tensor]) -> None:
+        full = hf_convert.hf_to_mcore_full(hf_state, self.arch, self.layout.tp_size)
+        params = dict(self.gpt.named_parameters())
+        expected = set(hf_convert.mcore_param_names(self.arch))
+        if set(params) != expected:
+            raise RuntimeError(
+                f"megatron model parameters differ from the converter's: extra {sorted(set(params) - expected)[:3]}, "
+                f"missing {sorted(expected - set(params))[:3]}"
+            )
+        with torch.no_grad():
+            for name, param in params.items():
+                local = hf_convert.shard_for_tp(name, full[name], self.layout.tp_rank, self.layout.tp_size)
+                if tuple(local.shape) != tuple(param.shape):
+                    raise RuntimeError(f"{name}: converted shard {tuple(local.shape)} != megatron {tuple(param.shape)}")
+                param.copy_(local)
+
+    def _wrap_ddp(self, bf16: bool) -> Any:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer.module import Float16Module
+
+        module = Float16Module(self.tconfig, self.gpt) if bf16 else self.gpt
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        return DistributedDataParallel(config=self.tconfig, ddp_config=ddp_config, module=module)
+
+    def _build_optimizer(self, bf16: bool) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = self.cfg.actor.optim
+        lr = scaled_lr(self.cfg)
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            min_lr=lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.beta1,
+            adam_beta2=o.beta2,
+            adam_eps=o.eps,
+            # megatron's own clipping asserts CUDA tensors: `_clip_grads` does it with torch ops.
+            clip_grad=0.0,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        )
+        self.optimizer = get_megatron_optimizer(config, [self._model])
+        # Linear warmup to `lr` over actor.optim.warmup_steps, then constant; wd off for norms/biases.
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=lr,
+            min_lr=lr,
+            lr_warmup_steps=o.warmup_steps,
+            lr_decay_steps=o.warmup_steps + 1,
+            lr_decay_style="constant",
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+
+    def _local_vocab_slice(self) -> slice:
+        """This rank's real (unpadded) vocabulary columns of its logits shard."""
+        padded = hf_convert.padded_vocab_size(self.arch.vocab_size, self.layout.tp_size)
+        shard = padded // self.layout.tp_size
+        self._vocab_start = self.layout.tp_rank * shard
+        return slice(0, max(0, min(shard, self.arch.vocab_size - self._vocab_start)))
+
+    # ------------------------------------------------------------------------- training
+
+    def train_step(self, shards: SequenceOf[TrainShard]) -> dict[str, float]:
+        """One optimizer step on this rank's shards (the TrainShards themselves, not refs).
+
+        Every TP rank of a data-parallel replica must get the same shards. Returns the global
+        token-mean loss (same on every rank) and step statistics.
+        """
+        self._enter_device()
+        start = time.perf_counter()
+        sequences = _flatten(shards)
+        local_tokens = sum(s.num_response_tokens for s in sequences)
+        self._check_same_data_over_tp(len(sequences), local_tokens)
+        global_tokens = self._sum_over_dp(local_tokens)
+        if global_tokens == 0:
+            raise ValueError(f"step {self._steps + 1}: no response tokens on any data-parallel rank")
+        self._model.train()
+        self._model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for group in split_micro_batches(sequences, self.cfg.actor.micro_batch_size):
+            micro = collate(group, self.pad_id).to(self.device)
+            sum_loss, _ = self._loss_sum(self._forward(micro), micro)
+            # Dividing by the global count makes the DP-summed gradient d(global token mean).
+            (sum_loss / global_tokens).backward()
+            loss_sum += sum_loss.detach().double()
+        self._model.finish_grad_sync()
+        forward_backward_s = time.perf_counter() - start
+        grad_norm, stepped = self._optimizer_step()
+        dist.all_reduce(loss_sum, group=self.dp_group)
+        return {
+            "loss": float(loss_sum.item()) / global_tokens,
+            "grad_norm": grad_norm,
+            "lr": self._current_lr(),
+            "num_tokens": float(global_tokens),
+            "num_sequences": float(self._sum_over_dp(len(sequences))),
+            "skipped_step": 0.0 if stepped else 1.0,
+            "forward_backward_s": forward_backward_s,
+            "train_step_s": time.perf_counter() - start,
+        }
+
+    def eval_loss(self, shards: SequenceOf[TrainShard]) -> dict[str, float]:
+        """The configured divergence (and forward KL = teacher KL) on `shards`, forward only."""
+        self._enter_device()
+        start = time.perf_counter()
+        sequences = _flatten(shards)
+        local_tokens = sum(s.num_response_tokens for s in sequences)
+        self._check_same_data_over_tp(len(sequences), local_tokens)
+        global_tokens = self._sum_over_dp(local_tokens)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self._model.eval()
+        with torch.no_grad():
+            for group in split_micro_batches(sequences, self.cfg.actor.micro_batch_size):
+                micro = collate(group, self.pad_id).to(self.device)
+                logits_BTv = self._forward(micro)
+                sums[0] += self._loss_sum(logits_BTv, micro)[0].double()
+                sums[1] += self._loss_sum(logits_BTv, micro, divergence="forward_kl")[0].double()
+        dist.all_reduce(sums, group=self.dp_group)
+        denominator = max(global_tokens, 1)
+        return {
+            "loss": float(sums[0].item()) / denominator,
+            "forward_kl": float(sums[1].item()) / denominator,
+            "num_tokens": float(global_tokens),
+            "eval_s": time.perf_counter() - start,
+        }
+
+    def _forward(self, micro: MicroBatch) -> Tensor:
+        # No attention mask: right padding never precedes a real token, the causal mask suffices.
+        return self._model(micro.input_ids_BT, micro.position_ids_BT, None)  # [B, T, V_padded / tp]
+
+    def _loss_sum(self, logits_BTv: Tensor, micro: MicroBatch, divergence: str | None = None) -> tuple[Tensor, Tensor]:
+        """Sum of per-token divergences over the micro-batch's loss tokens (same on all TP ranks)."""
+        a = self.cfg.algorithm
+        kwargs: dict[str, Any] = {
+            "divergence": divergence or a.divergence.value,
+            "beta": a.beta,
+            "temperature": a.temperature,
+            "tail": a.tail,
+        }
+        # Padded vocabulary columns are not tokens: they are cut off, never given mass.
+        logits_BTv = logits_BTv[..., self._vocab_shard]
+        batch = (micro.teacher_logprobs_BTK, micro.teacher_ids_BTK, micro.loss_mask_BT)
+        if self.layout.tp_size == 1:
+            return gkd_loss_sum(logits_BTv, *batch, **kwargs)
+        return vocab_parallel_gkd_loss_sum(
+            logits_BTv,
+            *batch,
+            vocab_start=self._vocab_start,
+            vocab_size=self.arch.vocab_size,
+            group=self.tp_group,
+            **kwargs,
+        )
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Clip, advance the lr schedule, step. Returns (pre-clip grad norm, whether it stepped)."""
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = self._clip_grads()
+        self._steps += 1
+        self.scheduler.step(1)
+        if found_inf or not math.isfinite(grad_norm):
+            # A non-finite gradient would poison Adam's moments: skip this update (reported).
+            return grad_norm, False
+        self.optimizer.step_with_ready_grads()
+        return grad_norm, True
+
+    @torch.no_grad()
+    def _clip_grads(self) -> float:
+        """Global L2 grad norm; scale the grads to actor.optim.clip_grad when above it.
+
+        megatron lists each TP shard once and skips TP-replicated params (norm weights) on all
+        but TP rank 0, so the model-parallel all-reduce counts every gradient entry once.
+        """
+        leaves = _leaf_optimizers(self.optimizer)
+        grads = [g for opt in leaves for g in opt.get_main_grads_for_grad_norm()]
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for grad in grads:
+            squares += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
+        dist.all_reduce(squares, group=self.optimizer.get_grad_stats_parallel_group())
+        grad_norm = float(squares.sqrt().item())
+        max_norm = self.cfg.actor.optim.clip_grad
+        if max_norm > 0 and math.isfinite(grad_norm):
+            coeff = max_norm / (grad_norm + CLIP_EPS)
+            if coeff < 1.0:
+                all_grads = [p.grad for opt in leaves for p in opt.get_parameters() if p.grad is not None]
+                torch._foreach_mul_(all_grads, coeff)
+        return grad_norm
+
+    def _current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _sum_over_dp(self, value: int) -> int:
+        total = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(total, group=self.dp_group)
+        return int(total.item())
+
+    def _check_same_data_over_tp(self, num_sequences: int, num_tokens: int) -> None:
+        """TP ranks compute one model together: they must all hold the same sequences."""
+        if self.layout.tp_size == 1:
+            return
+        stats = torch.tensor([num_sequences, num_tokens, -num_sequences, -num_tokens], device=self.device)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if stats[0] != -stats[2] or stats[1] != -stats[3]:
+            raise ValueError(
+                f"rank {self.rank}: tensor-parallel ranks got different data ({num_sequences} sequences, "
+                f"{num_tokens} tokens here); give every TP rank of a replica the shards of its data-parallel "
+                "rank (recipe_gkd.actor.layout.data_parallel_rank)"
+            )
+
+    # ------------------------------------------------------------------------- probes and export
+
+    def token_logprobs(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+        """log p(token t+1 | tokens <= t) under the current weights, fp32 [B, L-1].
+
+        Without a mask every row is one sequence from position 0. With a mask, each row's
+        valid tokens (a contiguous run of 1s, e.g. left padding) are scored as a sequence of
+        their own, starting at position 0; entries whose t or t+1 is padding are 0. Every
+        rank must call this with the same input (tensor-parallel collectives).
+        """
+        self._enter_device()
+        ids_BL = np.asarray(input_ids, dtype=np.int64)
+        mask_BL = np.ones_like(ids_BL, dtype=bool) if attention_mask is None else np.asarray(attention_mask, dtype=bool)
+        starts_B, lengths_B = _contiguous_runs(mask_BL)
+        batch, length = ids_BL.shape
+        packed_BL = np.full((batch, length), self.pad_id, dtype=np.int64)
+        for row in range(batch):
+            packed_BL[row, : lengths_B[row]] = ids_BL[row, starts_B[row] : starts_B[row] + lengths_B[row]]
+        packed = torch.from_numpy(packed_BL).to(self.device)
+        logprobs_BLV = torch.log_softmax(self._full_logits(packed)[:, :-1], dim=-1)
+        packed_logprobs_BL = logprobs_BLV.gather(-1, packed[:, 1:, None]).squeeze(-1).cpu().numpy()
+        out_BL = np.zeros((batch, length - 1), dtype=np.float32)
+        for row in range(batch):
+            scored = max(lengths_B[row] - 1, 0)
+            out_BL[row, starts_B[row] : starts_B[row] + scored] = packed_logprobs_BL[row, :scored]
+        return out_BL
+
+    def forward_logits(self, input_ids: np.ndarray) -> np.ndarray:
+        """Full-vocabulary fp32 logits [B, L, V] of unpadded rows (every rank calls it, same input)."""
+        self._enter_device()
+        ids_BL = torch.as_tensor(np.asarray(input_ids, dtype=np.int64), device=self.device)
+        return self._full_logits(ids_BL).cpu().numpy()
+
+    @torch.no_grad()
+    def _full_logits(self, ids_BL: Tensor) -> Tensor:
+        """fp32 [B, L, V]: this rank's vocabulary shard gathered over TP, padding columns dropped."""
+        batch, length = ids_BL.shape
+        positions_BL = torch.arange(length, device=self.device).expand(batch, length)
+        self._model.eval()
+        logits_BLv = self._model(ids_BL, positions_BL, None)
+        if self.layout.tp_size > 1:
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+            logits_BLv = gather_from_tensor_model_parallel_region(logits_BLv)
+        return logits_BLv[..., : self.arch.vocab_size].float()
+
+    def export_hf_state_dict(self) -> dict[str, np.ndarray] | None:
+        """The current weights as HF-named fp32 arrays, on global rank 0 (None elsewhere).
+
+        Tied embeddings appear once (`model.embed_tokens.weight`), as HF's save_pretrained
+        writes them. Every rank must call this: TP ranks of replica 0 gather their shards.
+        """
+        self._enter_device()
+        if self.layout.dp_rank != 0:
+            return None
+        full: dict[str, Tensor] = {}
+        for name, param in self.gpt.named_parameters():
+            shards = self._gather_to_tp_rank0(param.detach())
+            if shards is not None:
+                # A copy: at TP=1 the shard is the live parameter, which the next step updates.
+                full[name] = hf_convert.unshard_from_tp(name, shards).to("cpu", torch.float32, copy=True)
+        if self.rank != 0:
+            return None
+        hf_state = hf_convert.mcore_full_to_hf(full, self.arch)
+        return {name: np.ascontiguousarray(t.numpy()) for name, t in hf_state.items()}
+
+    def _gather_to_tp_rank0(self, local: Tensor) -> list[Tensor] | None:
+        if self.layout.tp_size == 1:
+            return [local]
+        shards = [torch.empty_like(local) for _ in range(self.layout.tp_size)] if self.layout.tp_rank == 0 else None
+        dst = dist.get_global_rank(self.tp_group, 0)
+        dist.gather(local.contiguous(), gather_list=shards, dst=dst, group=self.tp_group)
+        return shards
+
+    def save_hf(self, out_dir: str) -> str | None:
+        """Write an HF directory (config, model.safetensors, tokenizer) on rank 0; every rank calls it."""
+        from safetensors.numpy import save_file
+        from transformers import AutoConfig
+
+        state = self.export_hf_state_dict()
+        if state is not None:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            source = Path(self.cfg.model.student_path)
+            hf_config = AutoConfig.from_pretrained(source)
+            hf_config.dtype = "float32"  # the exported weights are fp32 whatever the training precision
+            hf_config.save_pretrained(out)
+            save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+            _copy_tokenizer_files(Path(self.cfg.model.tokenizer_path or source), out)
+        dist.barrier()
+        return str(out_dir) if state is not None else None
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _flatten(shards: SequenceOf[TrainShard]) -> list[Sequence]:
+    for shard in shards:
+        if not isinstance(shard, TrainShard):
+            raise TypeError(
+                f"train_step takes a list of TrainShard, got {type(shard).__name__}; resolve Ray refs with ray.get first"
+            )
+    return [seq for shard in shards for seq in shard.sequences]
+
+
+def _leaf_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _contiguous_runs(mask_BL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: start and length of its run of True values (which must be contiguous)."""
+    lengths_B = mask_BL.sum(axis=1)
+    starts_B = np.where(lengths_B > 0, mask_BL.argmax(axis=1), 0)
+    for row, (start, count) in enumerate(zip(starts_B, lengths_B, strict=True)):
+        if not mask_BL[row, start : start + count].all():
+            raise ValueError(f"attention_mask row {row} is not one contiguous run of 1s")
+    return starts_B, lengths_B
+
+
+def _copy_tokenizer_files(source: Path, out: Path) -> None:
+    for path in source.iterdir():
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(HF_NON_TOKENIZER_SUFFIXES):
+            shutil.copy2(path, out / path.name)

@@ -1,0 +1,195 @@
+"""Runs MegatronActor scenarios in one rank process (launched by test_megatron_actor.py).
+
+    python tests/integration/megatron_scenarios.py --rank R --world W --workdir D \
+        --models M --ports P1,P2,... --jobs job1,job2,... [--device cpu|cuda]
+
+Each actor gets a fresh process group on the next port of --ports (every rank takes them in
+the same order). Each job builds its actors from the HF models under M, runs, and rank 0 writes
+`D/<job>.npz`. Megatron runs in these processes only: the pytest process never imports it,
+so its CUDA compat patches and process groups never leak into other tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recipe_gkd.batch import Sequence, TrainShard
+from recipe_gkd.config import Device, GKDConfig, Precision
+
+GLOBAL_BATCH = 8
+TOP_K = 8
+PROBE_SHAPE = (3, 12)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def make_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> list[Sequence]:
+    """Random prompt+response sequences with a random teacher's exact top-k log-probs."""
+    rng = np.random.default_rng(seed)
+    sequences = []
+    for i in range(count):
+        length = int(rng.integers(6, 24))
+        response_start = int(rng.integers(1, length))
+        ids = rng.integers(0, vocab, length).astype(np.int32)
+        logits = rng.normal(size=(length - response_start, vocab)) * 2.0
+        logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        top = np.argsort(-logprobs, axis=-1)[:, :top_k]
+        sequences.append(
+            Sequence(
+                sample_id=i,
+                input_ids=ids,
+                response_start=response_start,
+                on_policy=True,
+                teacher_topk_logprobs=np.take_along_axis(logprobs, top, -1).astype(np.float32),
+                teacher_topk_ids=top.astype(np.int32),
+            )
+        )
+    return sequences
+
+
+def rank_shards(seed: int, vocab: int, dp_rank: int, dp_size: int) -> list[TrainShard]:
+    """This data-parallel rank's part of a GLOBAL_BATCH batch, as two shards (two rollout workers)."""
+    sequences = make_sequences(seed, GLOBAL_BATCH, vocab)
+    per_rank = GLOBAL_BATCH // dp_size
+    mine = sequences[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    half = len(mine) // 2
+    return [TrainShard(step=seed, weight_version=0, sequences=mine[:half]), TrainShard(seed, 0, mine[half:])]
+
+
+def probe_ids(vocab: int) -> np.ndarray:
+    return np.random.default_rng(123).integers(0, vocab, PROBE_SHAPE).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+def make_cfg(model_dir: str, world: int, device: str, **actor: Any) -> GKDConfig:
+    cfg = GKDConfig()
+    cfg.cluster.device = Device(device)
+    cfg.model.student_path = model_dir
+    cfg.actor.gpus_per_node = world
+    cfg.actor.megatron.tp = actor.pop("tp", 1)
+    cfg.actor.micro_batch_size = actor.pop("micro_batch_size", 4)
+    cfg.actor.precision = Precision(actor.pop("precision", "fp32"))
+    for key, value in actor.items():
+        setattr(cfg.actor.optim, key, value)
+    return cfg
+
+
+class Job:
+    def __init__(self, args: argparse.Namespace, ports: Iterator[int], name: str) -> None:
+        self.args, self.ports, self.name = args, ports, name
+        self.out: dict[str, np.ndarray] = {}
+
+    def actor(self, model: str, **actor: Any) -> Any:
+        from recipe_gkd.actor.megatron_actor import MegatronActor
+
+        cfg = make_cfg(str(Path(self.args.models) / model), self.args.world, self.args.device, **actor)
+        a = MegatronActor(cfg, self.args.rank, self.args.world, "127.0.0.1", next(self.ports))
+        info = a.setup()
+        self.out["info"] = np.array(json.dumps(info))
+        return a
+
+    def export(self, a: Any, prefix: str) -> None:
+        state = a.export_hf_state_dict()
+        if state is not None:
+            self.out.update({f"{prefix}/{k}": v for k, v in state.items()})
+
+    def train(self, a: Any, seeds: list[int], vocab: int) -> None:
+        stats = [a.train_step(rank_shards(s, vocab, a.layout.dp_rank, a.layout.dp_size)) for s in seeds]
+        for key in ("loss", "grad_norm", "lr", "num_tokens"):
+            self.out[key] = np.array([s[key] for s in stats])
+
+    def save(self) -> None:
+        if self.args.rank == 0:
+            np.savez(Path(self.args.workdir) / f"{self.name}.npz", **self.out)
+
+
+def job_logits(job: Job) -> None:
+    """Per model variant: logits and the untouched export (HF -> mcore -> HF) at TP = world."""
+    for model in ("llama_tied", "llama_untied", "qwen2_bias"):
+        a = job.actor(model, tp=job.args.world)
+        vocab = a.arch.vocab_size
+        job.out[f"{model}/logits"] = a.forward_logits(probe_ids(vocab))
+        job.export(a, f"{model}/export")
+        a.shutdown()
+
+
+def _train_job(model: str, seeds: list[int], **actor: Any) -> Callable[[Job], None]:
+    def run(job: Job) -> None:
+        a = job.actor(model, **actor)
+        vocab = a.arch.vocab_size
+        job.export(a, "before")
+        job.train(a, seeds, vocab)
+        job.export(a, "after")
+        job.out["eval"] = np.array(json.dumps(a.eval_loss(rank_shards(99, vocab, a.layout.dp_rank, a.layout.dp_size))))
+        mask = np.ones(PROBE_SHAPE, dtype=bool)
+        mask[0, :3] = False  # left padding on row 0
+        mask[1, -2:] = False  # right padding on row 1
+        job.out["probe_ids"] = probe_ids(vocab)
+        job.out["probe_mask"] = mask
+        job.out["probe_logprobs"] = a.token_logprobs(probe_ids(vocab), mask)
+        a.shutdown()
+
+    return run
+
+
+def _save_job(model: str, **actor: Any) -> Callable[[Job], None]:
+    def run(job: Job) -> None:
+        a = job.actor(model, **actor)
+        a.train_step(rank_shards(5, a.arch.vocab_size, a.layout.dp_rank, a.layout.dp_size))
+        a.save_hf(str(Path(job.args.workdir) / f"{job.name}_hf"))
+        job.out["probe_logprobs"] = a.token_logprobs(probe_ids(a.arch.vocab_size))
+        a.shutdown()
+
+    return run
+
+
+NO_CLIP = {"clip_grad": 0.0, "lr": 1e-3}
+# eps >> |grad| makes Adam's first step ~ lr * grad / eps: linear in the (clipped) gradient.
+LINEAR_ADAM = {"eps": 1.0e3, "lr": 1.0e3}
+JOBS: dict[str, Callable[[Job], None]] = {
+    "logits": job_logits,
+    # Global-token normalization: one batch, micro-batch 8 vs 1 vs DP=2 (x micro-batch 2).
+    "mb8": _train_job("llama_tied", [1], micro_batch_size=8, **NO_CLIP),
+    "mb1": _train_job("llama_tied", [1], micro_batch_size=1, **NO_CLIP),
+    "dp2": _train_job("llama_tied", [1], micro_batch_size=2, **NO_CLIP),
+    # TP=2 vs TP=1: three steps on different batches, Adam with clipping at 1.0, warmup.
+    "tp1_steps": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, warmup_steps=2),
+    "tp2_steps": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, warmup_steps=2),
+    "tp2_tied_steps": _train_job("llama_tied", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3),
+    "tp1_tied_steps": _train_job("llama_tied", [1, 2, 3], micro_batch_size=3, lr=1e-3),
+    # Clipping: same step without and with a clip far below the gradient norm.
+    "noclip": _train_job("llama_tied", [1], clip_grad=0.0, **LINEAR_ADAM),
+    "clip": _train_job("llama_tied", [1], clip_grad=1.0e-3, **LINEAR_ADAM),
+    "bf16": _train_job("llama_tied", [1], precision="bf16", **NO_CLIP),
+    "save_tp2": _save_job("llama_untied_odd", tp=2),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--models", required=True)
+    parser.add_argument("--ports", required=True, help="comma-separated free ports, one per actor built")
+    parser.add_argument("--jobs", required=True)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    ports = iter(int(p) for p in args.ports.split(","))
+    for name in args.jobs.split(","):
+        job = Job(args, ports, name)
+        JOBS[name](job)
+        job.save()
+
+
+if __name__ == "__main__":
+    main()

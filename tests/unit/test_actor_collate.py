@@ -1,0 +1,68 @@
+"""Ragged sequences -> aligned micro-batches (recipe_gkd.actor.collate)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from recipe_gkd.actor.collate import collate, split_micro_batches
+from recipe_gkd.batch import Sequence
+
+PAD = 0
+
+
+def sequence(sample_id: int, length: int, response_start: int, top_k: int = 3) -> Sequence:
+    rng = np.random.default_rng(sample_id)
+    responses = length - response_start
+    return Sequence(
+        sample_id=sample_id,
+        input_ids=rng.integers(1, 50, length).astype(np.int32),
+        response_start=response_start,
+        on_policy=True,
+        teacher_topk_logprobs=-rng.random((responses, top_k)).astype(np.float32),
+        teacher_topk_ids=rng.integers(0, 50, (responses, top_k)).astype(np.int32),
+    )
+
+
+def test_teacher_row_j_lands_where_the_student_predicts_token_response_start_plus_j() -> None:
+    seqs = [sequence(0, length=7, response_start=3), sequence(1, length=4, response_start=1)]
+    batch = collate(seqs, PAD)
+    assert batch.input_ids_BT.shape == (2, 6)  # longest L - 1: the last token predicts nothing
+    assert batch.num_tokens == 4 + 3
+    for row, seq in enumerate(seqs):
+        length, start = len(seq.input_ids), seq.response_start
+        assert batch.input_ids_BT[row, : length - 1].tolist() == seq.input_ids[:-1].tolist()
+        assert (batch.input_ids_BT[row, length - 1 :] == PAD).all()
+        mask = batch.loss_mask_BT[row]
+        assert mask.nonzero().squeeze(-1).tolist() == list(range(start - 1, length - 1))
+        for j in range(length - start):
+            t = start + j - 1  # position t predicts token t + 1 = response_start + j
+            assert torch.equal(batch.teacher_ids_BTK[row, t], torch.from_numpy(seq.teacher_topk_ids[j]).long())
+            assert torch.equal(batch.teacher_logprobs_BTK[row, t], torch.from_numpy(seq.teacher_topk_logprobs[j]))
+    assert batch.position_ids_BT[1].tolist() == list(range(6))
+
+
+def test_prompt_and_padding_never_carry_loss() -> None:
+    batch = collate([sequence(2, length=9, response_start=6), sequence(3, length=3, response_start=2)], PAD)
+    assert batch.loss_mask_BT.tolist() == [
+        [False] * 5 + [True] * 3,
+        [False, True] + [False] * 6,
+    ]
+
+
+def test_inconsistent_teacher_rows_and_top_k_are_refused() -> None:
+    bad = sequence(4, length=6, response_start=2)
+    bad.teacher_topk_ids = bad.teacher_topk_ids[:-1]
+    with pytest.raises(ValueError, match="response tokens"):
+        collate([bad], PAD)
+    with pytest.raises(ValueError, match=r"teacher\.top_k"):
+        collate([sequence(5, 6, 2, top_k=3), sequence(6, 6, 2, top_k=4)], PAD)
+
+
+def test_micro_batches_keep_order_and_the_remainder() -> None:
+    seqs = [sequence(i, 5, 2) for i in range(7)]
+    groups = split_micro_batches(seqs, 3)
+    assert [[s.sample_id for s in g] for g in groups] == [[0, 1, 2], [3, 4, 5], [6]]
+    with pytest.raises(ValueError, match=r"actor\.micro_batch_size"):
+        split_micro_batches(seqs, 0)

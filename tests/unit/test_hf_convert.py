@@ -1,0 +1,195 @@
+"""HF <-> megatron weight layout and TP sharding (pure torch: megatron itself is not imported).
+
+The end-to-end checks (megatron logits == HF logits, the round trip through a real
+GPTModel at TP=1 and TP=2 over gloo) live in tests/integration/test_megatron_actor.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from recipe_gkd.actor import hf_convert
+from recipe_gkd.actor.hf_convert import HFArch, UnsupportedModelError
+from recipe_gkd.actor.layout import rank_layout
+from recipe_gkd.config import GKDConfig
+
+SHAPE = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
+def llama(vocab: int = 101, kv_heads: int = 2, tied: bool = True) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, num_key_value_heads=kv_heads, tie_word_embeddings=tied, **SHAPE)
+    return LlamaForCausalLM(config)
+
+
+def qwen2(kv_heads: int = 1) -> torch.nn.Module:
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=90, num_key_value_heads=kv_heads, **SHAPE))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_()
+    return model
+
+
+def hf_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+MODELS = {
+    "llama_tied": lambda: llama(tied=True),
+    "llama_untied": lambda: llama(tied=False),
+    "llama_mha_untied": lambda: llama(kv_heads=4, tied=False),
+    "qwen2_bias_kv1": qwen2,
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_round_trip_through_tp_shards_is_bitwise(which: str, tp: int) -> None:
+    model = MODELS[which]()
+    arch = hf_convert.read_hf_arch(model.config)
+    hf_convert.check_parallel_layout(arch, tp)
+    state = hf_params(model)
+    full = hf_convert.hf_to_mcore_full(state, arch, tp)
+    assert list(full) == hf_convert.mcore_param_names(arch)
+    shards = {name: [hf_convert.shard_for_tp(name, t, r, tp) for r in range(tp)] for name, t in full.items()}
+    for name, parts in shards.items():
+        if hf_convert.partition_dim(name) is not None:
+            assert sum(p.numel() for p in parts) == full[name].numel()
+    rebuilt = {name: hf_convert.unshard_from_tp(name, parts) for name, parts in shards.items()}
+    back = hf_convert.mcore_full_to_hf(rebuilt, arch)
+    assert back.keys() == state.keys()  # tied: embed_tokens only, as HF's named_parameters
+    for name, tensor in state.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_vocabulary_is_padded_to_a_multiple_of_tp() -> None:
+    arch = hf_convert.read_hf_arch(llama(vocab=101, tied=False).config)
+    full = hf_convert.hf_to_mcore_full(hf_params(llama(vocab=101, tied=False)), arch, tp_size=2)
+    assert hf_convert.padded_vocab_size(101, 2) == 102
+    assert hf_convert.padded_vocab_size(102, 2) == 102
+    assert full[hf_convert.EMBEDDING].shape == (102, 48)
+    assert full[hf_convert.OUTPUT_LAYER].shape == (102, 48)
+    assert torch.all(full[hf_convert.OUTPUT_LAYER][101:] == 0)
+
+
+def test_fused_qkv_is_interleaved_per_kv_group() -> None:
+    """Rows tagged with their head: group g holds q heads 2g, 2g+1, then k_g, then v_g."""
+    arch = hf_convert.read_hf_arch(llama(kv_heads=2).config)  # 4 q heads, 2 groups, head_dim 12
+    dim = arch.head_dim
+    q = torch.arange(4).repeat_interleave(dim)[:, None].float().expand(-1, 48)
+    k = (10 + torch.arange(2)).repeat_interleave(dim)[:, None].float().expand(-1, 48)
+    v = (20 + torch.arange(2)).repeat_interleave(dim)[:, None].float().expand(-1, 48)
+    fused = hf_convert.fuse_qkv(q, k, v, arch)
+    heads = fused[::dim, 0].tolist()
+    assert heads == [0, 1, 10, 20, 2, 3, 11, 21]
+    assert all(torch.equal(a, b) for a, b in zip(hf_convert.split_qkv(fused, arch), (q, k, v), strict=True))
+
+
+def test_tp_shards_follow_megatron_layouts() -> None:
+    arch = hf_convert.read_hf_arch(llama(kv_heads=2).config)
+    gate = torch.arange(64.0)[:, None].expand(-1, 48)
+    up = 100 + gate
+    fc1 = torch.cat([gate, up])
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    rank1 = hf_convert.shard_for_tp(name, fc1, tp_rank=1, tp_size=2)
+    # SwiGLU chunks the local output in two: each rank must hold [gate_r; up_r].
+    assert rank1[:, 0].tolist() == list(range(32, 64)) + list(range(132, 164))
+    proj = torch.arange(48.0 * 64).reshape(48, 64)
+    assert torch.equal(hf_convert.shard_for_tp("x.self_attention.linear_proj.weight", proj, 1, 2), proj[:, 32:])
+    norm = torch.ones(48)
+    assert hf_convert.shard_for_tp("decoder.final_layernorm.weight", norm, 1, 2) is norm
+    assert hf_convert.partition_dim("decoder.layers.3.self_attention.linear_qkv.bias") == 0
+    del arch
+
+
+def test_read_hf_arch_reads_gqa_rope_and_bias() -> None:
+    arch = hf_convert.read_hf_arch(qwen2().config)
+    assert arch == HFArch(
+        model_type="qwen2",
+        vocab_size=90,
+        hidden_size=48,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=12,
+        rms_norm_eps=qwen2().config.rms_norm_eps,
+        rope_theta=qwen2().config.rope_parameters["rope_theta"],
+        max_position_embeddings=qwen2().config.max_position_embeddings,
+        tie_word_embeddings=qwen2().config.tie_word_embeddings,
+        qkv_bias=True,
+        initializer_range=0.02,
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+)
+def test_unsupported_llama_features_are_refused(change: dict, match: str) -> None:
+    config = LlamaConfig(**SHAPE)
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(UnsupportedModelError, match=match):
+        hf_convert.read_hf_arch(config)
+
+
+def test_unsupported_model_type_names_the_key() -> None:
+    class Gpt2Like:
+        model_type = "gpt2"
+
+    with pytest.raises(UnsupportedModelError, match=r"model\.student_path"):
+        hf_convert.read_hf_arch(Gpt2Like())
+
+
+def test_parallel_layout_errors_name_the_tp_key() -> None:
+    arch = hf_convert.read_hf_arch(llama(kv_heads=2).config)
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.tp=3"):
+        hf_convert.check_parallel_layout(arch, 3)
+    hf_convert.check_parallel_layout(hf_convert.read_hf_arch(qwen2(kv_heads=1).config), 4)  # kv=1 < tp is fine
+
+
+@pytest.mark.parametrize(("pp", "cp", "key"), [(2, 1, r"actor\.megatron\.pp"), (1, 2, r"actor\.megatron\.cp")])
+def test_pipeline_and_context_parallel_are_refused(pp: int, cp: int, key: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=key):
+        hf_convert.check_pipeline_context(pp, cp)
+
+
+def test_rank_layout_is_megatron_order() -> None:
+    cfg = GKDConfig()
+    cfg.actor.gpus_per_node = 4
+    cfg.actor.megatron.tp = 2
+    coords = [(rank_layout(cfg, r).tp_rank, rank_layout(cfg, r).dp_rank) for r in range(4)]
+    assert coords == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert rank_layout(cfg, 3).dp_size == 2
+
+
+def test_load_hf_state_reads_safetensors(tmp_path: Path) -> None:
+    model = llama(tied=False)
+    model.save_pretrained(tmp_path)
+    state = hf_convert.load_hf_state(tmp_path)
+    for name, tensor in hf_params(model).items():
+        assert torch.equal(state[name], tensor)
+    with pytest.raises(FileNotFoundError, match=r"model\.student_path"):
+        hf_convert.load_hf_state(tmp_path / "missing")
+
+
+def test_importing_the_actor_does_not_import_megatron() -> None:
+    code = (
+        "import sys, recipe_gkd, recipe_gkd.actor.megatron_actor, recipe_gkd.actor.hf_convert;"
+        "bad = [m for m in sys.modules if m.startswith('megatron')]; assert not bad, bad"
+    )
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=120)
