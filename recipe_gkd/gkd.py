@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from recipe_gkd.batch import RolloutStats
-from recipe_gkd.config import GKDConfig
+from recipe_gkd.config import GKDConfig, Schedule
 from recipe_gkd.metrics import MetricsLogger, process_memory_mb
 from recipe_gkd.placement import PlacementPlan
 from recipe_gkd.ray_cluster import ray_cluster
@@ -32,6 +32,8 @@ from recipe_gkd.weight_sync import sync_weights
 from recipe_gkd.workers import Workers, launch_workers, wait
 
 FINAL_EXPORT_DIR = "final_student"
+# Batches in flight ahead of the one being trained.
+PIPELINE_DEPTH = {Schedule.sync: 0, Schedule.one_step_off: 1, Schedule.two_step_off: 2}
 
 
 @dataclass
@@ -60,10 +62,13 @@ def train(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger) -> None:
     if cfg.trainer.eval_every:
         evaluate(cfg, workers, metrics, step=0)
     metrics.start_progress(0)
+    pipeline = RolloutPipeline(cfg, workers)
     for step in range(cfg.trainer.total_steps):
         start = time.perf_counter()
-        rollout = generate_and_score(cfg, workers, step)
+        rollout = pipeline.next_batch(step)  # batch `step`; launches the work the schedule overlaps
+        check_staleness(cfg, rollout, version)
         stats = train_on(cfg, workers, rollout)
+        pipeline.wait_for_generation()  # the engines must be idle before their weights change
         sync = sync_weights(
             workers.actors, workers.rollouts, version + 1, cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s
         )
@@ -77,15 +82,75 @@ def train(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger) -> None:
     export_student(cfg, workers)
 
 
-def generate_and_score(cfg: GKDConfig, workers: Workers, step: int) -> Rollout:
-    """Every rollout worker samples and scores its share; returns refs, never tensors."""
-    start = time.perf_counter()
-    results = wait(
-        [r.produce.remote(step, workers.dp_size) for r in workers.rollouts], cfg.debug.hang_timeout_s, "rollout"
-    )
-    stats = [s for s, _ in results]
-    by_rank = [[refs[d] for _, refs in results] for d in range(workers.dp_size)]
-    return Rollout(stats, by_rank, time.perf_counter() - start)
+class RolloutPipeline:
+    """The rollout pool's work in flight, per algorithm.schedule. Every batch is produced once, in order.
+
+    sync:         batch t is generated and scored when step t asks for it.
+    one_step_off: batch t+1 is generated and scored while the actor trains on batch t.
+    two_step_off: batch t+2 is generated and batch t+1 scored while the actor trains on batch t.
+    Work is only launched for steps < trainer.total_steps, so nothing is left in flight at the end.
+    """
+
+    def __init__(self, cfg: GKDConfig, workers: Workers) -> None:
+        self.cfg, self.workers = cfg, workers
+        self.depth = PIPELINE_DEPTH[cfg.algorithm.schedule]
+        self.total = cfg.trainer.total_steps
+        self.generating: dict[int, list[Any]] = {}  # two_step_off: step -> refs of generate()
+        self.producing: dict[int, list[Any]] = {}  # step -> refs of produce() / score()
+
+    def next_batch(self, step: int) -> Rollout:
+        start = time.perf_counter()
+        if step == 0:
+            self._prefill()
+        if self.depth == 0:
+            self._produce(step)
+        results = wait(self.producing.pop(step), self.cfg.debug.hang_timeout_s, f"rollout of step {step}")
+        if self.depth == 1 and step + 1 < self.total:
+            self._produce(step + 1)
+        if self.depth == 2:
+            if step + 1 < self.total:
+                self._score(step + 1)
+            if step + 2 < self.total:
+                self._generate(step + 2)
+        stats = [s for s, _ in results]
+        by_rank = [[refs[d] for _, refs in results] for d in range(self.workers.dp_size)]
+        return Rollout(stats, by_rank, time.perf_counter() - start)
+
+    def wait_for_generation(self) -> None:
+        """Block until no engine is sampling (one_step_off waits for the whole produce of t+1)."""
+        in_flight = self.generating if self.depth == 2 else self.producing
+        for step, refs in in_flight.items():
+            wait(refs, self.cfg.debug.hang_timeout_s, f"generation of step {step}")
+
+    def _prefill(self) -> None:
+        if self.depth == 1:
+            self._produce(0)
+        if self.depth == 2:
+            self._generate(0)
+            self._score(0)
+            if self.total > 1:
+                self._generate(1)
+
+    def _produce(self, step: int) -> None:
+        self.producing[step] = [r.produce.remote(step, self.workers.dp_size) for r in self.workers.rollouts]
+
+    def _generate(self, step: int) -> None:
+        self.generating[step] = [r.generate.remote(step) for r in self.workers.rollouts]
+
+    def _score(self, step: int) -> None:
+        # The worker scores what it generated for `step`: that generation must be finished.
+        wait(self.generating.pop(step), self.cfg.debug.hang_timeout_s, f"generation of step {step}")
+        self.producing[step] = [r.score.remote(step, self.workers.dp_size) for r in self.workers.rollouts]
+
+
+def check_staleness(cfg: GKDConfig, rollout: Rollout, version: int) -> None:
+    """Refuse a batch sampled with weights more than algorithm.max_staleness syncs old."""
+    staleness = version - min(s.weight_version for s in rollout.stats)
+    if staleness > cfg.algorithm.max_staleness:
+        raise RuntimeError(
+            f"batch {rollout.stats[0].step} was sampled with weight version {version - staleness}, {staleness} syncs "
+            f"old; algorithm.max_staleness={cfg.algorithm.max_staleness}"
+        )
 
 
 def train_on(cfg: GKDConfig, workers: Workers, rollout: Rollout) -> dict[str, float]:
@@ -131,6 +196,7 @@ def step_row(
     sampled_with = min(s.weight_version for s in rollout.stats)
     return {
         "step": step + 1,
+        "batch": rollout.stats[0].step,
         "loss": train["loss"],
         "teacher_kl": train["loss"],
         "weight_version": version,
@@ -143,7 +209,7 @@ def step_row(
         "lr": train.get("lr"),
         "generate_s": max(s.timings["generate_s"] for s in rollout.stats),
         "teacher_s": max(s.timings["teacher_s"] for s in rollout.stats),
-        "rollout_s": rollout.seconds,
+        "rollout_wait_s": rollout.seconds,
         "train_s": train["train_s"],
         "sync_s": sync["sync_export_s"] + sync["sync_load_s"],
         "step_s": step_s,

@@ -118,7 +118,8 @@ def launch_workers(cfg: GKDConfig, plan: PlacementPlan, teacher_address: str | N
             )
             for s in actor_slots
         ]
-        rollout_cls = ray.remote(num_cpus=0)(RolloutWorker)
+        # Two threads: two_step_off scores batch t+1 while generating t+2 (the worker locks its engine).
+        rollout_cls = ray.remote(num_cpus=0, max_concurrency=2)(RolloutWorker)
         rollouts = [
             rollout_cls.options(num_gpus=len(s.gpu_ids), scheduling_strategy=pools.scheduling_strategy(s)).remote(
                 cfg, s.rank, len(rollout_slots)

@@ -8,6 +8,7 @@ sequences go to the teacher from here, and the results go into Ray's object stor
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,6 +30,18 @@ class Generation:
 
     response_ids: list[int]
     logprobs: np.ndarray  # float32 [len(response_ids)], under the unscaled student distribution
+
+
+@dataclass
+class Generated:
+    """A step's responses waiting for the teacher (kept inside the rollout worker)."""
+
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    on_policy: list[bool]
+    responses: list[tuple[list[int], np.ndarray | None]]
+    weight_version: int  # the weights these were sampled with
+    seconds: float
 
 
 class Engine(Protocol):
@@ -74,6 +87,11 @@ class RolloutWorker:
         self.weight_version = 0
         self.engine: Engine | None = None
         self.scorer: Scorer | None = None
+        # two_step_off runs score(t+1) beside generate(t+2) in two threads of this worker:
+        # the engine (generate, weight loads) and the teacher client each take one at a time.
+        self._engine_lock = threading.Lock()
+        self._teacher_lock = threading.Lock()
+        self._pending: dict[int, Generated] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -102,10 +120,32 @@ class RolloutWorker:
 
         Returns the stats and one object ref per actor rank (each a TrainShard).
         """
-        prompts = self.train_stream.take(self.per_step)
-        first_position = (self.train_stream.position - self.per_step) * self.world + self.rank
-        sequences, timings = self._rollout(prompts, greedy=False, mix_from=first_position)
-        return self._publish(step, sequences, timings, dp_size)
+        self.generate(step)
+        return self.score(step, dp_size)
+
+    def generate(self, step: int) -> float:
+        """Sample this worker's share of step `step` and keep it here until `score(step)`; returns seconds.
+
+        Steps must be generated in order: the prompt shard is read sequentially.
+        """
+        with self._engine_lock:
+            prompts = self.train_stream.take(self.per_step)
+            first_position = (self.train_stream.position - self.per_step) * self.world + self.rank
+            generated = self._generate(prompts, greedy=False, mix_from=first_position)
+        self._pending[step] = generated
+        return generated.seconds
+
+    def score(self, step: int, dp_size: int) -> tuple[RolloutStats, list[Any]]:
+        """Send step `step`'s sequences to the teacher and publish one TrainShard per actor rank."""
+        generated = self._pending.pop(step)
+        sequences, teacher_s = self._score(generated)
+        return self._publish(
+            step,
+            sequences,
+            {"generate_s": generated.seconds, "teacher_s": teacher_s},
+            dp_size,
+            generated.weight_version,
+        )
 
     def produce_eval(self, dp_size: int) -> tuple[RolloutStats, list[Any]]:
         """Greedy responses to this worker's share of the first data.eval_batch_size held-out prompts."""
@@ -113,33 +153,42 @@ class RolloutWorker:
             raise ValueError("trainer.eval_every > 0 needs data.eval_files")
         count = min(self.cfg.data.eval_batch_size, len(self.eval_dataset))
         prompts = [Prompt(i, 0, self.eval_dataset[i]) for i in range(self.rank, count, self.world)]
-        sequences, timings = self._rollout(prompts, greedy=True, mix_from=None)
-        return self._publish(-1, sequences, timings, dp_size)
+        with self._engine_lock:
+            generated = self._generate(prompts, greedy=True, mix_from=None)
+        sequences, teacher_s = self._score(generated)
+        return self._publish(
+            -1, sequences, {"generate_s": generated.seconds, "teacher_s": teacher_s}, dp_size, generated.weight_version
+        )
 
-    def _rollout(
-        self, prompts: list[Prompt], greedy: bool, mix_from: int | None
-    ) -> tuple[list[Sequence], dict[str, float]]:
-        assert self.engine is not None and self.scorer is not None, "call setup() first"
+    def _generate(self, prompts: list[Prompt], greedy: bool, mix_from: int | None) -> Generated:
+        """Responses to `prompts`: sampled by the student, or the dataset's (off-policy, 1 - lmbda)."""
+        assert self.engine is not None, "call setup() first"
         tokenizer = self.engine.tokenizer
-        d = self.cfg.data
         prompt_ids = [self._encode(p) for p in prompts]
         on_policy = [True] * len(prompts) if mix_from is None else self._on_policy_flags(mix_from, len(prompts))
         start = time.perf_counter()
-        sampled = iter(
-            self.engine.generate([ids for ids, on in zip(prompt_ids, on_policy, strict=True) if on], greedy=greedy)
-        )
+        to_sample = [ids for ids, on in zip(prompt_ids, on_policy, strict=True) if on]
+        sampled = iter(self.engine.generate(to_sample, greedy=greedy))
         responses: list[tuple[list[int], np.ndarray | None]] = []
         for prompt, on in zip(prompts, on_policy, strict=True):
             if on:
                 gen = next(sampled)
                 responses.append((gen.response_ids, gen.logprobs))
             else:
-                responses.append((encode_response(tokenizer, prompt.record, d.response_key), None))
-        generate_s = time.perf_counter() - start
-        ids = [np.asarray(p + r, dtype=np.int32) for p, (r, _) in zip(prompt_ids, responses, strict=True)]
-        starts = [len(p) for p in prompt_ids]
+                responses.append((encode_response(tokenizer, prompt.record, self.cfg.data.response_key), None))
+        return Generated(prompts, prompt_ids, on_policy, responses, self.weight_version, time.perf_counter() - start)
+
+    def _score(self, generated: Generated) -> tuple[list[Sequence], float]:
+        """The teacher's top-k for every response token of `generated`; returns the sequences and seconds."""
+        assert self.scorer is not None, "call setup() first"
+        ids = [
+            np.asarray(p + r, dtype=np.int32)
+            for p, (r, _) in zip(generated.prompt_ids, generated.responses, strict=True)
+        ]
+        starts = [len(p) for p in generated.prompt_ids]
         start = time.perf_counter()
-        scores = self.scorer.score(ids, starts)
+        with self._teacher_lock:
+            scores = self.scorer.score(ids, starts)
         teacher_s = time.perf_counter() - start
         sequences = [
             Sequence(
@@ -153,10 +202,10 @@ class RolloutWorker:
                 reward=self._reward(prompt, response),
             )
             for prompt, seq, first, on, (response, rollout_lp), (logprobs, topk_ids) in zip(
-                prompts, ids, starts, on_policy, responses, scores, strict=True
+                generated.prompts, ids, starts, generated.on_policy, generated.responses, scores, strict=True
             )
         ]
-        return sequences, {"generate_s": generate_s, "teacher_s": teacher_s}
+        return sequences, teacher_s
 
     def _encode(self, prompt: Prompt) -> list[int]:
         assert self.engine is not None
@@ -187,14 +236,14 @@ class RolloutWorker:
         return float(text.strip() == str(answer).strip())
 
     def _publish(
-        self, step: int, sequences: list[Sequence], timings: dict[str, float], dp_size: int
+        self, step: int, sequences: list[Sequence], timings: dict[str, float], dp_size: int, weight_version: int
     ) -> tuple[RolloutStats, list[Any]]:
         import ray
 
         # Sequence j of this worker goes to actor rank (global index) % dp: every rank gets
         # the same count when the global batch divides by dp (config.validate checks that).
         offset = self.rank * len(sequences)
-        shards = [TrainShard(step, self.weight_version, timings=timings) for _ in range(dp_size)]
+        shards = [TrainShard(step, weight_version, timings=timings) for _ in range(dp_size)]
         for j, seq in enumerate(sequences):
             shards[(offset + j) % dp_size].sequences.append(seq)
         refs = [ray.put(s) for s in shards]
@@ -206,7 +255,7 @@ class RolloutWorker:
         ]
         stats = RolloutStats(
             step=step,
-            weight_version=self.weight_version,
+            weight_version=weight_version,
             num_sequences=len(sequences),
             num_response_tokens=sum(s.num_response_tokens for s in sequences),
             sample_ids=[s.sample_id for s in sequences],
@@ -226,12 +275,13 @@ class RolloutWorker:
         assert self.engine is not None
         start = time.perf_counter()
         loaded: set[str] = set()
-        for ref in bucket_refs:
-            bucket: dict[str, np.ndarray] = ray.get(ref, timeout=timeout_s)
-            self.engine.load_weights(bucket)
-            loaded.update(bucket)
-        self.engine.finish_weight_update(loaded)
-        self.weight_version = version
+        with self._engine_lock:
+            for ref in bucket_refs:
+                bucket: dict[str, np.ndarray] = ray.get(ref, timeout=timeout_s)
+                self.engine.load_weights(bucket)
+                loaded.update(bucket)
+            self.engine.finish_weight_update(loaded)
+            self.weight_version = version
         return {"load_s": time.perf_counter() - start, "tensors": float(len(loaded))}
 
     def shutdown(self) -> None:

@@ -126,3 +126,30 @@ def test_driver_memory_does_not_grow_with_the_dataset(tiny_run_inputs: dict[str,
         assert proc.returncode == 0, proc.stderr[-3000:]
         rss[name] = read_metrics(run_dir)[-1]["driver_rss_mb"]
     assert abs(rss["big"] - rss["small"]) < 20, f"driver RSS small={rss['small']:.0f} MiB big={rss['big']:.0f} MiB"
+
+
+# (schedule, total_steps, staleness of each trained batch). Includes runs shorter than the pipeline.
+SCHEDULES = [
+    ("one_step_off", 1, [0]),
+    ("one_step_off", 3, [0, 1, 1]),
+    ("two_step_off", 1, [0]),
+    ("two_step_off", 2, [0, 1]),
+    ("two_step_off", 4, [0, 1, 2, 2]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "steps", "staleness"), SCHEDULES, ids=[f"{s}-{n}" for s, n, _ in SCHEDULES])
+def test_async_schedules_train_every_batch_once(
+    tiny_run_inputs: dict[str, Path], tmp_path: Path, schedule: str, steps: int, staleness: list[int]
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_cli(tiny_run_inputs, run_dir, f"algorithm.schedule={schedule}", f"trainer.total_steps={steps}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = read_metrics(run_dir)
+    assert [r["batch"] for r in rows] == list(range(steps)), "each batch trained exactly once, in order"
+    assert [r["weight_version"] for r in rows] == list(range(1, steps + 1))
+    assert [r["staleness"] for r in rows] == staleness
+    ids = [i for r in rows for i in r["sample_ids"]]
+    stream_order = Counter(ids)
+    assert sum(stream_order.values()) == 8 * steps and max(stream_order.values()) <= -(-8 * steps // 12)
