@@ -1,1 +1,29 @@
-"""Standalone ZeroMQ teacher server: scores student rollouts with the teacher's top-k logprobs."""
+"""Standalone ZeroMQ teacher server: scores student rollouts with the teacher's top-k logprobs.
+
+Importing this package imports neither transformers nor vllm (only backends/hf.py and
+backends/vllm.py do, when a replica loads them). The trainer-facing API:
+
+    from teacher_server import TeacherClient, TeacherTopK, tokenizer_fingerprint
+"""
+
+from teacher_server.client import (
+    TeacherClient,
+    TeacherDeadError,
+    TeacherError,
+    TeacherMismatchError,
+    TeacherRequestError,
+    TeacherTimeoutError,
+)
+from teacher_server.protocol import PROTOCOL_VERSION, TeacherTopK, tokenizer_fingerprint
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "TeacherClient",
+    "TeacherDeadError",
+    "TeacherError",
+    "TeacherMismatchError",
+    "TeacherRequestError",
+    "TeacherTimeoutError",
+    "TeacherTopK",
+    "tokenizer_fingerprint",
+]

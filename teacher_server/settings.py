@@ -1,0 +1,179 @@
+"""What `python -m teacher_server --config PATH` serves: the teacher section, server knobs, replica slots.
+
+PATH is either a run preset (configs/presets/*.yaml: the whole GKD config; the teacher's GPU
+ids on `--node-rank N` come from the placement plan) or a standalone teacher yaml
+(configs/teacher/*.yaml: a `teacher:` section plus an optional `server:` section).
+`key=value` overrides apply to either (`teacher.*` and `server.*` keys).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from recipe_gkd.config import ConfigError, TeacherConfig, TeacherLocation, load_config, validate_teacher_section
+
+STANDALONE_KEYS = frozenset({"teacher", "server"})
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@dataclass
+class ServerSection:
+    """Server-only knobs (the `server:` section of a standalone yaml, `server.*` overrides)."""
+
+    # Node-local GPU ids for this node's replicas, split by teacher.gpus_per_replica. Empty: the
+    # preset's plan for --node-rank, or 0..replicas*gpus_per_replica-1 for a standalone yaml.
+    gpu_ids: list[int] = field(default_factory=list)
+    # Where replicas connect (and `--join` points). Empty: teacher.address with port + 1
+    # (an ephemeral port when teacher.address has port 0).
+    replica_address: str = ""
+    # Intra-op threads per replica on CPU; 0 keeps torch's default.
+    torch_threads: int = 0
+    # Replica logs; empty: a new temporary directory (printed at start).
+    log_dir: str = ""
+    # Startup fails if a replica has not loaded and answered a probe by then.
+    ready_timeout_s: float = 600.0
+    # A replica that dies is restarted at most this many times.
+    max_restarts: int = 3
+
+
+@dataclass
+class TeacherFile:
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    server: ServerSection = field(default_factory=ServerSection)
+
+
+@dataclass(frozen=True)
+class ReplicaSlot:
+    name: str
+    node: int
+    gpu_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    teacher: TeacherConfig
+    server: ServerSection
+    node_rank: int
+    slots: tuple[ReplicaSlot, ...]
+
+    @property
+    def replica_address(self) -> str:
+        return self.server.replica_address or derive_replica_address(self.teacher.address)
+
+
+def load_settings(path: str | Path, overrides: Sequence[str] = (), *, node_rank: int = 0) -> ServerSettings:
+    """Load a preset or standalone teacher yaml plus overrides. Raises ConfigError naming the key."""
+    yaml_path = Path(path)
+    if not yaml_path.is_file():
+        raise ConfigError("--config", f"no such file {yaml_path}")
+    raw = OmegaConf.load(yaml_path)
+    keys = set(raw.keys()) if hasattr(raw, "keys") else set()
+    server_overrides = [o for o in overrides if o.startswith("server.")]
+    other_overrides = [o for o in overrides if not o.startswith("server.")]
+    if keys and keys <= STANDALONE_KEYS:
+        loaded = _load_standalone(raw, list(overrides), str(yaml_path))
+        teacher, server = loaded.teacher, loaded.server
+        plan_gpus: tuple[tuple[int, ...], ...] = ()
+    else:
+        cfg = load_config(yaml_path, other_overrides)
+        teacher = cfg.teacher
+        server = _load_standalone(OmegaConf.create({}), server_overrides, "command line").server
+        plan_gpus = _plan_gpus(cfg, node_rank)
+    _validate_server(server, teacher)
+    slots = _slots(teacher, server, node_rank, plan_gpus)
+    return ServerSettings(teacher, server, node_rank, slots)
+
+
+def load_teacher_file(path: str | Path, overrides: Sequence[str] = ()) -> TeacherFile:
+    """A standalone configs/teacher/*.yaml, validated."""
+    loaded = _load_standalone(OmegaConf.load(Path(path)), list(overrides), str(path))
+    _validate_server(loaded.server, loaded.teacher)
+    return loaded
+
+
+def _load_standalone(raw: object, overrides: list[str], source: str) -> TeacherFile:
+    schema = OmegaConf.structured(TeacherFile)
+    try:
+        merged = OmegaConf.merge(schema, raw, OmegaConf.from_dotlist(overrides))
+    except ConfigKeyError as err:
+        key = str(getattr(err, "full_key", "") or "?")
+        raise ConfigError(
+            key, f"unknown key (from {source}); teacher yamls hold `teacher:` and `server:` sections"
+        ) from None
+    except OmegaConfBaseException as err:
+        key = str(getattr(err, "full_key", "") or "?")
+        raise ConfigError(key, f"{str(err).strip().splitlines()[0]} (from {source})") from None
+    loaded: TeacherFile = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate_teacher_section(loaded.teacher)
+    return loaded
+
+
+def _plan_gpus(cfg: object, node_rank: int) -> tuple[tuple[int, ...], ...]:
+    from recipe_gkd.placement import build_plan
+
+    plan = build_plan(cfg)  # type: ignore[arg-type]
+    if node_rank < 0 or node_rank >= plan.nnodes:
+        raise ConfigError("--node-rank", f"must be in [0, {plan.nnodes}) for this preset, got {node_rank}")
+    if cfg.teacher.location == TeacherLocation.remote:  # type: ignore[attr-defined]
+        return ()
+    slots = tuple(s.gpu_ids for s in plan.teacher if s.node == node_rank)
+    if not slots:
+        raise ConfigError(
+            "--node-rank", f"the preset gives node {node_rank} no teacher GPUs; pick a node that has some"
+        )
+    return slots
+
+
+def _validate_server(server: ServerSection, teacher: TeacherConfig) -> None:
+    if server.torch_threads < 0:
+        raise ConfigError("server.torch_threads", f"must be >= 0, got {server.torch_threads}")
+    if server.ready_timeout_s <= 0:
+        raise ConfigError("server.ready_timeout_s", f"must be > 0, got {server.ready_timeout_s}")
+    if server.max_restarts < 0:
+        raise ConfigError("server.max_restarts", f"must be >= 0, got {server.max_restarts}")
+    if server.gpu_ids and len(server.gpu_ids) % teacher.gpus_per_replica:
+        raise ConfigError(
+            "server.gpu_ids",
+            f"{len(server.gpu_ids)} GPU ids do not split into replicas of teacher.gpus_per_replica={teacher.gpus_per_replica}",
+        )
+    if server.replica_address and not server.replica_address.startswith(("tcp://", "ipc://")):
+        raise ConfigError("server.replica_address", f"must be a ZeroMQ address, got {server.replica_address!r}")
+
+
+def _slots(
+    teacher: TeacherConfig, server: ServerSection, node_rank: int, plan_gpus: tuple[tuple[int, ...], ...]
+) -> tuple[ReplicaSlot, ...]:
+    gpr = teacher.gpus_per_replica
+    if server.gpu_ids:
+        groups = [tuple(server.gpu_ids[i : i + gpr]) for i in range(0, len(server.gpu_ids), gpr)]
+    elif plan_gpus:
+        groups = list(plan_gpus)
+    else:
+        groups = [tuple(range(r * gpr, (r + 1) * gpr)) for r in range(teacher.replicas)]
+    return tuple(ReplicaSlot(f"n{node_rank}-r{i}", node_rank, g) for i, g in enumerate(groups))
+
+
+def derive_replica_address(address: str) -> str:
+    """The replica endpoint next to a client endpoint: port + 1 (0 stays 0), or `<path>-replicas` for ipc."""
+    if address.startswith("ipc://"):
+        return address + "-replicas"
+    host, _, port = address.rpartition(":")
+    return f"{host}:{int(port) + 1 if int(port) else 0}"
+
+
+def with_port(address: str, port: int) -> str:
+    host, _, _ = address.rpartition(":")
+    return f"{host}:{port}"
+
+
+def is_loopback(address: str) -> bool:
+    """True for ipc:// and for tcp on a loopback host (the only binds allowed without a secret)."""
+    if address.startswith("ipc://"):
+        return True
+    host = address.removeprefix("tcp://").rpartition(":")[0]
+    return host in LOOPBACK_HOSTS
