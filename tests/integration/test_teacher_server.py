@@ -1,0 +1,273 @@
+"""A real teacher server (one HF replica on the tiny model): exact results, bad requests, fuzzing."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from teacher_server import protocol as P
+from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
+from teacher_server.client import TeacherClient, TeacherRequestError, split_balanced
+from teacher_server.launcher import TeacherProcess, launch_teacher
+
+VOCAB = 102
+MAX_TOP_K = 64
+# Small, so that the fuzzer's "huge" frames stay cheap: 256 KiB (libzmq drops frames above 4x).
+MAX_REQUEST_MB = 0.25
+MAX_REQUEST_BYTES = int(MAX_REQUEST_MB * (1 << 20))
+READY_TIMEOUT_S = 180.0
+REPLY_TIMEOUT_MS = 20_000
+FUZZ_FRAMES = 2000
+# RSS growth of the frontend over a fuzz run that counts as bounded.
+RSS_GROWTH_LIMIT = 64 << 20
+
+
+def write_teacher_yaml(path: Path, model_dir: Path, **teacher: object) -> Path:
+    """A standalone teacher yaml for tests: loopback, ephemeral port."""
+    fields: dict[str, object] = dict(
+        address="tcp://127.0.0.1:0",
+        backend="hf",
+        model_path=str(model_dir),
+        replicas=1,
+        top_k=8,
+        max_top_k=MAX_TOP_K,
+        timeout_s=60,
+        max_request_mb=MAX_REQUEST_MB,
+        replica_timeout_s=5,
+    )
+    fields.update(teacher)
+    path.write_text(msgspec.json.encode({"teacher": fields, "server": {"log_dir": str(path.parent / "logs")}}).decode())
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TeacherProcess]:
+    yaml_path = write_teacher_yaml(tmp_path_factory.mktemp("teacher") / "teacher.yaml", tiny_model_dir)
+    with launch_teacher(yaml_path, ready_timeout_s=READY_TIMEOUT_S, log_path=yaml_path.parent / "server.log") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir: Path) -> Backend:
+    """The same backend, in this process."""
+    return load_backend("hf", BackendOptions(str(tiny_model_dir), max_top_k=MAX_TOP_K))
+
+
+def _batch(seed: int, n: int = 7) -> tuple[list[np.ndarray], list[int]]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, 60, size=n)
+    seqs = [rng.integers(0, VOCAB, size=int(length)).astype(np.int32) for length in lengths]
+    starts = [int(rng.integers(1, length + 1)) for length in lengths]  # includes score_from = length
+    return seqs, starts
+
+
+def _client(address: str, **kwargs: object) -> TeacherClient:
+    options: dict[str, object] = dict(timeout_s=60.0, top_k=8, logprob_dtype="float32", id_encoding="int32")
+    options.update(kwargs)
+    return TeacherClient(address, **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("id_encoding", ["int32", "elias_fano"])
+@pytest.mark.parametrize("max_inflight", [1, 3])
+def test_server_equals_in_process_backend(
+    server: TeacherProcess, backend: Backend, id_encoding: str, max_inflight: int
+) -> None:
+    seqs, starts = _batch(seed=max_inflight)
+    with _client(server.address, max_inflight=max_inflight, id_encoding=id_encoding) as client:
+        got = client.score(seqs, starts, top_k=12, temperature=0.8)
+    # The reference runs the same chunks the client sent, so the padded batches are identical.
+    chunks = split_balanced([s.size for s in seqs], max_inflight, MAX_REQUEST_BYTES // 4)
+    want = [
+        part
+        for lo, hi in chunks
+        for part in backend.score(parsed_request(seqs[lo:hi], starts[lo:hi], top_k=12, temperature=0.8)).split()
+    ]
+    assert len(got) == len(seqs)
+    for seq, start, g, w in zip(seqs, starts, got, want, strict=True):
+        assert g.n_scored == seq.size - start and g.top_k == 12  # only response positions are scored
+        assert g.topk_ids.dtype == np.int32 and g.topk_logprobs.dtype == np.float32
+        np.testing.assert_array_equal(g.topk_ids, w.topk_ids)
+        np.testing.assert_allclose(g.topk_logprobs, w.topk_logprobs, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(g.sampled_logprob, w.sampled_logprob, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(g.tail_logmass, w.tail_logmass, atol=1e-5, rtol=0)
+
+
+def test_float16_wire_is_close(server: TeacherProcess, backend: Backend) -> None:
+    seqs, starts = _batch(seed=5)
+    with _client(server.address, max_inflight=1, logprob_dtype="float16", id_encoding="elias_fano") as client:
+        got = client.score(seqs, starts)
+    want = backend.score(parsed_request(seqs, starts, top_k=8)).split()
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.sort(g.topk_ids, axis=1), np.sort(w.topk_ids, axis=1))
+        np.testing.assert_allclose(g.topk_logprobs, w.topk_logprobs, rtol=2**-10, atol=1e-6)
+
+
+def test_a_bad_request_fails_alone(server: TeacherProcess) -> None:
+    with _client(server.address) as client:
+        with pytest.raises(TeacherRequestError, match=r"\[0, 102\)") as err:
+            client.score([[1, 2, VOCAB]], [1])
+        assert err.value.code == P.ErrorCode.BAD_REQUEST
+        assert client.score([[1, 2, 3]], [1])[0].n_scored == 2
+
+
+def test_stats_report_each_replica(server: TeacherProcess) -> None:
+    with _client(server.address) as client:
+        client.score(*_batch(seed=9))
+        stats = client.stats()
+    (replica,) = stats.replicas
+    assert replica.name == "n0-r0" and replica.pid > 0 and replica.queue_depth == 0
+    assert replica.requests >= 2 and replica.tokens > 0 and replica.tokens_per_s > 0  # the probe and the batch
+
+
+# ----------------------------------------------------------------------------- fuzzing
+
+
+@dataclass
+class FuzzReport:
+    sent: Counter[str]
+    error_replies: int
+    valid_ok: int
+
+
+def _header(**changes: object) -> dict[str, object]:
+    fields: dict[str, object] = dict(
+        type="score",
+        version=P.PROTOCOL_VERSION,
+        request_id=1,
+        lengths=[3, 2],
+        score_from=[1, 1],
+        top_k=4,
+        temperature=1.0,
+    )
+    fields.update(changes)
+    return fields
+
+
+def _score(ids: list[int] | np.ndarray | None = None, **changes: object) -> list[bytes]:
+    ids_array = np.asarray([1, 2, 3, 4, 5] if ids is None else ids, dtype=np.int32)
+    return [msgspec.msgpack.encode(_header(**changes)), ids_array.tobytes()]
+
+
+def _malformed_kinds(rng: np.random.Generator) -> dict[str, Callable[[], list[bytes]]]:
+    """Every kind of bad message the fuzzer sends, each expected to get exactly one error reply."""
+    valid = _score()
+
+    def garbage(n: int) -> bytes:
+        return rng.bytes(int(rng.integers(0, n)))
+
+    return {
+        "garbage": lambda: [garbage(200)],
+        "garbage_frames": lambda: [garbage(64) for _ in range(int(rng.integers(2, 12)))],
+        "truncated_header": lambda: [valid[0][: int(rng.integers(1, len(valid[0])))], valid[1]],
+        "truncated_ids": lambda: [valid[0], valid[1][: int(rng.integers(0, len(valid[1])))]],
+        "missing_ids": lambda: [valid[0]],
+        "extra_frames": lambda: [*valid, garbage(32)],
+        "wrong_version": lambda: _score(version=int(rng.choice([0, 2, -1, 1 << 40]))),
+        "negative_ids": lambda: _score([1, 2, -int(rng.integers(1, 1 << 30)), 4, 5]),
+        "out_of_vocab_ids": lambda: _score([1, 2, int(rng.integers(VOCAB, 1 << 31)), 4, 5]),
+        "empty_sequences": lambda: _score([], lengths=[], score_from=[]),
+        "zero_length": lambda: _score([1, 2, 3], lengths=[3, 0], score_from=[1, 0]),
+        "top_k_too_large": lambda: _score(top_k=int(rng.integers(MAX_TOP_K + 1, 1 << 20))),
+        "top_k_not_positive": lambda: _score(top_k=-int(rng.integers(0, 5))),
+        "bad_temperature": lambda: _score(temperature=float(rng.choice([0.0, -1.0, np.nan, np.inf]))),
+        "bad_score_from": lambda: _score(score_from=[[0, 1], [1, 3], [1]][int(rng.integers(0, 3))]),
+        "wrong_types": lambda: _score(top_k="four", lengths="3,2"),
+        "unknown_type": lambda: [msgspec.msgpack.encode({"type": "shutdown", "version": 1})],
+        "not_a_map": lambda: [msgspec.msgpack.encode([1, 2, 3])],
+        "bad_dtype": lambda: _score(logprob_dtype="float8", id_encoding="zip"),
+        "replica_message": lambda: [P.encode(P.Register(1, "x", 0, "h", [], "m", VOCAB, "t", 8, "hf", True))],
+        "hello_with_arrays": lambda: [P.encode(P.Hello(P.PROTOCOL_VERSION, 1)), garbage(16)],
+        "huge": lambda: [
+            msgspec.msgpack.encode(_header()),
+            bytes(MAX_REQUEST_BYTES + int(rng.integers(1, MAX_REQUEST_BYTES))),
+        ],
+    }
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def run_fuzz(address: str, n_frames: int, *, seed: int = 0, valid_every: int = 250, window: int = 64) -> FuzzReport:
+    """Send n_frames malformed messages (and a valid one every `valid_every`); check every reply."""
+    rng = np.random.default_rng(seed)
+    kinds = _malformed_kinds(rng)
+    names = sorted(kinds)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    report = FuzzReport(Counter(), 0, 0)
+    outstanding = 0
+
+    def receive() -> None:
+        assert sock.poll(REPLY_TIMEOUT_MS), f"no reply after {sum(report.sent.values())} messages"
+        frames = sock.recv_multipart()
+        reply = P.decode_server_reply(frames[0])
+        if isinstance(reply, P.ScoreReply):
+            batch = P.parse_score_reply(reply, frames[1:])
+            assert reply.request_id >= 1 << 32 and batch.n_scored.tolist() == [2, 1]
+            report.valid_ok += 1
+        else:
+            assert isinstance(reply, P.ErrorReply), reply
+            report.error_replies += 1
+
+    try:
+        for i in range(n_frames):
+            # Huge frames are 1 in 200 so that the run stays fast.
+            name = "huge" if i % 200 == 199 else names[int(rng.integers(0, len(names)))]
+            while name == "huge" and i % 200 != 199:
+                name = names[int(rng.integers(0, len(names)))]
+            sock.send_multipart(kinds[name]())
+            report.sent[name] += 1
+            outstanding += 1
+            if i % valid_every == 0:
+                sock.send_multipart(
+                    P.request_frames((1 << 32) + i, [[1, 2, 3], [4, 5]], [1, 1], top_k=4, temperature=1.0)
+                )
+                outstanding += 1
+            while outstanding >= window:
+                receive()
+                outstanding -= 1
+        while outstanding:
+            receive()
+            outstanding -= 1
+    finally:
+        sock.close(linger=0)
+    return report
+
+
+@pytest.mark.parametrize("n_frames", [FUZZ_FRAMES, pytest.param(10_000, marks=pytest.mark.slow)])
+def test_fuzz_malformed_frames(server: TeacherProcess, n_frames: int) -> None:
+    run_fuzz(server.address, 200, seed=1)  # warm the allocator before measuring
+    rss_before = _rss_bytes(server.pid)
+    report = run_fuzz(server.address, n_frames, seed=2)
+    rss_growth = _rss_bytes(server.pid) - rss_before
+    assert report.error_replies == n_frames  # every malformed message got exactly one error reply
+    assert report.valid_ok == len(range(0, n_frames, 250))  # valid requests in between were served
+    assert len(report.sent) == len(_malformed_kinds(np.random.default_rng(0)))
+    assert rss_growth < RSS_GROWTH_LIMIT, f"frontend RSS grew by {rss_growth >> 20} MiB"
+    with _client(server.address) as client:
+        assert client.score([[1, 2, 3, 4]], [2])[0].n_scored == 2
+
+
+def test_frames_above_the_hard_limit_drop_the_peer_not_the_server(server: TeacherProcess) -> None:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    try:
+        sock.send_multipart([msgspec.msgpack.encode(_header()), bytes(8 * MAX_REQUEST_BYTES)])
+        assert not sock.poll(500)  # libzmq closed the connection (MAXMSGSIZE): nothing to reply to
+    finally:
+        sock.close(linger=0)
+    with _client(server.address) as client:
+        assert client.score([[1, 2, 3]], [1])[0].n_scored == 2

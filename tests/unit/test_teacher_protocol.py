@@ -1,0 +1,300 @@
+"""The teacher wire protocol, id codec, HF backend numerics and teacher config, without servers."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recipe_gkd.config import ConfigError, load_config
+from teacher_server import idcodec
+from teacher_server import protocol as P
+from teacher_server.backends import token_budget_groups
+from teacher_server.client import split_balanced
+from teacher_server.settings import derive_replica_address, load_settings, load_teacher_file
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 102
+
+
+def test_import_teacher_server_imports_no_engine() -> None:
+    code = (
+        "import sys, teacher_server, teacher_server.protocol, teacher_server.client, teacher_server.server, "
+        "teacher_server.launcher, teacher_server.settings, teacher_server.supervisor, teacher_server.replica, "
+        "teacher_server.backends, teacher_server.__main__\n"
+        "print(sorted(m for m in ('vllm', 'transformers', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+class _FakeTokenizer:
+    def __init__(self, vocab: dict[str, int], special: list[str]) -> None:
+        self._vocab = vocab
+        self.all_special_tokens = special
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self._vocab)
+
+
+def test_tokenizer_fingerprint_is_stable_and_sensitive(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert P.tokenizer_fingerprint(tok) == P.tokenizer_fingerprint(AutoTokenizer.from_pretrained(tiny_model_dir))
+    base = _FakeTokenizer({"a": 0, "b": 1}, ["<s>"])
+    assert P.tokenizer_fingerprint(base) == P.tokenizer_fingerprint(_FakeTokenizer({"b": 1, "a": 0}, ["<s>"]))
+    assert P.tokenizer_fingerprint(base) != P.tokenizer_fingerprint(_FakeTokenizer({"a": 1, "b": 0}, ["<s>"]))
+    assert P.tokenizer_fingerprint(base) != P.tokenizer_fingerprint(_FakeTokenizer({"a": 0, "b": 1}, ["<pad>"]))
+
+
+# ----------------------------------------------------------------------------- id codec
+
+
+@pytest.mark.parametrize(
+    ("vocab", "top_k"), [(32000, 256), (32000, 64), (102, 102), (102, 1), (2, 1), (7, 3), (65536, 64), (152064, 256)]
+)
+def test_elias_fano_roundtrip(vocab: int, top_k: int) -> None:
+    rng = np.random.default_rng(vocab + top_k)
+    ids = np.stack([rng.choice(vocab, top_k, replace=False) for _ in range(33)]).astype(np.int32)
+    buf = idcodec.encode(ids, vocab)
+    assert len(buf) == 33 * idcodec.row_bytes(vocab, top_k)
+    decoded = idcodec.decode(buf, 33, top_k, vocab)
+    assert decoded.dtype == np.int32
+    np.testing.assert_array_equal(decoded, np.sort(ids, axis=1))
+
+
+def test_elias_fano_rejects_corrupt_blocks() -> None:
+    ids = np.array([[3, 9, 1], [0, 5, 7]], dtype=np.int32)
+    buf = bytearray(idcodec.encode(ids, 10))
+    with pytest.raises(ValueError, match="expected"):
+        idcodec.decode(bytes(buf[:-1]), 2, 3, 10)
+    buf[-1] ^= 0xFF
+    with pytest.raises(ValueError, match="corrupt"):
+        idcodec.decode(bytes(buf), 2, 3, 10)
+
+
+# ----------------------------------------------------------------------------- replies
+
+
+def _random_batch(rng: np.random.Generator, n_scored: list[int], top_k: int, vocab: int) -> P.TopKBatch:
+    rows = sum(n_scored)
+    logits = rng.standard_normal((rows, vocab)) * 3
+    logprobs = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    ids = np.argsort(-logprobs, axis=1)[:, :top_k].astype(np.int32)
+    values = np.take_along_axis(logprobs, ids, axis=1).astype(np.float32)
+    values, ids = P.canonical_order(values, ids)
+    sampled = logprobs[np.arange(rows), rng.integers(0, vocab, rows)].astype(np.float32)
+    return P.TopKBatch(np.asarray(n_scored), values, ids, sampled, P.tail_from_topk(values))
+
+
+@pytest.mark.parametrize("logprob_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("id_encoding", ["int32", "elias_fano"])
+def test_reply_roundtrip(logprob_dtype: str, id_encoding: str) -> None:
+    batch = _random_batch(np.random.default_rng(0), [3, 0, 5, 1], top_k=16, vocab=300)
+    frames = P.reply_frames(7, batch, vocab_size=300, logprob_dtype=logprob_dtype, id_encoding=id_encoding)
+    header = P.decode_server_reply(frames[0])
+    assert isinstance(header, P.ScoreReply) and header.request_id == 7
+    out = P.parse_score_reply(header, frames[1:])
+    assert out.topk_logprobs.dtype == np.float32 and out.topk_ids.dtype == np.int32
+    np.testing.assert_array_equal(out.n_scored, batch.n_scored)
+    np.testing.assert_array_equal(out.sampled_logprob, batch.sampled_logprob)
+    np.testing.assert_array_equal(out.tail_logmass, batch.tail_logmass)
+    if logprob_dtype == "float32":
+        np.testing.assert_array_equal(out.topk_ids, batch.topk_ids)
+        np.testing.assert_array_equal(out.topk_logprobs, batch.topk_logprobs)
+    else:
+        np.testing.assert_array_equal(np.sort(out.topk_ids, axis=1), np.sort(batch.topk_ids, axis=1))
+        np.testing.assert_allclose(out.topk_logprobs, batch.topk_logprobs, rtol=2**-10, atol=1e-6)
+        assert np.all(np.diff(out.topk_logprobs, axis=1) <= 0)
+    assert [p.n_scored for p in out.split()] == [3, 0, 5, 1]
+
+
+def test_wire_bytes_per_token_meet_the_goal_at_k256() -> None:
+    batch = _random_batch(np.random.default_rng(1), [64], top_k=256, vocab=32000)
+    frames = P.reply_frames(1, batch, vocab_size=32000, logprob_dtype="float16", id_encoding="elias_fano")
+    assert sum(len(f) for f in frames[1:]) / 64 <= 1024
+
+
+def test_tail_from_topk_matches_float64() -> None:
+    probs = np.array([[0.5, 0.3], [0.9999, 1e-5], [1.0 - 1e-12, 1e-12]])
+    expected = np.log(1.0 - probs[:2].sum(axis=1))
+    got = P.tail_from_topk(np.log(probs))
+    np.testing.assert_allclose(got[:2], expected, rtol=1e-5)
+    assert got[2] == -math.inf or got[2] < -25
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def _request(**changes: object) -> tuple[P.ScoreRequest, list[bytes]]:
+    fields = dict(version=P.PROTOCOL_VERSION, request_id=1, lengths=[3, 2], score_from=[1, 2], top_k=4, temperature=1.0)
+    ids = changes.pop("ids", np.array([1, 2, 3, 4, 5], dtype=np.int32))
+    fields.update(changes)
+    return P.ScoreRequest(**fields), [np.asarray(ids, dtype=np.int32).tobytes()]  # type: ignore[arg-type]
+
+
+LIMITS = P.RequestLimits(vocab_size=VOCAB, max_top_k=64, max_request_bytes=1 << 20, supports_temperature=False)
+
+
+@pytest.mark.parametrize(
+    ("changes", "code"),
+    [
+        ({"version": 99}, P.ErrorCode.VERSION),
+        ({"lengths": [], "score_from": [], "ids": []}, P.ErrorCode.BAD_REQUEST),
+        ({"lengths": [5, 0], "ids": [1, 2, 3, 4, 5]}, P.ErrorCode.BAD_REQUEST),
+        ({"score_from": [0, 2]}, P.ErrorCode.BAD_REQUEST),
+        ({"score_from": [1, 3]}, P.ErrorCode.BAD_REQUEST),
+        ({"score_from": [1]}, P.ErrorCode.BAD_REQUEST),
+        ({"ids": [1, 2, 3, 4]}, P.ErrorCode.BAD_REQUEST),
+        ({"ids": [1, 2, -3, 4, 5]}, P.ErrorCode.BAD_REQUEST),
+        ({"ids": [1, 2, 3, 4, VOCAB]}, P.ErrorCode.BAD_REQUEST),
+        ({"top_k": 0}, P.ErrorCode.BAD_REQUEST),
+        ({"top_k": 65}, P.ErrorCode.BAD_REQUEST),
+        ({"temperature": 0.0}, P.ErrorCode.BAD_REQUEST),
+        ({"temperature": float("nan")}, P.ErrorCode.BAD_REQUEST),
+        ({"temperature": 0.5}, P.ErrorCode.UNSUPPORTED),
+        ({"logprob_dtype": "bfloat8"}, P.ErrorCode.BAD_REQUEST),
+        ({"id_encoding": "zip"}, P.ErrorCode.BAD_REQUEST),
+    ],
+)
+def test_parse_score_request_rejects(changes: dict[str, object], code: str) -> None:
+    request, frames = _request(**changes)
+    with pytest.raises(P.ProtocolError) as err:
+        P.parse_score_request(request, frames, LIMITS)
+    assert err.value.code == code
+
+
+def test_parse_score_request_accepts_and_splits() -> None:
+    request, frames = _request()
+    parsed = P.parse_score_request(request, frames, LIMITS)
+    assert [s.tolist() for s in parsed.sequences()] == [[1, 2, 3], [4, 5]]
+
+
+def test_undecodable_headers_are_protocol_errors() -> None:
+    for frame in (b"", b"\xc1", b"\x93\x01\x02\x03", P.encode(P.Pong(1, "x")), b"x" * (P.MAX_HEADER_BYTES + 1)):
+        with pytest.raises(P.ProtocolError):
+            P.decode_client_message(frame)
+
+
+# ----------------------------------------------------------------------------- batching helpers
+
+
+def test_token_budget_groups_respect_the_budget() -> None:
+    lengths = np.array([5, 40, 7, 40, 1, 100])
+    groups = token_budget_groups(lengths, max_batch_tokens=80)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(6))
+    for group in groups:
+        assert len(group) == 1 or len(group) * lengths[group].max() <= 80
+
+
+def test_split_balanced() -> None:
+    assert split_balanced([10] * 8, 4, 1000) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert split_balanced([10] * 8, 1, 25) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert split_balanced([1, 1, 1, 100], 4, 1000) == [(0, 3), (3, 4)]
+    assert split_balanced([500], 4, 10) == [(0, 1)]
+
+
+# ----------------------------------------------------------------------------- HF backend numerics
+
+
+def _reference(model: object, seq: np.ndarray, start: int, temperature: float) -> np.ndarray:
+    """Float64 full-vocabulary log-probabilities of positions start..len-1 (one unpadded forward)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.as_tensor(seq[None], dtype=torch.long)).logits[0].double()  # type: ignore[operator]
+    return torch.log_softmax(logits / temperature, dim=-1)[start - 1 : seq.size - 1].numpy()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hf_backend_matches_float64_reference(tiny_model_dir: Path, temperature: float) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from teacher_server.backends import BackendOptions, load_backend, parsed_request
+
+    top_k = 16
+    # A small token budget forces several padded groups.
+    backend = load_backend("hf", BackendOptions(str(tiny_model_dir), max_top_k=64, max_batch_tokens=64))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(0, VOCAB, size=n).astype(np.int32) for n in (9, 33, 2, 20, 17)]
+    starts = [4, 1, 2, 19, 17]
+    out = backend.score(parsed_request(seqs, starts, top_k=top_k, temperature=temperature)).split()
+    for seq, start, got in zip(seqs, starts, out, strict=True):
+        assert got.n_scored == seq.size - start  # only positions >= score_from are scored
+        if got.n_scored == 0:
+            continue
+        ref = _reference(model, seq, start, temperature)
+        # Logprobs of the returned ids, the sampled token and the tail against float64.
+        np.testing.assert_allclose(got.topk_logprobs, np.take_along_axis(ref, got.topk_ids.astype(int), 1), atol=1e-5)
+        np.testing.assert_allclose(got.sampled_logprob, ref[np.arange(got.n_scored), seq[start:]], atol=1e-5)
+        rest = ref.copy()
+        np.put_along_axis(rest, got.topk_ids.astype(int), -np.inf, axis=1)
+        np.testing.assert_allclose(got.tail_logmass, np.logaddexp.reduce(rest, axis=1), atol=1e-5)
+        # The returned ids are the reference top-k wherever the k-th/(k+1)-th gap is resolvable.
+        ref_sorted = -np.sort(-ref, axis=1)
+        clear = ref_sorted[:, top_k - 1] - ref_sorted[:, top_k] > 1e-5
+        ref_ids = np.argsort(-ref, axis=1)[:, :top_k]
+        np.testing.assert_array_equal(np.sort(got.topk_ids[clear], 1), np.sort(ref_ids[clear], 1))
+        assert np.all(np.diff(got.topk_logprobs, axis=1) <= 0)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_every_teacher_yaml_loads() -> None:
+    paths = sorted((REPO_ROOT / "configs" / "teacher").glob("*.yaml"))
+    assert paths
+    for path in paths:
+        loaded = load_teacher_file(path)
+        assert loaded.teacher.model_path
+
+
+def test_preset_gives_replica_gpu_ids_per_node() -> None:
+    settings = load_settings(REPO_ROOT / "configs" / "presets" / "1x8_a1_r3_t4.yaml", node_rank=0)
+    assert [s.gpu_ids for s in settings.slots] == [(4, 5), (6, 7)]
+    explicit = load_settings(
+        REPO_ROOT / "configs" / "teacher" / "cpu_demo.yaml", ["server.gpu_ids=[3,5]", "teacher.replicas=2"]
+    )
+    assert [s.gpu_ids for s in explicit.slots] == [(3,), (5,)]
+
+
+def test_replica_address_is_derived_from_the_client_address() -> None:
+    assert derive_replica_address("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5556"
+    assert derive_replica_address("tcp://127.0.0.1:0") == "tcp://127.0.0.1:0"
+    assert derive_replica_address("ipc:///tmp/t") == "ipc:///tmp/t-replicas"
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("teacher.queue_depth=0", "teacher.queue_depth"),
+        ("teacher.max_request_mb=0", "teacher.max_request_mb"),
+        ("teacher.max_batch_tokens=0", "teacher.max_batch_tokens"),
+        ("teacher.replica_timeout_s=-1", "teacher.replica_timeout_s"),
+        ("teacher.dtype=int8", "teacher.dtype"),
+        ("teacher.client.logprob_dtype=bfloat8", "teacher.client.logprob_dtype"),
+        ("teacher.client.id_encoding=zip", "teacher.client.id_encoding"),
+    ],
+)
+def test_teacher_fields_are_validated(override: str, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.key == key
+    with pytest.raises(ConfigError) as err:
+        load_teacher_file(REPO_ROOT / "configs" / "teacher" / "cpu_demo.yaml", [override])
+    assert err.value.key == key
+
+
+def test_unknown_teacher_yaml_key_names_it() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_teacher_file(REPO_ROOT / "configs" / "teacher" / "cpu_demo.yaml", ["server.gpus=[1]"])
+    assert err.value.key == "server.gpus"
