@@ -1,0 +1,243 @@
+"""Teacher server benchmark on a tiny CPU model: the server's overhead and its wire size.
+
+    python benchmarks/bench_teacher.py [--quick] [--threads N]
+
+1. Throughput: the same batches scored by the HF backend in-process and through the server
+   (one replica, same torch threads), alternating batch by batch so that load from other
+   processes hits both alike. Goal: server / in-process >= 0.95.
+2. Wire bytes per scored token of the reply at K=64 and K=256, per encoding (the request adds
+   4 bytes per input token). Goal: <= 1 KiB at K=256 (half of fp32 + int32).
+3. Latency p50/p99 of single-sequence requests, in-process and through the server.
+Prints a table and writes benchmarks/results/bench_teacher.json. The model is a random
+Llama with a 32000-token vocabulary and no tokenizer, built offline in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from teacher_server import protocol as P
+from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
+from teacher_server.client import TeacherClient
+from teacher_server.launcher import launch_teacher
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_teacher.json"
+VOCAB = 32000
+HIDDEN = 256
+LAYERS = 4
+SEQS_PER_BATCH = 8
+SEQ_LEN = 192
+PROMPT_LEN = 64
+BATCHES = 6
+LATENCY_REPEATS = 30
+TOP_KS = (64, 256)
+# (logprob dtype, id encoding): the default wire, and fp32 + int32 for comparison.
+WIRES = (("float16", "elias_fano"), ("float32", "int32"))
+INFLIGHT = (1, 4)
+BYTES_GOAL_K256 = 1024
+RATIO_GOAL = 0.95
+
+
+@dataclass
+class ThroughputRow:
+    top_k: int
+    wire: str
+    max_inflight: int
+    in_process_tok_s: float
+    server_tok_s: float
+    # server / in-process over all batches, and the median of the per-batch ratios (robust to load spikes).
+    ratio: float
+    median_batch_ratio: float
+
+
+@dataclass
+class BytesRow:
+    top_k: int
+    wire: str
+    reply_bytes_per_token: float
+
+
+def build_model(out_dir: Path) -> Path:
+    """A random tokenizer-less Llama with a realistic vocabulary size (the head dominates)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * SEQ_LEN,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(str(out_dir))
+    return out_dir
+
+
+def make_batches(n: int, seqs_per_batch: int, seed: int = 0) -> list[tuple[list[np.ndarray], list[int]]]:
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            [rng.integers(0, VOCAB, size=SEQ_LEN).astype(np.int32) for _ in range(seqs_per_batch)],
+            [PROMPT_LEN] * seqs_per_batch,
+        )
+        for _ in range(n)
+    ]
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def throughput(backend: Backend, client: TeacherClient, batches: list, top_k: int) -> tuple[list[float], list[float]]:
+    """Seconds per batch (in-process, server) over the same batches, run alternately."""
+    local_s, server_s = [], []
+    for seqs, starts in batches:
+        local_s.append(_timed(lambda s=seqs, f=starts: backend.score(parsed_request(s, f, top_k=top_k)).split()))
+        server_s.append(_timed(lambda s=seqs, f=starts: client.score(s, f, top_k=top_k)))
+    return local_s, server_s
+
+
+def reply_bytes(backend: Backend, top_k: int) -> list[BytesRow]:
+    """Reply frame bytes per scored token, header included, for every wire encoding."""
+    seqs, starts = make_batches(1, SEQS_PER_BATCH, seed=7)[0]
+    batch = backend.score(parsed_request(seqs, starts, top_k=top_k))
+    rows = []
+    for dtype in P.LOGPROB_DTYPES:
+        for encoding in P.ID_ENCODINGS:
+            frames = P.reply_frames(1, batch, vocab_size=VOCAB, logprob_dtype=dtype, id_encoding=encoding)
+            per_token = sum(len(f) for f in frames) / batch.topk_ids.shape[0]
+            rows.append(BytesRow(top_k, f"{dtype}+{encoding}", per_token))
+    return rows
+
+
+def latency_ms(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    fn()
+    samples = [_timed(fn) * 1e3 for _ in range(repeats)]
+    return float(np.percentile(samples, 50)), float(np.percentile(samples, 99))
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 batches, 10 latency samples")
+    # One thread by default: on a shared, oversubscribed CPU two OpenMP threads wait on each
+    # other's time slices and the timings swing by 5x.
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, in-process and in the replica")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    n_batches, repeats = (3, 10) if args.quick else (BATCHES, LATENCY_REPEATS)
+    with tempfile.TemporaryDirectory(prefix="bench_teacher_") as tmp:
+        model_dir = build_model(Path(tmp) / "model")
+        backend = load_backend("hf", BackendOptions(str(model_dir), max_top_k=max(TOP_KS)))
+        yaml_path = Path(tmp) / "teacher.yaml"
+        teacher = {
+            "address": "tcp://127.0.0.1:0",
+            "backend": "hf",
+            "model_path": str(model_dir),
+            "max_top_k": max(TOP_KS),
+        }
+        yaml_path.write_text(json.dumps({"teacher": teacher, "server": {"torch_threads": args.threads}}))
+        with launch_teacher(yaml_path, ready_timeout_s=300, log_path=Path(tmp) / "server.log") as server:
+            rows, latency = run(backend, server.address, n_batches, repeats)
+    bytes_rows = [r for k in TOP_KS for r in reply_bytes(backend, k)]
+    report(rows, bytes_rows, latency, args.threads)
+
+
+def run(backend: Backend, address: str, n_batches: int, repeats: int) -> tuple[list[ThroughputRow], dict[str, float]]:
+    batches = make_batches(n_batches, SEQS_PER_BATCH)
+    rows = []
+    for top_k in TOP_KS:
+        for dtype, encoding in WIRES:
+            for inflight in INFLIGHT:
+                with TeacherClient(
+                    address, max_inflight=inflight, logprob_dtype=dtype, id_encoding=encoding, top_k=top_k
+                ) as client:
+                    client.score(*batches[0], top_k=top_k)  # warm-up
+                    local_s, server_s = throughput(backend, client, batches, top_k)
+                tokens = sum(len(seqs) * (SEQ_LEN - PROMPT_LEN) for seqs, _ in batches)
+                local, served = tokens / sum(local_s), tokens / sum(server_s)
+                median = float(np.median(np.asarray(local_s) / np.asarray(server_s)))
+                rows.append(
+                    ThroughputRow(top_k, f"{dtype}+{encoding}", inflight, local, served, served / local, median)
+                )
+    seqs, starts = make_batches(1, 1, seed=3)[0]
+    with TeacherClient(address, top_k=64) as client:
+        server_p50, server_p99 = latency_ms(lambda: client.score(seqs, starts), repeats)
+    local_p50, local_p99 = latency_ms(lambda: backend.score(parsed_request(seqs, starts, top_k=64)).split(), repeats)
+    latency = {
+        "in_process_p50_ms": local_p50,
+        "in_process_p99_ms": local_p99,
+        "server_p50_ms": server_p50,
+        "server_p99_ms": server_p99,
+    }
+    return rows, latency
+
+
+def report(rows: list[ThroughputRow], bytes_rows: list[BytesRow], latency: dict[str, float], threads: int) -> None:
+    print_table(
+        f"throughput, scored tokens/s ({SEQS_PER_BATCH} x {SEQ_LEN} tokens per batch, {SEQ_LEN - PROMPT_LEN} scored each; goal ratio >= {RATIO_GOAL})",
+        ["K", "wire", "max_inflight", "in-process", "server", "ratio", "median batch ratio"],
+        [
+            [
+                str(r.top_k),
+                r.wire,
+                str(r.max_inflight),
+                f"{r.in_process_tok_s:.0f}",
+                f"{r.server_tok_s:.0f}",
+                f"{r.ratio:.3f}",
+                f"{r.median_batch_ratio:.3f}",
+            ]
+            for r in rows
+        ],
+    )
+    print_table(
+        f"reply bytes per scored token (V={VOCAB}; goal <= {BYTES_GOAL_K256} at K=256)",
+        ["K", "wire", "bytes/token"],
+        [[str(r.top_k), r.wire, f"{r.reply_bytes_per_token:.1f}"] for r in bytes_rows],
+    )
+    print_table(
+        f"latency of one {SEQ_LEN}-token sequence, K=64 (ms)",
+        ["path", "p50", "p99"],
+        [
+            ["in-process", f"{latency['in_process_p50_ms']:.1f}", f"{latency['in_process_p99_ms']:.1f}"],
+            ["server", f"{latency['server_p50_ms']:.1f}", f"{latency['server_p99_ms']:.1f}"],
+        ],
+    )
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "machine": {"platform": platform.platform(), "torch_threads": threads},
+        "model": {"vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS},
+        "throughput": [asdict(r) for r in rows],
+        "reply_bytes": [asdict(r) for r in bytes_rows],
+        "latency": latency,
+    }
+    RESULTS.write_text(json.dumps(payload, indent=2))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
