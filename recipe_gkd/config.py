@@ -255,6 +255,9 @@ class DebugConfig:
     log_memory: bool = False
     # A phase running longer than this dumps every worker's stack and stops the run.
     hang_timeout_s: float = 1800.0
+    # Added to every teacher call by the rollout workers: emulates a remote or busy teacher
+    # (benchmarks of the async schedules); 0 in real runs.
+    teacher_latency_s: float = 0.0
 
 
 @dataclass
@@ -428,6 +431,7 @@ def _validate_positive(cfg: GKDConfig) -> None:
         f"must be in (0, 1], got {cfg.rollout.gpu_memory_utilization}",
     )
     _require(cfg.actor.optim.clip_grad >= 0, "actor.optim.clip_grad", "must be >= 0 (0 disables clipping)")
+    _require(cfg.debug.teacher_latency_s >= 0, "debug.teacher_latency_s", "must be >= 0")
 
 
 def _validate_gpu_split(cfg: GKDConfig) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,8 +28,11 @@ class TeacherScorer:
             cfg.teacher, tokenizer_hash=tokenizer_fingerprint(tokenizer), address=address
         )
         self.client.connect()
+        self.latency_s = cfg.debug.teacher_latency_s
 
     def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        if self.latency_s:
+            time.sleep(self.latency_s)  # debug.teacher_latency_s: an emulated remote teacher
         return [(t.topk_logprobs, t.topk_ids) for t in self.client.score(sequences, score_from)]
 
     def close(self) -> None:
