@@ -62,6 +62,7 @@ class ErrorCode:
     REPLICA_LOST = "replica_lost"
     BACKEND_ERROR = "backend_error"
     UNEXPECTED = "unexpected_message"
+    INTERNAL = "internal_error"
 
 
 RETRYABLE_CODES = frozenset({ErrorCode.BUSY, ErrorCode.NO_REPLICAS, ErrorCode.REPLICA_LOST})

@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -109,7 +110,7 @@ class Frontend:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> threading.Thread:
-        """Run `serve` in a daemon thread; a crash of the loop is logged and ends the thread."""
+        """Run `serve` in a daemon thread; the supervisor watches `alive()`."""
         self._thread = threading.Thread(target=self.serve, name="teacher-frontend", daemon=True)
         self._thread.start()
         return self._thread
@@ -120,6 +121,9 @@ class Frontend:
             self._thread.join(timeout_s)
         self._clients.close(linger=0)
         self._replicas_sock.close(linger=0)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def replica_names(self) -> list[str]:
         """Names of the live replicas (thread-safe)."""
@@ -138,13 +142,20 @@ class Frontend:
                 self._drain(self._clients, self._on_client_message)
             self._expire_replicas(time.monotonic())
 
-    def _drain(self, sock: zmq.Socket, handler: object) -> None:
+    def _drain(self, sock: zmq.Socket, handler: Callable[[list[zmq.Frame]], None]) -> None:
         for _ in range(MAX_DRAIN):
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            handler(frames)  # type: ignore[operator]
+            try:
+                handler(frames)
+            except Exception:  # a bug hit by one message must not stop the server: logged and answered
+                log.exception("internal error while handling a message from %s", frames[0].bytes.hex())
+                if sock is self._clients:
+                    self._reply_error(
+                        frames[0].bytes, P.UNKNOWN_REQUEST_ID, P.ErrorCode.INTERNAL, "internal server error"
+                    )
 
     def _send(self, sock: zmq.Socket, identity: bytes, frames: list) -> None:
         try:

@@ -75,8 +75,7 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         try:
             print(self._start(), flush=True)
-            self._supervise()
-            return EXIT_OK
+            return self._supervise()
         except StartupError as err:
             print(f"teacher_server: {err}", file=sys.stderr, flush=True)
             return EXIT_FAILED
@@ -199,11 +198,15 @@ class Supervisor:
 
     # ------------------------------------------------------------------ steady state
 
-    def _supervise(self) -> None:
+    def _supervise(self) -> int:
+        """Restart replicas that die until a signal arrives; fail if the frontend thread died."""
         while True:
             time.sleep(SUPERVISE_INTERVAL_S)
             if self.stopping:  # checked after the sleep: a group SIGTERM also kills the replicas
-                return
+                return EXIT_OK
+            if self.frontend is not None and not self.frontend.alive():
+                log.error("the frontend thread died (traceback above): stopping")
+                return EXIT_FAILED
             for i, child in enumerate(self.children):
                 if child.gave_up or child.proc.poll() is None:
                     continue
