@@ -14,6 +14,7 @@ Three layers, each testable on its own:
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,7 @@ SUPPORTED_ROPE_TYPES = ("default",)
 # Padding only to a multiple of tp keeps the padded columns (masked out of every loss) few.
 VOCAB_PAD_MULTIPLE_PER_TP_RANK = 1
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -166,7 +168,11 @@ def load_hf_state(model_dir: str | Path) -> dict[str, Tensor]:
     """Every tensor of an HF safetensors checkpoint (single file or sharded with an index), fp32."""
     from safetensors.torch import load_file
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    index = Path(model_dir) / SAFETENSORS_INDEX
+    if index.is_file():
+        files = sorted({Path(model_dir) / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(
             f"no *.safetensors weights in {model_dir} (model.student_path); save the student with safe_serialization"

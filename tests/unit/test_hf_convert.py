@@ -193,3 +193,13 @@ def test_importing_the_actor_does_not_import_megatron() -> None:
     )
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=120)
+
+
+def test_load_hf_state_follows_a_sharded_index(tmp_path: Path) -> None:
+    model = llama(tied=False)
+    model.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / hf_convert.SAFETENSORS_INDEX).is_file()
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"not part of the model")
+    state = hf_convert.load_hf_state(tmp_path)
+    for name, tensor in hf_params(model).items():
+        assert torch.equal(state[name], tensor)
