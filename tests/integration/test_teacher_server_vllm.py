@@ -27,10 +27,19 @@ READY_TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="module")
-def vllm_backend(tiny_model_dir: Path) -> Iterator[Backend]:
+def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with head_dim 32: vLLM's CPU attention has no kernel for the default 16."""
+    from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+
+    spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny_vllm"), seed=0, spec=spec)
+
+
+@pytest.fixture(scope="module")
+def vllm_backend(vllm_model_dir: Path) -> Iterator[Backend]:
     pytest.importorskip("vllm")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    yield load_backend("vllm", BackendOptions(str(tiny_model_dir), max_top_k=64, dtype="float32"))
+    yield load_backend("vllm", BackendOptions(str(vllm_model_dir), max_top_k=64, dtype="float32"))
 
 
 def _batch() -> tuple[list[np.ndarray], list[int]]:
@@ -39,8 +48,8 @@ def _batch() -> tuple[list[np.ndarray], list[int]]:
     return seqs, [5, 1, 3, 24]
 
 
-def test_vllm_matches_hf_at_temperature_one(vllm_backend: Backend, tiny_model_dir: Path) -> None:
-    hf = load_backend("hf", BackendOptions(str(tiny_model_dir), max_top_k=64))
+def test_vllm_matches_hf_at_temperature_one(vllm_backend: Backend, vllm_model_dir: Path) -> None:
+    hf = load_backend("hf", BackendOptions(str(vllm_model_dir), max_top_k=64))
     assert (
         vllm_backend.info.vocab_size == hf.info.vocab_size
         and vllm_backend.info.tokenizer_hash == hf.info.tokenizer_hash
@@ -74,9 +83,9 @@ def test_vllm_refuses_temperatures_other_than_one(vllm_backend: Backend) -> None
 
 
 @pytest.mark.slow
-def test_vllm_server_round_trip(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_vllm_server_round_trip(vllm_model_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    yaml_path = write_teacher_yaml(tmp_path / "teacher.yaml", tiny_model_dir, backend="vllm", dtype="float32")
+    yaml_path = write_teacher_yaml(tmp_path / "teacher.yaml", vllm_model_dir, backend="vllm", dtype="float32")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with launch_teacher(
         yaml_path, ready_timeout_s=READY_TIMEOUT_S, log_path=tmp_path / "server.log", env=env
