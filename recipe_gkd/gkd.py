@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from recipe_gkd.actor.layout import data_parallel_rank
 from recipe_gkd.batch import RolloutStats
 from recipe_gkd.config import GKDConfig, Schedule
-from recipe_gkd.metrics import MetricsLogger, process_memory_mb
+from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics
 from recipe_gkd.placement import PlacementPlan
+from recipe_gkd.plots import before_after_table, plot_run
 from recipe_gkd.ray_cluster import ray_cluster
 from recipe_gkd.weight_sync import sync_weights
 from recipe_gkd.workers import Workers, launch_workers, wait
@@ -51,10 +53,46 @@ def run(cfg: GKDConfig, plan: PlacementPlan) -> Path:
     try:
         with ray_cluster(cfg, plan), teacher_service(cfg) as address, launch_workers(cfg, plan, address) as workers:
             print(f"workers ready in {workers.setup_s:.1f}s", flush=True)
+            teacher_accuracy = launch_teacher_accuracy(cfg)
             train(cfg, workers, metrics)
+            report(
+                cfg,
+                wait([teacher_accuracy], cfg.debug.hang_timeout_s, "teacher accuracy")[0] if teacher_accuracy else None,
+            )
     finally:
         metrics.close()
     return Path(cfg.trainer.run_dir)
+
+
+def launch_teacher_accuracy(cfg: GKDConfig) -> Any | None:
+    """The teacher's own held-out accuracy, for the before/after table (CPU runs with an HF teacher only).
+
+    Runs greedy decoding of the teacher model as a Ray task beside the training; on GPU
+    clusters the teacher's GPUs belong to the teacher server, so it is not measured there.
+    """
+    if not (cfg.trainer.eval_every and cfg.cluster.device.value == "cpu" and cfg.teacher.backend.value == "hf"):
+        return None
+    import ray
+
+    from recipe_gkd.demo.evaluate import greedy_accuracy
+
+    task = ray.remote(num_cpus=0)(greedy_accuracy)
+    return task.remote(cfg.teacher.model_path, cfg.data.eval_files[0], cfg.data.eval_batch_size)
+
+
+def report(cfg: GKDConfig, teacher_accuracy: float | None) -> None:
+    """Plots, the before/after table (also saved as summary.txt) and where the student went."""
+    run_dir = Path(cfg.trainer.run_dir)
+    lines = [f"run directory: {run_dir.resolve()}", f"exported student: {run_dir.resolve() / FINAL_EXPORT_DIR}"]
+    if cfg.trainer.eval_every:
+        lines += [
+            f"plots: {plot_run(run_dir)}",
+            "",
+            before_after_table(read_metrics(run_dir, EVAL_FILE), teacher_accuracy),
+        ]
+    text = "\n".join(lines)
+    (run_dir / "summary.txt").write_text(text + "\n")
+    print("\n" + text, flush=True)
 
 
 def train(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger) -> None:
@@ -156,7 +194,8 @@ def check_staleness(cfg: GKDConfig, rollout: Rollout, version: int) -> None:
 def train_on(cfg: GKDConfig, workers: Workers, rollout: Rollout) -> dict[str, float]:
     """One optimizer step on every actor rank, each on its own shards."""
     start = time.perf_counter()
-    calls = [a.train_refs.remote(rollout.shard_refs[rank % workers.dp_size]) for rank, a in enumerate(workers.actors)]
+    # Tensor-parallel ranks of one replica train on the same shards (megatron puts them side by side).
+    calls = [a.train_refs.remote(rollout.shard_refs[data_parallel_rank(cfg, r)]) for r, a in enumerate(workers.actors)]
     stats: dict[str, float] = wait(calls, cfg.debug.hang_timeout_s, "train")[0]
     return {**stats, "train_s": time.perf_counter() - start}
 
@@ -168,7 +207,7 @@ def evaluate(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger, step: int
         [r.produce_eval.remote(workers.dp_size) for r in workers.rollouts], cfg.debug.hang_timeout_s, "eval rollout"
     )
     by_rank = [[refs[d] for _, refs in results] for d in range(workers.dp_size)]
-    calls = [a.eval_refs.remote(by_rank[rank % workers.dp_size]) for rank, a in enumerate(workers.actors)]
+    calls = [a.eval_refs.remote(by_rank[data_parallel_rank(cfg, r)]) for r, a in enumerate(workers.actors)]
     loss = wait(calls, cfg.debug.hang_timeout_s, "eval loss")[0]
     rollout_stats = [s for s, _ in results]
     metrics.log_eval(

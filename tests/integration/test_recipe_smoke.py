@@ -102,6 +102,9 @@ def test_three_steps_of_the_cpu_preset(tiny_run_inputs: dict[str, Path], tmp_pat
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(run_dir / "final_student")
+    assert (run_dir / "training.png").stat().st_size > 10_000
+    summary = (run_dir / "summary.txt").read_text()
+    assert "student held-out accuracy" in summary and "teacher held-out accuracy" in summary
 
 
 def test_bad_override_exits_2_before_starting_anything(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
@@ -153,3 +156,25 @@ def test_async_schedules_train_every_batch_once(
     ids = [i for r in rows for i in r["sample_ids"]]
     stream_order = Counter(ids)
     assert sum(stream_order.values()) == 8 * steps and max(stream_order.values()) <= -(-8 * steps // 12)
+
+
+@pytest.mark.slow
+def test_tensor_and_data_parallel_actor(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    """4 actor ranks (TP=2 x DP=2) on fake GPUs 0-3: placement, TP-aware data routing, export."""
+    run_dir = tmp_path / "run"
+    overrides = ["cluster.gpus_per_node=6", "actor.gpus_per_node=4", "actor.megatron.tp=2", "trainer.total_steps=2"]
+    proc = run_cli(tiny_run_inputs, run_dir, *overrides)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = read_metrics(run_dir)
+    assert [r["weight_version"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
+    plan_rows = [
+        line.split() for line in proc.stdout.splitlines() if line.startswith(("actor ", "rollout ", "teacher "))
+    ]
+    assert plan_rows[:6] == [
+        ["actor", "0", "0", "0", "0"],
+        ["actor", "1", "0", "1", "1"],
+        ["actor", "2", "0", "2", "2"],
+        ["actor", "3", "0", "3", "3"],
+        ["rollout", "0", "0", "0", "4"],
+        ["teacher", "0", "0", "-", "5"],
+    ]
