@@ -1,0 +1,297 @@
+"""Build the CPU demo's assets offline and deterministically: tokenizer, task data, teacher, student.
+
+    python -m recipe_gkd.demo.build_assets [--out assets/demo] [--force]
+
+1. Write the char tokenizer and the task's train / held-out eval jsonl files.
+2. Train the teacher (4 layers x 128) with the project's SFT loop until it is accurate.
+3. Warm the student (2 layers x 96, 5x fewer parameters) up the same way, only until it gets
+   30% of a held-out dev split right, so it starts clearly worse than the teacher.
+4. Evaluate both on the eval split (greedy exact match) and write `manifest.json` with
+   sizes, parameter counts, accuracies, seconds and the sha256 of every file.
+
+A second run with a complete manifest whose recipe matches does nothing (unless --force).
+Fixed seeds, deterministic torch algorithms and a fixed thread count make a rebuild on the
+same machine and torch version reproduce the same bytes (measured: three builds, one of them
+with two threads, gave identical files). Another CPU or torch version may round differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recipe_gkd.demo import task
+from recipe_gkd.demo.evaluate import accuracy_on, greedy_accuracy
+from recipe_gkd.demo.sft import SFTConfig, sft_train
+from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+
+DEFAULT_OUT = Path("assets/demo")
+MANIFEST = "manifest.json"
+# Bump when the build changes in a way the recipe below does not show.
+BUILD_VERSION = 1
+# Fixed thread count, in case float reductions (matmul splits) depend on it. One thread: these
+# matmuls are too small to gain much from two, and two threads slow down ~4x when another
+# process shares the 2 cores (measured; 1 and 2 threads gave the same bits here).
+BUILD_THREADS = 1
+# The asset entries of the out dir; nothing else in it is touched.
+ENTRIES = ("data", "teacher", "student")
+REQUIRED_FILES = (
+    "data/train.jsonl",
+    "data/eval.jsonl",
+    "teacher/model.safetensors",
+    "teacher/config.json",
+    "teacher/tokenizer.json",
+    "student/model.safetensors",
+    "student/config.json",
+    "student/tokenizer.json",
+)
+HASH_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """How one demo model is initialised and trained."""
+
+    spec: TinyModelSpec
+    init_seed: int
+    sft: SFTConfig
+
+
+TEACHER = ModelRecipe(
+    spec=TinyModelSpec(hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4, num_kv_heads=4),
+    init_seed=1,
+    sft=SFTConfig(steps=300, batch_size=128, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1, seed=1),
+)
+# The student's warm-up stops at the first check where its dev accuracy reaches the target;
+# `sft.steps` is only the cap. Accuracy on this task jumps within a few tens of steps, so
+# stopping on accuracy (not on a step count) is what lands the student in the target range.
+STUDENT = ModelRecipe(
+    spec=TinyModelSpec(hidden_size=96, intermediate_size=192, num_layers=2, num_heads=3, num_kv_heads=3),
+    init_seed=2,
+    sft=SFTConfig(steps=400, batch_size=128, lr=3e-3, warmup_steps=10, seed=2),
+)
+STUDENT_TARGET_DEV_ACCURACY = 0.30
+STUDENT_CHECK_FROM_STEP = 60
+STUDENT_CHECK_EVERY = 2
+
+
+def recipe() -> dict[str, Any]:
+    """Everything the asset bytes depend on (besides torch itself); a manifest must match it."""
+    return {
+        "build_version": BUILD_VERSION,
+        "threads": BUILD_THREADS,
+        "task": {
+            "name": task.TASK_NAME,
+            "prefix": task.PROMPT_PREFIX,
+            "letters": [task.MIN_LETTERS, task.MAX_LETTERS],
+            "seed": task.DEFAULT_SEED,
+            "train": task.TRAIN_SIZE,
+            "dev": task.DEV_SIZE,
+            "eval": task.EVAL_SIZE,
+        },
+        "teacher": asdict(TEACHER),
+        "student": asdict(STUDENT),
+        "student_warmup_stop": {
+            "target_dev_accuracy": STUDENT_TARGET_DEV_ACCURACY,
+            "check_from_step": STUDENT_CHECK_FROM_STEP,
+            "check_every": STUDENT_CHECK_EVERY,
+        },
+    }
+
+
+@contextlib.contextmanager
+def deterministic_torch(threads: int = BUILD_THREADS) -> Iterator[None]:
+    """Deterministic algorithms and a fixed thread count for the block; restores both after."""
+    old_threads = torch.get_num_threads()
+    old_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old_deterministic)
+        torch.set_num_threads(old_threads)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_table(root: Path) -> dict[str, dict[str, Any]]:
+    """{relative path: {bytes, sha256}} of every file under the asset entries of `root`."""
+    table: dict[str, dict[str, Any]] = {}
+    for entry in ENTRIES:
+        for path in sorted((root / entry).rglob("*")):
+            if path.is_file():
+                table[path.relative_to(root).as_posix()] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return table
+
+
+def manifest_problem(out: Path) -> str | None:
+    """Why `out` does not hold complete assets of the current recipe (None when it does)."""
+    path = out / MANIFEST
+    if not path.is_file():
+        return f"no {path}"
+    manifest = json.loads(path.read_text())
+    if manifest.get("recipe") != json.loads(json.dumps(recipe())):
+        return "the recipe changed since the assets were built"
+    files = manifest.get("files", {})
+    missing = [name for name in REQUIRED_FILES if name not in files]
+    if missing:
+        return f"the manifest lacks {missing}"
+    for name, entry in files.items():
+        file = out / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
+            return f"{file} differs from the manifest"
+    return None
+
+
+def _load(model_dir: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return model, tokenizer
+
+
+def train_teacher(model_dir: Path, splits: task.Splits) -> dict[str, Any]:
+    """Initialise and fully train the teacher in `model_dir`; returns its manifest entry."""
+    build_tiny_causal_lm(model_dir, seed=TEACHER.init_seed, spec=TEACHER.spec)
+    model, tokenizer = _load(model_dir)
+    losses = sft_train(model, tokenizer, splits.train, TEACHER.sft)
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    return {"params": _params(model), "steps": len(losses), "final_loss": losses[-1]}
+
+
+def train_student(model_dir: Path, splits: task.Splits) -> dict[str, Any]:
+    """Initialise the student in `model_dir` and warm it up until its dev accuracy hits the target."""
+    build_tiny_causal_lm(model_dir, seed=STUDENT.init_seed, spec=STUDENT.spec)
+    model, tokenizer = _load(model_dir)
+    dev_accuracy: list[float] = []
+
+    def reached_target(steps_done: int) -> bool:
+        if steps_done < STUDENT_CHECK_FROM_STEP or steps_done % STUDENT_CHECK_EVERY:
+            return False
+        dev_accuracy.append(accuracy_on(model, tokenizer, splits.dev))
+        return dev_accuracy[-1] >= STUDENT_TARGET_DEV_ACCURACY
+
+    losses = sft_train(model, tokenizer, splits.train, STUDENT.sft, stop=reached_target)
+    if not dev_accuracy or dev_accuracy[-1] < STUDENT_TARGET_DEV_ACCURACY:
+        raise RuntimeError(
+            f"student warm-up: dev accuracy {dev_accuracy[-1:]} never reached {STUDENT_TARGET_DEV_ACCURACY} "
+            f"in {STUDENT.sft.steps} steps; raise STUDENT.sft.steps"
+        )
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    return {"params": _params(model), "steps": len(losses), "final_loss": losses[-1], "dev_accuracy": dev_accuracy[-1]}
+
+
+def _params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def build(out: Path, force: bool = False) -> dict[str, Any]:
+    """Build the assets into `out` unless a complete matching manifest is there; returns the manifest."""
+    problem = manifest_problem(out)
+    if problem is None and not force:
+        print(f"demo assets: {out} is complete and matches the recipe; nothing to do (--force rebuilds)")
+        return json.loads((out / MANIFEST).read_text())
+    print(f"demo assets: building into {out} ({'--force' if problem is None else problem})", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        with deterministic_torch():
+            manifest = _build_into(work)
+        _install(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    # The manifest goes in last: its presence means the entries beside it are complete.
+    manifest["files"] = file_table(out)
+    manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"].values())
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _print_summary(out, manifest)
+    return manifest
+
+
+def _build_into(work: Path) -> dict[str, Any]:
+    import transformers
+
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+
+    def lap(name: str, since: float) -> float:
+        seconds[name] = round(time.perf_counter() - since, 2)
+        print(f"  {name}: {seconds[name]:.1f} s", flush=True)
+        return time.perf_counter()
+
+    t = time.perf_counter()
+    splits = task.generate_splits()
+    task.write_jsonl(work / "data/train.jsonl", splits.train)
+    task.write_jsonl(work / "data/eval.jsonl", splits.eval)
+    t = lap("data", t)
+    teacher = train_teacher(work / "teacher", splits)
+    t = lap("teacher_train", t)
+    student = train_student(work / "student", splits)
+    t = lap("student_warmup", t)
+    teacher["eval_accuracy"] = greedy_accuracy(work / "teacher", work / "data/eval.jsonl")
+    student["eval_accuracy"] = greedy_accuracy(work / "student", work / "data/eval.jsonl")
+    lap("eval", t)
+    seconds["total"] = round(time.perf_counter() - start, 2)
+    return {
+        "recipe": recipe(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "data": {"train": len(splits.train), "eval": len(splits.eval)},
+        "teacher": teacher,
+        "student": student,
+        "seconds": seconds,
+    }
+
+
+def _install(work: Path, out: Path) -> None:
+    """Replace the asset entries of `out` with the freshly built ones (manifest removed first)."""
+    (out / MANIFEST).unlink(missing_ok=True)
+    for entry in ENTRIES:
+        target = out / entry
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.move(str(work / entry), str(target))
+
+
+def _print_summary(out: Path, manifest: dict[str, Any]) -> None:
+    t, s = manifest["teacher"], manifest["student"]
+    print(
+        f"demo assets: teacher {t['params']:,} params, {t['steps']} steps, eval accuracy {t['eval_accuracy']:.1%}; "
+        f"student {s['params']:,} params, {s['steps']} steps, eval accuracy {s['eval_accuracy']:.1%}; "
+        f"{manifest['total_bytes'] / 2**20:.1f} MiB in {out}; built in {manifest['seconds']['total']:.0f} s"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="asset directory (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the manifest matches")
+    args = parser.parse_args(argv)
+    build(args.out, force=args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
