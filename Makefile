@@ -26,9 +26,10 @@ $(STAMP): $(REQS) | $(PY)
 	echo "set-up: installed the CPU stack in $$(( $$(date +%s) - start )) s"
 	@touch $@
 
+# Builds the demo's models and data if they are missing (a few minutes), then distills.
 demo: $(STAMP)
-	$(PY) -m recipe_gkd.main --dry-run
-	$(PY) -m recipe_gkd.check_placement
+	$(PY) -m recipe_gkd.demo.build_assets --out assets/demo
+	$(PY) -m recipe_gkd.main
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite's set-up.
 test: $(STAMP)

@@ -10,7 +10,7 @@ from recipe_gkd.metrics import EVAL_FILE, METRICS_FILE, read_metrics
 PLOT_FILE = "training.png"
 
 
-def plot_run(run_dir: str | Path) -> Path:
+def plot_run(run_dir: str | Path, teacher_accuracy: float | None = None) -> Path:
     """Write <run_dir>/training.png from the run's metrics files; returns its path."""
     import matplotlib
 
@@ -24,8 +24,8 @@ def plot_run(run_dir: str | Path) -> Path:
     _line(axes[0], steps, "loss", "training loss (GKD divergence)")
     _line(axes[1], evals, "eval_teacher_kl", "held-out divergence to the teacher")
     _line(axes[2], evals, "eval_reward", "held-out exact-match accuracy")
-    if evals and evals[0].get("teacher_reward") is not None:
-        axes[2].axhline(evals[0]["teacher_reward"], color="gray", linestyle="--", label="teacher")
+    if teacher_accuracy is not None:
+        axes[2].axhline(teacher_accuracy, color="gray", linestyle="--", label="teacher")
         axes[2].legend()
     fig.tight_layout()
     out = run / PLOT_FILE

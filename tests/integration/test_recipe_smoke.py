@@ -178,3 +178,33 @@ def test_tensor_and_data_parallel_actor(tiny_run_inputs: dict[str, Path], tmp_pa
         ["rollout", "0", "0", "0", "4"],
         ["teacher", "0", "0", "-", "5"],
     ]
+
+
+@pytest.mark.slow
+def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> None:
+    """`python -m recipe_gkd.main` with no --config, on the committed demo assets: report, plots, export."""
+    if not (repo_root / "assets" / "demo" / "manifest.json").is_file():
+        pytest.skip("demo assets missing: python -m recipe_gkd.demo.build_assets")
+    run_dir = tmp_path / "demo"
+    overrides = [
+        "trainer.total_steps=4",
+        "trainer.eval_every=2",
+        "data.eval_batch_size=64",
+        f"trainer.run_dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe_gkd.main", *overrides],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert [e["step"] for e in read_metrics(run_dir, "eval.jsonl")] == [0, 2, 4]
+    assert (run_dir / "training.png").stat().st_size > 10_000
+    assert "teacher held-out accuracy" in proc.stdout and "student held-out accuracy" in proc.stdout
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(run_dir / "final_student")
+    AutoTokenizer.from_pretrained(run_dir / "final_student")
