@@ -8,6 +8,8 @@
 2. Wire bytes per scored token of the reply at K=64 and K=256, per encoding (the request adds
    4 bytes per input token). Goal: <= 1 KiB at K=256 (half of fp32 + int32).
 3. Latency p50/p99 of single-sequence requests, in-process and through the server.
+4. Server overhead per request: wall time minus the replica's own compute time (from the
+   reply), which unlike the ratios above does not swing with other load on a shared CPU.
 Prints a table and writes benchmarks/results/bench_teacher.json. The model is a random
 Llama with a 32000-token vocabulary and no tokenizer, built offline in a temporary directory.
 """
@@ -57,6 +59,18 @@ class ThroughputRow:
     # server / in-process over all batches, and the median of the per-batch ratios (robust to load spikes).
     ratio: float
     median_batch_ratio: float
+
+
+@dataclass
+class OverheadRow:
+    """Per request: wall time seen by the caller vs the replica's own compute time (robust to load)."""
+
+    top_k: int
+    wire: str
+    wall_ms: float
+    compute_ms: float
+    overhead_ms: float
+    overhead_fraction: float
 
 
 @dataclass
@@ -112,6 +126,36 @@ def throughput(backend: Backend, client: TeacherClient, batches: list, top_k: in
     return local_s, server_s
 
 
+def overhead(address: str, top_k: int, dtype: str, encoding: str, repeats: int) -> OverheadRow:
+    """Median wall time of one batch request (send, wait, decode, split) minus the replica's compute_s."""
+    import zmq
+
+    seqs, starts = make_batches(1, SEQS_PER_BATCH, seed=11)[0]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    walls, computes = [], []
+    try:
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            frames = P.request_frames(
+                i, seqs, starts, top_k=top_k, temperature=1.0, logprob_dtype=dtype, id_encoding=encoding
+            )
+            sock.send_multipart(frames)
+            reply = sock.recv_multipart()
+            header = P.decode_server_reply(reply[0])
+            assert isinstance(header, P.ScoreReply), header
+            P.parse_score_reply(header, reply[1:]).split()
+            if i:  # the first one warms up
+                walls.append(time.perf_counter() - start)
+                computes.append(header.compute_s)
+    finally:
+        sock.close(linger=0)
+    wall, compute = float(np.median(walls)) * 1e3, float(np.median(computes)) * 1e3
+    extra = float(np.median(np.asarray(walls) - np.asarray(computes))) * 1e3
+    return OverheadRow(top_k, f"{dtype}+{encoding}", wall, compute, extra, extra / wall)
+
+
 def reply_bytes(backend: Backend, top_k: int) -> list[BytesRow]:
     """Reply frame bytes per scored token, header included, for every wire encoding."""
     seqs, starts = make_batches(1, SEQS_PER_BATCH, seed=7)[0]
@@ -125,10 +169,19 @@ def reply_bytes(backend: Backend, top_k: int) -> list[BytesRow]:
     return rows
 
 
-def latency_ms(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
-    fn()
-    samples = [_timed(fn) * 1e3 for _ in range(repeats)]
-    return float(np.percentile(samples, 50)), float(np.percentile(samples, 99))
+def latency_ms(paths: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """p50/p99 ms of each path, sampled alternately so that load from other processes hits all alike."""
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    for fn in paths.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in paths.items():
+            samples[name].append(_timed(fn) * 1e3)
+    out = {}
+    for name, values in samples.items():
+        out[f"{name}_p50_ms"] = float(np.percentile(values, 50))
+        out[f"{name}_p99_ms"] = float(np.percentile(values, 99))
+    return out
 
 
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
@@ -162,12 +215,14 @@ def main() -> None:
         }
         yaml_path.write_text(json.dumps({"teacher": teacher, "server": {"torch_threads": args.threads}}))
         with launch_teacher(yaml_path, ready_timeout_s=300, log_path=Path(tmp) / "server.log") as server:
-            rows, latency = run(backend, server.address, n_batches, repeats)
-    bytes_rows = [r for k in TOP_KS for r in reply_bytes(backend, k)]
-    report(rows, bytes_rows, latency, args.threads)
+            rows, overheads, latency = run(backend, server.address, n_batches, repeats)
+        bytes_rows = [r for k in TOP_KS for r in reply_bytes(backend, k)]
+    report(rows, overheads, bytes_rows, latency, args.threads)
 
 
-def run(backend: Backend, address: str, n_batches: int, repeats: int) -> tuple[list[ThroughputRow], dict[str, float]]:
+def run(
+    backend: Backend, address: str, n_batches: int, repeats: int
+) -> tuple[list[ThroughputRow], list[OverheadRow], dict[str, float]]:
     batches = make_batches(n_batches, SEQS_PER_BATCH)
     rows = []
     for top_k in TOP_KS:
@@ -186,18 +241,22 @@ def run(backend: Backend, address: str, n_batches: int, repeats: int) -> tuple[l
                 )
     seqs, starts = make_batches(1, 1, seed=3)[0]
     with TeacherClient(address, top_k=64) as client:
-        server_p50, server_p99 = latency_ms(lambda: client.score(seqs, starts), repeats)
-    local_p50, local_p99 = latency_ms(lambda: backend.score(parsed_request(seqs, starts, top_k=64)).split(), repeats)
-    latency = {
-        "in_process_p50_ms": local_p50,
-        "in_process_p99_ms": local_p99,
-        "server_p50_ms": server_p50,
-        "server_p99_ms": server_p99,
-    }
-    return rows, latency
+        paths = {
+            "in_process": lambda: backend.score(parsed_request(seqs, starts, top_k=64)).split(),
+            "server": lambda: client.score(seqs, starts),
+        }
+        latency = latency_ms(paths, repeats)
+    overheads = [overhead(address, k, d, e, max(5, repeats // 3)) for k in TOP_KS for d, e in WIRES]
+    return rows, overheads, latency
 
 
-def report(rows: list[ThroughputRow], bytes_rows: list[BytesRow], latency: dict[str, float], threads: int) -> None:
+def report(
+    rows: list[ThroughputRow],
+    overheads: list[OverheadRow],
+    bytes_rows: list[BytesRow],
+    latency: dict[str, float],
+    threads: int,
+) -> None:
     print_table(
         f"throughput, scored tokens/s ({SEQS_PER_BATCH} x {SEQ_LEN} tokens per batch, {SEQ_LEN - PROMPT_LEN} scored each; goal ratio >= {RATIO_GOAL})",
         ["K", "wire", "max_inflight", "in-process", "server", "ratio", "median batch ratio"],
@@ -212,6 +271,21 @@ def report(rows: list[ThroughputRow], bytes_rows: list[BytesRow], latency: dict[
                 f"{r.median_batch_ratio:.3f}",
             ]
             for r in rows
+        ],
+    )
+    print_table(
+        f"server overhead per request of {SEQS_PER_BATCH} x {SEQ_LEN} tokens (median ms): wall - replica compute",
+        ["K", "wire", "wall", "compute", "overhead", "fraction"],
+        [
+            [
+                str(r.top_k),
+                r.wire,
+                f"{r.wall_ms:.1f}",
+                f"{r.compute_ms:.1f}",
+                f"{r.overhead_ms:.1f}",
+                f"{r.overhead_fraction:.3f}",
+            ]
+            for r in overheads
         ],
     )
     print_table(
@@ -232,6 +306,7 @@ def report(rows: list[ThroughputRow], bytes_rows: list[BytesRow], latency: dict[
         "machine": {"platform": platform.platform(), "torch_threads": threads},
         "model": {"vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS},
         "throughput": [asdict(r) for r in rows],
+        "overhead": [asdict(r) for r in overheads],
         "reply_bytes": [asdict(r) for r in bytes_rows],
         "latency": latency,
     }
