@@ -53,6 +53,9 @@ def autostart_teacher(cfg: GKDConfig) -> Iterator[str]:
     if not resolved.is_file():
         resolved.write_text(to_yaml(cfg))
     with launch_teacher(
-        resolved, log_path=run_dir / "teacher_server.log", ready_timeout_s=cfg.teacher.timeout_s
+        resolved,
+        extra_args=["--log-dir", str(run_dir.resolve() / "teacher_logs")],  # replica logs stay with the run
+        log_path=run_dir / "teacher_server.log",
+        ready_timeout_s=cfg.teacher.timeout_s,
     ) as server:
         yield server.address
