@@ -14,6 +14,7 @@ in collectives); tests construct it directly, one process per rank. One step:
 from __future__ import annotations
 
 import math
+import queue
 import shutil
 import time
 from collections.abc import Sequence as SequenceOf
@@ -38,6 +39,10 @@ MEGATRON_SEED = 1234
 # Clip coefficient max_norm / (norm + eps), as torch.nn.utils.clip_grad_norm_ and megatron do.
 CLIP_EPS = 1.0e-6
 WEIGHTS_FILE = "model.safetensors"
+# The lr schedule and step count beside the dist checkpoint (plain objects, rank 0 only).
+ACTOR_STATE_FILE = "actor_state.pt"
+# Per rank: torch and megatron RNG states (nothing random runs today; kept so dropout would resume exactly).
+RNG_FILE = "rng_rank{rank}.pt"
 # Files of an HF directory that hold weights or the model config (everything else is copied).
 HF_NON_TOKENIZER_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".pt", ".pth")
 
@@ -367,6 +372,55 @@ class MegatronActor:
                 "rank (recipe_gkd.actor.layout.data_parallel_rank)"
             )
 
+    # ------------------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, path: str) -> dict[str, float]:
+        """Model + optimizer as a megatron dist checkpoint in `path` (empty dir), + lr schedule and step.
+
+        Every rank calls it. The sharded tensors are keyed by their global names and offsets, so the
+        checkpoint loads into any tensor-parallel size (see `load_checkpoint`).
+        """
+        from megatron.core import dist_checkpointing
+
+        self._enter_device()
+        start = time.perf_counter()
+        out = Path(path)
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        _in_process_write_results()
+        dist_checkpointing.save(self._sharded_state_dict(), str(out))
+        if self.rank == 0:
+            state = {"scheduler": self.scheduler.state_dict(), "steps": self._steps, "tp": self.layout.tp_size}
+            torch.save(state, out / ACTOR_STATE_FILE)
+        torch.save(_rng_states(), out / RNG_FILE.format(rank=self.rank))
+        dist.barrier()
+        return {"save_s": time.perf_counter() - start}
+
+    def load_checkpoint(self, path: str) -> dict[str, float]:
+        """Restore what `save_checkpoint` wrote (possibly at another tensor-parallel size)."""
+        from megatron.core import dist_checkpointing
+
+        self._enter_device()
+        start = time.perf_counter()
+        loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), path)
+        self._model.module.load_state_dict(loaded["model"], strict=True)
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        # fp32 main params (bf16 training) are the optimizer's copy: refresh them from the model.
+        self.optimizer.reload_model_params()
+        state = torch.load(Path(path) / ACTOR_STATE_FILE, weights_only=False)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._steps = int(state["steps"])
+        rng = Path(path) / RNG_FILE.format(rank=self.rank)
+        if rng.is_file():  # absent when this rank did not exist at save time (a larger world)
+            _set_rng_states(torch.load(rng, weights_only=False))
+        dist.barrier()
+        return {"load_s": time.perf_counter() - start, "steps": float(self._steps)}
+
+    def _sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
+        model_sd = self._model.module.sharded_state_dict()
+        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
     # ------------------------------------------------------------------------- probes and export
 
     def token_logprobs(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
@@ -470,6 +524,32 @@ def _flatten(shards: SequenceOf[TrainShard]) -> list[Sequence]:
                 f"train_step takes a list of TrainShard, got {type(shard).__name__}; resolve Ray refs with ray.get first"
             )
     return [seq for shard in shards for seq in shard.sequences]
+
+
+def _in_process_write_results() -> None:
+    """Make megatron's checkpoint writer report through an in-process queue.
+
+    By default it creates a multiprocessing Manager server process on the first save, which
+    outlives this worker when the run is killed (kill -9): an orphan per actor rank. A
+    synchronous save reads the queue in this very process, so a plain queue is enough.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
+
+
+def _rng_states() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(states["torch"])
+    get_cuda_rng_tracker().set_states(states["tracker"])
 
 
 def _leaf_optimizers(optimizer: Any) -> list[Any]:

@@ -1,0 +1,89 @@
+"""The actor's dist checkpoint: a resumed step equals the uninterrupted one, also at another TP size.
+
+Each rank is a subprocess (tests/integration/checkpoint_scenarios.py). Phase 1 trains two steps
+at TP=1 and at TP=2 and saves; phase 2 loads each checkpoint at the other TP size and trains the
+third step, which must match the third step of the run that never stopped. (Same-size resume is
+exercised end to end by test_crash_resume.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+
+SCRIPT = Path(__file__).with_name("checkpoint_scenarios.py")
+PHASE_TIMEOUT_S = 240
+# Different TP sizes sum the vocabulary-parallel loss in another order: fp32 rounding only.
+RESHARD_TOL = 1e-5
+
+
+def _free_ports(count: int) -> list[int]:
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+def _run_phase(jobs: list[tuple[int, str, Path, Path]], model: Path, logs: Path) -> None:
+    """jobs: (world, mode, checkpoint, out). All ranks of all jobs run at once; each must exit 0."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent), str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    procs: list[tuple[subprocess.Popen, Path]] = []
+    try:
+        for (world, mode, ckpt, out), port in zip(jobs, _free_ports(len(jobs)), strict=True):
+            for rank in range(world):
+                log = logs / f"{out.stem}_rank{rank}.log"
+                cmd = [sys.executable, str(SCRIPT), f"--rank={rank}", f"--world={world}", f"--port={port}"]
+                cmd += [f"--model={model}", f"--checkpoint={ckpt}", f"--mode={mode}", f"--out={out}"]
+                with log.open("w") as f:
+                    procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), log))
+        for proc, log in procs:
+            rc = proc.wait(timeout=PHASE_TIMEOUT_S)
+            assert rc == 0, f"{log}:\n{log.read_text()[-4000:]}"
+    finally:
+        for proc, _ in procs:  # only what this test started
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def _load(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+@pytest.mark.slow
+def test_resume_equals_uninterrupted_at_the_same_and_another_tp_size(tmp_path: Path) -> None:
+    # Untied embeddings and 4 kv heads: every kind of TP sharding (vocab, qkv, mlp) is exercised.
+    model = build_tiny_causal_lm(
+        tmp_path / "model", seed=0, spec=TinyModelSpec(num_kv_heads=4, tie_word_embeddings=False)
+    )
+    ck1, ck2 = tmp_path / "ck_tp1", tmp_path / "ck_tp2"
+    _run_phase([(1, "save", ck1, tmp_path / "save1.npz"), (2, "save", ck2, tmp_path / "save2.npz")], model, tmp_path)
+    assert (ck1 / "metadata.json").is_file() and (ck2 / "metadata.json").is_file()
+    _run_phase(
+        [
+            (1, "load", ck2, tmp_path / "tp1_from_tp2.npz"),
+            (2, "load", ck1, tmp_path / "tp2_from_tp1.npz"),
+        ],
+        model,
+        tmp_path,
+    )
+    save1, save2 = _load(tmp_path / "save1.npz"), _load(tmp_path / "save2.npz")
+    for resumed, reference in (("tp1_from_tp2", save2), ("tp2_from_tp1", save1)):
+        got = _load(tmp_path / f"{resumed}.npz")
+        assert set(got) == set(reference)
+        worst = max(float(np.abs(got[k] - reference[k]).max()) for k in reference)
+        assert worst < RESHARD_TOL, f"{resumed}: max |diff| {worst}"
+        assert float(got["lr"]) == float(reference["lr"]), "the lr schedule resumes at its step"
