@@ -6,7 +6,8 @@
 2. Each actor rank trains on its share: the GKD divergence over the teacher's top-k plus a
    tail bucket, token mean over the whole global batch, one optimizer step.
 3. The new weights go to every rollout worker; the weight version goes up by one.
-4. Metrics every step; evaluation every trainer.eval_every steps; the student exported at the end.
+4. Metrics every step; evaluation every trainer.eval_every steps; a checkpoint every
+   trainer.save_every steps (resumed from by trainer.resume=auto); the student exported at the end.
 
     python -m recipe_gkd.main                                            # CPU demo
     python -m recipe_gkd.main --config configs/presets/1x8_a1_r3_t4.yaml  # one 8-GPU node
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from recipe_gkd import checkpoint
 from recipe_gkd.actor.layout import data_parallel_rank
 from recipe_gkd.batch import RolloutStats
 from recipe_gkd.config import GKDConfig, Schedule
@@ -48,13 +50,14 @@ class Rollout:
 
 
 def run(cfg: GKDConfig, plan: PlacementPlan) -> Path:
-    """Run the configured distillation to the end; returns the run directory."""
+    """Run the configured distillation to the end (from the checkpoint trainer.resume picks); returns the run dir."""
+    resume = checkpoint.prepare_resume(cfg)  # before anything starts: a config mismatch exits at once
     metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.loggers, cfg.trainer.total_steps)
     try:
         with ray_cluster(cfg, plan), teacher_service(cfg) as address, launch_workers(cfg, plan, address) as workers:
             print(f"workers ready in {workers.setup_s:.1f}s", flush=True)
             teacher_accuracy = launch_teacher_accuracy(cfg)
-            train(cfg, workers, metrics)
+            train(cfg, workers, metrics, resume)
             report(
                 cfg,
                 wait([teacher_accuracy], cfg.debug.hang_timeout_s, "teacher accuracy")[0] if teacher_accuracy else None,
@@ -95,13 +98,14 @@ def report(cfg: GKDConfig, teacher_accuracy: float | None) -> None:
     print("\n" + text, flush=True)
 
 
-def train(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger) -> None:
-    version = 0  # the rollout workers start from the same student weights as the actor
-    if cfg.trainer.eval_every:
+def train(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger, resume: Path | None) -> None:
+    # Fresh: the rollout workers start from the same student weights as the actor, version 0.
+    first, version = checkpoint.restore(cfg, workers, resume) if resume else (0, 0)
+    if cfg.trainer.eval_every and first == 0:
         evaluate(cfg, workers, metrics, step=0)
-    metrics.start_progress(0)
-    pipeline = RolloutPipeline(cfg, workers)
-    for step in range(cfg.trainer.total_steps):
+    metrics.start_progress(first)
+    pipeline = RolloutPipeline(cfg, workers, first)
+    for step in range(first, cfg.trainer.total_steps):
         start = time.perf_counter()
         rollout = pipeline.next_batch(step)  # batch `step`; launches the work the schedule overlaps
         check_staleness(cfg, rollout, version)
@@ -117,6 +121,8 @@ def train(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger) -> None:
         metrics.log_step(row)
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
             evaluate(cfg, workers, metrics, step=step + 1)
+        if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
+            checkpoint.save(cfg, workers, step + 1, version)
     export_student(cfg, workers)
 
 
@@ -127,10 +133,11 @@ class RolloutPipeline:
     one_step_off: batch t+1 is generated and scored while the actor trains on batch t.
     two_step_off: batch t+2 is generated and batch t+1 scored while the actor trains on batch t.
     Work is only launched for steps < trainer.total_steps, so nothing is left in flight at the end.
+    A resumed run starts at batch `first` (the rollout workers were set back to its data position).
     """
 
-    def __init__(self, cfg: GKDConfig, workers: Workers) -> None:
-        self.cfg, self.workers = cfg, workers
+    def __init__(self, cfg: GKDConfig, workers: Workers, first: int = 0) -> None:
+        self.cfg, self.workers, self.first = cfg, workers, first
         self.depth = PIPELINE_DEPTH[cfg.algorithm.schedule]
         self.total = cfg.trainer.total_steps
         self.generating: dict[int, list[Any]] = {}  # two_step_off: step -> refs of generate()
@@ -138,8 +145,8 @@ class RolloutPipeline:
 
     def next_batch(self, step: int) -> Rollout:
         start = time.perf_counter()
-        if step == 0:
-            self._prefill()
+        if step == self.first:
+            self._prefill(step)
         if self.depth == 0:
             self._produce(step)
         results = wait(self.producing.pop(step), self.cfg.debug.hang_timeout_s, f"rollout of step {step}")
@@ -160,14 +167,14 @@ class RolloutPipeline:
         for step, refs in in_flight.items():
             wait(refs, self.cfg.debug.hang_timeout_s, f"generation of step {step}")
 
-    def _prefill(self) -> None:
+    def _prefill(self, step: int) -> None:
         if self.depth == 1:
-            self._produce(0)
+            self._produce(step)
         if self.depth == 2:
-            self._generate(0)
-            self._score(0)
-            if self.total > 1:
-                self._generate(1)
+            self._generate(step)
+            self._score(step)
+            if step + 1 < self.total:
+                self._generate(step + 1)
 
     def _produce(self, step: int) -> None:
         self.producing[step] = [r.produce.remote(step, self.workers.dp_size) for r in self.workers.rollouts]

@@ -10,6 +10,7 @@ exit sends SIGTERM to that group, then SIGKILL if it has not stopped in time.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -28,6 +29,8 @@ STOP_TIMEOUT_S = 15.0
 LOG_TAIL_LINES = 60
 DEFAULT_READY_TIMEOUT_S = 600.0
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+# linux/prctl.h: deliver a signal to this process when its parent thread exits.
+PR_SET_PDEATHSIG = 1
 
 
 class TeacherLaunchError(RuntimeError):
@@ -61,19 +64,46 @@ def launch_teacher(
     child_env = dict(env if env is not None else os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), child_env.get("PYTHONPATH", "")) if p)
     child_env["PYTHONUNBUFFERED"] = "1"
+    # The log may hold earlier servers' READY lines (a rerun in the same run directory): read past them.
+    log_start = log_file_path.stat().st_size if log_file_path.is_file() else 0
     with open(log_file_path, "ab") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            start_new_session=True,
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+        )
     try:
-        address, replica_address = _wait_ready(proc, log_file_path, ready_timeout_s)
+        address, replica_address = _wait_ready(proc, log_file_path, ready_timeout_s, log_start)
         yield TeacherProcess(proc.pid, address, replica_address, log_file_path)
     finally:
         stop_process_group(proc)
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> tuple[str, str]:
+def _die_with_parent(launcher_pid: int) -> None:
+    """In the child before exec: SIGTERM it when the launching process dies, even by SIGKILL.
+
+    The server runs in its own session (so stopping it never signals the launcher's group), which
+    also means a kill -9 of the launcher's group would leave it orphaned without this (Linux only).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float, offset: int = 0) -> tuple[str, str]:
     deadline = time.monotonic() + timeout_s
     while True:
-        text = log_path.read_text(errors="replace")
+        with log_path.open("rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
         match = READY_PATTERN.search(text)
         if match:
             return match.group(1), match.group(2)

@@ -22,6 +22,10 @@ from recipe_gkd.metrics import process_memory_mb
 
 # Salt that separates the on/off-policy coin flips from the epoch order's random stream.
 MIX_SALT = 0x6B64
+# Salt of the per-batch sampling seed (same for a resumed run: a function of the stream position).
+SAMPLE_SALT = 0x5EED
+# Data positions remembered per generated batch: enough for the deepest pipeline plus the checkpoint.
+POSITIONS_KEPT = 4
 
 
 @dataclass
@@ -49,7 +53,7 @@ class Engine(Protocol):
 
     tokenizer: Any
 
-    def generate(self, prompts: list[list[int]], *, greedy: bool) -> list[Generation]: ...
+    def generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None = None) -> list[Generation]: ...
 
     def load_weights(self, named_arrays: dict[str, np.ndarray]) -> None: ...
 
@@ -92,6 +96,7 @@ class RolloutWorker:
         self._engine_lock = threading.Lock()
         self._teacher_lock = threading.Lock()
         self._pending: dict[int, Generated] = {}
+        self._position_after: dict[int, int] = {}  # batch -> prompts of this shard consumed after it
 
     # ------------------------------------------------------------------ set-up
 
@@ -112,6 +117,16 @@ class RolloutWorker:
     def set_position(self, prompts_consumed: int) -> None:
         """Resume: this worker has already used `prompts_consumed` prompts of its shard."""
         self.train_stream.position = prompts_consumed
+        self._position_after.clear()
+
+    def data_position(self, batch: int) -> int:
+        """Prompts of this shard consumed up to and including batch `batch` (what a checkpoint records).
+
+        The async schedules read ahead: the worker's current position may already include later batches.
+        """
+        if batch not in self._position_after:
+            raise KeyError(f"rollout worker {self.rank}: no data position recorded for batch {batch}")
+        return self._position_after[batch]
 
     # ------------------------------------------------------------------ one step
 
@@ -130,6 +145,7 @@ class RolloutWorker:
         """
         with self._engine_lock:
             prompts = self.train_stream.take(self.per_step)
+            self._remember_position(step)
             first_position = (self.train_stream.position - self.per_step) * self.world + self.rank
             generated = self._generate(prompts, greedy=False, mix_from=first_position)
         self._pending[step] = generated
@@ -160,6 +176,11 @@ class RolloutWorker:
             -1, sequences, {"generate_s": generated.seconds, "teacher_s": teacher_s}, dp_size, generated.weight_version
         )
 
+    def _remember_position(self, batch: int) -> None:
+        self._position_after[batch] = self.train_stream.position
+        for old in [b for b in self._position_after if b <= batch - POSITIONS_KEPT]:
+            del self._position_after[old]
+
     def _generate(self, prompts: list[Prompt], greedy: bool, mix_from: int | None) -> Generated:
         """Responses to `prompts`: sampled by the student, or the dataset's (off-policy, 1 - lmbda)."""
         assert self.engine is not None, "call setup() first"
@@ -168,7 +189,9 @@ class RolloutWorker:
         on_policy = [True] * len(prompts) if mix_from is None else self._on_policy_flags(mix_from, len(prompts))
         start = time.perf_counter()
         to_sample = [ids for ids, on in zip(prompt_ids, on_policy, strict=True) if on]
-        sampled = iter(self.engine.generate(to_sample, greedy=greedy))
+        # Seeded by the batch's first stream position: a resumed run samples what an uninterrupted one did.
+        seed = None if mix_from is None else self._sampling_seed(mix_from)
+        sampled = iter(self.engine.generate(to_sample, greedy=greedy, seed=seed))
         responses: list[tuple[list[int], np.ndarray | None]] = []
         for prompt, on in zip(prompts, on_policy, strict=True):
             if on:
@@ -225,6 +248,9 @@ class RolloutWorker:
             return [True] * count
         positions = [first_position + k * self.world for k in range(count)]
         return [bool(np.random.default_rng([self.cfg.data.seed, MIX_SALT, p]).random() < lmbda) for p in positions]
+
+    def _sampling_seed(self, first_position: int) -> int:
+        return int(np.random.SeedSequence([self.cfg.data.seed, SAMPLE_SALT, first_position]).generate_state(1)[0])
 
     def _reward(self, prompt: Prompt, response: list[int]) -> float | None:
         """Exact match of the decoded response with the record's answer, when the dataset has one."""

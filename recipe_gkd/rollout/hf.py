@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,10 @@ class HFEngine:
         self.expected = {name for name, _ in self.model.named_parameters()}
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], *, greedy: bool) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None = None) -> list[Generation]:
+        """Responses to `prompts`; with `seed` the sampling is a function of (seed, weights, prompts)."""
+        if seed is not None:
+            torch.manual_seed(seed)  # the rollout process's own generator: nothing else samples here
         out: list[Generation] = []
         for first in range(0, len(prompts), GENERATE_CHUNK):
             out.extend(self._generate_chunk(prompts[first : first + GENERATE_CHUNK], greedy))
@@ -49,7 +53,8 @@ class HFEngine:
         for i, p in enumerate(prompts):
             input_ids_BP[i, width - len(p) :] = torch.tensor(p)
             attention_BP[i, width - len(p) :] = 1
-        sampling = {} if greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or None}
+        # top_k=0 disables top-k filtering explicitly: None would fall back to generation_config's 50.
+        sampling = {} if greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
         result = self.model.generate(
             input_ids=input_ids_BP.to(self.device),
             attention_mask=attention_BP.to(self.device),
@@ -82,7 +87,10 @@ class HFEngine:
             param = self._params[name]
             if tuple(array.shape) != tuple(param.shape):
                 raise ValueError(f"weight sync: {name} has shape {array.shape}, the rollout model {tuple(param.shape)}")
-            param.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+            with warnings.catch_warnings():
+                # Arrays from Ray's object store are read-only views; they are only read here.
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                param.copy_(torch.from_numpy(np.ascontiguousarray(array)))
 
     def finish_weight_update(self, loaded: set[str]) -> None:
         missing = {n for n in self.expected - loaded if not self._tied_alias_loaded(n, loaded)}

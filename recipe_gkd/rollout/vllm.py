@@ -64,7 +64,7 @@ class VLLMEngine:
         self.tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         self._staging: Path | None = None
 
-    def generate(self, prompts: list[list[int]], *, greedy: bool) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None = None) -> list[Generation]:
         from vllm import SamplingParams, TokensPrompt
 
         s = self.cfg.rollout.sampling
@@ -76,7 +76,12 @@ class VLLMEngine:
             # logprobs=0: only the sampled token's logprob (vLLM's default mode: raw model logprobs).
             logprobs=0,
         )
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        # One seed per prompt (seed + index): a resumed run samples what an uninterrupted one did.
+        per_prompt = [params if seed is None else params.clone() for _ in prompts]
+        if seed is not None:
+            for i, p in enumerate(per_prompt):
+                p.seed = seed + i
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
         return [self._generation(o.outputs[0]) for o in outputs]
 
     def _generation(self, completion: Any) -> Generation:
