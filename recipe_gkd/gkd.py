@@ -33,11 +33,17 @@ from recipe_gkd.placement import PlacementPlan
 from recipe_gkd.plots import before_after_table, plot_run
 from recipe_gkd.ray_cluster import ray_cluster
 from recipe_gkd.weight_sync import sync_weights
-from recipe_gkd.workers import Workers, launch_workers, wait
+from recipe_gkd.workers import Workers, launch_workers, wait, wait_done
 
 FINAL_EXPORT_DIR = "final_student"
 # Batches in flight ahead of the one being trained.
 PIPELINE_DEPTH = {Schedule.sync: 0, Schedule.one_step_off: 1, Schedule.two_step_off: 2}
+# Teacher failures that survived the client's retries (bounded by teacher.timeout_s): the run stops.
+TEACHER_DOWN_ERRORS = ("TeacherDeadError", "TeacherTimeoutError")
+
+
+class RunStopped(RuntimeError):
+    """The run stopped on purpose (a teacher that stays down); the message is one line saying what to do."""
 
 
 @dataclass
@@ -107,7 +113,7 @@ def train(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger, resume: Path
     pipeline = RolloutPipeline(cfg, workers, first)
     for step in range(first, cfg.trainer.total_steps):
         start = time.perf_counter()
-        rollout = pipeline.next_batch(step)  # batch `step`; launches the work the schedule overlaps
+        rollout = next_batch(cfg, workers, pipeline, step, version)  # launches the work the schedule overlaps
         check_staleness(cfg, rollout, version)
         stats = train_on(cfg, workers, rollout)
         pipeline.wait_for_generation()  # the engines must be idle before their weights change
@@ -165,7 +171,8 @@ class RolloutPipeline:
         """Block until no engine is sampling (one_step_off waits for the whole produce of t+1)."""
         in_flight = self.generating if self.depth == 2 else self.producing
         for step, refs in in_flight.items():
-            wait(refs, self.cfg.debug.hang_timeout_s, f"generation of step {step}")
+            # Finished, not fetched: a failure (teacher down) surfaces when batch `step` is asked for.
+            wait_done(refs, self.cfg.debug.hang_timeout_s, f"generation of step {step}")
 
     def _prefill(self, step: int) -> None:
         if self.depth == 1:
@@ -186,6 +193,29 @@ class RolloutPipeline:
         # The worker scores what it generated for `step`: that generation must be finished.
         wait(self.generating.pop(step), self.cfg.debug.hang_timeout_s, f"generation of step {step}")
         self.producing[step] = [r.score.remote(step, self.workers.dp_size) for r in self.workers.rollouts]
+
+
+def next_batch(cfg: GKDConfig, workers: Workers, pipeline: RolloutPipeline, step: int, version: int) -> Rollout:
+    """Batch `step` of the pipeline. If the teacher stays down, checkpoint the `step` trained batches and stop."""
+    try:
+        return pipeline.next_batch(step)
+    except Exception as err:  # Ray re-raises a worker's error as RayTaskError(<its type>)
+        cause = getattr(err, "cause", err)
+        if type(cause).__name__ not in TEACHER_DOWN_ERRORS:
+            raise
+        raise stop_for_teacher(cfg, workers, step, version, cause) from err
+
+
+def stop_for_teacher(cfg: GKDConfig, workers: Workers, step: int, version: int, cause: BaseException) -> RunStopped:
+    """Save what is trained (the actor is healthy), and say in one line how to continue."""
+    saved = "nothing trained to checkpoint"
+    if step > 0:
+        saved = f"checkpoint {checkpoint.save(cfg, workers, step, version)} saved"
+    reason = str(cause).strip().splitlines()[0]
+    return RunStopped(
+        f"teacher server down ({type(cause).__name__}: {reason}); {saved}. Restart the teacher at "
+        f"teacher.address={cfg.teacher.address} and rerun the same command to continue"
+    )
 
 
 def check_staleness(cfg: GKDConfig, rollout: Rollout, version: int) -> None:

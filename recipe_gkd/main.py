@@ -15,6 +15,8 @@ from recipe_gkd.config import ConfigError, GKDConfig, load_config, to_yaml
 from recipe_gkd.placement import build_plan, format_plan
 
 EXIT_BAD_CONFIG = 2
+# The run stopped on purpose after saving what it could (e.g. the teacher server stayed down).
+EXIT_STOPPED = 3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,13 +48,16 @@ def main(argv: list[str] | None = None) -> int:
         print("dry run: config valid, nothing started")
         return 0
     write_resolved_config(cfg)
-    from recipe_gkd.gkd import run
+    from recipe_gkd.gkd import RunStopped, run
 
     try:
         run(cfg, plan)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    except RunStopped as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_STOPPED
     return 0
 
 

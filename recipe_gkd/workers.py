@@ -35,6 +35,18 @@ def wait(refs: list[Any], timeout_s: float, phase: str) -> list[Any]:
         ) from None
 
 
+def wait_done(refs: list[Any], timeout_s: float, phase: str) -> None:
+    """Block until every task behind `refs` has finished, without fetching (nor raising) its result."""
+    import ray
+
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+    if pending:
+        raise PhaseTimeoutError(
+            f"phase '{phase}' did not finish within debug.hang_timeout_s={timeout_s}s; raise it if the step is "
+            "legitimately this slow"
+        )
+
+
 def actor_worker_class() -> type:
     """MegatronActor plus the Ray-facing methods (imported lazily: megatron stays out of the driver)."""
     from recipe_gkd.actor.megatron_actor import MegatronActor
