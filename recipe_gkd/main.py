@@ -17,6 +17,8 @@ from recipe_gkd.placement import build_plan, format_plan
 EXIT_BAD_CONFIG = 2
 # The run stopped on purpose after saving what it could (e.g. the teacher server stayed down).
 EXIT_STOPPED = 3
+# A phase exceeded debug.hang_timeout_s: the workers' stacks are in <run_dir>/hang_<phase>_<time>/.
+EXIT_HANG = 4
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     write_resolved_config(cfg)
     from recipe_gkd.gkd import RunStopped, run
+    from recipe_gkd.workers import PhaseTimeoutError
 
     try:
         run(cfg, plan)
@@ -58,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_STOPPED
+    except PhaseTimeoutError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_HANG
     return 0
 
 

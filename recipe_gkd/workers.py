@@ -1,7 +1,9 @@
 """Launching the actor and rollout workers into their placement-group bundles, and stopping them.
 
 The worker classes stay plain (tests build them directly); `ray.remote` is applied here.
-Every wait is bounded: worker start-up by debug.hang_timeout_s, naming the phase.
+Every wait is bounded: worker start-up by debug.hang_timeout_s, naming the phase. A wait that
+times out first has every worker dump its Python stack into <run_dir>/hang_<phase>_<time>/
+(recipe_gkd.watchdog) and names the workers stuck in project code.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from typing import Any
 
 from recipe_gkd.config import GKDConfig, actor_data_parallel_size
 from recipe_gkd.placement import PlacementPlan, ResourcePoolManager, Slot
+from recipe_gkd.watchdog import Watchdog
+
+# The running launch's watchdog (driver process only): phase timeouts dump the workers' stacks.
+_watchdog: Watchdog | None = None
 
 
 class PhaseTimeoutError(TimeoutError):
@@ -29,10 +35,7 @@ def wait(refs: list[Any], timeout_s: float, phase: str) -> list[Any]:
     try:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError:
-        raise PhaseTimeoutError(
-            f"phase '{phase}' did not finish within debug.hang_timeout_s={timeout_s}s; raise it if the step is "
-            "legitimately this slow"
-        ) from None
+        raise phase_timeout(phase, timeout_s) from None
 
 
 def wait_done(refs: list[Any], timeout_s: float, phase: str) -> None:
@@ -41,10 +44,20 @@ def wait_done(refs: list[Any], timeout_s: float, phase: str) -> None:
 
     _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
     if pending:
-        raise PhaseTimeoutError(
-            f"phase '{phase}' did not finish within debug.hang_timeout_s={timeout_s}s; raise it if the step is "
-            "legitimately this slow"
-        )
+        raise phase_timeout(phase, timeout_s)
+
+
+def phase_timeout(phase: str, timeout_s: float) -> PhaseTimeoutError:
+    """The error for a phase over its time; first every worker's stack is dumped (one line message)."""
+    dumped = ""
+    if _watchdog is not None:
+        out, stuck = _watchdog.dump(phase)
+        where = ", ".join(f"{name} at {frame}" for name, frame in stuck.items()) or "no worker in project code"
+        dumped = f"; stuck: {where}; every worker's stack is in {out}"
+    return PhaseTimeoutError(
+        f"phase '{phase}' did not finish within debug.hang_timeout_s={timeout_s}s{dumped}; raise "
+        "debug.hang_timeout_s if the step is legitimately this slow"
+    )
 
 
 def actor_worker_class() -> type:
@@ -113,8 +126,10 @@ def launch_workers(cfg: GKDConfig, plan: PlacementPlan, teacher_address: str | N
     """Placement groups, then every actor rank and rollout worker set up; all stopped on exit."""
     import ray
 
+    from recipe_gkd import watchdog
     from recipe_gkd.rollout.base import RolloutWorker
 
+    global _watchdog
     start = time.perf_counter()
     timeout = cfg.debug.hang_timeout_s
     pools = ResourcePoolManager(plan, cfg.cluster.placement_timeout_s)
@@ -139,6 +154,8 @@ def launch_workers(cfg: GKDConfig, plan: PlacementPlan, teacher_address: str | N
             for s in rollout_slots
         ]
         handles = actors + rollouts
+        names = {f"actor{i}": a for i, a in enumerate(actors)} | {f"rollout{i}": r for i, r in enumerate(rollouts)}
+        _watchdog = watchdog.install(names, cfg.trainer.run_dir, cfg.cluster.placement_timeout_s)
         wait(
             [a.setup.remote() for a in actors] + [r.setup.remote(None, teacher_address) for r in rollouts],
             timeout,
@@ -146,6 +163,7 @@ def launch_workers(cfg: GKDConfig, plan: PlacementPlan, teacher_address: str | N
         )
         yield Workers(actors, rollouts, actor_data_parallel_size(cfg), time.perf_counter() - start)
     finally:
+        _watchdog = None
         _stop(handles, timeout)
         pools.remove()
 
