@@ -95,7 +95,7 @@ def report(cfg: GKDConfig, teacher_accuracy: float | None) -> None:
     lines = [f"run directory: {run_dir.resolve()}", f"exported student: {run_dir.resolve() / FINAL_EXPORT_DIR}"]
     if cfg.trainer.eval_every:
         lines += [
-            f"plots: {plot_run(run_dir)}",
+            f"plots: {plot_run(run_dir, teacher_accuracy)}",
             "",
             before_after_table(read_metrics(run_dir, EVAL_FILE), teacher_accuracy),
         ]
@@ -121,7 +121,7 @@ def train(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger, resume: Path
             workers.actors, workers.rollouts, version + 1, cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s
         )
         version += 1
-        row = step_row(step, version, rollout, stats, sync, time.perf_counter() - start)
+        row = step_row(cfg, step, version, rollout, stats, sync, time.perf_counter() - start)
         if cfg.debug.log_memory:
             row.update(memory_row(rollout, stats))
         metrics.log_step(row)
@@ -250,7 +250,8 @@ def evaluate(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger, step: int
     metrics.log_eval(
         {
             "step": step,
-            "eval_teacher_kl": loss["loss"],
+            "eval_teacher_kl": loss["forward_kl"],  # KL(teacher || student), whatever the training divergence
+            "eval_divergence": loss["loss"],
             "eval_reward": _weighted_reward(rollout_stats),
             "eval_sequences": sum(s.num_sequences for s in rollout_stats),
             "eval_s": time.perf_counter() - start,
@@ -266,7 +267,13 @@ def export_student(cfg: GKDConfig, workers: Workers) -> Path:
 
 
 def step_row(
-    step: int, version: int, rollout: Rollout, train: dict[str, float], sync: dict[str, float], step_s: float
+    cfg: GKDConfig,
+    step: int,
+    version: int,
+    rollout: Rollout,
+    train: dict[str, float],
+    sync: dict[str, float],
+    step_s: float,
 ) -> dict[str, Any]:
     """The metrics.jsonl row of one step."""
     sampled_with = min(s.weight_version for s in rollout.stats)
@@ -274,7 +281,9 @@ def step_row(
         "step": step + 1,
         "batch": rollout.stats[0].step,
         "loss": train["loss"],
-        "teacher_kl": train["loss"],
+        "divergence": cfg.algorithm.divergence.value,
+        # The loss is KL(teacher || student) itself when training with forward KL.
+        "teacher_kl": train["loss"] if cfg.algorithm.divergence.value == "forward_kl" else None,
         "weight_version": version,
         "staleness": (version - 1) - sampled_with,
         "reward": _weighted_reward(rollout.stats),
