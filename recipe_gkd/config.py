@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -329,6 +329,30 @@ def _merge(base: DictConfig, update: Any, source: str) -> DictConfig:
     except (ValidationError, OmegaConfBaseException) as err:
         key = getattr(err, "full_key", None) or "?"
         raise ConfigError(str(key), f"{_first_line(err)} (from {source})") from None
+    except TypeError as err:
+        # OmegaConf raises a bare TypeError for a mapping given where the schema has a list (or the reverse).
+        key, expected = _mismatched_container(base, update)
+        raise ConfigError(key, f"expected a {expected} ({_first_line(err)}, from {source})") from None
+
+
+def _mismatched_container(base: Any, update: Any, prefix: str = "") -> tuple[str, str]:
+    """The first key of `update` whose value is a mapping where `base` has a list, or the reverse."""
+    if not isinstance(update, DictConfig | dict) or not isinstance(base, DictConfig):
+        return prefix or "?", "mapping"
+    for key, value in update.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in base:
+            continue
+        target = base[key]
+        if isinstance(target, ListConfig) and isinstance(value, DictConfig | dict):
+            return path, "list"
+        if isinstance(target, DictConfig) and isinstance(value, ListConfig | list):
+            return path, "mapping"
+        if isinstance(target, DictConfig) and isinstance(value, DictConfig | dict):
+            found = _mismatched_container(target, value, path)
+            if found[0] != path:
+                return found
+    return prefix or "?", "mapping"
 
 
 def _unknown_key_error(base: DictConfig, err: ConfigKeyError, source: str) -> ConfigError:
