@@ -203,13 +203,19 @@ def next_batch(cfg: GKDConfig, workers: Workers, pipeline: RolloutPipeline, step
         cause = getattr(err, "cause", err)
         if type(cause).__name__ not in TEACHER_DOWN_ERRORS:
             raise
-        raise stop_for_teacher(cfg, workers, step, version, cause) from err
+        raise stop_for_teacher(cfg, workers, step, version, cause, trained_here=step > pipeline.first) from err
 
 
-def stop_for_teacher(cfg: GKDConfig, workers: Workers, step: int, version: int, cause: BaseException) -> RunStopped:
-    """Save what is trained (the actor is healthy), and say in one line how to continue."""
-    saved = "nothing trained to checkpoint"
-    if step > 0:
+def stop_for_teacher(
+    cfg: GKDConfig, workers: Workers, step: int, version: int, cause: BaseException, trained_here: bool
+) -> RunStopped:
+    """Save what is trained (the actor is healthy), and say in one line how to continue.
+
+    `trained_here`: this process trained batches since its start (otherwise the checkpoint it
+    resumed from, if any, already holds everything).
+    """
+    saved = "nothing new to checkpoint"
+    if trained_here:
         saved = f"checkpoint {checkpoint.save(cfg, workers, step, version)} saved"
     reason = str(cause).strip().splitlines()[0]
     return RunStopped(
