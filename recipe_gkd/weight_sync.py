@@ -73,8 +73,11 @@ def _await(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
     try:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError:
+        from recipe_gkd.workers import dump_stacks
+
+        dumped = dump_stacks(f"weight sync {what}")  # before the cancel: the stacks show where it hung
         for ref in refs:
             ray.cancel(ref, force=False)
-        raise WeightSyncError(f"{what} did not finish within weight_sync.timeout_s={timeout_s}s") from None
+        raise WeightSyncError(f"{what} did not finish within weight_sync.timeout_s={timeout_s}s{dumped}") from None
     except RayError as err:
         raise WeightSyncError(f"{what} failed: {err}") from err

@@ -49,15 +49,19 @@ def wait_done(refs: list[Any], timeout_s: float, phase: str) -> None:
 
 def phase_timeout(phase: str, timeout_s: float) -> PhaseTimeoutError:
     """The error for a phase over its time; first every worker's stack is dumped (one line message)."""
-    dumped = ""
-    if _watchdog is not None:
-        out, stuck = _watchdog.dump(phase)
-        where = ", ".join(f"{name} at {frame}" for name, frame in stuck.items()) or "no worker in project code"
-        dumped = f"; stuck: {where}; every worker's stack is in {out}"
     return PhaseTimeoutError(
-        f"phase '{phase}' did not finish within debug.hang_timeout_s={timeout_s}s{dumped}; raise "
+        f"phase '{phase}' did not finish within debug.hang_timeout_s={timeout_s}s{dump_stacks(phase)}; raise "
         "debug.hang_timeout_s if the step is legitimately this slow"
     )
+
+
+def dump_stacks(phase: str) -> str:
+    """Every worker's stack into the run directory (when workers are running); the message suffix saying where."""
+    if _watchdog is None:
+        return ""
+    out, stuck = _watchdog.dump(phase)
+    where = ", ".join(f"{name} at {frame}" for name, frame in stuck.items()) or "no worker in project code"
+    return f"; stuck: {where}; every worker's stack is in {out}"
 
 
 def actor_worker_class() -> type:
