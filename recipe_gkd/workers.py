@@ -17,6 +17,7 @@ from typing import Any
 
 from recipe_gkd.config import GKDConfig, actor_data_parallel_size
 from recipe_gkd.placement import PlacementPlan, ResourcePoolManager, Slot
+from recipe_gkd.ports import reserve_ports
 from recipe_gkd.watchdog import Watchdog
 
 # The running launch's watchdog (driver process only): phase timeouts dump the workers' stacks.
@@ -94,12 +95,6 @@ def actor_worker_class() -> type:
     return ActorWorker
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank0_endpoint(pools: ResourcePoolManager, slot: Slot, timeout_s: float) -> tuple[str, int]:
     """Address and a free port on actor rank 0's node, for torch.distributed's rendezvous."""
     import ray
@@ -114,7 +109,7 @@ def _rank0_endpoint(pools: ResourcePoolManager, slot: Slot, timeout_s: float) ->
     ip, port = wait(
         [endpoint.options(scheduling_strategy=pools.scheduling_strategy(slot)).remote()], timeout_s, "rendezvous"
     )[0]
-    return ("127.0.0.1", _free_port()) if pools.plan.nnodes == 1 else (ip, port)
+    return ("127.0.0.1", reserve_ports(1)[0]) if pools.plan.nnodes == 1 else (ip, port)
 
 
 @dataclass

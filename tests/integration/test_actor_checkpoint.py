@@ -9,15 +9,14 @@ exercised end to end by test_crash_resume.py.)
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from recipe_gkd.ports import reserve_ports
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
 SCRIPT = Path(__file__).with_name("checkpoint_scenarios.py")
@@ -27,11 +26,7 @@ RESHARD_TOL = 1e-5
 
 
 def _free_ports(count: int) -> list[int]:
-    with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+    return reserve_ports(count)
 
 
 def _run_phase(jobs: list[tuple[int, str, Path, Path]], model: Path, logs: Path) -> None:

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 # pytest's default (prepend) import mode puts this directory on sys.path.
@@ -26,6 +24,7 @@ import torch
 from recipe_gkd.actor.megatron_actor import MegatronActor
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.losses import gkd_loss_sum
+from recipe_gkd.ports import reserve_ports
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
 SCENARIO_SCRIPT = Path(scenarios.__file__)
@@ -91,11 +90,7 @@ def hf_with_weights(path: Path, arrays: dict[str, np.ndarray]) -> torch.nn.Modul
 
 
 def _free_ports(count: int) -> list[int]:
-    with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+    return reserve_ports(count)
 
 
 def _launch(

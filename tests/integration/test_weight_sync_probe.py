@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ import pytest
 
 from recipe_gkd.batch import Sequence, TrainShard
 from recipe_gkd.config import load_config
+from recipe_gkd.ports import reserve_ports
 from recipe_gkd.rollout.base import RolloutWorker, make_engine
 from recipe_gkd.weight_sync import sync_weights
 from recipe_gkd.workers import actor_worker_class
@@ -48,9 +48,7 @@ def _shard(rng: np.random.Generator, vocab: int, n: int) -> TrainShard:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return reserve_ports(1)[0]
 
 
 @pytest.mark.slow

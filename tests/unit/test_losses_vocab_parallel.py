@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from recipe_gkd.losses import DIVERGENCES, gkd_loss_sum, vocab_parallel_gkd_loss_sum
+from recipe_gkd.ports import reserve_ports
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -123,9 +123,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return reserve_ports(1)[0]
 
 
 def test_tp2_on_gloo_equals_tp1(tmp_path: Path) -> None:
