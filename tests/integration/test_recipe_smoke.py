@@ -11,6 +11,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from recipe_gkd.config import DEFAULT_CONFIG
@@ -208,3 +209,27 @@ def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> No
 
     AutoModelForCausalLM.from_pretrained(run_dir / "final_student")
     AutoTokenizer.from_pretrained(run_dir / "final_student")
+
+
+@pytest.mark.slow
+def test_export_on_demand_equals_the_final_export(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    from recipe_gkd.export import main as export_main
+
+    run_dir = tmp_path / "run"
+    proc = run_cli(tiny_run_inputs, run_dir, "trainer.total_steps=2", "trainer.save_every=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "exported"
+    code = subprocess.run(
+        [sys.executable, "-m", "recipe_gkd.export", "--run-dir", str(run_dir), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert code.returncode == 0, code.stderr[-3000:]
+    exported = load_file(str(out / "model.safetensors"))
+    final = load_file(str(run_dir / "final_student" / "model.safetensors"))
+    assert exported.keys() == final.keys()
+    assert all(np.array_equal(exported[k], final[k]) for k in final)
+    assert export_main(["--run-dir", str(tmp_path / "nothing"), "--out", str(out)]) == 2
