@@ -387,8 +387,6 @@ def restore(cfg: GKDConfig, workers: Any, path: Path) -> tuple[int, int]:
     sets = [r.set_position.remote(p) for r, p in zip(workers.rollouts, positions, strict=True)]
     wait(sets, timeout, "checkpoint positions")
     # The rollout engines hold the initial student: give them the checkpoint's weights and version.
-    sync_weights(
-        workers.actors, workers.rollouts, state.weight_version, cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s
-    )
+    sync_weights(workers.actors, workers.rollouts, state.weight_version, cfg.weight_sync)
     print(f"restored step {state.step} from {path} in {time.perf_counter() - start:.1f}s", flush=True)
     return state.step, state.weight_version

@@ -72,6 +72,12 @@ class Schedule(enum.StrEnum):
     two_step_off = "two_step_off"
 
 
+class WeightTransport(enum.StrEnum):
+    object_store = "object_store"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
 class Precision(enum.StrEnum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -234,6 +240,8 @@ class AlgorithmConfig:
 
 @dataclass
 class WeightSyncConfig:
+    # object_store (Ray's; CPU default, measured fastest there), gloo, or nccl (GPU: rank 0's GPU to the rollouts').
+    transport: WeightTransport = WeightTransport.object_store
     bucket_mb: int = 256
     timeout_s: float = 300.0
 
@@ -533,6 +541,11 @@ def _validate_parallelism(cfg: GKDConfig) -> None:
         not (cfg.cluster.device == Device.cpu and not cfg.cluster.fake_gpus),
         "cluster.fake_gpus",
         "cluster.device=cpu needs cluster.fake_gpus=true (Ray places workers by GPU bundles)",
+    )
+    _require(
+        not (cfg.cluster.device == Device.cpu and cfg.weight_sync.transport == WeightTransport.nccl),
+        "weight_sync.transport",
+        "nccl needs GPUs: on cluster.device=cpu use weight_sync.transport=object_store or gloo",
     )
     _require(
         not (cfg.cluster.device == Device.cpu and r.backend == RolloutBackend.vllm and r.tp > 1),

@@ -117,9 +117,7 @@ def train(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger, resume: Path
         check_staleness(cfg, rollout, version)
         stats = train_on(cfg, workers, rollout)
         pipeline.wait_for_generation()  # the engines must be idle before their weights change
-        sync = sync_weights(
-            workers.actors, workers.rollouts, version + 1, cfg.weight_sync.bucket_mb, cfg.weight_sync.timeout_s
-        )
+        sync = sync_weights(workers.actors, workers.rollouts, version + 1, cfg.weight_sync)
         version += 1
         row = step_row(cfg, step, version, rollout, stats, sync, time.perf_counter() - start)
         if cfg.debug.log_memory:

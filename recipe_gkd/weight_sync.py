@@ -1,21 +1,34 @@
 """Actor -> rollout weight sync: bucketed, versioned, both sides awaited with a timeout.
 
-Transport: Ray's object store. Actor rank 0 gathers the full HF-named state (over TP) and
-puts it as buckets of at most `weight_sync.bucket_mb`; every rollout worker fetches the
-buckets one at a time and loads them, then switches its version. Same-node fetches are
-shared-memory reads and cross-node ones go over Ray's transfer; no process ever holds more
-than one bucket beyond the model itself. An exception on either side fails the step with
-its message, and a side that does not answer within `weight_sync.timeout_s` fails it too.
+Actor rank 0 gathers the full HF-named state (over TP) and sends it in buckets of at most
+`weight_sync.bucket_mb`; every rollout worker loads the buckets as they arrive, then switches
+its version. No process holds more than one bucket beyond the model itself. An exception on
+either side fails the step with its message; a side that does not answer within
+`weight_sync.timeout_s` fails it too.
+
+Transports (`weight_sync.transport`):
+- `object_store`: rank 0 puts each bucket into Ray's object store, the workers fetch them
+  (same node: shared-memory reads; other nodes: Ray's transfer).
+- `gloo` / `nccl`: a private torch.distributed group of actor rank 0 (rank 0) and the rollout
+  workers (ranks 1..N), separate from megatron's groups; rank 0 broadcasts a JSON header
+  (names, dtypes, shapes, offsets) then each bucket as one byte buffer. `nccl` keeps the
+  buffers on the GPU. benchmarks/bench_weight_sync.py measures the CPU transports.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
+from recipe_gkd.config import WeightSyncConfig, WeightTransport
+
 MIB = 1024 * 1024
+ALIGN = 64  # bytes: every tensor in a collective bucket starts on a cache line
 
 
 class WeightSyncError(RuntimeError):
@@ -45,15 +58,16 @@ def put_buckets(named: dict[str, np.ndarray], bucket_mb: int) -> list[Any]:
     return [ray.put(bucket) for bucket in bucketize(named, bucket_mb * MIB)]
 
 
-def sync_weights(
-    actors: list[Any], rollouts: list[Any], version: int, bucket_mb: int, timeout_s: float
-) -> dict[str, float]:
+def sync_weights(actors: list[Any], rollouts: list[Any], version: int, settings: WeightSyncConfig) -> dict[str, float]:
     """Push the actor's current weights to every rollout worker as `version`. Driver side.
 
-    Every actor rank must take part (the export gathers over tensor parallelism); rank 0
-    returns the bucket refs.
+    Every actor rank must take part (the export gathers over tensor parallelism). With the
+    object store, rank 0 returns the bucket refs; with a collective, rank 0 broadcasts while
+    the rollout workers receive, all awaited together.
     """
-
+    bucket_mb, timeout_s = settings.bucket_mb, settings.timeout_s
+    if settings.transport != WeightTransport.object_store:
+        return _sync_collective(actors, rollouts, version, bucket_mb, timeout_s)
     start = time.perf_counter()
     exports = [a.export_weight_buckets.remote(bucket_mb) for a in actors]
     buckets = _await(exports, timeout_s, f"actor export of weight version {version}")[0]
@@ -64,6 +78,109 @@ def sync_weights(
     _await(loads, timeout_s, f"rollout load of weight version {version}")
     done = time.perf_counter()
     return {"sync_export_s": exported - start, "sync_load_s": done - exported}
+
+
+def _sync_collective(
+    actors: list[Any], rollouts: list[Any], version: int, bucket_mb: int, timeout_s: float
+) -> dict[str, float]:
+    start = time.perf_counter()
+    sends = [a.broadcast_weights.remote(bucket_mb) for a in actors]
+    loads = [r.receive_weights.remote(version) for r in rollouts]
+    results = _await(sends + loads, timeout_s, f"collective sync of weight version {version}")
+    sent = results[0]
+    if not sent or not sent.get("bytes"):
+        raise WeightSyncError(f"actor rank 0 broadcast no weights for version {version}")
+    total = time.perf_counter() - start
+    return {"sync_export_s": sent["export_s"], "sync_load_s": total - sent["export_s"]}
+
+
+class CollectiveChannel:
+    """A private process group: the sender is rank 0, the rollout workers ranks 1..N.
+
+    It does not touch torch.distributed's default group (megatron's, in the actor), so both
+    live in one process. Every collective fails after `timeout_s` instead of waiting forever.
+    """
+
+    def __init__(self, backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        import torch
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        self.store = store  # the master's store must outlive the group
+        prefixed = dist.PrefixStore("recipe_gkd_weight_sync", store)
+        self.rank, self.backend = rank, backend
+        if backend == "gloo":
+            self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            self.device = torch.device("cpu")
+        elif backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            raise ValueError(f"weight_sync.transport={backend!r} is not a collective (gloo or nccl)")
+
+    def _broadcast(self, tensor: Any) -> None:
+        self.group.broadcast(tensor, 0).wait()
+
+    def send(self, named: dict[str, np.ndarray], bucket_bytes: int) -> int:
+        """Rank 0: the header, then every bucket as one byte buffer. Returns the bytes sent."""
+        import torch
+
+        buckets = bucketize(named, bucket_bytes)
+        header = json.dumps([bucket_layout(b) for b in buckets]).encode()
+        self._broadcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device))
+        self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
+        sent = 0
+        for bucket, layout in zip(buckets, json.loads(header), strict=True):
+            flat = pack_bucket(bucket, layout)
+            self._broadcast(torch.from_numpy(flat).to(self.device))
+            sent += flat.nbytes
+        return sent
+
+    def receive(self) -> Iterator[dict[str, np.ndarray]]:
+        """Ranks >= 1: the buckets rank 0 sends, one at a time (each valid until the next is asked for)."""
+        import torch
+
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._broadcast(length)
+        header = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.device)
+        self._broadcast(header)
+        layouts: list[dict[str, Any]] = json.loads(header.cpu().numpy().tobytes())
+        for layout in layouts:
+            flat = torch.empty(layout["nbytes"], dtype=torch.uint8, device=self.device)
+            self._broadcast(flat)
+            yield unpack_bucket(flat.cpu().numpy(), layout)
+
+
+def bucket_layout(bucket: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Where each tensor of a bucket sits in its byte buffer (offsets aligned to ALIGN)."""
+    tensors = []
+    offset = 0
+    for name, array in bucket.items():
+        tensors.append({"name": name, "dtype": array.dtype.str, "shape": list(array.shape), "offset": offset})
+        offset += -(-array.nbytes // ALIGN) * ALIGN
+    return {"nbytes": offset, "tensors": tensors}
+
+
+def pack_bucket(bucket: dict[str, np.ndarray], layout: dict[str, Any]) -> np.ndarray:
+    flat = np.zeros(layout["nbytes"], dtype=np.uint8)
+    for entry in layout["tensors"]:
+        array = np.ascontiguousarray(bucket[entry["name"]])
+        flat[entry["offset"] : entry["offset"] + array.nbytes] = array.reshape(-1).view(np.uint8)
+    return flat
+
+
+def unpack_bucket(flat: np.ndarray, layout: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Views into `flat`, one per tensor, with the sender's names, dtypes and shapes."""
+    out = {}
+    for entry in layout["tensors"]:
+        dtype = np.dtype(entry["dtype"])
+        count = int(np.prod(entry["shape"], dtype=np.int64))
+        view = flat[entry["offset"] : entry["offset"] + count * dtype.itemsize].view(dtype)
+        out[entry["name"]] = view.reshape(entry["shape"])
+    return out
 
 
 def _await(refs: list[Any], timeout_s: float, what: str) -> list[Any]:

@@ -8,7 +8,6 @@ times out first has every worker dump its Python stack into <run_dir>/hang_<phas
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -92,24 +91,43 @@ def actor_worker_class() -> type:
             state = self.export_hf_state_dict()
             return None if state is None else put_buckets(state, bucket_mb)
 
+        def init_weight_group(self, backend: str, host: str, port: int, world_size: int, timeout_s: float) -> None:
+            """Rank 0 only: open the weight-sync group as its rank 0 (the rollout workers join)."""
+            from recipe_gkd.weight_sync import CollectiveChannel
+
+            self.weight_channel = CollectiveChannel(backend, host, port, 0, world_size, timeout_s)
+
+        def broadcast_weights(self, bucket_mb: int) -> dict[str, float]:
+            """Every rank gathers over TP; rank 0 broadcasts to the rollout workers."""
+            from recipe_gkd.weight_sync import MIB
+
+            start = time.perf_counter()
+            state = self.export_hf_state_dict()
+            if state is None:
+                return {}
+            exported = time.perf_counter()
+            sent = self.weight_channel.send(state, bucket_mb * MIB)
+            return {"export_s": exported - start, "send_s": time.perf_counter() - exported, "bytes": float(sent)}
+
     return ActorWorker
 
 
-def _rank0_endpoint(pools: ResourcePoolManager, slot: Slot, timeout_s: float) -> tuple[str, int]:
-    """Address and a free port on actor rank 0's node, for torch.distributed's rendezvous."""
+def _rank0_endpoint(pools: ResourcePoolManager, slot: Slot, timeout_s: float) -> tuple[str, list[int]]:
+    """Address and two free ports on actor rank 0's node: megatron's rendezvous, the weight-sync group's."""
     import ray
 
-    @ray.remote(num_cpus=0)
-    def endpoint() -> tuple[str, int]:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
+    if pools.plan.nnodes == 1:
+        return "127.0.0.1", reserve_ports(2)
 
-    ip, port = wait(
+    @ray.remote(num_cpus=0)
+    def endpoint() -> tuple[str, list[int]]:
+        from recipe_gkd.ports import reserve_ports
+
+        return ray.util.get_node_ip_address(), reserve_ports(2, host="0.0.0.0")
+
+    return wait(
         [endpoint.options(scheduling_strategy=pools.scheduling_strategy(slot)).remote()], timeout_s, "rendezvous"
     )[0]
-    return ("127.0.0.1", reserve_ports(1)[0]) if pools.plan.nnodes == 1 else (ip, port)
 
 
 @dataclass
@@ -136,11 +154,11 @@ def launch_workers(cfg: GKDConfig, plan: PlacementPlan, teacher_address: str | N
     try:
         pools.create()
         actor_slots, rollout_slots = plan.role("actor"), plan.role("rollout")
-        master = _rank0_endpoint(pools, actor_slots[0], cfg.cluster.placement_timeout_s)
+        host, (megatron_port, sync_port) = _rank0_endpoint(pools, actor_slots[0], cfg.cluster.placement_timeout_s)
         actor_cls = ray.remote(num_cpus=0)(actor_worker_class())
         actors = [
             actor_cls.options(num_gpus=len(s.gpu_ids), scheduling_strategy=pools.scheduling_strategy(s)).remote(
-                cfg, s.rank, len(actor_slots), master[0], master[1]
+                cfg, s.rank, len(actor_slots), host, megatron_port
             )
             for s in actor_slots
         ]
@@ -160,11 +178,23 @@ def launch_workers(cfg: GKDConfig, plan: PlacementPlan, teacher_address: str | N
             timeout,
             "worker setup",
         )
+        if cfg.weight_sync.transport != "object_store":
+            _open_weight_group(cfg, actors[0], rollouts, host, sync_port)
         yield Workers(actors, rollouts, actor_data_parallel_size(cfg), time.perf_counter() - start)
     finally:
         _watchdog = None
         _stop(handles, timeout)
         pools.remove()
+
+
+def _open_weight_group(cfg: GKDConfig, actor0: Any, rollouts: list[Any], host: str, port: int) -> None:
+    """Actor rank 0 and every rollout worker join the weight-sync process group (all at once)."""
+    backend, timeout = str(cfg.weight_sync.transport), cfg.weight_sync.timeout_s
+    world = 1 + len(rollouts)
+    joins = [actor0.init_weight_group.remote(backend, host, port, world, timeout)] + [
+        r.init_weight_group.remote(backend, host, port, i + 1, world, timeout) for i, r in enumerate(rollouts)
+    ]
+    wait(joins, cfg.debug.hang_timeout_s, f"weight-sync group setup ({backend} on {host}:{port})")
 
 
 def _stop(handles: list[Any], timeout_s: float) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -298,14 +299,38 @@ class RolloutWorker:
         """Load the buckets of weight version `version` (fetched one at a time) and switch to it."""
         import ray
 
+        return self._load_weights(version, (ray.get(ref, timeout=timeout_s) for ref in bucket_refs))
+
+    def init_weight_group(
+        self, backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float
+    ) -> None:
+        """Join the weight-sync process group as `rank` (actor rank 0 sends)."""
+        from recipe_gkd.weight_sync import CollectiveChannel
+
+        self.weight_channel = CollectiveChannel(backend, host, port, rank, world_size, timeout_s)
+
+    def receive_weights(self, version: int) -> dict[str, float]:
+        """Receive weight version `version` over the weight-sync group and switch to it."""
+        return self._load_weights(version, self.weight_channel.receive())
+
+    def _load_weights(self, version: int, buckets: Iterator[dict[str, np.ndarray]]) -> dict[str, float]:
+        """Load every bucket, then switch versions. On a load error the remaining buckets are still
+        consumed (a broadcast sender would otherwise wait for this worker until its timeout)."""
         assert self.engine is not None
         start = time.perf_counter()
         loaded: set[str] = set()
+        error: Exception | None = None
         with self._engine_lock:
-            for ref in bucket_refs:
-                bucket: dict[str, np.ndarray] = ray.get(ref, timeout=timeout_s)
-                self.engine.load_weights(bucket)
+            for bucket in buckets:
+                if error is not None:
+                    continue
+                try:
+                    self.engine.load_weights(bucket)
+                except Exception as err:  # noqa: BLE001 -- re-raised below, once the transfer has finished
+                    error = err
                 loaded.update(bucket)
+            if error is not None:
+                raise error
             self.engine.finish_weight_update(loaded)
             self.weight_version = version
         return {"load_s": time.perf_counter() - start, "tensors": float(len(loaded))}

@@ -182,6 +182,26 @@ def test_tensor_and_data_parallel_actor(tiny_run_inputs: dict[str, Path], tmp_pa
 
 
 @pytest.mark.slow
+def test_gloo_weight_sync_with_tp_actor_and_two_rollouts(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    """The collective transport end to end: TP=2 ranks gather, rank 0 broadcasts to 2 rollout workers."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        "cluster.gpus_per_node=5",
+        "actor.gpus_per_node=2",
+        "actor.megatron.tp=2",
+        "rollout.gpus_per_node=2",
+        "weight_sync.transport=gloo",
+        "algorithm.schedule=one_step_off",
+        "trainer.total_steps=3",
+    ]
+    proc = run_cli(tiny_run_inputs, run_dir, *overrides)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = read_metrics(run_dir)
+    assert [r["weight_version"] for r in rows] == [1, 2, 3] and [r["staleness"] for r in rows] == [0, 1, 1]
+    assert all(r["loss"] > 0 and r["sync_s"] > 0 for r in rows)
+
+
+@pytest.mark.slow
 def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> None:
     """`python -m recipe_gkd.main` with no --config, on the committed demo assets: report, plots, export."""
     if not (repo_root / "assets" / "demo" / "manifest.json").is_file():

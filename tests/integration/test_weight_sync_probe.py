@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from recipe_gkd.batch import Sequence, TrainShard
-from recipe_gkd.config import load_config
+from recipe_gkd.config import WeightSyncConfig, load_config
 from recipe_gkd.ports import reserve_ports
 from recipe_gkd.rollout.base import RolloutWorker, make_engine
 from recipe_gkd.weight_sync import sync_weights
@@ -25,6 +25,9 @@ class EngineOnlyRollout(RolloutWorker):
     def setup(self, scorer: Any = None, teacher_address: str | None = None) -> dict[str, Any]:
         self.engine = make_engine(self.cfg)
         return {"rank": self.rank}
+
+    def get_weight_version(self) -> int:
+        return self.weight_version
 
 
 def _shard(rng: np.random.Generator, vocab: int, n: int) -> TrainShard:
@@ -52,7 +55,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_rollout_matches_actor_after_sync(tiny_model_dir: Path, ray_local: None) -> None:
+@pytest.mark.parametrize("transport", ["object_store", "gloo"])
+def test_rollout_matches_actor_after_sync(tiny_model_dir: Path, ray_local: None, transport: str) -> None:
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -60,22 +64,33 @@ def test_rollout_matches_actor_after_sync(tiny_model_dir: Path, ray_local: None)
     actor = (
         ray.remote(num_cpus=0)(actor_worker_class()).options(num_gpus=1).remote(cfg, 0, 1, "127.0.0.1", _free_port())
     )
-    rollout = ray.remote(num_cpus=0)(EngineOnlyRollout).options(num_gpus=1).remote(cfg, 0, 1)
+    rollouts = [ray.remote(num_cpus=0)(EngineOnlyRollout).options(num_gpus=1).remote(cfg, i, 2) for i in range(2)]
     try:
-        ray.get([actor.setup.remote(), rollout.setup.remote()], timeout=180)
+        ray.get([actor.setup.remote()] + [r.setup.remote() for r in rollouts], timeout=180)
+        if transport == "gloo":
+            port = _free_port()
+            joins = [actor.init_weight_group.remote("gloo", "127.0.0.1", port, 3, 60)]
+            joins += [
+                r.init_weight_group.remote("gloo", "127.0.0.1", port, i + 1, 3, 60) for i, r in enumerate(rollouts)
+            ]
+            ray.get(joins, timeout=60)
         rng = np.random.default_rng(0)
         probe = rng.integers(6, 102, (3, 12))
-        before = ray.get(rollout.token_logprobs.remote(probe), timeout=60)
+        before = ray.get(rollouts[0].token_logprobs.remote(probe), timeout=60)
         np.testing.assert_allclose(ray.get(actor.token_logprobs.remote(probe), timeout=60), before, atol=1e-5)
         for step in range(2):
             stats = ray.get(actor.train_refs.remote([ray.put(_shard(rng, 102, 4))]), timeout=120)
             assert stats["loss"] > 0
-            sync_weights([actor], [rollout], version=step + 1, bucket_mb=1, timeout_s=60)
+            sync_weights(
+                [actor], rollouts, version=step + 1, settings=WeightSyncConfig(transport, bucket_mb=1, timeout_s=60)
+            )
         after_actor = ray.get(actor.token_logprobs.remote(probe), timeout=60)
-        after_rollout = ray.get(rollout.token_logprobs.remote(probe), timeout=60)
         assert np.abs(after_actor - before).max() > 1e-3, "training changed the weights"
-        assert np.abs(after_rollout - after_actor).max() <= 1e-5
+        for rollout in rollouts:
+            after_rollout = ray.get(rollout.token_logprobs.remote(probe), timeout=60)
+            assert np.abs(after_rollout - after_actor).max() <= 1e-5
+            assert ray.get(rollout.get_weight_version.remote(), timeout=60) == 2
     finally:
         ray.get([actor.shutdown.remote()], timeout=60)
-        ray.kill(actor)
-        ray.kill(rollout)
+        for handle in [actor, *rollouts]:
+            ray.kill(handle)

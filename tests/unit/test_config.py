@@ -203,3 +203,12 @@ def test_dry_run_imports_no_engine() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert proc.stdout.strip().splitlines()[-1] == "0 []"
+
+
+def test_nccl_weight_sync_on_cpu_is_refused() -> None:
+    err = _error(["weight_sync.transport=nccl"], DEFAULT_CONFIG)
+    assert err.key == "weight_sync.transport" and "gloo" in str(err)
+
+
+def test_unknown_weight_transport_is_refused() -> None:
+    assert _error(["weight_sync.transport=mpi"], DEFAULT_CONFIG).key == "weight_sync.transport"

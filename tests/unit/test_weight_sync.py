@@ -1,4 +1,5 @@
-"""Weight sync over Ray: buckets, versions, and errors or timeouts on either side fail loudly."""
+"""Weight sync over Ray (object store) and a gloo group: buckets, versions, and errors or timeouts on either side
+fail loudly."""
 
 from __future__ import annotations
 
@@ -8,7 +9,19 @@ import time
 import numpy as np
 import pytest
 
-from recipe_gkd.weight_sync import WeightSyncError, bucketize, sync_weights
+from recipe_gkd.config import WeightSyncConfig, load_config
+from recipe_gkd.ports import reserve_ports
+from recipe_gkd.rollout.base import RolloutWorker
+from recipe_gkd.weight_sync import (
+    MIB,
+    CollectiveChannel,
+    WeightSyncError,
+    bucket_layout,
+    bucketize,
+    pack_bucket,
+    sync_weights,
+    unpack_bucket,
+)
 
 
 def test_bucketize_keeps_order_and_bounds() -> None:
@@ -75,7 +88,9 @@ def test_every_rollout_gets_every_tensor(ray_local: None) -> None:
     named = _named()
     actors = [_remote(FakeActor).remote(r, named) for r in range(2)]
     rollouts = [_remote(FakeRollout).remote() for _ in range(3)]
-    stats = sync_weights(actors, rollouts, version=5, bucket_mb=1, timeout_s=30)
+    stats = sync_weights(
+        actors, rollouts, version=5, settings=WeightSyncConfig("object_store", bucket_mb=1, timeout_s=30)
+    )
     assert stats["sync_export_s"] >= 0 and stats["sync_load_s"] >= 0
     for version, loaded in ray.get([r.state.remote() for r in rollouts], timeout=30):
         assert version == 5 and loaded.keys() == named.keys()
@@ -86,7 +101,7 @@ def test_actor_error_fails_the_sync_with_its_message(ray_local: None) -> None:
     actors = [_remote(FakeActor).remote(0, _named(), True)]
     rollouts = [_remote(FakeRollout).remote()]
     with pytest.raises(WeightSyncError, match="gather over TP failed"):
-        sync_weights(actors, rollouts, version=1, bucket_mb=1, timeout_s=30)
+        sync_weights(actors, rollouts, version=1, settings=WeightSyncConfig("object_store", bucket_mb=1, timeout_s=30))
 
 
 def test_stuck_rollout_times_out_naming_the_key(ray_local: None) -> None:
@@ -94,5 +109,130 @@ def test_stuck_rollout_times_out_naming_the_key(ray_local: None) -> None:
     rollouts = [_remote(FakeRollout).remote(delay_s=20)]
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match=r"weight_sync\.timeout_s=1"):
-        sync_weights(actors, rollouts, version=1, bucket_mb=1, timeout_s=1)
+        sync_weights(actors, rollouts, version=1, settings=WeightSyncConfig("object_store", bucket_mb=1, timeout_s=1))
     assert time.monotonic() - start < 10
+
+
+# ---------------------------------------------------------------- collective transport (gloo)
+
+
+def test_pack_unpack_roundtrip_mixed_dtypes_and_shapes() -> None:
+    rng = np.random.default_rng(2)
+    bucket = {
+        "a": rng.standard_normal((3, 5)).astype(np.float32),
+        "b": rng.integers(-9, 9, 7).astype(np.int64),
+        "c": rng.standard_normal(()).astype(np.float64),
+        "d": np.zeros((0, 4), dtype=np.float32),
+        "e": rng.standard_normal((2, 3)).astype(np.float16),
+    }
+    layout = bucket_layout(bucket)
+    assert all(t["offset"] % 64 == 0 for t in layout["tensors"])
+    out = unpack_bucket(pack_bucket(bucket, layout), layout)
+    assert list(out) == list(bucket)
+    for name, array in bucket.items():
+        assert out[name].dtype == array.dtype and out[name].shape == array.shape
+        assert np.array_equal(out[name], array)
+
+
+class ChannelActor(FakeActor):
+    """Rank 0 of a gloo weight-sync group, with the real actor worker's broadcast interface."""
+
+    def init_weight_group(self, backend: str, host: str, port: int, world: int, timeout_s: float) -> None:
+        self.channel = CollectiveChannel(backend, host, port, 0, world, timeout_s)
+
+    def broadcast_weights(self, bucket_mb: int) -> dict[str, float]:
+        if self.fail:
+            raise RuntimeError("gather over TP failed on rank 0")
+        if self.rank != 0:
+            return {}
+        return {"export_s": 0.0, "bytes": float(self.channel.send(self.named, bucket_mb * MIB))}
+
+    def alive(self) -> bool:
+        return True
+
+
+class RecordingEngine:
+    """The engine interface's weight methods; loading `bad_tensor` fails as a wrong name would."""
+
+    def __init__(self, bad_tensor: str) -> None:
+        self.bad_tensor = bad_tensor
+        self.loaded: dict[str, np.ndarray] = {}
+
+    def load_weights(self, bucket: dict[str, np.ndarray]) -> None:
+        if self.bad_tensor in bucket:
+            raise KeyError(f"the rollout model has no {self.bad_tensor}")
+        self.loaded.update({k: v.copy() for k, v in bucket.items()})
+
+    def finish_weight_update(self, loaded: set[str]) -> None:
+        pass
+
+
+class ChannelRollout(RolloutWorker):
+    """The real rollout worker's group join and receive, over a recording engine."""
+
+    def __init__(self, delay_s: float = 0.0, bad_tensor: str = "") -> None:
+        super().__init__(load_config(None, []), 0, 1)
+        self.engine = RecordingEngine(bad_tensor)
+        self.delay_s = delay_s
+
+    def receive_weights(self, version: int) -> dict[str, float]:
+        time.sleep(self.delay_s)
+        return super().receive_weights(version)
+
+    def state(self) -> tuple[int, dict[str, np.ndarray]]:
+        return self.weight_version, self.engine.loaded
+
+
+def _group(actors: list, rollouts: list, timeout_s: float = 30) -> None:
+    import ray
+
+    port = reserve_ports(1)[0]
+    world = 1 + len(rollouts)
+    joins = [actors[0].init_weight_group.remote("gloo", "127.0.0.1", port, world, timeout_s)]
+    joins += [
+        r.init_weight_group.remote("gloo", "127.0.0.1", port, i + 1, world, timeout_s) for i, r in enumerate(rollouts)
+    ]
+    ray.get(joins, timeout=60)
+
+
+def test_gloo_broadcast_reaches_every_rollout_bit_for_bit(ray_local: None) -> None:
+    import ray
+
+    rng = np.random.default_rng(3)
+    named = _named() | {"big.weight": rng.standard_normal((700, 700)).astype(np.float32)}  # > 1 MiB: own bucket
+    actors = [_remote(ChannelActor).remote(r, named) for r in range(2)]
+    rollouts = [_remote(ChannelRollout).remote() for _ in range(3)]
+    _group(actors, rollouts)
+    for version in (1, 2):
+        stats = sync_weights(
+            actors, rollouts, version=version, settings=WeightSyncConfig("gloo", bucket_mb=1, timeout_s=30)
+        )
+        assert stats["sync_load_s"] >= 0
+    for version, loaded in ray.get([r.state.remote() for r in rollouts], timeout=30):
+        assert version == 2 and list(loaded) == list(named)
+        assert all(np.array_equal(loaded[k], named[k]) for k in named)
+
+
+def test_gloo_load_error_fails_the_sync_promptly_with_its_message(ray_local: None) -> None:
+    import ray
+
+    big = {"big.weight": np.ones((700, 700), dtype=np.float32)}  # a second bucket after the failing one
+    actors = [_remote(ChannelActor).remote(0, _named() | big)]
+    rollouts = [_remote(ChannelRollout).remote(), _remote(ChannelRollout).remote(bad_tensor="layer0.weight")]
+    _group(actors, rollouts)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"has no layer0\.weight"):
+        sync_weights(actors, rollouts, version=1, settings=WeightSyncConfig("gloo", bucket_mb=1, timeout_s=30))
+    assert time.monotonic() - start < 20
+    # The failing receiver drained the broadcast: rank 0 is free again, not blocked until gloo's 30 s timeout.
+    assert ray.get(actors[0].alive.remote(), timeout=5)
+
+
+def test_gloo_stuck_rollout_times_out_naming_the_key(ray_local: None) -> None:
+    actors = [_remote(ChannelActor).remote(0, _named())]
+    rollouts = [_remote(ChannelRollout).remote(delay_s=30)]
+    _group(actors, rollouts, timeout_s=2)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"weight_sync\.timeout_s=2"):
+        sync_weights(actors, rollouts, version=1, settings=WeightSyncConfig("gloo", bucket_mb=1, timeout_s=2))
+    assert time.monotonic() - start < 15

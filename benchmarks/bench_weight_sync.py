@@ -1,0 +1,181 @@
+"""Weight-sync transports on CPU, in one run: Ray's object store vs a gloo broadcast group.
+
+    .venv/bin/python benchmarks/bench_weight_sync.py [--sizes-mb 1,100,1000] [--rollouts 3] [--repeats 3]
+
+One sender (actor rank 0's role, holding fp32 HF-named tensors of the given total size) and
+`--rollouts` receivers (the real RolloutWorker's update_weights / receive_weights, with an
+engine that copies every tensor into its own preallocated parameters, as the HF engine
+does). Times one full sync, median over repeats after one warm-up, per transport and size;
+checks every receiver ends bit-identical to the sender (sha256). The actor's TP gather is
+not included: it is the same for both transports. Memory, by construction: the object store
+holds the whole model at once (every bucket is put before the receivers fetch), the gloo
+group one bucket per process. All processes share this machine's cores, so the figures are
+for one node. Writes benchmarks/results/bench_weight_sync.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from recipe_gkd.config import WeightSyncConfig, load_config  # noqa: E402
+from recipe_gkd.ports import reserve_ports  # noqa: E402
+from recipe_gkd.rollout.base import RolloutWorker  # noqa: E402
+from recipe_gkd.weight_sync import MIB, CollectiveChannel, put_buckets, sync_weights  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "bench_weight_sync.json"
+HIDDEN = 1024
+
+
+def model_like(total_mb: int, seed: int) -> dict[str, np.ndarray]:
+    """fp32 tensors shaped like a transformer's: [hidden, 4 hidden] matrices and [hidden] norms."""
+    rng = np.random.default_rng(seed)
+    named: dict[str, np.ndarray] = {}
+    remaining = total_mb * MIB // 4
+    layer = 0
+    while remaining > 0:
+        rows = max(1, min(4 * HIDDEN, remaining // HIDDEN))
+        named[f"model.layers.{layer}.mlp.weight"] = rng.standard_normal((rows, HIDDEN), dtype=np.float32)
+        named[f"model.layers.{layer}.norm.weight"] = rng.standard_normal(HIDDEN, dtype=np.float32)
+        remaining -= rows * HIDDEN + HIDDEN
+        layer += 1
+    return named
+
+
+def digest(named: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(named):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(named[name]).view(np.uint8))
+    return h.hexdigest()
+
+
+class Sender:
+    """Actor rank 0's side of both transports, over fixed weights."""
+
+    def __init__(self, total_mb: int) -> None:
+        self.named = model_like(total_mb, seed=0)
+
+    def export_weight_buckets(self, bucket_mb: int) -> list[Any]:
+        return put_buckets(self.named, bucket_mb)
+
+    def init_weight_group(self, backend: str, host: str, port: int, world: int, timeout_s: float) -> None:
+        self.channel = CollectiveChannel(backend, host, port, 0, world, timeout_s)
+
+    def broadcast_weights(self, bucket_mb: int) -> dict[str, float]:
+        return {"export_s": 0.0, "bytes": float(self.channel.send(self.named, bucket_mb * MIB))}
+
+    def digest(self) -> str:
+        return digest(self.named)
+
+
+class CopyEngine:
+    """Copies each received tensor into its own parameter (what the HF engine's load does)."""
+
+    def __init__(self, total_mb: int) -> None:
+        self.params = {k: np.zeros_like(v) for k, v in model_like(total_mb, seed=0).items()}
+
+    def load_weights(self, bucket: dict[str, np.ndarray]) -> None:
+        for name, array in bucket.items():
+            np.copyto(self.params[name], array)
+
+    def finish_weight_update(self, loaded: set[str]) -> None:
+        if loaded != self.params.keys():
+            raise ValueError(f"{len(self.params.keys() - loaded)} tensors not loaded")
+
+
+class Receiver(RolloutWorker):
+    def __init__(self, total_mb: int) -> None:
+        super().__init__(load_config(None, []), 0, 1)
+        self.engine = CopyEngine(total_mb)
+
+    def digest(self) -> str:
+        return digest(self.engine.params)
+
+
+def measure(transport: str, size_mb: int, rollouts: int, repeats: int, bucket_mb: int) -> dict[str, Any]:
+    import ray
+
+    sender = ray.remote(num_cpus=0)(Sender).remote(size_mb)
+    receivers = [ray.remote(num_cpus=0)(Receiver).remote(size_mb) for _ in range(rollouts)]
+    settings = WeightSyncConfig(transport, bucket_mb=bucket_mb, timeout_s=600)
+    try:
+        if transport != "object_store":
+            port = reserve_ports(1)[0]
+            world = rollouts + 1
+            joins = [sender.init_weight_group.remote(transport, "127.0.0.1", port, world, 120)]
+            joins += [
+                r.init_weight_group.remote(transport, "127.0.0.1", port, i + 1, world, 120)
+                for i, r in enumerate(receivers)
+            ]
+            ray.get(joins, timeout=120)
+        seconds = []
+        for version in range(repeats + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            sync_weights([sender], receivers, version + 1, settings)
+            seconds.append(time.perf_counter() - start)
+        expected = ray.get(sender.digest.remote(), timeout=600)
+        identical = all(d == expected for d in ray.get([r.digest.remote() for r in receivers], timeout=600))
+    finally:
+        for handle in [sender, *receivers]:
+            ray.kill(handle)
+    sync_s = statistics.median(seconds[1:])
+    return {
+        "transport": transport,
+        "size_mb": size_mb,
+        "rollouts": rollouts,
+        "sync_s": sync_s,
+        "receive_gb_s": size_mb * rollouts / 1024 / sync_s,
+        "bit_identical": identical,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", default="1,100,1000", help="fp32 model sizes to send, comma separated")
+    parser.add_argument("--rollouts", type=int, default=3, help="receivers (the 1x8 a1/r3/t4 preset has 3)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=int, default=256, help="weight_sync.bucket_mb")
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # workers
+    import ray
+
+    sizes = [int(s) for s in args.sizes_mb.split(",")]
+    ray.init(num_cpus=2, object_store_memory=(max(sizes) + 2 * args.bucket_mb + 256) * MIB, include_dashboard=False)
+    rows = []
+    try:
+        for size in sizes:
+            for transport in ("object_store", "gloo"):
+                rows.append(measure(transport, size, args.rollouts, args.repeats, args.bucket_mb))
+                r = rows[-1]
+                print(f"{transport:>12} {size:>6} MB: {r['sync_s']:.3f} s", flush=True)
+    finally:
+        ray.shutdown()
+    print(f"\n{'size MB':>8} {'transport':>12} {'sync s':>8} {'recv GB/s':>10} {'ratio':>6} {'identical':>9}")
+    for r in rows:
+        base = next(x for x in rows if x["size_mb"] == r["size_mb"] and x["transport"] == "object_store")
+        r["time_vs_object_store"] = r["sync_s"] / base["sync_s"]
+        print(
+            f"{r['size_mb']:>8} {r['transport']:>12} {r['sync_s']:>8.3f} {r['receive_gb_s']:>10.2f} "
+            f"{r['time_vs_object_store']:>6.2f} {r['bit_identical']!s:>9}"
+        )
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"rollouts": args.rollouts, "bucket_mb": args.bucket_mb, "rows": rows}, indent=2))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
