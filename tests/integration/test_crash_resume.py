@@ -170,3 +170,20 @@ def test_kill_9_then_resume_trains_every_prompt_once(
     kept = list_checkpoints(run_dir)
     assert [p.name for p in kept] == ["step_000004", "step_000006"], "trainer.keep_last=2"
     assert (run_dir / "final_student" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_resume_at_another_tensor_parallel_size_from_the_cli(inputs: dict[str, Path], tmp_path: Path) -> None:
+    """Run 2 steps at TP=1, rerun the command at TP=2 (and over a gloo weight-sync group): it resumes."""
+    run_dir = tmp_path / "run"
+    first = run_to_end(cli(inputs, run_dir, "trainer.total_steps=2"))
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+    tp2 = ["cluster.gpus_per_node=4", "actor.gpus_per_node=2", "actor.megatron.tp=2", "weight_sync.transport=gloo"]
+    second = run_to_end(cli(inputs, run_dir, "trainer.total_steps=4", *tp2))
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
+    assert "resuming from checkpoint" in second.stdout and "step_000002" in second.stdout
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["weight_version"] for r in rows] == [1, 2, 3, 4]
+    assert [r["sample_ids"] for r in rows] == expected_sample_ids(4, len(WORDS))
+    assert all(r["loss"] > 0 for r in rows)
+    assert (run_dir / "final_student" / "model.safetensors").is_file()
