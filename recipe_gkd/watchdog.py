@@ -7,6 +7,11 @@ Python-level signal handler would never run. On a timeout the driver signals eve
 `py-spy dump` output when py-spy is installed, and writes one file per worker (and the driver's
 own stack) into <run_dir>/hang_<phase>_<time>/. A worker whose stack is inside this project's
 code is reported as stuck, with its innermost frame.
+
+Workers on other nodes than the driver's write their dumps to that node's temp directory (the
+run directory need not be shared); on a timeout a Ray task pinned to each such node signals
+them, reads the dumps there and returns the text, so every stack still lands in the driver's
+run directory. The driver never signals a pid of another node (it could be a local process).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,32 +33,102 @@ STACKS_DIR = ".stacks"
 # How long the driver waits for every worker's dump to land (they are written synchronously).
 DUMP_WAIT_S = 3.0
 PY_SPY_TIMEOUT_S = 20.0
+# A node's dump task gets this long beyond its own waits before the node is reported unreachable.
+REMOTE_SLACK_S = 15.0
 OUR_CODE = re.compile(r'File "([^"]*/(?:recipe_gkd|teacher_server)/[^"]+)", line (\d+) in (\S+)')
 
 # The worker keeps its dump file open: faulthandler writes to the descriptor from the signal handler.
 _dump_file: TextIO | None = None
 
 
-def register_stack_dump(_worker: Any, path: str) -> int:
-    """In a worker (via `__ray_call__`): dump all threads' stacks to `path` on DUMP_SIGNAL. Returns the pid."""
+def register_stack_dump(_worker: Any, name: str, run_dir: str, driver_node: str) -> tuple[int, str, str]:
+    """In a worker (via `__ray_call__`): dump all threads' stacks to a file on DUMP_SIGNAL.
+
+    The file is <run_dir>/.stacks/<name>.txt on the driver's node, else in this node's temp
+    directory. Returns (pid, node id, file).
+    """
+    import ray
+
     global _dump_file
+    node = ray.get_runtime_context().get_node_id()
+    if node == driver_node:
+        directory = Path(run_dir) / STACKS_DIR
+    else:
+        directory = Path(tempfile.gettempdir()) / "recipe_gkd_stacks" / re.sub(r"[^A-Za-z0-9]+", "_", run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.txt"
     if _dump_file is not None:
         _dump_file.close()
     # Not a `with`: the file must stay open for the life of the process.
-    _dump_file = open(path, "w")
+    _dump_file = path.open("w")
     faulthandler.register(DUMP_SIGNAL, file=_dump_file, all_threads=True)
-    return os.getpid()
+    return os.getpid(), node, str(path)
+
+
+@dataclass(frozen=True)
+class WorkerProcess:
+    pid: int
+    node: str  # Ray node id
+    stack_file: str  # on that node
+
+
+def collect_stacks(workers: dict[str, WorkerProcess]) -> dict[str, str]:
+    """On the workers' node: signal each, wait for its dump, return what it wrote (+ py-spy's view)."""
+    before = {n: _size(w.stack_file) for n, w in workers.items()}
+    texts: dict[str, str] = {}
+    for name, worker in workers.items():
+        try:
+            os.kill(worker.pid, DUMP_SIGNAL)
+        except (ProcessLookupError, PermissionError) as err:
+            texts[name] = f"process {worker.pid} could not be signalled: {type(err).__name__}\n"
+    deadline = time.monotonic() + DUMP_WAIT_S
+    waiting = set(workers) - set(texts)
+    while waiting and time.monotonic() < deadline:
+        waiting = {n for n in waiting if _size(workers[n].stack_file) <= before[n]}
+        time.sleep(0.1)
+    time.sleep(0.2)  # a dump in progress finishes writing
+    for name, worker in workers.items():
+        text = texts.get(name) or _read_from(worker.stack_file, before[name])
+        texts[name] = text + _py_spy(worker.pid)
+    return texts
+
+
+def _size(path: str) -> int:
+    return os.path.getsize(path) if os.path.isfile(path) else 0
+
+
+def _read_from(path: str, offset: int) -> str:
+    if not os.path.isfile(path):
+        return "no stack file: the worker never registered its dump handler\n"
+    with open(path) as f:
+        f.seek(offset)
+        return f.read() or f"no stack written within {DUMP_WAIT_S}s of {DUMP_SIGNAL.name}\n"
+
+
+def _collect_on(node: str, workers: dict[str, WorkerProcess]) -> dict[str, str]:
+    """collect_stacks run by a Ray task pinned to `node`; on failure every worker's text says why."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(collect_stacks)
+    strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+    timeout = DUMP_WAIT_S + PY_SPY_TIMEOUT_S * len(workers) + REMOTE_SLACK_S
+    ref = task.options(scheduling_strategy=strategy).remote(workers)
+    try:
+        return ray.get(ref, timeout=timeout)
+    except Exception as err:  # noqa: BLE001 -- reported in each worker's dump file instead of masking the hang
+        ray.cancel(ref, force=True)
+        reason = f"stacks of node {node} not collected: {type(err).__name__}: {str(err)[:300]}\n"
+        return dict.fromkeys(workers, reason)
 
 
 @dataclass
 class Watchdog:
-    """The driver's view: where stacks go and which process each worker is."""
+    """The driver's view: each worker's process, node and dump file."""
 
     run_dir: Path
-    pids: dict[str, int] = field(default_factory=dict)  # worker name -> pid
-
-    def stack_file(self, name: str) -> Path:
-        return self.run_dir / STACKS_DIR / f"{name}.txt"
+    driver_node: str = ""
+    workers: dict[str, WorkerProcess] = field(default_factory=dict)
 
     def dump(self, phase: str) -> tuple[Path, dict[str, str]]:
         """Every worker's stack into hang_<phase>_<time>/; returns the directory and the stuck workers.
@@ -63,57 +139,35 @@ class Watchdog:
         slug = re.sub(r"[^A-Za-z0-9]+", "_", phase).strip("_")
         out = self.run_dir / f"hang_{slug}_{time.strftime('%Y%m%d_%H%M%S')}"
         out.mkdir(parents=True, exist_ok=True)
-        before = {n: self._size(n) for n in self.pids}
-        missing = {}
-        for name, pid in self.pids.items():
-            try:
-                os.kill(pid, DUMP_SIGNAL)
-            except (ProcessLookupError, PermissionError) as err:
-                # Gone, or on another node (the driver signals local processes only).
-                missing[name] = f"process {pid} not reachable from the driver: {type(err).__name__}"
-        self._wait_for_dumps(before, set(missing))
+        by_node: dict[str, dict[str, WorkerProcess]] = {}
+        for name, worker in self.workers.items():
+            by_node.setdefault(worker.node, {})[name] = worker
+        texts = collect_stacks(by_node.pop(self.driver_node, {}))
+        for node, workers in by_node.items():
+            texts.update(_collect_on(node, workers))
         stuck: dict[str, str] = {}
-        for name in self.pids:
-            text = missing.get(name) or self._read_from(name, before[name])
-            text += _py_spy(self.pids[name])
-            (out / f"{name}.txt").write_text(text)
-            frame = _innermost_own_frame(text)
+        for name in self.workers:
+            (out / f"{name}.txt").write_text(texts[name])
+            frame = _innermost_own_frame(texts[name])
             if frame:
                 stuck[name] = frame
         with (out / "driver.txt").open("w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
         return out, stuck
 
-    def _size(self, name: str) -> int:
-        path = self.stack_file(name)
-        return path.stat().st_size if path.is_file() else 0
-
-    def _wait_for_dumps(self, before: dict[str, int], skip: set[str]) -> None:
-        deadline = time.monotonic() + DUMP_WAIT_S
-        waiting = set(before) - skip
-        while waiting and time.monotonic() < deadline:
-            waiting = {n for n in waiting if self._size(n) <= before[n]}
-            time.sleep(0.1)
-        time.sleep(0.2)  # a dump in progress finishes writing
-
-    def _read_from(self, name: str, offset: int) -> str:
-        path = self.stack_file(name)
-        if not path.is_file():
-            return "no stack file: the worker never registered its dump handler\n"
-        with path.open() as f:
-            f.seek(offset)
-            return f.read() or f"no stack written within {DUMP_WAIT_S}s of {DUMP_SIGNAL.name}\n"
-
 
 def install(handles: dict[str, Any], run_dir: str | Path, timeout_s: float) -> Watchdog:
     """Register the stack dump in every worker (`handles`: name -> Ray actor handle)."""
     import ray
 
-    watchdog = Watchdog(Path(run_dir).resolve())
-    (watchdog.run_dir / STACKS_DIR).mkdir(parents=True, exist_ok=True)
+    watchdog = Watchdog(Path(run_dir).resolve(), ray.get_runtime_context().get_node_id())
     names = list(handles)
-    calls = [handles[n].__ray_call__.remote(register_stack_dump, str(watchdog.stack_file(n))) for n in names]
-    watchdog.pids = dict(zip(names, ray.get(calls, timeout=timeout_s), strict=True))
+    calls = [
+        handles[n].__ray_call__.remote(register_stack_dump, n, str(watchdog.run_dir), watchdog.driver_node)
+        for n in names
+    ]
+    registered = ray.get(calls, timeout=timeout_s)
+    watchdog.workers = {n: WorkerProcess(*r) for n, r in zip(names, registered, strict=True)}
     return watchdog
 
 
