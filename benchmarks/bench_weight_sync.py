@@ -69,13 +69,13 @@ class Sender:
         self.named = model_like(total_mb, seed=0)
 
     def export_weight_buckets(self, bucket_mb: int) -> list[Any]:
-        return put_buckets(self.named, bucket_mb)
+        return put_buckets(self.named.items(), bucket_mb)
 
     def init_weight_group(self, backend: str, host: str, port: int, world: int, timeout_s: float) -> None:
         self.channel = CollectiveChannel(backend, host, port, 0, world, timeout_s)
 
     def broadcast_weights(self, bucket_mb: int) -> dict[str, float]:
-        return {"export_s": 0.0, "bytes": float(self.channel.send(self.named, bucket_mb * MIB))}
+        return {"export_s": 0.0, "bytes": float(self.channel.send(self.named.items(), bucket_mb * MIB))}
 
     def digest(self) -> str:
         return digest(self.named)

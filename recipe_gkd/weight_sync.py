@@ -10,16 +10,21 @@ Transports (`weight_sync.transport`):
 - `object_store`: rank 0 puts each bucket into Ray's object store, the workers fetch them
   (same node: shared-memory reads; other nodes: Ray's transfer).
 - `gloo` / `nccl`: a private torch.distributed group of actor rank 0 (rank 0) and the rollout
-  workers (ranks 1..N), separate from megatron's groups; rank 0 broadcasts a JSON header
-  (names, dtypes, shapes, offsets) then each bucket as one byte buffer. `nccl` keeps the
-  buffers on the GPU. benchmarks/bench_weight_sync.py measures the CPU transports.
+  workers (ranks 1..N), separate from megatron's groups; per bucket rank 0 broadcasts a JSON
+  layout (names, dtypes, shapes, offsets) then the bucket as one byte buffer, and a zero
+  length ends the version. `nccl` keeps the buffers on the GPU.
+  benchmarks/bench_weight_sync.py measures the CPU transports.
+
+The actor produces the weights as a stream (one decoder layer at a time) and buckets are
+formed and sent as it goes: rank 0 never holds a second copy of the whole model
+(benchmarks/bench_sync_memory.py).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -37,25 +42,47 @@ class WeightSyncError(RuntimeError):
 
 def bucketize(named: dict[str, np.ndarray], bucket_bytes: int) -> list[dict[str, np.ndarray]]:
     """Split named arrays, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
-    buckets: list[dict[str, np.ndarray]] = []
+    return list(iter_buckets(named.items(), bucket_bytes))
+
+
+def iter_buckets(named: Iterable[tuple[str, np.ndarray]], bucket_bytes: int) -> Iterator[dict[str, np.ndarray]]:
+    """bucketize over a stream: each bucket is yielded as soon as the next tensor would overflow it."""
     current: dict[str, np.ndarray] = {}
     size = 0
-    for name, array in named.items():
+    for name, array in named:
         if current and size + array.nbytes > bucket_bytes:
-            buckets.append(current)
+            yield current
             current, size = {}, 0
         current[name] = array
         size += array.nbytes
     if current:
-        buckets.append(current)
-    return buckets
+        yield current
 
 
-def put_buckets(named: dict[str, np.ndarray], bucket_mb: int) -> list[Any]:
-    """Inside the sending process: the state as a list of object refs, one per bucket."""
+def put_buckets(named: Iterable[tuple[str, np.ndarray]], bucket_mb: int) -> list[Any]:
+    """Inside the sending process: the stream as object refs, one per bucket, each put once it is full."""
     import ray
 
-    return [ray.put(bucket) for bucket in bucketize(named, bucket_mb * MIB)]
+    return [ray.put(bucket) for bucket in iter_buckets(named, bucket_mb * MIB)]
+
+
+class TimedIterator:
+    """Wraps an iterator; `seconds` accumulates the time spent producing its items."""
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        self._items = iter(items)
+        self.seconds = 0.0
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            start = time.perf_counter()
+            try:
+                item = next(self._items)
+            except StopIteration:
+                self.seconds += time.perf_counter() - start
+                return
+            self.seconds += time.perf_counter() - start
+            yield item
 
 
 def sync_weights(actors: list[Any], rollouts: list[Any], version: int, settings: WeightSyncConfig) -> dict[str, float]:
@@ -124,31 +151,34 @@ class CollectiveChannel:
     def _broadcast(self, tensor: Any) -> None:
         self.group.broadcast(tensor, 0).wait()
 
-    def send(self, named: dict[str, np.ndarray], bucket_bytes: int) -> int:
-        """Rank 0: the header, then every bucket as one byte buffer. Returns the bytes sent."""
+    def send(self, named: Iterable[tuple[str, np.ndarray]], bucket_bytes: int) -> int:
+        """Rank 0: per bucket, its layout (length, JSON) then its bytes; a zero length ends. Returns bytes sent."""
         import torch
 
-        buckets = bucketize(named, bucket_bytes)
-        header = json.dumps([bucket_layout(b) for b in buckets]).encode()
-        self._broadcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device))
-        self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
         sent = 0
-        for bucket, layout in zip(buckets, json.loads(header), strict=True):
+        for bucket in iter_buckets(named, bucket_bytes):
+            layout = bucket_layout(bucket)
+            header = json.dumps(layout).encode()
+            self._broadcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device))
+            self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
             flat = pack_bucket(bucket, layout)
             self._broadcast(torch.from_numpy(flat).to(self.device))
             sent += flat.nbytes
+        self._broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))
         return sent
 
     def receive(self) -> Iterator[dict[str, np.ndarray]]:
         """Ranks >= 1: the buckets rank 0 sends, one at a time (each valid until the next is asked for)."""
         import torch
 
-        length = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._broadcast(length)
-        header = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.device)
-        self._broadcast(header)
-        layouts: list[dict[str, Any]] = json.loads(header.cpu().numpy().tobytes())
-        for layout in layouts:
+        while True:
+            length = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._broadcast(length)
+            if int(length.item()) == 0:
+                return
+            header = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.device)
+            self._broadcast(header)
+            layout: dict[str, Any] = json.loads(header.cpu().numpy().tobytes())
             flat = torch.empty(layout["nbytes"], dtype=torch.uint8, device=self.device)
             self._broadcast(flat)
             yield unpack_bucket(flat.cpu().numpy(), layout)

@@ -86,10 +86,11 @@ def actor_worker_class() -> type:
             return self.eval_loss(ray.get(shard_refs))
 
         def export_weight_buckets(self, bucket_mb: int) -> list[Any] | None:
+            """Every rank gathers over TP; rank 0 puts the buckets as they fill and returns their refs."""
             from recipe_gkd.weight_sync import put_buckets
 
-            state = self.export_hf_state_dict()
-            return None if state is None else put_buckets(state, bucket_mb)
+            refs = put_buckets(self.iter_hf_weights(), bucket_mb)
+            return refs if self.rank == 0 else None
 
         def init_weight_group(self, backend: str, host: str, port: int, world_size: int, timeout_s: float) -> None:
             """Rank 0 only: open the weight-sync group as its rank 0 (the rollout workers join)."""
@@ -98,16 +99,21 @@ def actor_worker_class() -> type:
             self.weight_channel = CollectiveChannel(backend, host, port, 0, world_size, timeout_s)
 
         def broadcast_weights(self, bucket_mb: int) -> dict[str, float]:
-            """Every rank gathers over TP; rank 0 broadcasts to the rollout workers."""
-            from recipe_gkd.weight_sync import MIB
+            """Every rank gathers over TP; rank 0 broadcasts the buckets to the rollout workers as they fill."""
+            from recipe_gkd.weight_sync import MIB, TimedIterator
 
-            start = time.perf_counter()
-            state = self.export_hf_state_dict()
-            if state is None:
+            weights = TimedIterator(self.iter_hf_weights())
+            if self.rank != 0:
+                for _ in weights:  # yields nothing here: this rank's part is the TP gathers
+                    pass
                 return {}
-            exported = time.perf_counter()
-            sent = self.weight_channel.send(state, bucket_mb * MIB)
-            return {"export_s": exported - start, "send_s": time.perf_counter() - exported, "bytes": float(sent)}
+            start = time.perf_counter()
+            sent = self.weight_channel.send(weights, bucket_mb * MIB)
+            return {
+                "export_s": weights.seconds,
+                "send_s": time.perf_counter() - start - weights.seconds,
+                "bytes": float(sent),
+            }
 
     return ActorWorker
 

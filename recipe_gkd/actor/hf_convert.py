@@ -358,25 +358,54 @@ def hf_to_mcore_full(hf_state: Mapping[str, Tensor], arch: HFArch, tp_size: int)
 def mcore_full_to_hf(mcore_state: Mapping[str, Tensor], arch: HFArch) -> dict[str, Tensor]:
     """Unsharded megatron tensors -> HF state dict (padding removed; tied embedding once)."""
     _require_keys(mcore_state, mcore_param_names(arch), "megatron state")
+    out: dict[str, Tensor] = {}
+    for unit in mcore_units(arch):
+        out.update(mcore_unit_to_hf(unit, mcore_state, arch))
+    return out
+
+
+def mcore_units(arch: HFArch) -> dict[str, list[str]]:
+    """The conversion units, in export order: each maps to the megatron names it converts together.
+
+    A unit (the embedding, one decoder layer, the final norm, the output layer) converts to HF
+    once all its tensors are present, so an export can stream unit by unit.
+    """
+    units: dict[str, list[str]] = {}
+    for name in mcore_param_names(arch):
+        units.setdefault(mcore_unit_of(name), []).append(name)
+    return units
+
+
+def mcore_unit_of(name: str) -> str:
+    """The unit of a megatron parameter: its decoder-layer prefix, or the parameter itself."""
+    if name.startswith("decoder.layers."):
+        return ".".join(name.split(".")[:3])
+    return name
+
+
+def mcore_unit_to_hf(unit: str, mcore_state: Mapping[str, Tensor], arch: HFArch) -> dict[str, Tensor]:
+    """One unit of unsharded megatron tensors -> its HF tensors (views where no reshuffle is needed)."""
     vocab = arch.vocab_size
-    out = {"model.embed_tokens.weight": mcore_state[EMBEDDING][:vocab]}
-    for i in range(arch.num_layers):
-        hf, mc = _HF_LAYER.format(i=i), _LAYER.format(i=i)
-        attn = hf + "self_attn."
-        out[hf + "input_layernorm.weight"] = mcore_state[mc + "input_layernorm.weight"]
-        q, k, v = split_qkv(mcore_state[mc + "self_attention.linear_qkv.weight"], arch)
-        out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
-        if arch.qkv_bias:
-            q, k, v = split_qkv(mcore_state[mc + "self_attention.linear_qkv.bias"], arch)
-            out[attn + "q_proj.bias"], out[attn + "k_proj.bias"], out[attn + "v_proj.bias"] = q, k, v
-        out[attn + "o_proj.weight"] = mcore_state[mc + "self_attention.linear_proj.weight"]
-        out[hf + "post_attention_layernorm.weight"] = mcore_state[mc + "pre_mlp_layernorm.weight"]
-        gate, up = mcore_state[mc + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
-        out[hf + "mlp.down_proj.weight"] = mcore_state[mc + "mlp.linear_fc2.weight"]
-    out["model.norm.weight"] = mcore_state[FINAL_NORM]
-    if not arch.tie_word_embeddings:
-        out["lm_head.weight"] = mcore_state[OUTPUT_LAYER][:vocab]
+    if unit == EMBEDDING:
+        return {"model.embed_tokens.weight": mcore_state[EMBEDDING][:vocab]}
+    if unit == FINAL_NORM:
+        return {"model.norm.weight": mcore_state[FINAL_NORM]}
+    if unit == OUTPUT_LAYER:
+        return {"lm_head.weight": mcore_state[OUTPUT_LAYER][:vocab]}
+    i = int(unit.split(".")[2])
+    hf, mc = _HF_LAYER.format(i=i), _LAYER.format(i=i)
+    attn = hf + "self_attn."
+    out = {hf + "input_layernorm.weight": mcore_state[mc + "input_layernorm.weight"]}
+    q, k, v = split_qkv(mcore_state[mc + "self_attention.linear_qkv.weight"], arch)
+    out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
+    if arch.qkv_bias:
+        q, k, v = split_qkv(mcore_state[mc + "self_attention.linear_qkv.bias"], arch)
+        out[attn + "q_proj.bias"], out[attn + "k_proj.bias"], out[attn + "v_proj.bias"] = q, k, v
+    out[attn + "o_proj.weight"] = mcore_state[mc + "self_attention.linear_proj.weight"]
+    out[hf + "post_attention_layernorm.weight"] = mcore_state[mc + "pre_mlp_layernorm.weight"]
+    gate, up = mcore_state[mc + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+    out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
+    out[hf + "mlp.down_proj.weight"] = mcore_state[mc + "mlp.linear_fc2.weight"]
     return out
 
 

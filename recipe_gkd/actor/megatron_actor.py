@@ -17,6 +17,7 @@ import math
 import queue
 import shutil
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from datetime import timedelta
 from pathlib import Path
@@ -473,19 +474,37 @@ class MegatronActor:
         Tied embeddings appear once (`model.embed_tokens.weight`), as HF's save_pretrained
         writes them. Every rank must call this: TP ranks of replica 0 gather their shards.
         """
+        state = dict(self.iter_hf_weights())
+        return state if self.rank == 0 else None
+
+    def iter_hf_weights(self) -> Iterator[tuple[str, np.ndarray]]:
+        """The current weights as (HF name, fp32 array), one conversion unit (a decoder layer) at a time.
+
+        Yields on global rank 0 only; every rank must exhaust it (TP ranks of replica 0 gather
+        their shards parameter by parameter). Rank 0 holds one unit beyond what the consumer
+        keeps, never the whole model.
+        """
         self._enter_device()
         if self.layout.dp_rank != 0:
-            return None
-        full: dict[str, Tensor] = {}
+            return
+        units = hf_convert.mcore_units(self.arch)
+        unit_of = {name: unit for unit, names in units.items() for name in names}
+        pending: dict[str, dict[str, Tensor]] = {}
         for name, param in self.gpt.named_parameters():
             shards = self._gather_to_tp_rank0(param.detach())
-            if shards is not None:
-                # A copy: at TP=1 the shard is the live parameter, which the next step updates.
-                full[name] = hf_convert.unshard_from_tp(name, shards).to("cpu", torch.float32, copy=True)
-        if self.rank != 0:
-            return None
-        hf_state = hf_convert.mcore_full_to_hf(full, self.arch)
-        return {name: np.ascontiguousarray(t.numpy()) for name, t in hf_state.items()}
+            if shards is None:
+                continue
+            got = pending.setdefault(unit_of[name], {})
+            # A copy: at TP=1 the shard is the live parameter, which the next step updates.
+            got[name] = hf_convert.unshard_from_tp(name, shards).to("cpu", torch.float32, copy=True)
+            if len(got) < len(units[unit_of[name]]):
+                continue
+            del pending[unit_of[name]]
+            if self.rank == 0:
+                for hf_name, tensor in hf_convert.mcore_unit_to_hf(unit_of[name], got, self.arch).items():
+                    yield hf_name, np.ascontiguousarray(tensor.numpy())
+        if pending:
+            raise RuntimeError(f"weight export: parameters of {sorted(pending)} are missing from the model")
 
     def _gather_to_tp_rank0(self, local: Tensor) -> list[Tensor] | None:
         if self.layout.tp_size == 1:

@@ -15,9 +15,11 @@ from recipe_gkd.rollout.base import RolloutWorker
 from recipe_gkd.weight_sync import (
     MIB,
     CollectiveChannel,
+    TimedIterator,
     WeightSyncError,
     bucket_layout,
     bucketize,
+    iter_buckets,
     pack_bucket,
     sync_weights,
     unpack_bucket,
@@ -35,6 +37,32 @@ def test_bucketize_keeps_order_and_bounds() -> None:
     assert len(bucketize(named, bucket_bytes=10**9)) == 1
 
 
+def test_buckets_of_a_stream_are_yielded_before_the_stream_ends() -> None:
+    consumed: list[str] = []
+
+    def stream():
+        for i in range(6):
+            consumed.append(f"w{i}")
+            yield f"w{i}", np.zeros(100, dtype=np.float32)  # 400 bytes each
+
+    buckets = iter_buckets(stream(), bucket_bytes=800)
+    assert list(next(buckets)) == ["w0", "w1"]
+    assert consumed == ["w0", "w1", "w2"], "a bucket goes out once the next tensor would overflow it, not later"
+    assert [list(b) for b in buckets] == [["w2", "w3"], ["w4", "w5"]]
+
+
+def test_timed_iterator_counts_only_the_producer() -> None:
+    def slow():
+        for i in range(3):
+            time.sleep(0.05)
+            yield i
+
+    timed = TimedIterator(slow())
+    for _ in timed:
+        time.sleep(0.1)  # the consumer's time is not counted
+    assert 0.15 <= timed.seconds < 0.25
+
+
 class FakeActor:
     """Obeys the actor's export interface; rank 0 owns the weights."""
 
@@ -46,7 +74,7 @@ class FakeActor:
 
         if self.fail:
             raise RuntimeError("gather over TP failed on rank 0")
-        return put_buckets(self.named, bucket_mb) if self.rank == 0 else None
+        return put_buckets(self.named.items(), bucket_mb) if self.rank == 0 else None
 
 
 class FakeRollout:
@@ -145,7 +173,7 @@ class ChannelActor(FakeActor):
             raise RuntimeError("gather over TP failed on rank 0")
         if self.rank != 0:
             return {}
-        return {"export_s": 0.0, "bytes": float(self.channel.send(self.named, bucket_mb * MIB))}
+        return {"export_s": 0.0, "bytes": float(self.channel.send(self.named.items(), bucket_mb * MIB))}
 
     def alive(self) -> bool:
         return True
