@@ -31,6 +31,10 @@ class ConfigError(ValueError):
         self.key = key
         self.message = message
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Rebuilt from (key, message) when it crosses a process boundary (a Ray worker's error).
+        return type(self), (self.key, self.message)
+
 
 class Device(enum.StrEnum):
     cuda = "cuda"
@@ -394,6 +398,32 @@ def validate(cfg: GKDConfig) -> None:
     _validate_algorithm(cfg)
     _validate_teacher(cfg)
     _validate_trainer(cfg)
+
+
+def check_local_paths(cfg: GKDConfig) -> None:
+    """The files a run reads exist on this machine (before a real run; not in `validate`, which a
+    --dry-run of a cluster preset runs anywhere). Raises ConfigError naming the key."""
+    _require_model_dir(cfg.model.student_path, "model.student_path")
+    if cfg.model.tokenizer_path:
+        _require(
+            Path(cfg.model.tokenizer_path).is_dir(), "model.tokenizer_path", f"no directory {cfg.model.tokenizer_path}"
+        )
+    if cfg.teacher.autostart:
+        _require_model_dir(cfg.teacher.model_path, "teacher.model_path")
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)):
+        for file in files:
+            _require(Path(file).is_file(), key, f"no such data file {file}")
+
+
+def _require_model_dir(path: str, key: str) -> None:
+    _require(bool(path), key, "is empty: set it to a local HF model directory")
+    relative = "" if Path(path).is_absolute() else f" (relative to the current directory {Path.cwd()})"
+    _require(
+        (Path(path) / "config.json").is_file(),
+        key,
+        f"{path!r}{relative} is not a local HF model directory (no config.json there); models are read from disk, "
+        "never downloaded",
+    )
 
 
 def _require(ok: bool, key: str, message: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd.config import ConfigError
+from recipe_gkd.config import ConfigError, GKDConfig
 
 
 class RecordFile:
@@ -151,6 +151,41 @@ class ShardedStream:
             prompts.append(Prompt(sample_id, epoch, self.dataset[sample_id]))
         self.position += count
         return prompts
+
+
+def check_record_fields(cfg: GKDConfig) -> None:
+    """The first record of every data file has the fields the run reads (driver side, before anything
+    starts; reads one record per file, never the dataset). Raises ConfigError naming the key."""
+    needed = {"data.prompt_key": cfg.data.prompt_key}
+    if cfg.algorithm.lmbda < 1:
+        needed["data.response_key"] = cfg.data.response_key
+    for files_key, files in (("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)):
+        for file in files:
+            fields = first_record_fields(Path(file), files_key)
+            for key, field_name in needed.items():
+                if field_name not in fields:
+                    raise ConfigError(key, f"{file}: records have no field {field_name!r} (fields: {sorted(fields)})")
+
+
+def first_record_fields(path: Path, key: str) -> set[str]:
+    """Field names of a jsonl file's first record, or a parquet file's columns."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return set(pq.read_schema(path).names)
+    if path.suffix not in (".jsonl", ".json"):
+        raise ConfigError(key, f"{path}: expected .jsonl or .parquet")
+    with path.open("rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ConfigError(key, f"{path}: the first record is not JSON ({err})") from None
+                if not isinstance(record, dict):
+                    raise ConfigError(key, f"{path}: records must be JSON objects, got {type(record).__name__}")
+                return set(record)
+    raise ConfigError(key, f"{path} holds no records")
 
 
 def encode_prompt(tokenizer: Any, record: dict[str, Any], prompt_key: str, chat_template: bool) -> list[int]:

@@ -11,9 +11,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from recipe_gkd.config import ConfigError, GKDConfig, load_config, to_yaml
+from recipe_gkd.config import ConfigError, GKDConfig, check_local_paths, load_config, to_yaml
 from recipe_gkd.placement import build_plan, format_plan
 
+EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
 # The run stopped on purpose after saving what it could (e.g. the teacher server stayed down).
 EXIT_STOPPED = 3
@@ -49,21 +50,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print("dry run: config valid, nothing started")
         return 0
+    from recipe_gkd.data import check_record_fields
+
+    try:
+        check_local_paths(cfg)
+        check_record_fields(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     write_resolved_config(cfg)
     from recipe_gkd.gkd import RunStopped, run
     from recipe_gkd.workers import PhaseTimeoutError
+    from teacher_server.launcher import TeacherLaunchError
 
     try:
         run(cfg, plan)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        # Raised in a worker, Ray's wrapper is a ConfigError too: print the cause's one line.
+        print(f"error: {getattr(err, 'cause', err)}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    except TeacherLaunchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except RunStopped as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_STOPPED
     except PhaseTimeoutError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_HANG
+    except Exception as err:
+        # A worker's ConfigError (e.g. a record without data.prompt_key) arrives wrapped by Ray.
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, ConfigError):
+            print(f"error: {cause}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
+        raise
     return 0
 
 

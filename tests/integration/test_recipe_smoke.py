@@ -114,6 +114,39 @@ def test_bad_override_exits_2_before_starting_anything(tiny_run_inputs: dict[str
     assert "algorithm.divergence" in proc.stderr and "Traceback" not in proc.stderr
 
 
+MISSING_INPUTS = [
+    ("model.student_path=/no/such/model", "model.student_path"),
+    ("teacher.model_path=/no/such/teacher", "teacher.model_path"),
+    ("data.train_files=[/no/such/data.jsonl]", "data.train_files"),
+    ("data.prompt_key=question", "data.prompt_key"),
+]
+
+
+@pytest.mark.parametrize(("override", "key"), MISSING_INPUTS, ids=[k for _, k in MISSING_INPUTS])
+def test_missing_inputs_exit_2_before_starting_anything(
+    tiny_run_inputs: dict[str, Path], tmp_path: Path, override: str, key: str
+) -> None:
+    start = time.monotonic()
+    proc = run_cli(tiny_run_inputs, tmp_path / "run", override, timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: config error at `{key}`")
+    assert "Traceback" not in proc.stderr and "Started a local Ray" not in proc.stderr
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.slow
+def test_a_workers_config_error_is_one_line_exit_2(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    """A record past the first lacks the prompt field: the rollout worker raises, the driver prints one line."""
+    data = tmp_path / "data.jsonl"
+    records = [{"prompt": "rev:abcde", "response": "edcba"}] + [{"question": "rev:hello"}] * 11
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    inputs = {**tiny_run_inputs, "data": data}
+    proc = run_cli(inputs, tmp_path / "run", "trainer.total_steps=1", "trainer.eval_every=0")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: config error at `data.prompt_key`: record has no field 'prompt'"), last
+
+
 @pytest.mark.slow
 def test_driver_memory_does_not_grow_with_the_dataset(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
     big = tmp_path / "big.jsonl"

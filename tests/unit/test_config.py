@@ -214,3 +214,10 @@ def test_nccl_weight_sync_on_cpu_is_refused() -> None:
 
 def test_unknown_weight_transport_is_refused() -> None:
     assert _error(["weight_sync.transport=mpi"], DEFAULT_CONFIG).key == "weight_sync.transport"
+
+
+def test_config_error_survives_pickling() -> None:
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ConfigError("data.prompt_key", "record has no field 'q'")))
+    assert err.key == "data.prompt_key" and str(err) == "config error at `data.prompt_key`: record has no field 'q'"

@@ -9,8 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from recipe_gkd.config import ConfigError
-from recipe_gkd.data import Dataset, RecordFile, ShardedStream, encode_prompt, encode_response, epoch_order
+from recipe_gkd.config import ConfigError, GKDConfig
+from recipe_gkd.data import (
+    Dataset,
+    RecordFile,
+    ShardedStream,
+    check_record_fields,
+    encode_prompt,
+    encode_response,
+    epoch_order,
+)
 
 
 def _write_jsonl(path: Path, n: int) -> Path:
@@ -142,3 +150,37 @@ def test_worker_memory_does_not_hold_the_dataset(tmp_path: Path) -> None:
     )
     grown_kib = int(proc.stdout.strip())
     assert grown_kib < 10_000, f"reader grew by {grown_kib} KiB for a 60 MB dataset"
+
+
+def _cfg_with(files: list[Path], **data: str) -> GKDConfig:
+    cfg = GKDConfig()
+    cfg.data.train_files = [str(f) for f in files]
+    for key, value in data.items():
+        setattr(cfg.data, key, value)
+    return cfg
+
+
+def test_record_fields_are_checked_from_the_first_record(tmp_path: Path) -> None:
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text('\n{"prompt": "p", "response": "r"}\nnot json at all\n')
+    parquet = _write_parquet(tmp_path / "b.parquet", 5, 2)
+    check_record_fields(_cfg_with([jsonl, parquet]))  # only the first record is read
+    with pytest.raises(ConfigError) as info:
+        check_record_fields(_cfg_with([jsonl, parquet], prompt_key="question"))
+    assert info.value.key == "data.prompt_key" and "a.jsonl" in str(info.value)
+    cfg = _cfg_with([parquet], response_key="answer_text")
+    check_record_fields(cfg)  # lmbda = 1: the response is not read
+    cfg.algorithm.lmbda = 0.5
+    with pytest.raises(ConfigError, match=r"data\.response_key"):
+        check_record_fields(cfg)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"), [("", "holds no records"), ("[1, 2]\n", "JSON objects"), ("{oops\n", "not JSON")]
+)
+def test_unreadable_first_record_names_the_files_key(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match) as info:
+        check_record_fields(_cfg_with([path]))
+    assert info.value.key == "data.train_files"
