@@ -38,6 +38,22 @@ def write_resolved_config(cfg: GKDConfig) -> Path:
     return path
 
 
+def exit_code_for(err: BaseException) -> int | None:
+    """The exit code of an error whose message is written for the user (naming what to change), else None."""
+    from recipe_gkd.actor.hf_convert import UnsupportedModelError
+    from recipe_gkd.checkpoint import CheckpointError
+    from recipe_gkd.weight_sync import WeightSyncError
+    from teacher_server.client import TeacherError
+    from teacher_server.launcher import TeacherLaunchError
+
+    cause = getattr(err, "cause", None) or err
+    if isinstance(cause, ConfigError | UnsupportedModelError):
+        return EXIT_BAD_CONFIG
+    if isinstance(cause, TeacherError | TeacherLaunchError | WeightSyncError | CheckpointError):
+        return EXIT_FAILED
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -61,17 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     write_resolved_config(cfg)
     from recipe_gkd.gkd import RunStopped, run
     from recipe_gkd.workers import PhaseTimeoutError
-    from teacher_server.launcher import TeacherLaunchError
 
     try:
         run(cfg, plan)
-    except ConfigError as err:
-        # Raised in a worker, Ray's wrapper is a ConfigError too: print the cause's one line.
-        print(f"error: {getattr(err, 'cause', err)}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    except TeacherLaunchError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_FAILED
     except RunStopped as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_STOPPED
@@ -79,12 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_HANG
     except Exception as err:
-        # A worker's ConfigError (e.g. a record without data.prompt_key) arrives wrapped by Ray.
-        cause = getattr(err, "cause", None)
-        if isinstance(cause, ConfigError):
-            print(f"error: {cause}", file=sys.stderr)
-            return EXIT_BAD_CONFIG
-        raise
+        code = exit_code_for(err)
+        if code is None:
+            raise  # not an error this tool reports itself: the traceback is the report
+        # Ray wraps an error raised in a worker; its cause carries the one-line message.
+        print(f"error: {getattr(err, 'cause', None) or err}", file=sys.stderr)
+        return code
     return 0
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from recipe_gkd.config import DEFAULT_CONFIG
 from recipe_gkd.metrics import read_metrics
+from recipe_gkd.ports import reserve_ports
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
 WORDS = ["abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd"]
@@ -145,6 +146,17 @@ def test_a_workers_config_error_is_one_line_exit_2(tiny_run_inputs: dict[str, Pa
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: config error at `data.prompt_key`: record has no field 'prompt'"), last
+
+
+@pytest.mark.slow
+def test_an_unreachable_teacher_is_one_line_exit_1(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    port = reserve_ports(1)[0]  # nothing listens there
+    overrides = ["teacher.autostart=false", f"teacher.address=tcp://127.0.0.1:{port}", "teacher.timeout_s=3"]
+    proc = run_cli(tiny_run_inputs, tmp_path / "run", *overrides, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: no teacher server answered at teacher.address=tcp://127.0.0.1:{port}"), last
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
