@@ -59,5 +59,5 @@ class RolloutStats:
     mean_reward: float | None = None
     # Mean over response tokens of the teacher's top-k mass (1 = top-k covers everything).
     teacher_topk_mass: float | None = None
-    # Resident memory of the worker process, MiB (debug.log_memory).
-    rss_mb: float | None = None
+    # debug.log_memory: the worker's resident (and peak GPU) memory, MiB, keyed rollout<rank>_rss_mb, ...
+    memory_mb: dict[str, float] = field(default_factory=dict)

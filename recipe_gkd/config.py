@@ -562,13 +562,7 @@ def _validate_parallelism(cfg: GKDConfig) -> None:
         "actor.megatron.pp",
         f"tp x pp x cp = {model_parallel} must divide the actor's {actor_world_size(cfg)} GPUs",
     )
-    # The megatron actor implements tensor and data parallelism; refused here, before anything starts.
-    _require(
-        a.megatron.pp == 1,
-        "actor.megatron.pp",
-        f"pp={a.megatron.pp}: pipeline parallelism is not implemented in the actor; set actor.megatron.pp=1 "
-        "(use actor.megatron.tp or more data-parallel ranks)",
-    )
+    # The megatron actor implements tensor, pipeline and data parallelism; refused here, before anything starts.
     _require(
         a.megatron.cp == 1,
         "actor.megatron.cp",

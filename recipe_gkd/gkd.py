@@ -40,6 +40,8 @@ FINAL_EXPORT_DIR = "final_student"
 PIPELINE_DEPTH = {Schedule.sync: 0, Schedule.one_step_off: 1, Schedule.two_step_off: 2}
 # Teacher failures that survived the client's retries (bounded by teacher.timeout_s): the run stops.
 TEACHER_DOWN_ERRORS = ("TeacherDeadError", "TeacherTimeoutError")
+# Per-worker memory keys (debug.log_memory), e.g. actor1_rss_mb, rollout0_gpu_peak_mb.
+MEMORY_SUFFIXES = ("_rss_mb", "_gpu_peak_mb")
 
 
 class RunStopped(RuntimeError):
@@ -237,8 +239,10 @@ def train_on(cfg: GKDConfig, workers: Workers, rollout: Rollout) -> dict[str, fl
     start = time.perf_counter()
     # Tensor-parallel ranks of one replica train on the same shards (megatron puts them side by side).
     calls = [a.train_refs.remote(rollout.shard_refs[data_parallel_rank(cfg, r)]) for r, a in enumerate(workers.actors)]
-    stats: dict[str, float] = wait(calls, cfg.debug.hang_timeout_s, "train")[0]
-    return {**stats, "train_s": time.perf_counter() - start}
+    results: list[dict[str, float]] = wait(calls, cfg.debug.hang_timeout_s, "train")
+    # The step statistics are the same on every rank; the memory figures are each rank's own.
+    memory = {k: v for ranks in results for k, v in ranks.items() if k.endswith(MEMORY_SUFFIXES)}
+    return {**results[0], **memory, "train_s": time.perf_counter() - start}
 
 
 def evaluate(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger, step: int) -> None:
@@ -307,10 +311,11 @@ def step_row(
 
 
 def memory_row(rollout: Rollout, train: dict[str, float]) -> dict[str, float]:
-    """debug.log_memory: resident MiB of the driver and of every worker."""
+    """debug.log_memory: resident (and peak GPU) MiB of the driver and of every worker."""
     row = {"driver_rss_mb": process_memory_mb()}
-    row.update({f"rollout{i}_rss_mb": s.rss_mb for i, s in enumerate(rollout.stats) if s.rss_mb is not None})
-    row.update({k: v for k, v in train.items() if k.endswith("_rss_mb")})
+    for stats in rollout.stats:
+        row.update(stats.memory_mb)
+    row.update({k: v for k, v in train.items() if k.endswith(MEMORY_SUFFIXES)})
     return row
 
 

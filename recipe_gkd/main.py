@@ -38,6 +38,14 @@ def write_resolved_config(cfg: GKDConfig) -> Path:
     return path
 
 
+def check_student_split(cfg: GKDConfig) -> None:
+    """The student's architecture and the actor's TP x PP split fit together (before Ray starts)."""
+    from recipe_gkd.actor import hf_convert
+
+    m = cfg.actor.megatron
+    hf_convert.check_split(hf_convert.read_student_arch(cfg.model.student_path), m.tp, m.pp, m.cp)
+
+
 def exit_code_for(err: BaseException) -> int | None:
     """The exit code of an error whose message is written for the user (naming what to change), else None."""
     from recipe_gkd.actor.hf_convert import UnsupportedModelError
@@ -66,12 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print("dry run: config valid, nothing started")
         return 0
+    from recipe_gkd.actor.hf_convert import UnsupportedModelError
     from recipe_gkd.data import check_record_fields
 
     try:
         check_local_paths(cfg)
         check_record_fields(cfg)
-    except ConfigError as err:
+        check_student_split(cfg)
+    except (ConfigError, UnsupportedModelError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     write_resolved_config(cfg)

@@ -73,11 +73,11 @@ def actor_worker_class() -> type:
             """Train on the TrainShards behind `shard_refs` (one per rollout worker)."""
             import ray
 
-            from recipe_gkd.metrics import process_memory_mb
+            from recipe_gkd.metrics import worker_memory_mb
 
             stats = self.train_step(ray.get(shard_refs))
             if self.cfg.debug.log_memory:
-                stats[f"actor{self.rank}_rss_mb"] = process_memory_mb()
+                stats.update(worker_memory_mb(f"actor{self.rank}"))
             return stats
 
         def eval_refs(self, shard_refs: list[Any]) -> dict[str, float]:

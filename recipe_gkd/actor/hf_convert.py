@@ -1,4 +1,4 @@
-"""HF Llama/Qwen2 <-> megatron-core GPTModel: config, weight layout and tensor-parallel sharding.
+"""HF Llama/Qwen2 <-> megatron-core GPTModel: config, weight layout, tensor- and pipeline-parallel sharding.
 
 Three layers, each testable on its own:
 1. `read_hf_arch(hf_config)`: the few numbers that define the model (checked: only what the
@@ -8,6 +8,8 @@ Three layers, each testable on its own:
    padded to a multiple of the tensor-parallel size). Pure torch, no megatron import.
 3. `shard_for_tp` / `unshard_from_tp`: one rank's slice of an unsharded megatron tensor and
    back (column-parallel on dim 0, row-parallel on dim 1, fc1 per-rank [gate_r; up_r]).
+4. `stage_param_names` / `owner_stage`: which parameters a pipeline stage holds, under which
+   local names (layers numbered from 0 on each stage).
 
 `build_gpt_model` is the only function here that imports megatron.
 """
@@ -128,8 +130,8 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def check_parallel_layout(arch: HFArch, tp_size: int) -> None:
-    """Raise naming actor.megatron.tp when the model cannot be split over `tp_size` ranks."""
+def check_parallel_layout(arch: HFArch, tp_size: int, pp_size: int = 1) -> None:
+    """Raise naming actor.megatron.tp / .pp when the model cannot be split over that many ranks."""
     for what, count in (("num_attention_heads", arch.num_heads), ("intermediate_size", arch.intermediate_size)):
         if count % tp_size:
             raise UnsupportedModelError(
@@ -148,15 +150,28 @@ def check_parallel_layout(arch: HFArch, tp_size: int) -> None:
         raise UnsupportedModelError(
             f"actor.megatron.tp={tp_size} leaves the last rank only vocabulary padding (vocab_size={arch.vocab_size})"
         )
-
-
-def check_pipeline_context(pp_size: int, cp_size: int) -> None:
-    """Raise naming the key: the actor implements tensor and data parallelism only."""
-    if pp_size != 1:
+    if arch.num_layers % pp_size:
         raise UnsupportedModelError(
-            f"actor.megatron.pp={pp_size}: pipeline parallelism is not implemented in the megatron actor; "
-            "set actor.megatron.pp=1 (use actor.megatron.tp or data parallelism)"
+            f"actor.megatron.pp={pp_size} must divide the student's num_hidden_layers={arch.num_layers} "
+            "(every pipeline stage holds the same number of layers); choose another actor.megatron.pp"
         )
+
+
+def check_split(arch: HFArch, tp_size: int, pp_size: int, cp_size: int) -> None:
+    """Raise naming the actor.megatron key when the student cannot be split this way."""
+    check_context_parallel(cp_size)
+    check_parallel_layout(arch, tp_size, pp_size)
+
+
+def read_student_arch(model_dir: str | Path) -> HFArch:
+    """The HFArch of the HF model directory `model_dir` (reads config.json only)."""
+    from transformers import AutoConfig
+
+    return read_hf_arch(AutoConfig.from_pretrained(model_dir))
+
+
+def check_context_parallel(cp_size: int) -> None:
+    """Raise naming the key: the actor implements tensor, pipeline and data parallelism."""
     if cp_size != 1:
         raise UnsupportedModelError(
             f"actor.megatron.cp={cp_size}: context parallelism is not implemented in the megatron actor; "
@@ -198,8 +213,7 @@ def build_transformer_config(
     """megatron TransformerConfig reproducing the HF model (local spec, no fused kernels)."""
     from megatron.core.transformer import TransformerConfig
 
-    check_pipeline_context(pp_size, cp_size)
-    check_parallel_layout(arch, tp_size)
+    check_split(arch, tp_size, pp_size, cp_size)
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -222,6 +236,12 @@ def build_transformer_config(
         context_parallel_size=cp_size,
         sequence_parallel=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # Activations sent between pipeline stages: the compute dtype.
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # Micro-batches are padded to their own longest sequence: stages exchange shapes first.
+        variable_seq_lengths=True,
+        # No MoE layers; megatron rejects its default (allgather) dispatcher with variable lengths.
+        moe_token_dispatcher_type="alltoall",
         bf16=bf16,
         # The loss is a token sum over the global token count: DDP must sum, not average.
         calculate_per_token_loss=True,
@@ -239,8 +259,14 @@ def build_transformer_config(
     )
 
 
-def build_gpt_model(arch: HFArch, config: TransformerConfig) -> GPTModel:
-    """GPTModel with megatron's local (no Transformer Engine) layer spec."""
+def build_gpt_model(
+    arch: HFArch, config: TransformerConfig, *, pre_process: bool = True, post_process: bool = True
+) -> GPTModel:
+    """GPTModel with megatron's local (no Transformer Engine) layer spec.
+
+    `pre_process` / `post_process`: this pipeline stage holds the embedding / the final norm and
+    output layer (both for a single stage).
+    """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -249,8 +275,8 @@ def build_gpt_model(arch: HFArch, config: TransformerConfig) -> GPTModel:
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=pre_process,
+        post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
@@ -392,7 +418,7 @@ def mcore_unit_to_hf(unit: str, mcore_state: Mapping[str, Tensor], arch: HFArch)
         return {"model.norm.weight": mcore_state[FINAL_NORM]}
     if unit == OUTPUT_LAYER:
         return {"lm_head.weight": mcore_state[OUTPUT_LAYER][:vocab]}
-    i = int(unit.split(".")[2])
+    i = layer_index(unit)
     hf, mc = _HF_LAYER.format(i=i), _LAYER.format(i=i)
     attn = hf + "self_attn."
     out = {hf + "input_layernorm.weight": mcore_state[mc + "input_layernorm.weight"]}
@@ -448,6 +474,49 @@ def _require_keys(state: Mapping[str, Tensor], names: Sequence[str], what: str) 
     missing = [n for n in names if n not in state]
     if missing:
         raise KeyError(f"{what} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+# ----------------------------------------------------------------------------- pipeline stages
+
+
+def stage_layers(arch: HFArch, pp_rank: int, pp_size: int) -> range:
+    """The global decoder-layer indices pipeline stage `pp_rank` holds (equal contiguous blocks, as megatron)."""
+    per_stage = arch.num_layers // pp_size
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def stage_param_names(arch: HFArch, pp_rank: int, pp_size: int) -> dict[str, str]:
+    """Megatron's parameter names on stage `pp_rank` -> their names in the whole (unsharded) model.
+
+    Decoder layers are numbered from 0 on every stage. With tied embeddings and several stages
+    the last stage holds a copy of the embedding as `output_layer.weight` (megatron all-reduces
+    its gradient with the first stage's), so it maps to the embedding.
+    """
+    layers = stage_layers(arch, pp_rank, pp_size)
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    out: dict[str, str] = {}
+    for name in mcore_param_names(arch):
+        if name.startswith("decoder.layers."):
+            index = layer_index(name)
+            if index in layers:
+                out[_LAYER.format(i=index - layers.start) + name.split(".", 3)[3]] = name
+        elif (name == EMBEDDING and first) or (name in (FINAL_NORM, OUTPUT_LAYER) and last):
+            out[name] = name
+    if arch.tie_word_embeddings and pp_size > 1 and last:
+        out[OUTPUT_LAYER] = EMBEDDING
+    return out
+
+
+def owner_stage(name: str, arch: HFArch, pp_size: int) -> int:
+    """The pipeline stage that exports global parameter `name` (the tied embedding: the first)."""
+    if name.startswith("decoder.layers."):
+        return layer_index(name) // (arch.num_layers // pp_size)
+    return 0 if name == EMBEDDING else pp_size - 1
+
+
+def layer_index(name: str) -> int:
+    """The decoder-layer number in `decoder.layers.<i>....`."""
+    return int(name.split(".")[2])
 
 
 # ----------------------------------------------------------------------------- tensor-parallel sharding

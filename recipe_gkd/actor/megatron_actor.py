@@ -1,13 +1,16 @@
-"""The student trainer: one megatron-core GPTModel rank (TP x DP; PP = CP = 1), a plain class.
+"""The student trainer: one megatron-core GPTModel rank (TP x PP x DP; CP = 1), a plain class.
 
 The driver applies `ray.remote` and calls every method on every actor rank (they all take part
 in collectives); tests construct it directly, one process per rank. One step:
 
-1. collate this rank's sequences into right-padded micro-batches (`actor.micro_batch_size`),
-2. all-reduce the number of loss tokens over data-parallel ranks (N, the global count),
-3. per micro-batch: forward, GKD divergence summed over its loss tokens (vocab-parallel over TP),
-   backward of sum / N; megatron DDP sums the gradients over DP (`calculate_per_token_loss`),
-   so the final gradient is d(global token-mean loss), whatever the micro-batch split,
+1. collate this rank's sequences into right-padded micro-batches (`actor.micro_batch_size`);
+   every TP and PP rank of a data-parallel replica holds the same sequences,
+2. megatron's schedule runs the micro-batches through the pipeline stages (1F1B when PP > 1,
+   activation shapes exchanged per micro-batch); the last stage sums the GKD divergence over
+   each micro-batch's loss tokens (vocab-parallel over TP) and backpropagates that sum,
+3. megatron's `finalize_model_grads` all-reduces the gradients over DP and the tied embedding's
+   over the first and last stage, then divides them by the global count of loss tokens
+   (`calculate_per_token_loss`): d(global token-mean loss), whatever the micro-batch split,
 4. clip by the global grad norm (torch ops: runs on CPU and GPU), warmup lr, Adam(W) step.
 """
 
@@ -17,9 +20,10 @@ import math
 import queue
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceOf
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,8 @@ WEIGHTS_FILE = "model.safetensors"
 ACTOR_STATE_FILE = "actor_state.pt"
 # Per rank: torch and megatron RNG states (nothing random runs today; kept so dropout would resume exactly).
 RNG_FILE = "rng_rank{rank}.pt"
+# Largest rank of a weight sent between pipeline stages during export (matrices and vectors).
+MAX_EXPORT_NDIM = 4
 # Files of an HF directory that hold weights or the model config (everything else is copied).
 HF_NON_TOKENIZER_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".pt", ".pth")
 
@@ -67,35 +73,46 @@ class MegatronActor:
     def setup(self) -> dict[str, Any]:
         """Process group + megatron parallel state, model with the student's HF weights, optimizer."""
         start = time.perf_counter()
+        from megatron.core.distributed import finalize_model_grads
         from transformers import AutoConfig
 
+        hf_config = AutoConfig.from_pretrained(self.cfg.model.student_path)
+        self.arch = hf_convert.read_hf_arch(hf_config)
+        self.pad_id = int(getattr(hf_config, "pad_token_id", None) or 0)
         self._check_world()  # before anything global changes: a bad layout fails cleanly
         self._enter_device()
         self._init_distributed()
         m = self.cfg.actor.megatron
-        hf_config = AutoConfig.from_pretrained(self.cfg.model.student_path)
-        self.arch = hf_convert.read_hf_arch(hf_config)
-        self.pad_id = int(getattr(hf_config, "pad_token_id", None) or 0)
         bf16 = self.cfg.actor.precision == Precision.bf16
         self.tconfig = hf_convert.build_transformer_config(
             self.arch, tp_size=m.tp, pp_size=m.pp, cp_size=m.cp, bf16=bf16, on_cpu=self.on_cpu
         )
-        self.gpt = hf_convert.build_gpt_model(self.arch, self.tconfig)
+        self.gpt = hf_convert.build_gpt_model(
+            self.arch, self.tconfig, pre_process=self.layout.is_first_stage, post_process=self.layout.is_last_stage
+        )
+        self._check_stage_layers()
         if not self.on_cpu:
             self.gpt.cuda(torch.cuda.current_device())
+        # This stage's parameter names -> names in the whole model (layers renumbered per stage).
+        self._global_names = hf_convert.stage_param_names(self.arch, self.layout.pp_rank, self.layout.pp_size)
         hf_state = hf_convert.load_hf_state(self.cfg.model.student_path)
         self._load_hf_state(hf_state)
         num_params = sum(hf_state[n].numel() for n in hf_convert.hf_param_names(self.arch))
         del hf_state
         self._model = self._wrap_ddp(bf16)
+        # Run by megatron's schedule after the backward passes: DP all-reduce, tied-embedding
+        # all-reduce between the first and last stage, division by the global loss-token count.
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
         self._build_optimizer(bf16)
         self._vocab_shard = self._local_vocab_slice()
         return {
             "rank": self.rank,
             "tp_rank": self.layout.tp_rank,
             "dp_rank": self.layout.dp_rank,
+            "pp_rank": self.layout.pp_rank,
             "tp_size": self.layout.tp_size,
             "dp_size": self.layout.dp_size,
+            "pp_size": self.layout.pp_size,
             "device": str(self.device),
             "num_params": num_params,
             "num_local_params": sum(p.numel() for p in self.gpt.parameters()),
@@ -124,7 +141,17 @@ class MegatronActor:
                 f"MegatronActor got world_size={self.world_size} but actor.nnodes x actor.gpus_per_node = {expected}; "
                 "set actor.gpus_per_node to the number of actor ranks"
             )
-        hf_convert.check_pipeline_context(self.cfg.actor.megatron.pp, self.cfg.actor.megatron.cp)
+        m = self.cfg.actor.megatron
+        hf_convert.check_split(self.arch, m.tp, m.pp, m.cp)
+
+    def _check_stage_layers(self) -> None:
+        """megatron's layer numbers on this stage must be the ones `hf_convert.stage_layers` loads into it."""
+        got = [layer.layer_number - 1 for layer in self.gpt.decoder.layers]  # megatron numbers from 1
+        expected = list(hf_convert.stage_layers(self.arch, self.layout.pp_rank, self.layout.pp_size))
+        if got != expected:
+            raise RuntimeError(
+                f"pipeline stage {self.layout.pp_rank}: megatron holds layers {got}, expected {expected}"
+            )
 
     def _init_distributed(self) -> None:
         from megatron.core import parallel_state
@@ -148,27 +175,36 @@ class MegatronActor:
             tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp, context_parallel_size=m.cp
         )
         model_parallel_cuda_manual_seed(MEGATRON_SEED)
-        megatron_coords = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank())
-        if megatron_coords != (self.layout.tp_rank, self.layout.dp_rank):
+        megatron_coords = (
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+        )
+        ours = (self.layout.tp_rank, self.layout.dp_rank, self.layout.pp_rank)
+        if megatron_coords != ours:
             raise RuntimeError(
-                f"rank {self.rank}: megatron places it at (tp, dp) = {megatron_coords}, "
-                f"recipe_gkd.actor.layout at {(self.layout.tp_rank, self.layout.dp_rank)}"
+                f"rank {self.rank}: megatron places it at (tp, dp, pp) = {megatron_coords}, "
+                f"recipe_gkd.actor.layout at {ours}"
             )
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        # TP x PP: the ranks that compute one model replica together (and hold the same data).
+        self.mp_group = parallel_state.get_model_parallel_group()
 
     def _load_hf_state(self, hf_state: dict[str, Tensor]) -> None:
         full = hf_convert.hf_to_mcore_full(hf_state, self.arch, self.layout.tp_size)
         params = dict(self.gpt.named_parameters())
-        expected = set(hf_convert.mcore_param_names(self.arch))
+        expected = set(self._global_names)
         if set(params) != expected:
             raise RuntimeError(
-                f"megatron model parameters differ from the converter's: extra {sorted(set(params) - expected)[:3]}, "
-                f"missing {sorted(expected - set(params))[:3]}"
+                f"megatron stage {self.layout.pp_rank} parameters differ from the converter's: "
+                f"extra {sorted(set(params) - expected)[:3]}, missing {sorted(expected - set(params))[:3]}"
             )
         with torch.no_grad():
             for name, param in params.items():
-                local = hf_convert.shard_for_tp(name, full[name], self.layout.tp_rank, self.layout.tp_size)
+                whole = full[self._global_names[name]]
+                local = hf_convert.shard_for_tp(name, whole, self.layout.tp_rank, self.layout.tp_size)
                 if tuple(local.shape) != tuple(param.shape):
                     raise RuntimeError(f"{name}: converted shard {tuple(local.shape)} != megatron {tuple(param.shape)}")
                 param.copy_(local)
@@ -237,21 +273,16 @@ class MegatronActor:
         start = time.perf_counter()
         sequences = _flatten(shards)
         local_tokens = sum(s.num_response_tokens for s in sequences)
-        self._check_same_data_over_tp(len(sequences), local_tokens)
+        self._check_same_data_over_model_parallel(len(sequences), local_tokens)
         global_tokens = self._sum_over_dp(local_tokens)
         if global_tokens == 0:
             raise ValueError(f"step {self._steps + 1}: no response tokens on any data-parallel rank")
         self._model.train()
         self._model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for group in split_micro_batches(sequences, self.cfg.actor.micro_batch_size):
-            micro = collate(group, self.pad_id).to(self.device)
-            sum_loss, _ = self._loss_sum(self._forward(micro), micro)
-            # Dividing by the global count makes the DP-summed gradient d(global token mean).
-            (sum_loss / global_tokens).backward()
-            loss_sum += sum_loss.detach().double()
-        self._model.finish_grad_sync()
+        # Backward of each micro-batch's loss sum; finalize_model_grads divides by the global count.
+        outputs = self._run_schedule(self._micro_batches(sequences), self._train_loss, forward_only=False)
+        loss_sum = self._sum_from_last_stage([out["loss_sum"] for out in outputs], width=1)[0]
         forward_backward_s = time.perf_counter() - start
         grad_norm, stepped = self._optimizer_step()
         dist.all_reduce(loss_sum, group=self.dp_group)
@@ -272,16 +303,12 @@ class MegatronActor:
         start = time.perf_counter()
         sequences = _flatten(shards)
         local_tokens = sum(s.num_response_tokens for s in sequences)
-        self._check_same_data_over_tp(len(sequences), local_tokens)
+        self._check_same_data_over_model_parallel(len(sequences), local_tokens)
         global_tokens = self._sum_over_dp(local_tokens)
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         self._model.eval()
         with torch.no_grad():
-            for group in split_micro_batches(sequences, self.cfg.actor.micro_batch_size):
-                micro = collate(group, self.pad_id).to(self.device)
-                logits_BTv = self._forward(micro)
-                sums[0] += self._loss_sum(logits_BTv, micro)[0].double()
-                sums[1] += self._loss_sum(logits_BTv, micro, divergence="forward_kl")[0].double()
+            outputs = self._run_schedule(self._micro_batches(sequences), self._eval_loss, forward_only=True)
+        sums = self._sum_from_last_stage([out["sums"] for out in outputs], width=2)
         dist.all_reduce(sums, group=self.dp_group)
         denominator = max(global_tokens, 1)
         return {
@@ -291,9 +318,64 @@ class MegatronActor:
             "eval_s": time.perf_counter() - start,
         }
 
-    def _forward(self, micro: MicroBatch) -> Tensor:
-        # No attention mask: right padding never precedes a real token, the causal mask suffices.
-        return self._model(micro.input_ids_BT, micro.position_ids_BT, None)  # [B, T, V_padded / tp]
+    def _micro_batches(self, sequences: list[Sequence]) -> list[MicroBatch]:
+        groups = split_micro_batches(sequences, self.cfg.actor.micro_batch_size)
+        return [collate(group, self.pad_id).to(self.device) for group in groups]
+
+    def _run_schedule(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: Callable[..., Any],
+        *,
+        forward_only: bool,
+        collect_non_loss_data: bool = False,
+    ) -> list[Any]:
+        """Every micro-batch through megatron's schedule; the last stage's `loss_fn` outputs (empty elsewhere).
+
+        `loss_fn(micro, output)` runs on the last stage with its logits [B, T, V_padded / tp].
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[Tensor, Callable[..., Any]]:
+            micro = next(data_iterator)
+            # No attention mask: right padding never precedes a real token, the causal mask suffices.
+            # Stages after the first read the previous stage's activations, not input_ids.
+            output = model(micro.input_ids_BT, micro.position_ids_BT, None)
+            return output, partial(loss_fn, micro)
+
+        shapes = [tuple(m.input_ids_BT.shape) for m in micro_batches]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self._model],
+            num_microbatches=len(micro_batches),
+            # Only an upper bound: stages exchange each micro-batch's shape (variable_seq_lengths).
+            seq_length=max(t for _, t in shapes),
+            micro_batch_size=max(b for b, _ in shapes),
+            forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data,
+        )
+
+    def _train_loss(self, micro: MicroBatch, logits_BTv: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        # (loss sum, loss tokens, logged): with calculate_per_token_loss megatron keeps the sum as is.
+        loss_sum, _ = self._loss_sum(logits_BTv, micro)
+        num_tokens = torch.tensor(micro.num_tokens, dtype=torch.int, device=self.device)
+        return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().double()}
+
+    def _eval_loss(self, micro: MicroBatch, logits_BTv: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        loss_sum, _ = self._loss_sum(logits_BTv, micro)
+        kl_sum, _ = self._loss_sum(logits_BTv, micro, divergence="forward_kl")
+        num_tokens = torch.tensor(micro.num_tokens, dtype=torch.int, device=self.device)
+        return loss_sum, num_tokens, {"sums": torch.stack([loss_sum, kl_sum]).double()}
+
+    def _sum_from_last_stage(self, values: list[Tensor], width: int) -> Tensor:
+        """The sum of the last stage's per-micro-batch values [width], on every stage of the pipeline."""
+        total = torch.zeros(width, dtype=torch.float64, device=self.device)
+        for value in values:
+            total += value.reshape(width)
+        if self.layout.pp_size > 1:
+            dist.all_reduce(total, group=self.pp_group)  # zeros except on the last stage
+        return total
 
     def _loss_sum(self, logits_BTv: Tensor, micro: MicroBatch, divergence: str | None = None) -> tuple[Tensor, Tensor]:
         """Sum of per-token divergences over the micro-batch's loss tokens (same on all TP ranks)."""
@@ -360,16 +442,16 @@ class MegatronActor:
         dist.all_reduce(total, group=self.dp_group)
         return int(total.item())
 
-    def _check_same_data_over_tp(self, num_sequences: int, num_tokens: int) -> None:
-        """TP ranks compute one model together: they must all hold the same sequences."""
-        if self.layout.tp_size == 1:
+    def _check_same_data_over_model_parallel(self, num_sequences: int, num_tokens: int) -> None:
+        """TP and PP ranks compute one model replica together: they must all hold the same sequences."""
+        if self.layout.tp_size * self.layout.pp_size == 1:
             return
         stats = torch.tensor([num_sequences, num_tokens, -num_sequences, -num_tokens], device=self.device)
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.tp_group)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.mp_group)
         if stats[0] != -stats[2] or stats[1] != -stats[3]:
             raise ValueError(
-                f"rank {self.rank}: tensor-parallel ranks got different data ({num_sequences} sequences, "
-                f"{num_tokens} tokens here); give every TP rank of a replica the shards of its data-parallel "
+                f"rank {self.rank}: model-parallel (TP x PP) ranks got different data ({num_sequences} sequences, "
+                f"{num_tokens} tokens here); give every rank of a replica the shards of its data-parallel "
                 "rank (recipe_gkd.actor.layout.data_parallel_rank)"
             )
 
@@ -378,8 +460,9 @@ class MegatronActor:
     def save_checkpoint(self, path: str) -> dict[str, float]:
         """Model + optimizer as a megatron dist checkpoint in `path` (empty dir), + lr schedule and step.
 
-        Every rank calls it. The sharded tensors are keyed by their global names and offsets, so the
-        checkpoint loads into any tensor-parallel size (see `load_checkpoint`).
+        Every rank calls it. The sharded tensors are keyed by their global names (layer numbers
+        over all stages) and offsets, so the checkpoint loads into any tensor- and
+        pipeline-parallel size (see `load_checkpoint`).
         """
         from megatron.core import dist_checkpointing
 
@@ -392,14 +475,19 @@ class MegatronActor:
         _in_process_write_results()
         dist_checkpointing.save(self._sharded_state_dict(), str(out))
         if self.rank == 0:
-            state = {"scheduler": self.scheduler.state_dict(), "steps": self._steps, "tp": self.layout.tp_size}
+            state = {
+                "scheduler": self.scheduler.state_dict(),
+                "steps": self._steps,
+                "tp": self.layout.tp_size,
+                "pp": self.layout.pp_size,
+            }
             torch.save(state, out / ACTOR_STATE_FILE)
         torch.save(_rng_states(), out / RNG_FILE.format(rank=self.rank))
         dist.barrier()
         return {"save_s": time.perf_counter() - start}
 
     def load_checkpoint(self, path: str) -> dict[str, float]:
-        """Restore what `save_checkpoint` wrote (possibly at another tensor-parallel size)."""
+        """Restore what `save_checkpoint` wrote (possibly at another tensor- or pipeline-parallel size)."""
         from megatron.core import dist_checkpointing
 
         self._enter_device()
@@ -457,11 +545,23 @@ class MegatronActor:
 
     @torch.no_grad()
     def _full_logits(self, ids_BL: Tensor) -> Tensor:
-        """fp32 [B, L, V]: this rank's vocabulary shard gathered over TP, padding columns dropped."""
+        """fp32 [B, L, V] on every rank: the last stage's vocabulary shards gathered over TP, padding dropped."""
         batch, length = ids_BL.shape
         positions_BL = torch.arange(length, device=self.device).expand(batch, length)
+        micro = MicroBatch(ids_BL, positions_BL, *_no_teacher(batch, length, self.device))
         self._model.eval()
-        logits_BLv = self._model(ids_BL, positions_BL, None)
+        outputs = self._run_schedule([micro], self._gather_logits, forward_only=True, collect_non_loss_data=True)
+        if self.layout.pp_size == 1:
+            return outputs[0]
+        if self.layout.is_last_stage:
+            logits_BLV = outputs[0].contiguous()  # cut off the padded vocabulary: a strided view
+        else:
+            logits_BLV = torch.empty(batch, length, self.arch.vocab_size, dtype=torch.float32, device=self.device)
+        last = self.layout.global_rank(self.layout.tp_rank, self.layout.dp_rank, self.layout.pp_size - 1)
+        dist.broadcast(logits_BLV, src=last, group=self.pp_group)
+        return logits_BLV
+
+    def _gather_logits(self, micro: MicroBatch, logits_BLv: Tensor, non_loss_data: bool = True) -> Tensor:
         if self.layout.tp_size > 1:
             from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -480,31 +580,55 @@ class MegatronActor:
     def iter_hf_weights(self) -> Iterator[tuple[str, np.ndarray]]:
         """The current weights as (HF name, fp32 array), one conversion unit (a decoder layer) at a time.
 
-        Yields on global rank 0 only; every rank must exhaust it (TP ranks of replica 0 gather
-        their shards parameter by parameter). Rank 0 holds one unit beyond what the consumer
-        keeps, never the whole model.
+        Yields on global rank 0 only; every rank must exhaust it. Replica 0's TP ranks gather each
+        parameter of their stage; a later stage's TP rank 0 sends it to rank 0. Rank 0 holds one
+        unit beyond what the consumer keeps, never the whole model.
         """
         self._enter_device()
         if self.layout.dp_rank != 0:
             return
-        units = hf_convert.mcore_units(self.arch)
-        unit_of = {name: unit for unit, names in units.items() for name in names}
-        pending: dict[str, dict[str, Tensor]] = {}
-        for name, param in self.gpt.named_parameters():
-            shards = self._gather_to_tp_rank0(param.detach())
-            if shards is None:
-                continue
-            got = pending.setdefault(unit_of[name], {})
-            # A copy: at TP=1 the shard is the live parameter, which the next step updates.
-            got[name] = hf_convert.unshard_from_tp(name, shards).to("cpu", torch.float32, copy=True)
-            if len(got) < len(units[unit_of[name]]):
-                continue
-            del pending[unit_of[name]]
+        params = dict(self.gpt.named_parameters())
+        # The tied embedding's copy on the last stage is the first stage's embedding: exported once.
+        owned = {g: params[local] for local, g in self._global_names.items() if local == g or g != hf_convert.EMBEDDING}
+        for unit, names in hf_convert.mcore_units(self.arch).items():
+            full = {name: self._whole_on_rank0(name, owned.get(name)) for name in names}
             if self.rank == 0:
-                for hf_name, tensor in hf_convert.mcore_unit_to_hf(unit_of[name], got, self.arch).items():
+                whole = {name: tensor for name, tensor in full.items() if tensor is not None}
+                for hf_name, tensor in hf_convert.mcore_unit_to_hf(unit, whole, self.arch).items():
                     yield hf_name, np.ascontiguousarray(tensor.numpy())
-        if pending:
-            raise RuntimeError(f"weight export: parameters of {sorted(pending)} are missing from the model")
+
+    def _whole_on_rank0(self, name: str, param: Tensor | None) -> Tensor | None:
+        """Global parameter `name` unsharded, fp32 on the CPU, on global rank 0 (None on every other rank)."""
+        owner = hf_convert.owner_stage(name, self.arch, self.layout.pp_size)
+        if self.layout.pp_rank != owner:
+            return self._recv_tensor(src=self.layout.global_rank(0, 0, owner)) if self.rank == 0 else None
+        if param is None:
+            raise RuntimeError(f"weight export: {name} is missing from pipeline stage {owner}")
+        shards = self._gather_to_tp_rank0(param.detach())
+        if shards is None:
+            return None
+        # A copy: at TP=1 the shard is the live parameter, which the next step updates.
+        whole = hf_convert.unshard_from_tp(name, shards).to("cpu", torch.float32, copy=True)
+        if self.rank == 0:
+            return whole
+        self._send_tensor(whole, dst=0)
+        return None
+
+    def _send_tensor(self, tensor: Tensor, dst: int) -> None:
+        """Point to point (default group): a fixed-size shape header, then the fp32 tensor."""
+        header = torch.zeros(1 + MAX_EXPORT_NDIM, dtype=torch.int64, device=self.device)
+        header[0] = tensor.dim()
+        header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        dist.send(header, dst)
+        dist.send(tensor.to(self.device).contiguous(), dst)
+
+    def _recv_tensor(self, src: int) -> Tensor:
+        header = torch.zeros(1 + MAX_EXPORT_NDIM, dtype=torch.int64, device=self.device)
+        dist.recv(header, src)
+        shape = header[1 : 1 + int(header[0])].tolist()
+        tensor = torch.empty(shape, dtype=torch.float32, device=self.device)
+        dist.recv(tensor, src)
+        return tensor.cpu()
 
     def _gather_to_tp_rank0(self, local: Tensor) -> list[Tensor] | None:
         if self.layout.tp_size == 1:
@@ -569,6 +693,16 @@ def _set_rng_states(states: dict[str, Any]) -> None:
 
     torch.set_rng_state(states["torch"])
     get_cuda_rng_tracker().set_states(states["tracker"])
+
+
+def _no_teacher(batch: int, length: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Empty teacher fields of a MicroBatch that is only run forward for its logits."""
+    return (
+        torch.zeros(batch, length, 0, dtype=torch.float32, device=device),
+        torch.zeros(batch, length, 0, dtype=torch.int64, device=device),
+        torch.zeros(batch, length, dtype=torch.bool, device=device),
+        0,
+    )
 
 
 def _leaf_optimizers(optimizer: Any) -> list[Any]:

@@ -19,7 +19,7 @@ import numpy as np
 from recipe_gkd.batch import RolloutStats, Sequence, TrainShard
 from recipe_gkd.config import GKDConfig, rollout_engines
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, encode_prompt, encode_response
-from recipe_gkd.metrics import process_memory_mb
+from recipe_gkd.metrics import worker_memory_mb
 
 # Salt that separates the on/off-policy coin flips from the epoch order's random stream.
 MIX_SALT = 0x6B64
@@ -289,7 +289,7 @@ class RolloutWorker:
             timings=timings,
             mean_reward=float(np.mean(rewards)) if rewards else None,
             teacher_topk_mass=float(np.mean(mass)) if mass else None,
-            rss_mb=process_memory_mb() if self.cfg.debug.log_memory else None,
+            memory_mb=worker_memory_mb(f"rollout{self.rank}") if self.cfg.debug.log_memory else {},
         )
         return stats, refs
 

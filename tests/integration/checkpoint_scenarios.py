@@ -2,10 +2,10 @@
 test_actor_checkpoint.py; megatron runs here, never in the pytest process).
 
     python tests/integration/checkpoint_scenarios.py --rank R --world W --port P --model M \
-        --checkpoint DIR --mode save|load --out FILE.npz
+        --checkpoint DIR --mode save|load --out FILE.npz [--parallel tp|pp]
 
 `save`: two steps, save, a third step. `load`: load, the third step. Rank 0 writes the third step's
-loss and lr and the exported HF weights after it. Tensor parallel size = world.
+loss and lr and the exported HF weights after it. The tensor (default) or pipeline parallel size = world.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ def main() -> None:
         parser.add_argument(name, type=int, required=True)
     for name in ("--model", "--checkpoint", "--mode", "--out"):
         parser.add_argument(name, required=True)
+    parser.add_argument("--parallel", choices=("tp", "pp"), default="tp")
     args = parser.parse_args()
     from recipe_gkd.actor.megatron_actor import MegatronActor
 
-    cfg = make_cfg(args.model, args.world, "cpu", tp=args.world, micro_batch_size=4, lr=1e-3, warmup_steps=3)
+    split = {args.parallel: args.world}
+    cfg = make_cfg(args.model, args.world, "cpu", **split, micro_batch_size=4, lr=1e-3, warmup_steps=3)
     actor = MegatronActor(cfg, args.rank, args.world, "127.0.0.1", args.port)
     actor.setup()
     vocab = actor.arch.vocab_size

@@ -76,6 +76,7 @@ def make_cfg(model_dir: str, world: int, device: str, **actor: Any) -> GKDConfig
     cfg.model.student_path = model_dir
     cfg.actor.gpus_per_node = world
     cfg.actor.megatron.tp = actor.pop("tp", 1)
+    cfg.actor.megatron.pp = actor.pop("pp", 1)
     cfg.actor.micro_batch_size = actor.pop("micro_batch_size", 4)
     cfg.actor.precision = Precision(actor.pop("precision", "fp32"))
     for key, value in actor.items():
@@ -112,14 +113,18 @@ class Job:
             np.savez(Path(self.args.workdir) / f"{self.name}.npz", **self.out)
 
 
-def job_logits(job: Job) -> None:
-    """Per model variant: logits and the untouched export (HF -> mcore -> HF) at TP = world."""
-    for model in ("llama_tied", "llama_untied", "qwen2_bias"):
-        a = job.actor(model, tp=job.args.world)
-        vocab = a.arch.vocab_size
-        job.out[f"{model}/logits"] = a.forward_logits(probe_ids(vocab))
-        job.export(a, f"{model}/export")
-        a.shutdown()
+def _logits_job(parallel: str) -> Callable[[Job], None]:
+    """Per model variant: logits and the untouched export (HF -> mcore -> HF), `parallel` ("tp"/"pp") = world."""
+
+    def run(job: Job) -> None:
+        for model in ("llama_tied", "llama_untied", "qwen2_bias"):
+            a = job.actor(model, **{parallel: job.args.world})
+            vocab = a.arch.vocab_size
+            job.out[f"{model}/logits"] = a.forward_logits(probe_ids(vocab))
+            job.export(a, f"{model}/export")
+            a.shutdown()
+
+    return run
 
 
 def _train_job(model: str, seeds: list[int], **actor: Any) -> Callable[[Job], None]:
@@ -156,7 +161,8 @@ NO_CLIP = {"clip_grad": 0.0, "lr": 1e-3}
 # eps >> |grad| makes Adam's first step ~ lr * grad / eps: linear in the (clipped) gradient.
 LINEAR_ADAM = {"eps": 1.0e3, "lr": 1.0e3}
 JOBS: dict[str, Callable[[Job], None]] = {
-    "logits": job_logits,
+    "logits": _logits_job("tp"),
+    "logits_pp": _logits_job("pp"),
     # Global-token normalization: one batch, micro-batch 8 vs 1 vs DP=2 (x micro-batch 2).
     "mb8": _train_job("llama_tied", [1], micro_batch_size=8, **NO_CLIP),
     "mb1": _train_job("llama_tied", [1], micro_batch_size=1, **NO_CLIP),
@@ -165,6 +171,12 @@ JOBS: dict[str, Callable[[Job], None]] = {
     "tp1_steps": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, warmup_steps=2),
     "tp2_steps": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, warmup_steps=2),
     "tp2_tied_steps": _train_job("llama_tied", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3),
+    # PP=2 (one layer per stage, 1F1B over 2 micro-batches of unequal lengths) vs TP=1.
+    "pp2_steps": _train_job("llama_untied_odd", [1, 2, 3], pp=2, micro_batch_size=3, lr=1e-3, warmup_steps=2),
+    "pp2_tied_steps": _train_job("llama_tied", [1, 2, 3], pp=2, micro_batch_size=3, lr=1e-3),
+    "tp2pp2_steps": _train_job("llama_untied_odd", [1, 2, 3], tp=2, pp=2, micro_batch_size=3, lr=1e-3, warmup_steps=2),
+    # DP=2 x PP=2 on the tied model: the tied embedding's gradient is summed over DP and over the stages.
+    "dp2pp2": _train_job("llama_tied", [1], pp=2, micro_batch_size=2, **NO_CLIP),
     "tp1_tied_steps": _train_job("llama_tied", [1, 2, 3], micro_batch_size=3, lr=1e-3),
     # Clipping: same step without and with a clip far below the gradient norm.
     "noclip": _train_job("llama_tied", [1], clip_grad=0.0, **LINEAR_ADAM),

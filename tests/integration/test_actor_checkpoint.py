@@ -1,7 +1,7 @@
-"""The actor's dist checkpoint: a resumed step equals the uninterrupted one, also at another TP size.
+"""The actor's dist checkpoint: a resumed step equals the uninterrupted one, also at another TP or PP size.
 
 Each rank is a subprocess (tests/integration/checkpoint_scenarios.py). Phase 1 trains two steps
-at TP=1 and at TP=2 and saves; phase 2 loads each checkpoint at the other TP size and trains the
+at size 1 and at size 2 and saves; phase 2 loads each checkpoint at the other size and trains the
 third step, which must match the third step of the run that never stopped. (Same-size resume is
 exercised end to end by test_crash_resume.py.)
 """
@@ -29,8 +29,8 @@ def _free_ports(count: int) -> list[int]:
     return reserve_ports(count)
 
 
-def _run_phase(jobs: list[tuple[int, str, Path, Path]], model: Path, logs: Path) -> None:
-    """jobs: (world, mode, checkpoint, out). All ranks of all jobs run at once; each must exit 0."""
+def _run_phase(jobs: list[tuple[int, str, Path, Path]], model: Path, logs: Path, parallel: str = "tp") -> None:
+    """jobs: (world, mode, checkpoint, out), world = the `parallel` size. All ranks run at once; each must exit 0."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent), str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
@@ -41,6 +41,7 @@ def _run_phase(jobs: list[tuple[int, str, Path, Path]], model: Path, logs: Path)
                 log = logs / f"{out.stem}_rank{rank}.log"
                 cmd = [sys.executable, str(SCRIPT), f"--rank={rank}", f"--world={world}", f"--port={port}"]
                 cmd += [f"--model={model}", f"--checkpoint={ckpt}", f"--mode={mode}", f"--out={out}"]
+                cmd.append(f"--parallel={parallel}")
                 with log.open("w") as f:
                     procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), log))
         for proc, log in procs:
@@ -58,27 +59,34 @@ def _load(path: Path) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
+def _resume_at_the_other_size(model: Path, tmp_path: Path, parallel: str) -> None:
+    """Save at size 1 and 2, resume each at the other size: the third step equals the uninterrupted one's."""
+    ck1, ck2 = tmp_path / f"ck_{parallel}1", tmp_path / f"ck_{parallel}2"
+    save1, save2 = tmp_path / f"save_{parallel}1.npz", tmp_path / f"save_{parallel}2.npz"
+    _run_phase([(1, "save", ck1, save1), (2, "save", ck2, save2)], model, tmp_path, parallel)
+    assert (ck1 / "metadata.json").is_file() and (ck2 / "metadata.json").is_file()
+    one_from_two, two_from_one = tmp_path / f"{parallel}1_from_2.npz", tmp_path / f"{parallel}2_from_1.npz"
+    _run_phase([(1, "load", ck2, one_from_two), (2, "load", ck1, two_from_one)], model, tmp_path, parallel)
+    for resumed, reference in ((one_from_two, _load(save2)), (two_from_one, _load(save1))):
+        got = _load(resumed)
+        assert set(got) == set(reference)
+        worst = max(float(np.abs(got[k] - reference[k]).max()) for k in reference)
+        assert worst < RESHARD_TOL, f"{resumed.stem}: max |diff| {worst}"
+        assert float(got["lr"]) == float(reference["lr"]), "the lr schedule resumes at its step"
+
+
 @pytest.mark.slow
 def test_resume_equals_uninterrupted_at_the_same_and_another_tp_size(tmp_path: Path) -> None:
     # Untied embeddings and 4 kv heads: every kind of TP sharding (vocab, qkv, mlp) is exercised.
     model = build_tiny_causal_lm(
         tmp_path / "model", seed=0, spec=TinyModelSpec(num_kv_heads=4, tie_word_embeddings=False)
     )
-    ck1, ck2 = tmp_path / "ck_tp1", tmp_path / "ck_tp2"
-    _run_phase([(1, "save", ck1, tmp_path / "save1.npz"), (2, "save", ck2, tmp_path / "save2.npz")], model, tmp_path)
-    assert (ck1 / "metadata.json").is_file() and (ck2 / "metadata.json").is_file()
-    _run_phase(
-        [
-            (1, "load", ck2, tmp_path / "tp1_from_tp2.npz"),
-            (2, "load", ck1, tmp_path / "tp2_from_tp1.npz"),
-        ],
-        model,
-        tmp_path,
-    )
-    save1, save2 = _load(tmp_path / "save1.npz"), _load(tmp_path / "save2.npz")
-    for resumed, reference in (("tp1_from_tp2", save2), ("tp2_from_tp1", save1)):
-        got = _load(tmp_path / f"{resumed}.npz")
-        assert set(got) == set(reference)
-        worst = max(float(np.abs(got[k] - reference[k]).max()) for k in reference)
-        assert worst < RESHARD_TOL, f"{resumed}: max |diff| {worst}"
-        assert float(got["lr"]) == float(reference["lr"]), "the lr schedule resumes at its step"
+    _resume_at_the_other_size(model, tmp_path, "tp")
+
+
+@pytest.mark.slow
+def test_resume_equals_uninterrupted_at_another_pipeline_size(tmp_path: Path) -> None:
+    # Tied embeddings: at PP=2 the last stage's output layer is a copy of the first stage's embedding,
+    # saved once and loaded into both stages; 4 layers, so stage 1 holds layers 2-3 as its 0-1.
+    model = build_tiny_causal_lm(tmp_path / "model", seed=0, spec=TinyModelSpec(num_layers=4))
+    _resume_at_the_other_size(model, tmp_path, "pp")

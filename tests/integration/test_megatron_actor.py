@@ -39,7 +39,9 @@ WEIGHT_ATOL = 2e-5
 WEIGHT_TIGHT_ATOL = 1e-6
 WEIGHT_TIGHT_FRACTION = 1e-3
 ONE_RANK_JOBS = "logits,mb8,mb1,tp1_steps,tp1_tied_steps,noclip,clip,bf16"
-TWO_RANK_JOBS = "logits,tp2_steps,tp2_tied_steps,dp2,save_tp2"
+TWO_RANK_JOBS = "logits,tp2_steps,tp2_tied_steps,dp2,save_tp2,logits_pp,pp2_steps,pp2_tied_steps"
+# TP=2 x PP=2 and DP=2 x PP=2: every parallelism together (gathers on a later stage, DP + tied-embedding all-reduces).
+FOUR_RANK_JOBS = "tp2pp2_steps,dp2pp2"
 PORTS_PER_LAUNCH = 16
 MODELS = ("llama_tied", "llama_untied", "qwen2_bias")
 
@@ -129,7 +131,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Run the 1-rank and the 2-rank scenario launches concurrently; their result directories."""
+    """Run the 1-rank and the 2-rank scenario launches concurrently, then the 4-rank one; their result directories."""
     root = tmp_path_factory.mktemp("megatron_runs")
     env = dict(os.environ)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
@@ -139,7 +141,10 @@ def runs(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     two = _launch(2, TWO_RANK_JOBS, models, root / "w2", env)
     logs = [root / "w1" / "rank0.log", root / "w2" / "rank0.log", root / "w2" / "rank1.log"]
     _wait_all(one + two, logs, LAUNCH_TIMEOUT_S)
-    return {"w1": root / "w1", "w2": root / "w2"}
+    # After the others: 4 more processes at once would only slow all of them down on 2 cores.
+    four = _launch(4, FOUR_RANK_JOBS, models, root / "w4", env)
+    _wait_all(four, [root / "w4" / f"rank{r}.log" for r in range(4)], LAUNCH_TIMEOUT_S)
+    return {"w1": root / "w1", "w2": root / "w2", "w4": root / "w4"}
 
 
 def result(runs: dict[str, Path], world: str, job: str) -> dict[str, np.ndarray]:
@@ -154,11 +159,15 @@ def prefixed(data: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- HF equivalence
 
 
+# (launch, job) of the logits/export jobs: TP=1, TP=2, PP=2.
+LOGITS_RUNS = [("w1", "logits"), ("w2", "logits"), ("w2", "logits_pp")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", ["w1", "w2"])
+@pytest.mark.parametrize(("world", "job"), LOGITS_RUNS)
 @pytest.mark.parametrize("model", MODELS)
-def test_megatron_logits_equal_hf_logits(runs: dict[str, Path], models: Path, world: str, model: str) -> None:
-    data = result(runs, world, "logits")
+def test_megatron_logits_equal_hf_logits(runs: dict[str, Path], models: Path, world: str, job: str, model: str) -> None:
+    data = result(runs, world, job)
     hf = load_hf(models / model)
     ids = scenarios.probe_ids(hf.config.vocab_size)
     with torch.no_grad():
@@ -169,18 +178,19 @@ def test_megatron_logits_equal_hf_logits(runs: dict[str, Path], models: Path, wo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", ["w1", "w2"])
+@pytest.mark.parametrize(("world", "job"), LOGITS_RUNS)
 @pytest.mark.parametrize("model", MODELS)
 def test_hf_to_megatron_to_hf_round_trip_is_bitwise(
-    runs: dict[str, Path], models: Path, world: str, model: str
+    runs: dict[str, Path], models: Path, world: str, job: str, model: str
 ) -> None:
-    exported = prefixed(result(runs, world, "logits"), f"{model}/export")
+    exported = prefixed(result(runs, world, job), f"{model}/export")
     reference = {k: v.detach().numpy() for k, v in load_hf(models / model).named_parameters()}
     assert exported.keys() == reference.keys()
     for name, array in reference.items():
         assert exported[name].dtype == np.float32
         np.testing.assert_array_equal(exported[name], array, err_msg=name)
-    assert json.loads(str(result(runs, world, "logits")["info"]))["tp_size"] == int(world[1])
+    info = json.loads(str(result(runs, world, job)["info"]))
+    assert info["tp_size" if job == "logits" else "pp_size"] == int(world[1])
 
 
 @pytest.mark.slow
@@ -216,7 +226,7 @@ def reference_loss(model: torch.nn.Module, seed: int) -> float:
 def test_train_loss_equals_hf_reference_loss(runs: dict[str, Path], models: Path) -> None:
     """First-step loss and post-training eval loss vs HF logits + losses.py on the exported weights."""
     path = models / "llama_untied_odd"
-    for world, job in (("w1", "tp1_steps"), ("w2", "tp2_steps")):
+    for world, job in (("w1", "tp1_steps"), ("w2", "tp2_steps"), ("w2", "pp2_steps"), ("w4", "tp2pp2_steps")):
         data = result(runs, world, job)
         assert data["loss"][0] == pytest.approx(reference_loss(load_hf(path), seed=1), rel=LOSS_RTOL)
         trained = hf_with_weights(path, prefixed(data, "after"))
@@ -229,9 +239,21 @@ def test_train_loss_equals_hf_reference_loss(runs: dict[str, Path], models: Path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("one", "two"), [("tp1_steps", "tp2_steps"), ("tp1_tied_steps", "tp2_tied_steps")])
-def test_tp2_gives_the_same_losses_and_weights_as_tp1(runs: dict[str, Path], one: str, two: str) -> None:
-    tp1, tp2 = result(runs, "w1", one), result(runs, "w2", two)
+@pytest.mark.parametrize(
+    ("one", "world", "other"),
+    [
+        ("tp1_steps", "w2", "tp2_steps"),
+        ("tp1_tied_steps", "w2", "tp2_tied_steps"),
+        ("tp1_steps", "w2", "pp2_steps"),
+        ("tp1_tied_steps", "w2", "pp2_tied_steps"),
+        ("tp1_steps", "w4", "tp2pp2_steps"),
+    ],
+)
+def test_model_parallel_gives_the_same_losses_and_weights_as_one_rank(
+    runs: dict[str, Path], one: str, world: str, other: str
+) -> None:
+    """TP=2, PP=2 and TP=2 x PP=2 train exactly like one rank (three Adam steps, clipping, warmup)."""
+    tp1, tp2 = result(runs, "w1", one), result(runs, world, other)
     assert len(tp1["loss"]) == 3
     np.testing.assert_allclose(tp2["loss"], tp1["loss"], rtol=LOSS_RTOL)
     # The grad norm counts each TP shard once and replicated norms once, as at TP=1.
@@ -272,8 +294,9 @@ def test_micro_batch_size_does_not_change_loss_or_update(runs: dict[str, Path]) 
 
 
 @pytest.mark.slow
-def test_dp2_equals_dp1_on_the_same_global_batch(runs: dict[str, Path]) -> None:
-    dp2 = result(runs, "w2", "dp2")
+@pytest.mark.parametrize(("world", "job"), [("w2", "dp2"), ("w4", "dp2pp2")])
+def test_dp2_equals_dp1_on_the_same_global_batch(runs: dict[str, Path], world: str, job: str) -> None:
+    dp2 = result(runs, world, job)
     assert json.loads(str(dp2["info"]))["dp_size"] == 2
     assert_same_update(result(runs, "w1", "mb8"), dp2)
 
@@ -317,7 +340,7 @@ def hf_masked_logprobs(model: torch.nn.Module, ids_BL: np.ndarray, mask_BL: np.n
 
 @pytest.mark.slow
 def test_token_logprobs_match_hf_with_exported_weights(runs: dict[str, Path], models: Path) -> None:
-    for world, job in (("w1", "tp1_steps"), ("w2", "tp2_steps")):
+    for world, job in (("w1", "tp1_steps"), ("w2", "tp2_steps"), ("w2", "pp2_steps"), ("w4", "tp2pp2_steps")):
         data = result(runs, world, job)
         model = hf_with_weights(models / "llama_untied_odd", prefixed(data, "after"))
         expected = hf_masked_logprobs(model, data["probe_ids"], data["probe_mask"])
@@ -377,14 +400,16 @@ def test_cpu_compat_maps_cuda_to_cpu_per_thread_and_forks_cpu_rng() -> None:
 # ----------------------------------------------------------------------------- in-process checks
 
 
-def test_pipeline_parallel_is_refused_naming_the_key(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize(("pp", "cp", "key"), [(4, 1, r"actor\.megatron\.pp=4"), (1, 4, r"actor\.megatron\.cp=4")])
+def test_unsupported_split_is_refused_naming_the_key(tiny_model_dir: Path, pp: int, cp: int, key: str) -> None:
+    """4 pipeline stages for the student's 2 layers, or context parallelism: refused before any rendezvous."""
     cfg = GKDConfig()
     cfg.cluster.device = Device.cpu
     cfg.model.student_path = str(tiny_model_dir)
-    cfg.actor.gpus_per_node = 2
-    cfg.actor.megatron.pp = 2
-    with pytest.raises(ValueError, match=r"actor\.megatron\.pp"):
-        MegatronActor(cfg, 0, 2, "127.0.0.1", 1).setup()
+    cfg.actor.gpus_per_node = 4
+    cfg.actor.megatron.pp, cfg.actor.megatron.cp = pp, cp
+    with pytest.raises(ValueError, match=key):
+        MegatronActor(cfg, 0, 4, "127.0.0.1", 1).setup()
     assert "recipe_gkd.actor.cpu_compat" not in sys.modules  # refused before the compat layer touched torch
 
 

@@ -135,6 +135,31 @@ def test_missing_inputs_exit_2_before_starting_anything(
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        # The tiny student has 2 layers: 4 pipeline stages cannot split them.
+        (
+            ["cluster.gpus_per_node=6", "actor.gpus_per_node=4", "actor.megatron.pp=4"],
+            "actor.megatron.pp=4 must divide",
+        ),
+        # ... and 4 attention heads: TP=3 cannot split them.
+        (
+            ["cluster.gpus_per_node=5", "actor.gpus_per_node=3", "actor.megatron.tp=3"],
+            "actor.megatron.tp=3 must divide",
+        ),
+    ],
+)
+def test_a_split_the_student_cannot_take_exits_2_before_ray(
+    tiny_run_inputs: dict[str, Path], tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    proc = run_cli(tiny_run_inputs, tmp_path / "run", *overrides, "data.train_batch_size=12", timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, last
+    assert "Traceback" not in proc.stderr and "Started a local Ray" not in proc.stderr
+
+
 @pytest.mark.slow
 def test_a_workers_config_error_is_one_line_exit_2(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
     """A record past the first lacks the prompt field: the rollout worker raises, the driver prints one line."""
@@ -173,7 +198,9 @@ def test_driver_memory_does_not_grow_with_the_dataset(tiny_run_inputs: dict[str,
         run_dir = tmp_path / name
         proc = run_cli(inputs, run_dir, "trainer.total_steps=2", "debug.log_memory=true", "trainer.eval_every=0")
         assert proc.returncode == 0, proc.stderr[-3000:]
-        rss[name] = read_metrics(run_dir)[-1]["driver_rss_mb"]
+        last = read_metrics(run_dir)[-1]
+        rss[name] = last["driver_rss_mb"]
+        assert last["actor0_rss_mb"] > 100 and last["rollout0_rss_mb"] > 100, "every worker reports its memory"
     assert abs(rss["big"] - rss["small"]) < 20, f"driver RSS small={rss['small']:.0f} MiB big={rss['big']:.0f} MiB"
 
 
@@ -209,10 +236,11 @@ def test_tensor_and_data_parallel_actor(tiny_run_inputs: dict[str, Path], tmp_pa
     """4 actor ranks (TP=2 x DP=2) on fake GPUs 0-3: placement, TP-aware data routing, export."""
     run_dir = tmp_path / "run"
     overrides = ["cluster.gpus_per_node=6", "actor.gpus_per_node=4", "actor.megatron.tp=2", "trainer.total_steps=2"]
-    proc = run_cli(tiny_run_inputs, run_dir, *overrides)
+    proc = run_cli(tiny_run_inputs, run_dir, *overrides, "debug.log_memory=true")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = read_metrics(run_dir)
     assert [r["weight_version"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
+    assert all(rows[-1][f"actor{rank}_rss_mb"] > 100 for rank in range(4)), "each actor rank reports its own memory"
     plan_rows = [
         line.split() for line in proc.stdout.splitlines() if line.startswith(("actor ", "rollout ", "teacher "))
     ]
@@ -277,14 +305,20 @@ def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> No
 
 
 @pytest.mark.slow
-def test_export_on_demand_equals_the_final_export(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("pp", [1, 2])
+def test_export_on_demand_equals_the_final_export(tiny_run_inputs: dict[str, Path], tmp_path: Path, pp: int) -> None:
+    """pp=2: a two-stage actor trains, checkpoints and exports (stage 1 sends its layers to rank 0); the
+    export tool reloads that checkpoint into one stage and must write the same weights, bit for bit."""
     from safetensors.numpy import load_file
 
     from recipe_gkd.export import main as export_main
 
     run_dir = tmp_path / "run"
-    proc = run_cli(tiny_run_inputs, run_dir, "trainer.total_steps=2", "trainer.save_every=2")
+    split = [f"cluster.gpus_per_node={pp + 2}", f"actor.gpus_per_node={pp}", f"actor.megatron.pp={pp}"]
+    proc = run_cli(tiny_run_inputs, run_dir, "trainer.total_steps=2", "trainer.save_every=2", *split)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["weight_version"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
     out = tmp_path / "exported"
     code = subprocess.run(
         [sys.executable, "-m", "recipe_gkd.export", "--run-dir", str(run_dir), "--out", str(out)],

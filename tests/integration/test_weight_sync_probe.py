@@ -1,4 +1,7 @@
-"""After a sync, the rollout's logprobs on a fixed probe equal the actor's (fp32, <= 1e-5)."""
+"""After a sync, the rollout's logprobs on a fixed probe equal the actor's (fp32, <= 1e-5).
+
+Also with a 2-stage pipeline-parallel actor: the second stage sends its layers to rank 0 for the export.
+"""
 
 from __future__ import annotations
 
@@ -55,18 +58,22 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["object_store", "gloo"])
-def test_rollout_matches_actor_after_sync(tiny_model_dir: Path, ray_local: None, transport: str) -> None:
+@pytest.mark.parametrize(("transport", "pp"), [("object_store", 1), ("gloo", 1), ("gloo", 2)])
+def test_rollout_matches_actor_after_sync(tiny_model_dir: Path, ray_local: None, transport: str, pp: int) -> None:
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cfg = load_config(None, [f"model.student_path={tiny_model_dir}", "actor.micro_batch_size=2", "actor.optim.lr=0.01"])
-    actor = (
-        ray.remote(num_cpus=0)(actor_worker_class()).options(num_gpus=1).remote(cfg, 0, 1, "127.0.0.1", _free_port())
+    split = [f"cluster.gpus_per_node={pp + 2}", f"actor.gpus_per_node={pp}", f"actor.megatron.pp={pp}"]
+    cfg = load_config(
+        None, [f"model.student_path={tiny_model_dir}", "actor.micro_batch_size=2", "actor.optim.lr=0.01", *split]
     )
+    port = _free_port()
+    actor_cls = ray.remote(num_cpus=0)(actor_worker_class()).options(num_gpus=1)
+    actors = [actor_cls.remote(cfg, rank, pp, "127.0.0.1", port) for rank in range(pp)]
+    actor = actors[0]
     rollouts = [ray.remote(num_cpus=0)(EngineOnlyRollout).options(num_gpus=1).remote(cfg, i, 2) for i in range(2)]
     try:
-        ray.get([actor.setup.remote()] + [r.setup.remote() for r in rollouts], timeout=180)
+        ray.get([a.setup.remote() for a in actors] + [r.setup.remote() for r in rollouts], timeout=180)
         if transport == "gloo":
             port = _free_port()
             joins = [actor.init_weight_group.remote("gloo", "127.0.0.1", port, 3, 60)]
@@ -77,20 +84,31 @@ def test_rollout_matches_actor_after_sync(tiny_model_dir: Path, ray_local: None,
         rng = np.random.default_rng(0)
         probe = rng.integers(6, 102, (3, 12))
         before = ray.get(rollouts[0].token_logprobs.remote(probe), timeout=60)
-        np.testing.assert_allclose(ray.get(actor.token_logprobs.remote(probe), timeout=60), before, atol=1e-5)
+        np.testing.assert_allclose(actor_logprobs(actors, probe), before, atol=1e-5)
         for step in range(2):
-            stats = ray.get(actor.train_refs.remote([ray.put(_shard(rng, 102, 4))]), timeout=120)
+            shard = ray.put(_shard(rng, 102, 4))
+            stats = ray.get([a.train_refs.remote([shard]) for a in actors], timeout=120)[0]
             assert stats["loss"] > 0
             sync_weights(
-                [actor], rollouts, version=step + 1, settings=WeightSyncConfig(transport, bucket_mb=1, timeout_s=60)
+                actors, rollouts, version=step + 1, settings=WeightSyncConfig(transport, bucket_mb=1, timeout_s=60)
             )
-        after_actor = ray.get(actor.token_logprobs.remote(probe), timeout=60)
+        after_actor = actor_logprobs(actors, probe)
         assert np.abs(after_actor - before).max() > 1e-3, "training changed the weights"
         for rollout in rollouts:
             after_rollout = ray.get(rollout.token_logprobs.remote(probe), timeout=60)
             assert np.abs(after_rollout - after_actor).max() <= 1e-5
             assert ray.get(rollout.get_weight_version.remote(), timeout=60) == 2
     finally:
-        ray.get([actor.shutdown.remote()], timeout=60)
-        for handle in [actor, *rollouts]:
+        ray.get([a.shutdown.remote() for a in actors], timeout=60)
+        for handle in [*actors, *rollouts]:
             ray.kill(handle)
+
+
+def actor_logprobs(actors: list[Any], probe: np.ndarray) -> np.ndarray:
+    """Every actor rank takes part (pipeline stages pass activations); all return the same logprobs."""
+    import ray
+
+    results = ray.get([a.token_logprobs.remote(probe) for a in actors], timeout=60)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+    return results[0]

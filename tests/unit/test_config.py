@@ -66,7 +66,6 @@ BAD_VALUES = [
         ["actor.gpus_per_node=2", "rollout.gpus_per_node=2", "actor.megatron.pp=4", "data.train_batch_size=96"],
         "actor.megatron.pp",
     ),
-    (["actor.gpus_per_node=2", "rollout.gpus_per_node=2", "actor.megatron.pp=2"], "actor.megatron.pp"),
     (["actor.gpus_per_node=2", "rollout.gpus_per_node=2", "actor.megatron.cp=2"], "actor.megatron.cp"),
     (["rollout.tp=2"], "rollout.tp"),
     (["data.train_batch_size=100"], "data.train_batch_size"),

@@ -161,10 +161,44 @@ def test_parallel_layout_errors_name_the_tp_key() -> None:
     hf_convert.check_parallel_layout(hf_convert.read_hf_arch(qwen2(kv_heads=1).config), 4)  # kv=1 < tp is fine
 
 
-@pytest.mark.parametrize(("pp", "cp", "key"), [(2, 1, r"actor\.megatron\.pp"), (1, 2, r"actor\.megatron\.cp")])
-def test_pipeline_and_context_parallel_are_refused(pp: int, cp: int, key: str) -> None:
-    with pytest.raises(UnsupportedModelError, match=key):
-        hf_convert.check_pipeline_context(pp, cp)
+def test_pipeline_stages_must_split_the_layers_evenly() -> None:
+    arch = hf_convert.read_hf_arch(llama().config)  # 2 layers
+    hf_convert.check_parallel_layout(arch, 1, 2)
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.pp=3 must divide .*num_hidden_layers=2"):
+        hf_convert.check_parallel_layout(arch, 1, 3)
+
+
+def test_context_parallel_is_refused_naming_the_key() -> None:
+    hf_convert.check_context_parallel(1)
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.cp"):
+        hf_convert.check_context_parallel(2)
+
+
+def six_layer_arch(tied: bool) -> HFArch:
+    config = LlamaConfig(vocab_size=101, tie_word_embeddings=tied, **{**SHAPE, "num_hidden_layers": 6})
+    return hf_convert.read_hf_arch(config)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("pp", [1, 2, 3, 6])
+def test_pipeline_stages_partition_the_model(tied: bool, pp: int) -> None:
+    """Every parameter lives on exactly one stage (its owner), under a name with the stage's local layer number."""
+    arch = six_layer_arch(tied)
+    stages = [hf_convert.stage_param_names(arch, rank, pp) for rank in range(pp)]
+    owned = [{g for local, g in stage.items() if local == g or g != hf_convert.EMBEDDING} for stage in stages]
+    assert sorted(g for names in owned for g in names) == sorted(hf_convert.mcore_param_names(arch))
+    for rank, names in enumerate(owned):
+        assert all(hf_convert.owner_stage(g, arch, pp) == rank for g in names)
+    for rank, stage in enumerate(stages):
+        layers = hf_convert.stage_layers(arch, rank, pp)
+        for local, g in stage.items():
+            if g.startswith("decoder.layers."):
+                assert hf_convert.layer_index(g) == layers.start + hf_convert.layer_index(local)
+                assert local.split(".", 3)[3] == g.split(".", 3)[3]
+    assert hf_convert.EMBEDDING in stages[0] and hf_convert.FINAL_NORM in stages[-1]
+    # Tied and pipelined: the last stage holds a copy of the embedding as its output layer.
+    copy = stages[-1].get(hf_convert.OUTPUT_LAYER)
+    assert copy == (hf_convert.EMBEDDING if tied and pp > 1 else None if tied else hf_convert.OUTPUT_LAYER)
 
 
 def test_rank_layout_is_megatron_order() -> None:
@@ -174,6 +208,21 @@ def test_rank_layout_is_megatron_order() -> None:
     coords = [(rank_layout(cfg, r).tp_rank, rank_layout(cfg, r).dp_rank) for r in range(4)]
     assert coords == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert rank_layout(cfg, 3).dp_size == 2
+
+
+def test_rank_layout_puts_pipeline_stages_outermost() -> None:
+    """megatron's "tp-cp-ep-dp-pp" order: 8 ranks at TP=2, PP=2 -> DP=2."""
+    cfg = GKDConfig()
+    cfg.actor.gpus_per_node = 8
+    cfg.actor.megatron.tp = 2
+    cfg.actor.megatron.pp = 2
+    layouts = [rank_layout(cfg, r) for r in range(8)]
+    # TP varies fastest, then DP; the pipeline stage is outermost.
+    assert [(x.tp_rank, x.dp_rank, x.pp_rank) for x in layouts] == [
+        (tp, dp, pp) for pp in range(2) for dp in range(2) for tp in range(2)
+    ]
+    assert all(x.global_rank(x.tp_rank, x.dp_rank, x.pp_rank) == x.rank for x in layouts)
+    assert [x.is_last_stage for x in layouts] == [False] * 4 + [True] * 4
 
 
 def test_load_hf_state_reads_safetensors(tmp_path: Path) -> None:
