@@ -437,13 +437,13 @@ def test_actor_runs_as_a_ray_actor(ray_local: None, tiny_model_dir: Path) -> Non
 
 @pytest.mark.gpu
 def test_actor_on_cuda_matches_hf(models: Path, tmp_path: Path) -> None:
-    """The same scenarios on CUDA (nccl): logits vs HF, TP=1 training, and TP=2 with 2 GPUs."""
+    """The same scenarios on CUDA (nccl): logits vs HF, TP=1 training, and TP=2 and PP=2 with 2 GPUs."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
     runs_dir: dict[str, Path] = {}
     worlds = [1, 2] if torch.cuda.device_count() >= 2 else [1]
     for world in worlds:
-        jobs = "logits,tp1_steps" if world == 1 else "logits,tp2_steps"
+        jobs = "logits,tp1_steps" if world == 1 else "logits,tp2_steps,pp2_steps"
         procs = _launch(world, jobs, models, tmp_path / f"w{world}", env, device="cuda")
         _wait_all(procs, [tmp_path / f"w{world}" / f"rank{r}.log" for r in range(world)], LAUNCH_TIMEOUT_S)
         runs_dir[f"w{world}"] = tmp_path / f"w{world}"
@@ -458,4 +458,5 @@ def test_actor_on_cuda_matches_hf(models: Path, tmp_path: Path) -> None:
     steps = result(runs_dir, "w1", "tp1_steps")
     assert steps["loss"][0] == pytest.approx(reference_loss(load_hf(models / "llama_untied_odd"), seed=1), rel=1e-4)
     if "w2" in runs_dir:
-        np.testing.assert_allclose(result(runs_dir, "w2", "tp2_steps")["loss"], steps["loss"], rtol=1e-4)
+        for job in ("tp2_steps", "pp2_steps"):
+            np.testing.assert_allclose(result(runs_dir, "w2", job)["loss"], steps["loss"], rtol=1e-4)
