@@ -73,7 +73,6 @@ class MegatronActor:
     def setup(self) -> dict[str, Any]:
         """Process group + megatron parallel state, model with the student's HF weights, optimizer."""
         start = time.perf_counter()
-        from megatron.core.distributed import finalize_model_grads
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(self.cfg.model.student_path)
@@ -100,9 +99,6 @@ class MegatronActor:
         num_params = sum(hf_state[n].numel() for n in hf_convert.hf_param_names(self.arch))
         del hf_state
         self._model = self._wrap_ddp(bf16)
-        # Run by megatron's schedule after the backward passes: DP all-reduce, tied-embedding
-        # all-reduce between the first and last stage, division by the global loss-token count.
-        self.tconfig.finalize_model_grads_func = finalize_model_grads
         self._build_optimizer(bf16)
         self._vocab_shard = self._local_vocab_slice()
         return {
@@ -210,13 +206,20 @@ class MegatronActor:
                 param.copy_(local)
 
     def _wrap_ddp(self, bf16: bool) -> Any:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.transformer.module import Float16Module
 
         module = Float16Module(self.tconfig, self.gpt) if bf16 else self.gpt
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
+        # Run by megatron's schedule after the backward passes: DP all-reduce, tied-embedding
+        # all-reduce between the first and last stage, division by the global loss-token count.
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
         return DistributedDataParallel(config=self.tconfig, ddp_config=ddp_config, module=module)
 
     def _build_optimizer(self, bf16: bool) -> None:
