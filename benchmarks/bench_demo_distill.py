@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -25,6 +26,7 @@ from recipe_gkd.demo.evaluate import accuracy_on
 from recipe_gkd.demo.sft import encode_prompt
 from recipe_gkd.demo.task import Example, read_jsonl
 from recipe_gkd.losses import gkd_loss
+from recipe_gkd.rollout.hf import plain_generation_config, without_model_generation_defaults
 
 RESULTS = Path("benchmarks/results/demo_distill.json")
 
@@ -67,17 +69,11 @@ def on_policy_step(student: Any, teacher: Any, tokenizer: Any, prompts: list[str
     width = ids_BP.shape[1]
     with torch.no_grad():
         student.eval()
-        seq_BS = student.generate(
-            input_ids=ids_BP,
-            attention_mask=prompt_mask_BP,
-            do_sample=True,
-            temperature=cfg.temperature,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=cfg.max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
+        config = plain_generation_config(
+            tokenizer, greedy=False, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=0, top_p=1.0
         )
+        with without_model_generation_defaults(student):
+            seq_BS = student.generate(input_ids=ids_BP, attention_mask=prompt_mask_BP, generation_config=config)
     mask_BS = torch.cat([prompt_mask_BP, _response_mask(seq_BS[:, width:], tokenizer.eos_token_id)], dim=1)
     positions_BS = (mask_BS.cumsum(-1) - 1).clamp(min=0)
     # Logits at position t predict token t + 1: the loss covers the predictions of response tokens.
@@ -85,7 +81,9 @@ def on_policy_step(student: Any, teacher: Any, tokenizer: Any, prompts: list[str
     loss_mask_BT[:, : width - 1] = 0
     with torch.no_grad():
         teacher_logits_BTV = teacher(input_ids=seq_BS, attention_mask=mask_BS, position_ids=positions_BS).logits[:, :-1]
-        teacher_logprobs_BTK, teacher_ids_BTK = torch.log_softmax(teacher_logits_BTV.float(), -1).topk(cfg.top_k, -1)
+        teacher_full_BTV = torch.log_softmax(teacher_logits_BTV.float(), -1)
+        teacher_logprobs_BTK, teacher_ids_BTK = teacher_full_BTV.topk(cfg.top_k, -1)
+        teacher_tail_BT = teacher_full_BTV.scatter(-1, teacher_ids_BTK, -math.inf).logsumexp(-1)
     student.train()
     student_logits_BTV = student(input_ids=seq_BS, attention_mask=mask_BS, position_ids=positions_BS).logits[:, :-1]
     loss = gkd_loss(
@@ -96,6 +94,7 @@ def on_policy_step(student: Any, teacher: Any, tokenizer: Any, prompts: list[str
         divergence=cfg.divergence,
         temperature=1.0,
         tail=True,
+        teacher_tail_logmass=teacher_tail_BT,
     )
     loss.backward()
     return loss.item()

@@ -26,6 +26,10 @@ class Sequence:
     on_policy: bool  # sampled from the student (True) or taken from the dataset (False)
     teacher_topk_logprobs: np.ndarray  # float32 [L - response_start, K]
     teacher_topk_ids: np.ndarray  # int32 [L - response_start, K]
+    # log of the teacher's mass outside its top-k, computed by the server from its full distribution.
+    teacher_tail_logmass: np.ndarray  # float32 [L - response_start]
+    # The teacher's logprob of the token actually at each response position.
+    teacher_sampled_logprob: np.ndarray  # float32 [L - response_start]
     # The student's logprob of each sampled response token at sampling time (on-policy only).
     rollout_logprobs: np.ndarray | None = None  # float32 [L - response_start]
     reward: float | None = None  # task reward when the dataset defines an answer
@@ -56,8 +60,18 @@ class RolloutStats:
     num_response_tokens: int
     sample_ids: list[int]
     timings: dict[str, float]
-    mean_reward: float | None = None
-    # Mean over response tokens of the teacher's top-k mass (1 = top-k covers everything).
-    teacher_topk_mass: float | None = None
+    # Task reward (when the dataset has answers), split by where the response came from:
+    # sampled by the student (on-policy) or the dataset's own (off-policy, algorithm.lmbda < 1).
+    onpolicy_reward_sum: float = 0.0
+    onpolicy_rewarded: int = 0
+    offpolicy_reward_sum: float = 0.0
+    offpolicy_rewarded: int = 0
+    # Sum over response tokens of the teacher's top-k mass (1 - the server's exact tail mass).
+    teacher_topk_mass_sum: float = 0.0
+    # On-policy response tokens, and the sums of the student's (at sampling) and the teacher's
+    # logprob of them: their mean difference estimates the full-vocabulary KL(student || teacher).
+    onpolicy_tokens: int = 0
+    rollout_logprob_sum: float = 0.0
+    teacher_sampled_logprob_sum: float = 0.0
     # debug.log_memory: the worker's resident (and peak GPU) memory, MiB, keyed rollout<rank>_rss_mb, ...
     memory_mb: dict[str, float] = field(default_factory=dict)

@@ -233,7 +233,7 @@ class AlgorithmConfig:
     beta: float = 0.5
     # Fraction of each batch generated on-policy by the student (GKD's lambda); rest off-policy.
     lmbda: float = 1.0
-    # Divides the student logits in the loss; the teacher applies teacher.temperature.
+    # Divides the student logits in the loss; must equal teacher.temperature (the server applies that one).
     temperature: float = 1.0
     schedule: Schedule = Schedule.sync
     # Refuse to train on a batch sampled with weights older than this many syncs.
@@ -627,6 +627,15 @@ def _validate_algorithm(cfg: GKDConfig) -> None:
         "data.response_key",
         "algorithm.lmbda < 1 mixes in dataset responses: set data.response_key",
     )
+    # One distillation temperature (TRL's convention): the loss divides the student's logits by
+    # algorithm.temperature, the server scores the teacher at teacher.temperature. Different values
+    # would train the student to a sharpened or flattened teacher (student == teacher is not the optimum).
+    _require(
+        al.temperature == cfg.teacher.temperature,
+        "algorithm.temperature",
+        f"is {al.temperature} but teacher.temperature is {cfg.teacher.temperature}: both sides of the divergence "
+        "must be at one temperature; set them to the same value",
+    )
     depth = {Schedule.sync: 0, Schedule.one_step_off: 1, Schedule.two_step_off: 2}[al.schedule]
     _require(
         al.max_staleness >= depth,
@@ -676,6 +685,12 @@ def validate_teacher_section(t: TeacherConfig) -> None:
     }.items():
         _require(fvalue > 0, key, f"must be > 0, got {fvalue}")
     _require(t.top_k <= t.max_top_k, "teacher.top_k", f"top_k={t.top_k} exceeds teacher.max_top_k={t.max_top_k}")
+    _require(
+        t.backend != TeacherBackend.vllm or t.temperature == 1.0,
+        "teacher.temperature",
+        f"is {t.temperature} but the vllm teacher backend scores at temperature 1 only (vLLM returns the top-k "
+        "of the T=1 distribution, from which another temperature cannot be recovered); use teacher.backend=hf",
+    )
     _require(
         t.address.startswith(("tcp://", "ipc://")),
         "teacher.address",

@@ -258,9 +258,11 @@ def evaluate(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger, step: int
     metrics.log_eval(
         {
             "step": step,
-            "eval_teacher_kl": loss["forward_kl"],  # KL(teacher || student), whatever the training divergence
+            # KL(teacher || student) over the K + 1 outcomes (top-k + tail), whatever the training
+            # divergence: a lower bound of the full-vocabulary KL (merging outcomes never raises a KL).
+            "eval_teacher_kl": loss["forward_kl"],
             "eval_divergence": loss["loss"],
-            "eval_reward": _weighted_reward(rollout_stats),
+            "eval_reward": _ratio(rollout_stats, "onpolicy_reward_sum", "onpolicy_rewarded"),
             "eval_sequences": sum(s.num_sequences for s in rollout_stats),
             "eval_s": time.perf_counter() - start,
         }
@@ -294,10 +296,15 @@ def step_row(
         "teacher_kl": train["loss"] if cfg.algorithm.divergence.value == "forward_kl" else None,
         "weight_version": version,
         "staleness": (version - 1) - sampled_with,
-        "reward": _weighted_reward(rollout.stats),
+        # Task reward of the student's own samples; dataset responses (lmbda < 1) apart.
+        "reward": _ratio(rollout.stats, "onpolicy_reward_sum", "onpolicy_rewarded"),
+        "offpolicy_reward": _ratio(rollout.stats, "offpolicy_reward_sum", "offpolicy_rewarded"),
         "response_tokens": sum(s.num_response_tokens for s in rollout.stats),
         "sequences": sum(s.num_sequences for s in rollout.stats),
-        "teacher_topk_mass": _mean([s.teacher_topk_mass for s in rollout.stats]),
+        "teacher_topk_mass": _ratio(rollout.stats, "teacher_topk_mass_sum", "num_response_tokens"),
+        "teacher_sampled_logprob": _ratio(rollout.stats, "teacher_sampled_logprob_sum", "onpolicy_tokens"),
+        "sampled_reverse_kl": sampled_reverse_kl(cfg, rollout.stats),
+        "teacher_ids_folded": train.get("teacher_ids_folded"),
         "grad_norm": train.get("grad_norm"),
         "lr": train.get("lr"),
         "generate_s": max(s.timings["generate_s"] for s in rollout.stats),
@@ -319,15 +326,25 @@ def memory_row(rollout: Rollout, train: dict[str, float]) -> dict[str, float]:
     return row
 
 
-def _weighted_reward(stats: list[RolloutStats]) -> float | None:
-    pairs = [(s.mean_reward, s.num_sequences) for s in stats if s.mean_reward is not None]
-    total = sum(n for _, n in pairs)
-    return sum(r * n for r, n in pairs) / total if total else None
+def sampled_reverse_kl(cfg: GKDConfig, stats: list[RolloutStats]) -> float | None:
+    """Monte Carlo estimate of the full-vocabulary KL(student || teacher) on the step's samples.
+
+    mean(log s(x) - log t(x)) over on-policy tokens is unbiased only when x was drawn from s
+    itself (rollout temperature 1, no top-p/top-k) and both sides are at temperature 1; else None.
+    Unlike the loss (K + 1 outcomes) it sees the whole vocabulary.
+    """
+    s = cfg.rollout.sampling
+    if s.temperature != 1.0 or s.top_p != 1.0 or s.top_k != 0 or cfg.algorithm.temperature != 1.0:
+        return None
+    student = _ratio(stats, "rollout_logprob_sum", "onpolicy_tokens")
+    teacher = _ratio(stats, "teacher_sampled_logprob_sum", "onpolicy_tokens")
+    return None if student is None or teacher is None else student - teacher
 
 
-def _mean(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return sum(present) / len(present) if present else None
+def _ratio(stats: list[RolloutStats], numerator: str, denominator: str) -> float | None:
+    """sum(numerator) / sum(denominator) over the rollout workers; None when nothing was counted."""
+    total = sum(getattr(s, denominator) for s in stats)
+    return sum(getattr(s, numerator) for s in stats) / total if total else None
 
 
 @contextmanager

@@ -1,11 +1,22 @@
 """GKD divergences between the student and the teacher's top-k distribution (pure torch).
 
 The teacher sends, per scored token, its top-k log-probabilities (full-vocabulary
-log-probabilities, already divided by the teacher temperature on the server) and their
-token ids. Both distributions are compared over K + 1 outcomes: the K teacher ids plus one
-tail bucket "any other token" (teacher: 1 - sum of its top-k probabilities; student: its own
-mass outside those ids). The loss is then an exact divergence between two distributions and
-autograd's gradient is the true gradient of that divergence.
+log-probabilities, already divided by the teacher temperature on the server), their token
+ids and the log of the mass outside them (the tail, computed by the server from its full
+distribution). Both distributions are compared over K + 1 outcomes: the K teacher ids plus
+one tail bucket "any other token" (teacher: the server's tail; student: its own mass outside
+those ids). The loss is then an exact divergence between two distributions and autograd's
+gradient is the true gradient of that divergence.
+
+The teacher's tail is taken as sent (``teacher_tail_logmass``), never rebuilt from the
+top-k: with a sharp teacher 1 - sum(float16 top-k probabilities) is rounding noise (off by
+more than 1 nat, or clamped), which gives a non-zero loss and gradient at student ==
+teacher. Without ``teacher_tail_logmass`` (callers holding only top-k values) the tail is
+rebuilt as log(1 - sum p_topk), exact only for exact (float32/64) top-k values.
+
+Teacher ids at or beyond the student's vocabulary (families pad their embedding rows
+differently over one tokenizer: Qwen2.5-7B has 152064 rows, Qwen2.5-0.5B 151936) are not
+tokens the student can produce: their teacher mass is folded into the tail bucket.
 
 - ``tail=True`` (default): K + 1 outcomes as above. When K == V the tail is empty and is
   dropped, which makes it identical to ``tail=False``.
@@ -64,13 +75,16 @@ def gkd_loss(
     beta: float = 0.5,
     temperature: float = 1.0,
     tail: bool = True,
+    teacher_tail_logmass: Tensor | None = None,
     chunk_size: int | None = None,
 ) -> Tensor:
     """Token-mean GKD loss over ``loss_mask`` (0 if no token is selected, never NaN).
 
     student_logits [B,T,V] (any float dtype, any strides; math is fp32, or fp64 for fp64
-    input), teacher_topk_logprobs [B,T,K], teacher_topk_ids [B,T,K], loss_mask [B,T].
-    ``temperature`` divides the student logits; the teacher's is applied on the server.
+    input), teacher_topk_logprobs [B,T,K], teacher_topk_ids [B,T,K], loss_mask [B,T],
+    teacher_tail_logmass [B,T] (optional: the server's log of the mass outside the top-k;
+    rebuilt from the top-k when absent). ``temperature`` divides the student logits and must
+    be the temperature the teacher scored at (the server applies it to the teacher).
     For a global mean over micro-batches / data-parallel ranks use :func:`gkd_loss_sum`.
     """
     loss_sum, token_count = gkd_loss_sum(
@@ -82,6 +96,7 @@ def gkd_loss(
         beta=beta,
         temperature=temperature,
         tail=tail,
+        teacher_tail_logmass=teacher_tail_logmass,
         chunk_size=chunk_size,
     )
     return loss_sum / token_count.clamp(min=1)
@@ -97,6 +112,7 @@ def gkd_loss_sum(
     beta: float = 0.5,
     temperature: float = 1.0,
     tail: bool = True,
+    teacher_tail_logmass: Tensor | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sum of per-token divergences over ``loss_mask`` and the number of those tokens.
@@ -113,6 +129,7 @@ def gkd_loss_sum(
         beta=beta,
         temperature=temperature,
         tail=tail,
+        teacher_tail_logmass=teacher_tail_logmass,
         chunk_size=chunk_size,
         vocab_start=0,
         vocab_size=student_logits.shape[-1] if student_logits.dim() == 3 else 0,
@@ -133,6 +150,7 @@ def vocab_parallel_gkd_loss_sum(
     beta: float = 0.5,
     temperature: float = 1.0,
     tail: bool = True,
+    teacher_tail_logmass: Tensor | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`gkd_loss_sum` for logits sharded over the vocabulary (Megatron tensor parallel).
@@ -162,6 +180,7 @@ def vocab_parallel_gkd_loss_sum(
         beta=beta,
         temperature=temperature,
         tail=tail,
+        teacher_tail_logmass=teacher_tail_logmass,
         chunk_size=chunk_size,
         vocab_start=vocab_start,
         vocab_size=vocab_size,
@@ -182,8 +201,7 @@ def topk_divergence(
         return _kl(teacher_logprobs_MJ, student_logprobs_MJ)
     if divergence == "reverse_kl" or (divergence == "jsd" and beta == 1.0):
         return _kl(student_logprobs_MJ, teacher_logprobs_MJ)
-    # log M = log(beta * T + (1 - beta) * S): the mixture is in probability space.
-    mixture_logprobs_MJ = torch.logaddexp(teacher_logprobs_MJ + math.log(beta), student_logprobs_MJ + math.log1p(-beta))
+    mixture_logprobs_MJ = _mixture(teacher_logprobs_MJ, student_logprobs_MJ, beta)
     return beta * _kl(teacher_logprobs_MJ, mixture_logprobs_MJ) + (1.0 - beta) * _kl(
         student_logprobs_MJ, mixture_logprobs_MJ
     )
@@ -202,6 +220,7 @@ def _gkd_loss_sum(
     beta: float,
     temperature: float,
     tail: bool,
+    teacher_tail_logmass: Tensor | None,
     chunk_size: int | None,
     vocab_start: int,
     vocab_size: int,
@@ -212,6 +231,7 @@ def _gkd_loss_sum(
         teacher_logprobs_BTK,
         teacher_ids_BTK,
         loss_mask_BT,
+        teacher_tail_logmass,
         divergence=divergence,
         beta=beta,
         temperature=temperature,
@@ -230,14 +250,26 @@ def _gkd_loss_sum(
     rows_M = selected_N.nonzero().squeeze(-1).to(device)
     teacher_ids_MK = teacher_ids_BTK.reshape(batch * seq, top_k)[rows_M.to(teacher_ids_BTK.device)]
     teacher_logprobs_MK = teacher_logprobs_BTK.reshape(batch * seq, top_k)[rows_M.to(teacher_logprobs_BTK.device)]
-    _check_data(loss_mask_N, teacher_ids_MK, teacher_logprobs_MK, vocab_size)
+    teacher_tail_M = None
+    if teacher_tail_logmass is not None:
+        teacher_tail_M = teacher_tail_logmass.reshape(batch * seq)[rows_M.to(teacher_tail_logmass.device)]
+    has_folded = _check_data(loss_mask_N, teacher_ids_MK, teacher_logprobs_MK, teacher_tail_M, vocab_size)
     teacher_ids_MK = teacher_ids_MK.to(device=device, dtype=torch.int64)
     teacher_logprobs_MK = teacher_logprobs_MK.to(device=device, dtype=compute_dtype)
+    if teacher_tail_M is not None:
+        teacher_tail_M = teacher_tail_M.to(device=device, dtype=compute_dtype)
 
-    with_tail = tail and top_k < vocab_size
+    # Ids the student has no row for are folded into the tail (below): they count as "other tokens".
+    in_vocab_MK = teacher_ids_MK < vocab_size
+    if has_folded and not tail:
+        raise ValueError(
+            "teacher_topk_ids hold ids beyond the student's vocabulary, which only the tail bucket can take: "
+            "set algorithm.tail=true"
+        )
+    with_tail = tail and (top_k < vocab_size or has_folded)
     local_ids_MK = teacher_ids_MK - vocab_start
-    owned_MK = (local_ids_MK >= 0) & (local_ids_MK < shard_vocab)
-    # Ids owned by another rank point at column 0 and are neutralised by `owned_MK`.
+    owned_MK = (local_ids_MK >= 0) & (local_ids_MK < shard_vocab) & in_vocab_MK
+    # Ids owned by another rank (or by none) point at column 0 and are neutralised by `owned_MK`.
     safe_ids_MK = torch.where(owned_MK, local_ids_MK, 0)
     if chunk_size is None:
         chunk_size = max(1, DEFAULT_CHUNK_BYTES // (FP32_BYTES * max(shard_vocab, 1)))
@@ -256,9 +288,12 @@ def _gkd_loss_sum(
         student_top_MK, student_tail_M = _combine_shards(student_top_MK, student_tail_M, with_tail, group)
 
     if with_tail:
+        if has_folded:
+            # A folded id is an outcome of zero mass on both sides of the top-k; its mass is in the tails.
+            student_top_MK = torch.where(in_vocab_MK, student_top_MK, -math.inf)
         # [M,K] + [M,1] -> [M,K+1]; the tail logit is the log-sum-exp of all other logits.
         student_logprobs_MJ = torch.log_softmax(torch.cat([student_top_MK, student_tail_M[:, None]], dim=-1), dim=-1)
-        teacher_logprobs_MJ = _teacher_with_tail(teacher_logprobs_MK)
+        teacher_logprobs_MJ = _teacher_with_tail(teacher_logprobs_MK, in_vocab_MK, teacher_tail_M, top_k < vocab_size)
     else:
         # The same op renormalises both sides: equal inputs give bitwise-equal log-probs.
         student_logprobs_MJ = torch.log_softmax(student_top_MK, dim=-1)
@@ -266,6 +301,19 @@ def _gkd_loss_sum(
     per_token_M = topk_divergence(teacher_logprobs_MJ, student_logprobs_MJ, divergence=divergence, beta=beta)
     token_count = torch.tensor(rows_M.numel(), dtype=torch.int64, device=device)
     return per_token_M.sum(), token_count
+
+
+def _mixture(teacher_logprobs_MJ: Tensor, student_logprobs_MJ: Tensor, beta: float) -> Tensor:
+    """log M = log(beta * T + (1 - beta) * S), in probability space.
+
+    Outcomes where both are -inf (folded ids) stay -inf with a zero gradient (logaddexp's own
+    gradient is NaN there).
+    """
+    both_zero_MJ = (teacher_logprobs_MJ == -math.inf) & (student_logprobs_MJ == -math.inf)
+    teacher_MJ = torch.where(both_zero_MJ, 0.0, teacher_logprobs_MJ)
+    student_MJ = torch.where(both_zero_MJ, 0.0, student_logprobs_MJ)
+    mixture_MJ = torch.logaddexp(teacher_MJ + math.log(beta), student_MJ + math.log1p(-beta))
+    return torch.where(both_zero_MJ, -math.inf, mixture_MJ)
 
 
 def _kl(p_logprobs_MJ: Tensor, q_logprobs_MJ: Tensor) -> Tensor:
@@ -286,13 +334,29 @@ def _log1mexp(x: Tensor) -> Tensor:
     )
 
 
-def _teacher_with_tail(teacher_logprobs_MK: Tensor) -> Tensor:
-    """Teacher log-probs over K + 1 outcomes [M,K+1]: top-k then log(1 - sum p_topk)."""
-    top_mass_log_M1 = torch.logsumexp(teacher_logprobs_MK, dim=-1, keepdim=True)
-    # Quantised top-k mass can exceed 1: rescale it to 1 (a no-op for valid input).
-    excess_M1 = top_mass_log_M1.clamp(min=0.0)
-    tail_M1 = _log1mexp(top_mass_log_M1 - excess_M1).clamp(min=TEACHER_TAIL_LOGPROB_FLOOR)
-    return torch.cat([teacher_logprobs_MK - excess_M1, tail_M1], dim=-1)  # [M,K+1]
+def _teacher_with_tail(
+    teacher_logprobs_MK: Tensor, in_vocab_MK: Tensor, sent_tail_M: Tensor | None, tail_nonempty: bool
+) -> Tensor:
+    """Teacher log-probs over K + 1 outcomes [M,K+1]: the in-vocabulary top-k, then the tail.
+
+    The tail is the server's (`sent_tail_M`) plus the mass of folded ids; without it,
+    log(1 - sum of the in-vocabulary top-k). Rows are renormalised: 16-bit wire values sum to
+    1 only within their rounding.
+    """
+    top_MK = torch.where(in_vocab_MK, teacher_logprobs_MK, -math.inf)
+    if sent_tail_M is None:
+        top_mass_log_M1 = torch.logsumexp(top_MK, dim=-1, keepdim=True)
+        # Quantised top-k mass can exceed 1: rescale it to 1 (a no-op for valid input).
+        excess_M1 = top_mass_log_M1.clamp(min=0.0)
+        tail_M1 = _log1mexp(top_mass_log_M1 - excess_M1)
+        top_MK = top_MK - excess_M1
+    else:
+        folded_MK = torch.where(in_vocab_MK, -math.inf, teacher_logprobs_MK)
+        tail_M1 = torch.logaddexp(sent_tail_M[:, None], torch.logsumexp(folded_MK, dim=-1, keepdim=True))
+    if tail_nonempty:
+        # The server's fp32 tail can underflow to -inf: a tiny floor keeps reverse KL / JSD finite.
+        tail_M1 = tail_M1.clamp(min=TEACHER_TAIL_LOGPROB_FLOOR)
+    return torch.log_softmax(torch.cat([top_MK, tail_M1], dim=-1), dim=-1)  # [M,K+1]
 
 
 def _combine_shards(
@@ -458,6 +522,7 @@ def _check_static_args(
     teacher_logprobs_BTK: Tensor,
     teacher_ids_BTK: Tensor,
     loss_mask_BT: Tensor,
+    teacher_tail_BT: Tensor | None,
     *,
     divergence: str,
     beta: float,
@@ -493,6 +558,13 @@ def _check_static_args(
         raise ValueError(f"teacher_topk_ids must be an integer tensor, got {teacher_ids_BTK.dtype}")
     if loss_mask_BT.shape != (batch, seq):
         raise ValueError(f"loss_mask must be [B,T] = [{batch},{seq}], got {tuple(loss_mask_BT.shape)}")
+    if teacher_tail_BT is not None and (
+        teacher_tail_BT.shape != (batch, seq) or not teacher_tail_BT.is_floating_point()
+    ):
+        raise ValueError(
+            f"teacher_tail_logmass must be a float tensor [B,T] = [{batch},{seq}], got "
+            f"{teacher_tail_BT.dtype} {tuple(teacher_tail_BT.shape)}"
+        )
     top_k = teacher_ids_BTK.shape[-1]
     if not (1 <= top_k <= vocab_size):
         raise ValueError(f"top-k K={top_k} must be in [1, V={vocab_size}]")
@@ -502,8 +574,17 @@ def _check_static_args(
         )
 
 
-def _check_data(loss_mask_N: Tensor, teacher_ids_MK: Tensor, teacher_logprobs_MK: Tensor, vocab_size: int) -> None:
-    """Value checks on the loss tokens only (masked rows may hold padding), one host sync."""
+def _check_data(
+    loss_mask_N: Tensor,
+    teacher_ids_MK: Tensor,
+    teacher_logprobs_MK: Tensor,
+    teacher_tail_M: Tensor | None,
+    vocab_size: int,
+) -> bool:
+    """Value checks on the loss tokens only (masked rows may hold padding), one host sync.
+
+    Returns whether any teacher id lies beyond the student's vocabulary (to be folded).
+    """
     if loss_mask_N.dtype == torch.bool:
         bad_mask = torch.zeros((), dtype=torch.bool, device=loss_mask_N.device)
     else:
@@ -511,9 +592,12 @@ def _check_data(loss_mask_N: Tensor, teacher_ids_MK: Tensor, teacher_logprobs_MK
     if teacher_ids_MK.numel() == 0:
         if bool(bad_mask):
             raise ValueError("loss_mask must be bool or hold only 0 and 1")
-        return
+        return False
     ids_MK = teacher_ids_MK.detach().to(torch.int64)
     sorted_MK = ids_MK.sort(dim=-1).values
+    bad_tail = torch.zeros((), dtype=torch.bool, device=ids_MK.device)
+    if teacher_tail_M is not None:
+        bad_tail = (torch.isnan(teacher_tail_M) | (teacher_tail_M == math.inf)).any().to(ids_MK.device)
     flags = torch.stack(
         [
             bad_mask.to(ids_MK.device, torch.int64),
@@ -521,17 +605,18 @@ def _check_data(loss_mask_N: Tensor, teacher_ids_MK: Tensor, teacher_logprobs_MK
             ids_MK.max(),
             (sorted_MK[:, 1:] == sorted_MK[:, :-1]).any().to(torch.int64),
             (torch.isnan(teacher_logprobs_MK) | (teacher_logprobs_MK == math.inf)).any().to(ids_MK.device, torch.int64),
+            bad_tail.to(torch.int64),
         ]
     ).tolist()
-    bad_mask_flag, id_min, id_max, has_duplicates, has_nan = flags
+    bad_mask_flag, id_min, id_max, has_duplicates, has_nan, has_bad_tail = flags
     if bad_mask_flag:
         raise ValueError("loss_mask must be bool or hold only 0 and 1")
-    if id_min < 0 or id_max >= vocab_size:
-        raise ValueError(
-            f"teacher_topk_ids out of the student's vocabulary: found ids in [{id_min}, "
-            f"{id_max}] but V={vocab_size}; teacher and student tokenizers/vocab sizes differ?"
-        )
+    if id_min < 0:
+        raise ValueError(f"teacher_topk_ids hold a negative id ({id_min}) at a loss position")
     if has_duplicates:
         raise ValueError("teacher_topk_ids repeat an id within one position's top-k")
     if has_nan:
         raise ValueError("teacher_topk_logprobs hold NaN or +inf at loss positions")
+    if has_bad_tail:
+        raise ValueError("teacher_tail_logmass holds NaN or +inf at loss positions")
+    return bool(id_max >= vocab_size)

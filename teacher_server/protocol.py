@@ -384,6 +384,24 @@ def tail_from_topk(logprobs_NK: np.ndarray) -> np.ndarray:
     return np.where(lse_N > -math.log(2), near_one, far).astype(np.float32)
 
 
+def scores_from_logprobs(logprobs_NV: np.ndarray, next_ids_N: np.ndarray, top_k: int) -> TeacherTopK:
+    """Exact TeacherTopK of N positions from their full-vocabulary log-probs (a reference scorer).
+
+    Row n is the distribution of token next_ids_N[n]; the tail is computed in float64 from
+    the whole distribution, as a backend that sees every logit does.
+    """
+    logprobs_NV = np.asarray(logprobs_NV, dtype=np.float64)
+    top_NK = np.argsort(-logprobs_NV, axis=-1, kind="stable")[:, :top_k]
+    values_NK = np.take_along_axis(logprobs_NV, top_NK, axis=-1)
+    rest_NV = logprobs_NV.copy()
+    np.put_along_axis(rest_NV, top_NK, -np.inf, axis=-1)
+    with np.errstate(divide="ignore"):
+        tail_N = np.logaddexp.reduce(rest_NV, axis=-1)
+    sampled_N = np.take_along_axis(logprobs_NV, np.asarray(next_ids_N, dtype=np.int64)[:, None], axis=-1)[:, 0]
+    logprobs, ids = canonical_order(values_NK.astype(np.float32), top_NK.astype(np.int32))
+    return TeacherTopK(logprobs, ids, sampled_N.astype(np.float32), tail_N.astype(np.float32))
+
+
 # ----------------------------------------------------------------------------- requests
 
 

@@ -26,6 +26,7 @@ class MicroBatch:
     position_ids_BT: Tensor  # int64, 0..T-1 on every row
     teacher_logprobs_BTK: Tensor  # float32, 0 where loss_mask is False
     teacher_ids_BTK: Tensor  # int64, 0 where loss_mask is False
+    teacher_tail_BT: Tensor  # float32: the server's log tail mass, 0 where loss_mask is False
     loss_mask_BT: Tensor  # bool: position t predicts a response token
     num_tokens: int  # loss_mask.sum()
 
@@ -35,6 +36,7 @@ class MicroBatch:
             position_ids_BT=self.position_ids_BT.to(device),
             teacher_logprobs_BTK=self.teacher_logprobs_BTK.to(device),
             teacher_ids_BTK=self.teacher_ids_BTK.to(device),
+            teacher_tail_BT=self.teacher_tail_BT.to(device),
             loss_mask_BT=self.loss_mask_BT.to(device),
             num_tokens=self.num_tokens,
         )
@@ -52,6 +54,7 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int) -> MicroBatch:
     input_ids_BT = np.full((batch, seq_len), pad_id, dtype=np.int64)
     teacher_logprobs_BTK = np.zeros((batch, seq_len, top_k), dtype=np.float32)
     teacher_ids_BTK = np.zeros((batch, seq_len, top_k), dtype=np.int64)
+    teacher_tail_BT = np.zeros((batch, seq_len), dtype=np.float32)
     loss_mask_BT = np.zeros((batch, seq_len), dtype=bool)
     for row, seq in enumerate(sequences):
         _check_sequence(seq)
@@ -61,6 +64,7 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int) -> MicroBatch:
         predicted = slice(seq.response_start - 1, length - 1)
         teacher_logprobs_BTK[row, predicted] = seq.teacher_topk_logprobs
         teacher_ids_BTK[row, predicted] = seq.teacher_topk_ids
+        teacher_tail_BT[row, predicted] = seq.teacher_tail_logmass
         loss_mask_BT[row, predicted] = True
     position_ids_BT = np.broadcast_to(np.arange(seq_len, dtype=np.int64), (batch, seq_len))
     return MicroBatch(
@@ -68,6 +72,7 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int) -> MicroBatch:
         position_ids_BT=torch.from_numpy(np.ascontiguousarray(position_ids_BT)),
         teacher_logprobs_BTK=torch.from_numpy(teacher_logprobs_BTK),
         teacher_ids_BTK=torch.from_numpy(teacher_ids_BTK),
+        teacher_tail_BT=torch.from_numpy(teacher_tail_BT),
         loss_mask_BT=torch.from_numpy(loss_mask_BT),
         num_tokens=int(loss_mask_BT.sum()),
     )
@@ -92,7 +97,7 @@ def _check_sequence(seq: Sequence) -> None:
     responses = length - seq.response_start
     if not 1 <= seq.response_start <= length:
         raise ValueError(f"sample {seq.sample_id}: response_start={seq.response_start} outside [1, {length}]")
-    for name in ("teacher_topk_logprobs", "teacher_topk_ids"):
+    for name in ("teacher_topk_logprobs", "teacher_topk_ids", "teacher_tail_logmass"):
         rows = getattr(seq, name).shape[0]
         if rows != responses:
             raise ValueError(

@@ -295,6 +295,8 @@ class MegatronActor:
             "lr": self._current_lr(),
             "num_tokens": float(global_tokens),
             "num_sequences": float(self._sum_over_dp(len(sequences))),
+            # Top-k entries whose id the student has no embedding row for (folded into the tail).
+            "teacher_ids_folded": float(self._sum_over_dp(self._folded_ids(sequences))),
             "skipped_step": 0.0 if stepped else 1.0,
             "forward_backward_s": forward_backward_s,
             "train_step_s": time.perf_counter() - start,
@@ -320,6 +322,9 @@ class MegatronActor:
             "num_tokens": float(global_tokens),
             "eval_s": time.perf_counter() - start,
         }
+
+    def _folded_ids(self, sequences: list[Sequence]) -> int:
+        return sum(int((s.teacher_topk_ids >= self.arch.vocab_size).sum()) for s in sequences)
 
     def _micro_batches(self, sequences: list[Sequence]) -> list[MicroBatch]:
         groups = split_micro_batches(sequences, self.cfg.actor.micro_batch_size)
@@ -388,6 +393,7 @@ class MegatronActor:
             "beta": a.beta,
             "temperature": a.temperature,
             "tail": a.tail,
+            "teacher_tail_logmass": micro.teacher_tail_BT,
         }
         # Padded vocabulary columns are not tokens: they are cut off, never given mass.
         logits_BTv = logits_BTv[..., self._vocab_shard]
@@ -698,11 +704,12 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(states["tracker"])
 
 
-def _no_teacher(batch: int, length: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, int]:
+def _no_teacher(batch: int, length: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
     """Empty teacher fields of a MicroBatch that is only run forward for its logits."""
     return (
         torch.zeros(batch, length, 0, dtype=torch.float32, device=device),
         torch.zeros(batch, length, 0, dtype=torch.int64, device=device),
+        torch.zeros(batch, length, dtype=torch.float32, device=device),
         torch.zeros(batch, length, dtype=torch.bool, device=device),
         0,
     )

@@ -10,6 +10,7 @@ import torch
 
 from recipe_gkd.demo.sft import encode_prompt
 from recipe_gkd.demo.task import Example, read_jsonl, reward
+from recipe_gkd.rollout.hf import plain_generation_config, without_model_generation_defaults
 
 EVAL_BATCH_SIZE = 64
 MAX_NEW_TOKENS = 16
@@ -35,14 +36,9 @@ def greedy_responses(
         for i, ids in enumerate(encoded):
             input_ids_BP[i, width - len(ids) :] = torch.tensor(ids)
             attention_BP[i, width - len(ids) :] = 1
-        sequences_BS = model.generate(
-            input_ids=input_ids_BP,
-            attention_mask=attention_BP,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        config = plain_generation_config(tokenizer, greedy=True, max_new_tokens=max_new_tokens)
+        with without_model_generation_defaults(model):
+            sequences_BS = model.generate(input_ids=input_ids_BP, attention_mask=attention_BP, generation_config=config)
         out.extend(tokenizer.batch_decode(sequences_BS[:, width:], skip_special_tokens=True))
     return out
 

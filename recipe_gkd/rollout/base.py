@@ -20,6 +20,7 @@ from recipe_gkd.batch import RolloutStats, Sequence, TrainShard
 from recipe_gkd.config import GKDConfig, rollout_engines
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, encode_prompt, encode_response
 from recipe_gkd.metrics import worker_memory_mb
+from teacher_server.protocol import TeacherTopK
 
 # Salt that separates the on/off-policy coin flips from the epoch order's random stream.
 MIX_SALT = 0x6B64
@@ -66,8 +67,8 @@ class Engine(Protocol):
 class Scorer(Protocol):
     """The teacher as the rollout worker sees it."""
 
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per sequence: (top-k logprobs [n, K] float32, top-k ids [n, K] int32) for positions score_from.."""
+    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
+        """Per sequence: the teacher's top-k, tail and sampled-token logprob for positions score_from.."""
         ...
 
 
@@ -220,12 +221,14 @@ class RolloutWorker:
                 input_ids=seq,
                 response_start=first,
                 on_policy=on,
-                teacher_topk_logprobs=logprobs,
-                teacher_topk_ids=topk_ids,
+                teacher_topk_logprobs=scored.topk_logprobs,
+                teacher_topk_ids=scored.topk_ids,
+                teacher_tail_logmass=scored.tail_logmass,
+                teacher_sampled_logprob=scored.sampled_logprob,
                 rollout_logprobs=rollout_lp,
                 reward=self._reward(prompt, response),
             )
-            for prompt, seq, first, on, (response, rollout_lp), (logprobs, topk_ids) in zip(
+            for prompt, seq, first, on, (response, rollout_lp), scored in zip(
                 generated.prompts, ids, starts, generated.on_policy, generated.responses, scores, strict=True
             )
         ]
@@ -274,23 +277,9 @@ class RolloutWorker:
         for j, seq in enumerate(sequences):
             shards[(offset + j) % dp_size].sequences.append(seq)
         refs = [ray.put(s) for s in shards]
-        rewards = [s.reward for s in sequences if s.reward is not None]
-        mass = [
-            float(np.exp(s.teacher_topk_logprobs.astype(np.float64)).sum(-1).mean())
-            for s in sequences
-            if s.num_response_tokens
-        ]
-        stats = RolloutStats(
-            step=step,
-            weight_version=weight_version,
-            num_sequences=len(sequences),
-            num_response_tokens=sum(s.num_response_tokens for s in sequences),
-            sample_ids=[s.sample_id for s in sequences],
-            timings=timings,
-            mean_reward=float(np.mean(rewards)) if rewards else None,
-            teacher_topk_mass=float(np.mean(mass)) if mass else None,
-            memory_mb=worker_memory_mb(f"rollout{self.rank}") if self.cfg.debug.log_memory else {},
-        )
+        stats = summarize(step, weight_version, sequences, timings)
+        if self.cfg.debug.log_memory:
+            stats.memory_mb = worker_memory_mb(f"rollout{self.rank}")
         return stats, refs
 
     # ------------------------------------------------------------------ weights
@@ -345,6 +334,32 @@ class RolloutWorker:
         """Logprob of token t+1 at every position under the current weights (weight-sync probe)."""
         assert self.engine is not None
         return self.engine.token_logprobs(input_ids)
+
+
+def summarize(step: int, weight_version: int, sequences: list[Sequence], timings: dict[str, float]) -> RolloutStats:
+    """The driver's view of a step's sequences: counts and sums, no per-token data."""
+    stats = RolloutStats(
+        step=step,
+        weight_version=weight_version,
+        num_sequences=len(sequences),
+        num_response_tokens=sum(s.num_response_tokens for s in sequences),
+        sample_ids=[s.sample_id for s in sequences],
+        timings=timings,
+    )
+    for seq in sequences:
+        # The server's exact tail, not 1 - sum(rounded top-k): float64 sums over tokens.
+        stats.teacher_topk_mass_sum += float((-np.expm1(seq.teacher_tail_logmass.astype(np.float64))).sum())
+        if seq.reward is not None and seq.on_policy:
+            stats.onpolicy_reward_sum += seq.reward
+            stats.onpolicy_rewarded += 1
+        elif seq.reward is not None:
+            stats.offpolicy_reward_sum += seq.reward
+            stats.offpolicy_rewarded += 1
+        if seq.on_policy and seq.rollout_logprobs is not None:
+            stats.onpolicy_tokens += seq.num_response_tokens
+            stats.rollout_logprob_sum += float(seq.rollout_logprobs.astype(np.float64).sum())
+            stats.teacher_sampled_logprob_sum += float(seq.teacher_sampled_logprob.astype(np.float64).sum())
+    return stats
 
 
 def connect_teacher(cfg: GKDConfig, tokenizer: Any, address: str | None) -> Scorer:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -13,6 +15,42 @@ from recipe_gkd.rollout.base import Generation
 
 # Prompts generated together; bounds the KV cache (batch x (prompt + new tokens) x layers).
 GENERATE_CHUNK = 64
+
+
+def plain_generation_config(tokenizer: Any, *, greedy: bool, max_new_tokens: int, **sampling: Any) -> Any:
+    """Every setting of one `generate` call; nothing else may shape the distribution.
+
+    `sampling`: temperature, top_p, top_k (0 = off) when not greedy. Use with
+    :func:`without_model_generation_defaults`, which keeps generation_config.json out.
+    """
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=not greedy,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **({} if greedy else sampling),
+    )
+
+
+@contextmanager
+def without_model_generation_defaults(model: Any) -> Iterator[None]:
+    """`model.generate` without the model's generation_config.json for the duration.
+
+    transformers fills every setting a call leaves unset from the model's generation config
+    (repetition_penalty, no_repeat_ngram_size, bad_words_ids, forced tokens, ...): Qwen2.5-Instruct
+    ships repetition_penalty 1.05, so samples and greedy answers would not be the student's own.
+    Only transformers' neutral global defaults remain.
+    """
+    from transformers import GenerationConfig
+
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
 
 
 class HFEngine:
@@ -53,19 +91,18 @@ class HFEngine:
         for i, p in enumerate(prompts):
             input_ids_BP[i, width - len(p) :] = torch.tensor(p)
             attention_BP[i, width - len(p) :] = 1
-        # top_k=0 disables top-k filtering explicitly: None would fall back to generation_config's 50.
-        sampling = {} if greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
-        result = self.model.generate(
-            input_ids=input_ids_BP.to(self.device),
-            attention_mask=attention_BP.to(self.device),
-            do_sample=not greedy,
-            max_new_tokens=s.max_new_tokens,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            return_dict_in_generate=True,
-            output_logits=True,
-            **sampling,
+        # top_k=0 disables top-k filtering explicitly: None would fall back to transformers' 50.
+        config = plain_generation_config(
+            tok, greedy=greedy, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k
         )
+        config.return_dict_in_generate = True
+        config.output_logits = True
+        with without_model_generation_defaults(self.model):
+            result = self.model.generate(
+                input_ids=input_ids_BP.to(self.device),
+                attention_mask=attention_BP.to(self.device),
+                generation_config=config,
+            )
         new_BN = result.sequences[:, width:].cpu()
         # Raw (unprocessed) logits -> logprob of each sampled token under the student itself.
         logits_BNV = torch.stack(result.logits, dim=1).float().cpu()

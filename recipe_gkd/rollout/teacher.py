@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import GKDConfig, to_yaml
+from teacher_server.protocol import TeacherTopK
 
 
 class TeacherScorer:
@@ -30,10 +31,10 @@ class TeacherScorer:
         self.client.connect()
         self.latency_s = cfg.debug.teacher_latency_s
 
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
         if self.latency_s:
             time.sleep(self.latency_s)  # debug.teacher_latency_s: an emulated remote teacher
-        return [(t.topk_logprobs, t.topk_ids) for t in self.client.score(sequences, score_from)]
+        return self.client.score(sequences, score_from)
 
     def close(self) -> None:
         self.client.close()

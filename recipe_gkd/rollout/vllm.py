@@ -59,6 +59,9 @@ class VLLMEngine:
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens,
             enforce_eager=on_cpu,
             seed=cfg.data.seed,
+            # vLLM's own defaults, not generation_config.json's (a repetition_penalty there would
+            # otherwise become the default sampling settings): the student's own distribution.
+            generation_config="vllm",
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
@@ -72,6 +75,12 @@ class VLLMEngine:
             temperature=0.0 if greedy else s.temperature,
             top_p=1.0 if greedy else s.top_p,
             top_k=-1 if greedy or s.top_k == 0 else s.top_k,
+            # Every setting that reshapes the distribution, explicitly neutral.
+            min_p=0.0,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            min_tokens=0,
             max_tokens=s.max_new_tokens,
             # logprobs=0: only the sampled token's logprob (vLLM's default mode: raw model logprobs).
             logprobs=0,

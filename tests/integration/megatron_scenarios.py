@@ -21,6 +21,7 @@ import numpy as np
 
 from recipe_gkd.batch import Sequence, TrainShard
 from recipe_gkd.config import Device, GKDConfig, Precision
+from teacher_server.protocol import scores_from_logprobs
 
 GLOBAL_BATCH = 8
 TOP_K = 8
@@ -40,15 +41,17 @@ def make_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> lis
         ids = rng.integers(0, vocab, length).astype(np.int32)
         logits = rng.normal(size=(length - response_start, vocab)) * 2.0
         logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        top = np.argsort(-logprobs, axis=-1)[:, :top_k]
+        scores = scores_from_logprobs(logprobs, ids[response_start:], top_k)
         sequences.append(
             Sequence(
                 sample_id=i,
                 input_ids=ids,
                 response_start=response_start,
                 on_policy=True,
-                teacher_topk_logprobs=np.take_along_axis(logprobs, top, -1).astype(np.float32),
-                teacher_topk_ids=top.astype(np.int32),
+                teacher_topk_logprobs=scores.topk_logprobs,
+                teacher_topk_ids=scores.topk_ids,
+                teacher_tail_logmass=scores.tail_logmass,
+                teacher_sampled_logprob=scores.sampled_logprob,
             )
         )
     return sequences

@@ -18,6 +18,7 @@ from recipe_gkd.ports import reserve_ports
 from recipe_gkd.rollout.base import RolloutWorker, make_engine
 from recipe_gkd.weight_sync import sync_weights
 from recipe_gkd.workers import actor_worker_class
+from teacher_server.protocol import scores_from_logprobs
 
 TOP_K = 4
 
@@ -39,15 +40,17 @@ def _shard(rng: np.random.Generator, vocab: int, n: int) -> TrainShard:
         prompt, response = rng.integers(6, vocab, 5), rng.integers(6, vocab, 7)
         logits = rng.standard_normal((len(response), vocab))
         logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        ids = np.argsort(-logprobs, axis=-1)[:, :TOP_K]
+        scores = scores_from_logprobs(logprobs, response, TOP_K)
         sequences.append(
             Sequence(
                 sample_id=i,
                 input_ids=np.concatenate([prompt, response]).astype(np.int32),
                 response_start=len(prompt),
                 on_policy=True,
-                teacher_topk_logprobs=np.take_along_axis(logprobs, ids, -1).astype(np.float32),
-                teacher_topk_ids=ids.astype(np.int32),
+                teacher_topk_logprobs=scores.topk_logprobs,
+                teacher_topk_ids=scores.topk_ids,
+                teacher_tail_logmass=scores.tail_logmass,
+                teacher_sampled_logprob=scores.sampled_logprob,
             )
         )
     return TrainShard(step=0, weight_version=0, sequences=sequences)

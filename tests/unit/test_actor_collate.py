@@ -22,6 +22,8 @@ def sequence(sample_id: int, length: int, response_start: int, top_k: int = 3) -
         on_policy=True,
         teacher_topk_logprobs=-rng.random((responses, top_k)).astype(np.float32),
         teacher_topk_ids=rng.integers(0, 50, (responses, top_k)).astype(np.int32),
+        teacher_tail_logmass=-1.0 - rng.random(responses).astype(np.float32),
+        teacher_sampled_logprob=-rng.random(responses).astype(np.float32),
     )
 
 
@@ -40,6 +42,8 @@ def test_teacher_row_j_lands_where_the_student_predicts_token_response_start_plu
             t = start + j - 1  # position t predicts token t + 1 = response_start + j
             assert torch.equal(batch.teacher_ids_BTK[row, t], torch.from_numpy(seq.teacher_topk_ids[j]).long())
             assert torch.equal(batch.teacher_logprobs_BTK[row, t], torch.from_numpy(seq.teacher_topk_logprobs[j]))
+            assert batch.teacher_tail_BT[row, t].item() == float(seq.teacher_tail_logmass[j])
+    assert (batch.teacher_tail_BT[~batch.loss_mask_BT] == 0).all()
     assert batch.position_ids_BT[1].tolist() == list(range(6))
 
 
@@ -56,6 +60,10 @@ def test_inconsistent_teacher_rows_and_top_k_are_refused() -> None:
     bad.teacher_topk_ids = bad.teacher_topk_ids[:-1]
     with pytest.raises(ValueError, match="response tokens"):
         collate([bad], PAD)
+    no_tail = sequence(4, length=6, response_start=2)
+    no_tail.teacher_tail_logmass = no_tail.teacher_tail_logmass[:-1]
+    with pytest.raises(ValueError, match="teacher_tail_logmass has 3 rows"):
+        collate([no_tail], PAD)
     with pytest.raises(ValueError, match=r"teacher\.top_k"):
         collate([sequence(5, 6, 2, top_k=3), sequence(6, 6, 2, top_k=4)], PAD)
 

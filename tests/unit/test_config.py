@@ -93,6 +93,9 @@ BAD_VALUES = [
     (["algorithm.divergence=kl"], "algorithm.divergence"),
     (["teacher.top_k=eight"], "teacher.top_k"),
     (["actor.optim.lr_scaling=cubic"], "actor.optim.lr_scaling"),
+    (["algorithm.temperature=0.5"], "algorithm.temperature"),
+    (["teacher.temperature=2.0"], "algorithm.temperature"),
+    (["teacher.temperature=0.5", "algorithm.temperature=0.5"], "teacher.temperature"),  # vllm teacher: T=1 only
 ]
 
 
@@ -196,14 +199,30 @@ def test_cli_dry_run_prints_the_1x8_split() -> None:
     assert "teacher GPUs 4,5,6,7" in proc.stdout
 
 
-def test_dry_run_imports_no_engine() -> None:
+def _main_in_a_fresh_process(*args: str) -> tuple[str, subprocess.CompletedProcess[str]]:
+    """main(args)'s exit code and the heavy modules it imported, as 'rc [modules]'."""
     code = (
-        "import sys; from recipe_gkd.main import main; rc = main(['--dry-run']);"
+        f"import sys; from recipe_gkd.main import main; rc = main({list(args)!r});"
         "heavy = [m for m in ('torch', 'ray', 'vllm', 'megatron', 'transformers') if m in sys.modules];"
         "print(rc, heavy)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert proc.stdout.strip().splitlines()[-1] == "0 []"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    return proc.stdout.strip().splitlines()[-1], proc
+
+
+def test_dry_run_imports_no_engine() -> None:
+    assert _main_in_a_fresh_process("--dry-run")[0] == "0 []"
+
+
+def test_temperature_mismatch_exits_2_before_ray_starts() -> None:
+    outcome, proc = _main_in_a_fresh_process("algorithm.temperature=2.0")
+    assert outcome == "2 []", proc.stderr
+    assert "algorithm.temperature" in proc.stderr and "teacher.temperature" in proc.stderr
+
+
+def test_one_temperature_for_both_sides_is_accepted() -> None:
+    cfg = load_config(DEFAULT_CONFIG, ["algorithm.temperature=2.0", "teacher.temperature=2.0"])  # hf teacher
+    assert cfg.algorithm.temperature == cfg.teacher.temperature == 2.0
 
 
 def test_nccl_weight_sync_on_cpu_is_refused() -> None:

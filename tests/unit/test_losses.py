@@ -390,15 +390,90 @@ def test_backward_keeps_no_full_fp32_copy_of_the_logits() -> None:
 # ----------------------------------------------------------------------------- errors
 
 
-def test_out_of_vocab_teacher_ids_raise() -> None:
+def test_negative_teacher_ids_raise() -> None:
     inputs = make_inputs(vocab=13, seed=18)
-    for bad_id in (13, 200, -1):
-        ids = inputs["teacher_topk_ids"].clone()
-        ids[0, 0, 1] = bad_id
-        with pytest.raises(ValueError, match="out of the student's vocabulary"):
-            gkd_loss(
-                inputs["student_logits"], inputs["teacher_topk_logprobs"], ids, inputs["loss_mask"], divergence="jsd"
-            )
+    ids = inputs["teacher_topk_ids"].clone()
+    ids[0, 0, 1] = -1
+    with pytest.raises(ValueError, match="negative id"):
+        gkd_loss(inputs["student_logits"], inputs["teacher_topk_logprobs"], ids, inputs["loss_mask"], divergence="jsd")
+
+
+def folded_inputs(student_vocab: int, extra_rows: int, top_k: int, seed: int) -> dict[str, torch.Tensor]:
+    """A teacher with `extra_rows` more embedding rows than the student, its top-k reaching into them."""
+    teacher_vocab = student_vocab + extra_rows
+    gen = torch.Generator().manual_seed(seed)
+    batch, seq = 2, 5
+    student = 2.0 * torch.randn(batch, seq, student_vocab, generator=gen, dtype=torch.float64)
+    teacher_full = (2.0 * torch.randn(batch, seq, teacher_vocab, generator=gen, dtype=torch.float64)).log_softmax(-1)
+    order = torch.rand(batch, seq, teacher_vocab, generator=gen)
+    order[..., student_vocab + 1] = -1.0  # every position's top-k holds at least this folded id
+    ids = order.argsort(-1)[..., :top_k]
+    top = teacher_full.gather(-1, ids)
+    rest = teacher_full.scatter(-1, ids, -math.inf).logsumexp(-1)  # the server's exact tail
+    mask = torch.ones(batch, seq, dtype=torch.bool)
+    mask[1, -1] = False
+    return {"student": student, "teacher_full": teacher_full, "ids": ids, "top": top, "tail": rest, "mask": mask}
+
+
+def reference_folded(student, teacher_full, ids, mask, student_vocab, divergence, beta):
+    """K' + 1 outcomes in float64: the in-vocabulary top-k ids, then everything else (folded ids included)."""
+    q_full = torch.softmax(student, dim=-1)
+    valid = ids < student_vocab
+    q_top = torch.where(valid, q_full.gather(-1, torch.where(valid, ids, 0)), 0.0)
+    p_top = torch.where(valid, teacher_full.exp().gather(-1, ids), 0.0)
+    p = torch.cat([p_top, 1.0 - p_top.sum(-1, keepdim=True)], dim=-1)
+    q = torch.cat([q_top, 1.0 - q_top.sum(-1, keepdim=True)], dim=-1)
+    # Zero-mass outcomes on both sides (folded ids) contribute nothing: drop them from the sums.
+    p, q = p.clamp(min=1e-300), q.clamp(min=1e-300)
+    terms = reference_divergence(p, q, divergence, beta)
+    return terms[mask].mean()
+
+
+@pytest.mark.parametrize("beta", (0.0, 0.5, 1.0))
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+@pytest.mark.parametrize("sent_tail", [True, False])
+def test_ids_beyond_the_student_vocab_fold_into_the_tail(divergence: str, beta: float, sent_tail: bool) -> None:
+    vocab = 13
+    x = folded_inputs(vocab, extra_rows=3, top_k=5, seed=21)
+    tail = x["tail"] if sent_tail else None
+    ours, ours_grad = value_and_grad(
+        lambda s: gkd_loss(
+            s, x["top"], x["ids"], x["mask"], divergence=divergence, beta=beta, teacher_tail_logmass=tail
+        ),
+        x["student"],
+    )
+    ref, ref_grad = value_and_grad(
+        lambda s: reference_folded(s, x["teacher_full"], x["ids"], x["mask"], vocab, divergence, beta), x["student"]
+    )
+    assert ref > 1e-3 and torch.isfinite(ours_grad).all()
+    assert abs(ours - ref) <= EXACT_TOL
+    assert torch.allclose(ours_grad, ref_grad, rtol=0.0, atol=EXACT_TOL)
+
+
+def test_folded_ids_need_the_tail_bucket() -> None:
+    x = folded_inputs(13, extra_rows=3, top_k=5, seed=22)
+    with pytest.raises(ValueError, match=r"algorithm\.tail=true"):
+        gkd_loss(x["student"], x["top"], x["ids"], x["mask"], divergence="forward_kl", tail=False)
+
+
+def test_sent_tail_is_used_as_sent() -> None:
+    """With the server's tail the teacher's K+1 distribution is (top-k, tail) renormalised, not 1 - sum(top-k)."""
+    inputs = make_inputs(vocab=13, top_k=4, seed=23)
+    student, teacher_lp, ids, mask = loss_args(inputs)
+    exact_tail = inputs["teacher_full_logprobs"].scatter(-1, ids, -math.inf).logsumexp(-1)
+    with_exact = gkd_loss(student, teacher_lp, ids, mask, divergence="forward_kl", teacher_tail_logmass=exact_tail)
+    rebuilt = gkd_loss(student, teacher_lp, ids, mask, divergence="forward_kl")
+    assert abs(with_exact - rebuilt) <= EXACT_TOL  # exact float64 inputs: both ways agree
+    doubled = gkd_loss(
+        student, teacher_lp, ids, mask, divergence="forward_kl", teacher_tail_logmass=exact_tail + math.log(2.0)
+    )
+    assert abs(doubled - with_exact) > 1e-3  # ... and a different sent tail is not ignored
+    bad = exact_tail.clone()
+    bad[0, 0] = math.nan
+    with pytest.raises(ValueError, match="teacher_tail_logmass holds NaN"):
+        gkd_loss(student, teacher_lp, ids, mask, divergence="forward_kl", teacher_tail_logmass=bad)
+    with pytest.raises(ValueError, match="teacher_tail_logmass must be"):
+        gkd_loss(student, teacher_lp, ids, mask, divergence="forward_kl", teacher_tail_logmass=exact_tail[:, :-1])
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from recipe_gkd.config import load_config
 from recipe_gkd.rollout.base import RolloutWorker
 from recipe_gkd.rollout.hf import HFEngine
 from recipe_gkd.tiny_models import build_tiny_causal_lm
+from teacher_server.protocol import TeacherTopK, scores_from_logprobs
 
 
 class HFTopKScorer:
@@ -25,15 +26,14 @@ class HFTopKScorer:
         self.calls: list[tuple[list[np.ndarray], list[int]]] = []
 
     @torch.no_grad()
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
         self.calls.append((sequences, score_from))
         out = []
         for seq, first in zip(sequences, score_from, strict=True):
             ids = torch.as_tensor(seq, dtype=torch.long)[None]
             logprobs_LV = torch.log_softmax(self.model(input_ids=ids).logits[0], dim=-1)
             # Row j describes token first + j, predicted from position first + j - 1.
-            values, indices = logprobs_LV[first - 1 : len(seq) - 1].topk(self.top_k, dim=-1)
-            out.append((values.float().numpy(), indices.int().numpy()))
+            out.append(scores_from_logprobs(logprobs_LV[first - 1 : len(seq) - 1].numpy(), seq[first:], self.top_k))
         return out
 
 
@@ -133,8 +133,66 @@ def test_worker_aligns_teacher_rows_with_response_tokens(tiny_model_dir: Path, d
     for q in sequences:
         n = q.num_response_tokens
         assert q.teacher_topk_logprobs.shape == (n, 3) and q.teacher_topk_ids.shape == (n, 3)
+        # The server's exact tail and sampled-token logprob travel with the top-k.
+        full = torch.log_softmax(
+            scorer.model(input_ids=torch.tensor(q.input_ids[None], dtype=torch.long)).logits[0], -1
+        )
+        rows = full[q.response_start - 1 : len(q.input_ids) - 1].detach()
+        expected_tail = torch.logsumexp(rows.scatter(-1, torch.tensor(q.teacher_topk_ids).long(), -torch.inf), -1)
+        np.testing.assert_allclose(q.teacher_tail_logmass, expected_tail.numpy(), rtol=1e-5)
+        sampled = rows.gather(-1, torch.tensor(q.input_ids[q.response_start :]).long()[:, None])[:, 0]
+        np.testing.assert_allclose(q.teacher_sampled_logprob, sampled.numpy(), rtol=1e-5)
         assert q.input_ids[-1] == worker.engine.tokenizer.eos_token_id or n == 4
         if not q.on_policy:
             record_answer = worker.engine.tokenizer.decode(q.input_ids[q.response_start : -1])
             assert q.reward == 1.0 and record_answer == worker.train_stream.dataset[q.sample_id]["response"]
     assert sorted(stats.sample_ids) == sorted(q.sample_id for q in sequences)
+    # Rewards are reported apart: the dataset's own (correct) responses never lift the on-policy reward.
+    on = [q.reward for q in sequences if q.on_policy]
+    assert stats.onpolicy_rewarded == len(on) and stats.onpolicy_reward_sum == sum(on)
+    assert stats.offpolicy_rewarded == 6 - len(on) and stats.offpolicy_reward_sum == 6 - len(on)
+    mass = sum(float((1 - np.exp(q.teacher_tail_logmass.astype(np.float64))).sum()) for q in sequences)
+    assert stats.teacher_topk_mass_sum == pytest.approx(mass, rel=1e-9)
+
+
+def _with_generation_defaults(model_dir: Path, out: Path) -> Path:
+    """A copy of the model whose generation_config.json carries logits processors (as Instruct models ship)."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "generation_config.json").read_text())
+    config.update({"repetition_penalty": 3.0, "no_repeat_ngram_size": 2, "top_k": 3, "temperature": 0.3})
+    (out / "generation_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_generation_config_json_does_not_change_sampling_or_eval(
+    tiny_model_dir: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from recipe_gkd.demo.evaluate import greedy_responses
+
+    penalised_dir = _with_generation_defaults(tiny_model_dir, tmp_path / "penalised")
+    plain = HFEngine(_cfg(tiny_model_dir, data_dir, "rollout.sampling.max_new_tokens=12"))
+    penalised = HFEngine(_cfg(penalised_dir, data_dir, "rollout.sampling.max_new_tokens=12"))
+    prompts = [[1, 4, 72, 73, 5], [1, 4, 80, 81, 82, 5], [1, 4, 72, 5]] * 6
+    for greedy in (True, False):
+        a = plain.generate(prompts, greedy=greedy, seed=7)
+        b = penalised.generate(prompts, greedy=greedy, seed=7)
+        assert [g.response_ids for g in a] == [g.response_ids for g in b]
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x.logprobs, y.logprobs)
+    # The demo's evaluation: same greedy answers.
+    texts = ["rev:abc", "rev:hello", "rev:xyz", "rev:qwert"] * 4
+    model = AutoModelForCausalLM.from_pretrained(penalised_dir, dtype=torch.float32)
+    assert greedy_responses(model, penalised.tokenizer, texts, max_new_tokens=12) == greedy_responses(
+        plain.model, plain.tokenizer, texts, max_new_tokens=12
+    )
+    assert model.generation_config.repetition_penalty == 3.0, "the model's own config is left as it was"
+    # The check can fail: a bare generate() applies the penalty and answers differently.
+    ids = torch.tensor([prompts[0]] * 4)
+    bare = model.generate(input_ids=ids, do_sample=False, max_new_tokens=12, pad_token_id=0)
+    ours = plain.generate([prompts[0]], greedy=True)[0].response_ids
+    assert bare[0, ids.shape[1] :].tolist()[: len(ours)] != ours
