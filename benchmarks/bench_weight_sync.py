@@ -9,8 +9,11 @@ does). Times one full sync, median over repeats after one warm-up, per transport
 checks every receiver ends bit-identical to the sender (sha256). The actor's TP gather is
 not included: it is the same for both transports. Memory, by construction: the object store
 holds the whole model at once (every bucket is put before the receivers fetch), the gloo
-group one bucket per process. All processes share this machine's cores, so the figures are
-for one node. Writes benchmarks/results/bench_weight_sync.json.
+group one bucket per process. Each row also gives the memcpy bound (one process copying the
+same bytes between preallocated buffers; "of memcpy" = receive rate over it) and the largest
+rise of a receiver's peak resident memory above its loaded model during the updates. All
+processes share this machine's cores, so the figures are for one node. Writes
+benchmarks/results/bench_weight_sync.json.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -33,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from recipe_gkd.config import WeightSyncConfig, load_config  # noqa: E402
 from recipe_gkd.ports import reserve_ports  # noqa: E402
 from recipe_gkd.rollout.base import RolloutWorker  # noqa: E402
-from recipe_gkd.weight_sync import MIB, CollectiveChannel, put_buckets, sync_weights  # noqa: E402
+from recipe_gkd.weight_sync import MIB, CollectiveChannel, load_draining, put_buckets, sync_weights  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_weight_sync.json"
 HIDDEN = 1024
@@ -87,19 +91,31 @@ class CopyEngine:
     def __init__(self, total_mb: int) -> None:
         self.params = {k: np.zeros_like(v) for k, v in model_like(total_mb, seed=0).items()}
 
-    def load_weights(self, bucket: dict[str, np.ndarray]) -> None:
-        for name, array in bucket.items():
-            np.copyto(self.params[name], array)
-
-    def finish_weight_update(self, loaded: set[str]) -> None:
+    def update_weights(self, named: Any) -> set[str]:
+        loaded = set()
+        for name, value in named:
+            np.copyto(self.params[name], value if isinstance(value, np.ndarray) else value.numpy())
+            loaded.add(name)
         if loaded != self.params.keys():
             raise ValueError(f"{len(self.params.keys() - loaded)} tensors not loaded")
+        return loaded
+
+    def join_weight_group(self, backend: str, host: str, port: int, first_rank: int, world: int, timeout_s: float):
+        self.channel = CollectiveChannel(backend, host, port, first_rank, world, timeout_s)
+
+    def receive_weights(self) -> set[str]:
+        return load_draining(self.channel.receive(), self.update_weights)
 
 
 class Receiver(RolloutWorker):
     def __init__(self, total_mb: int) -> None:
         super().__init__(load_config(None, []), 0, 1)
         self.engine = CopyEngine(total_mb)
+        self.baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the parameters included
+
+    def peak_extra_mb(self) -> float:
+        """How far the process's peak resident memory rose above the loaded model during the updates."""
+        return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - self.baseline_kb) / 1024
 
     def digest(self) -> str:
         return digest(self.engine.params)
@@ -128,6 +144,7 @@ def measure(transport: str, size_mb: int, rollouts: int, repeats: int, bucket_mb
             seconds.append(time.perf_counter() - start)
         expected = ray.get(sender.digest.remote(), timeout=600)
         identical = all(d == expected for d in ray.get([r.digest.remote() for r in receivers], timeout=600))
+        peak_extra = max(ray.get([r.peak_extra_mb.remote() for r in receivers], timeout=600))
     finally:
         for handle in [sender, *receivers]:
             ray.kill(handle)
@@ -138,8 +155,24 @@ def measure(transport: str, size_mb: int, rollouts: int, repeats: int, bucket_mb
         "rollouts": rollouts,
         "sync_s": sync_s,
         "receive_gb_s": size_mb * rollouts / 1024 / sync_s,
+        "memcpy_gb_s": memcpy_gb_s(size_mb),
+        "receiver_peak_extra_mb": peak_extra,
         "bit_identical": identical,
     }
+
+
+def memcpy_gb_s(size_mb: int, repeats: int = 3) -> float:
+    """One process copying the same bytes between two preallocated buffers: the bound of any transport here."""
+    src = np.ones(size_mb * MIB // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    best = min(_timed_copy(dst, src) for _ in range(repeats))
+    return size_mb / 1024 / best
+
+
+def _timed_copy(dst: np.ndarray, src: np.ndarray) -> float:
+    start = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -164,13 +197,16 @@ def main() -> None:
                 print(f"{transport:>12} {size:>6} MB: {r['sync_s']:.3f} s", flush=True)
     finally:
         ray.shutdown()
-    print(f"\n{'size MB':>8} {'transport':>12} {'sync s':>8} {'recv GB/s':>10} {'ratio':>6} {'identical':>9}")
+    header = f"{'size MB':>8} {'transport':>12} {'sync s':>8} {'recv GB/s':>10} {'memcpy GB/s':>12} {'of memcpy':>9}"
+    print(f"\n{header} {'vs obj':>6} {'peak +MB':>9} {'identical':>9}")
     for r in rows:
         base = next(x for x in rows if x["size_mb"] == r["size_mb"] and x["transport"] == "object_store")
         r["time_vs_object_store"] = r["sync_s"] / base["sync_s"]
+        r["fraction_of_memcpy"] = r["receive_gb_s"] / r["memcpy_gb_s"]
         print(
             f"{r['size_mb']:>8} {r['transport']:>12} {r['sync_s']:>8.3f} {r['receive_gb_s']:>10.2f} "
-            f"{r['time_vs_object_store']:>6.2f} {r['bit_identical']!s:>9}"
+            f"{r['memcpy_gb_s']:>12.2f} {r['fraction_of_memcpy']:>9.2f} {r['time_vs_object_store']:>6.2f} "
+            f"{r['receiver_peak_extra_mb']:>9.0f} {r['bit_identical']!s:>9}"
         )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"rollouts": args.rollouts, "bucket_mb": args.bucket_mb, "rows": rows}, indent=2))

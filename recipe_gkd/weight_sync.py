@@ -10,9 +10,10 @@ Transports (`weight_sync.transport`):
 - `object_store`: rank 0 puts each bucket into Ray's object store, the workers fetch them
   (same node: shared-memory reads; other nodes: Ray's transfer).
 - `gloo` / `nccl`: a private torch.distributed group of actor rank 0 (rank 0) and the rollout
-  workers (ranks 1..N), separate from megatron's groups; per bucket rank 0 broadcasts a JSON
-  layout (names, dtypes, shapes, offsets) then the bucket as one byte buffer, and a zero
-  length ends the version. `nccl` keeps the buffers on the GPU.
+  engines' workers (ranks 1..N: one per HF engine, one per TP rank of a vLLM engine), separate
+  from megatron's and vLLM's groups; per bucket rank 0 broadcasts a JSON layout (names, dtypes,
+  shapes, offsets) then the bucket as one byte buffer, and a zero length ends the version.
+  Floating tensors travel in the training dtype; `nccl` keeps the buffers on the GPUs.
   benchmarks/bench_weight_sync.py measures the CPU transports.
 
 The actor produces the weights as a stream (one decoder layer at a time) and buckets are
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -122,10 +123,12 @@ def _sync_collective(
 
 
 class CollectiveChannel:
-    """A private process group: the sender is rank 0, the rollout workers ranks 1..N.
+    """A private process group: the sender is rank 0, the receivers (rollout engines' workers) ranks 1..N.
 
-    It does not touch torch.distributed's default group (megatron's, in the actor), so both
-    live in one process. Every collective fails after `timeout_s` instead of waiting forever.
+    It does not touch torch.distributed's default group (megatron's in the actor, vLLM's in its
+    workers), so it lives beside them in one process. Every collective fails after `timeout_s`
+    instead of waiting forever. Buckets are packed and received on the group's device: with
+    nccl they go GPU to GPU, never through host memory.
     """
 
     def __init__(self, backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
@@ -151,24 +154,30 @@ class CollectiveChannel:
     def _broadcast(self, tensor: Any) -> None:
         self.group.broadcast(tensor, 0).wait()
 
-    def send(self, named: Iterable[tuple[str, np.ndarray]], bucket_bytes: int) -> int:
-        """Rank 0: per bucket, its layout (length, JSON) then its bytes; a zero length ends. Returns bytes sent."""
+    def send(self, named: Iterable[tuple[str, Any]], bucket_bytes: int, dtype: Any = None) -> int:
+        """Rank 0: per bucket, its layout (length, JSON) then its bytes; a zero length ends. Returns bytes sent.
+
+        `named` yields numpy arrays or torch tensors; floating ones travel as `dtype` (a torch
+        dtype: the training dtype) when given.
+        """
         import torch
 
         sent = 0
-        for bucket in iter_buckets(named, bucket_bytes):
+        tensors = ((name, _wire_tensor(value, dtype)) for name, value in named)
+        for bucket in iter_buckets(tensors, bucket_bytes):
             layout = bucket_layout(bucket)
             header = json.dumps(layout).encode()
             self._broadcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device))
             self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
-            flat = pack_bucket(bucket, layout)
-            self._broadcast(torch.from_numpy(flat).to(self.device))
-            sent += flat.nbytes
+            flat = pack_bucket(bucket, layout, self.device)
+            self._broadcast(flat)
+            sent += flat.numel()
         self._broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))
         return sent
 
-    def receive(self) -> Iterator[dict[str, np.ndarray]]:
-        """Ranks >= 1: the buckets rank 0 sends, one at a time (each valid until the next is asked for)."""
+    def receive(self) -> Iterator[dict[str, Any]]:
+        """Ranks >= 1: the buckets rank 0 sends, as torch tensors on this group's device, one at a time
+        (views into one buffer, valid until the next bucket is asked for)."""
         import torch
 
         while True:
@@ -181,36 +190,72 @@ class CollectiveChannel:
             layout: dict[str, Any] = json.loads(header.cpu().numpy().tobytes())
             flat = torch.empty(layout["nbytes"], dtype=torch.uint8, device=self.device)
             self._broadcast(flat)
-            yield unpack_bucket(flat.cpu().numpy(), layout)
+            yield unpack_bucket(flat, layout)
 
 
-def bucket_layout(bucket: dict[str, np.ndarray]) -> dict[str, Any]:
+def _wire_tensor(value: Any, dtype: Any) -> Any:
+    """A torch tensor of `value` (numpy arrays without a copy), floating ones cast to `dtype` when given."""
+    import torch
+
+    tensor = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    return tensor
+
+
+def bucket_layout(bucket: dict[str, Any]) -> dict[str, Any]:
     """Where each tensor of a bucket sits in its byte buffer (offsets aligned to ALIGN)."""
     tensors = []
     offset = 0
-    for name, array in bucket.items():
-        tensors.append({"name": name, "dtype": array.dtype.str, "shape": list(array.shape), "offset": offset})
-        offset += -(-array.nbytes // ALIGN) * ALIGN
+    for name, tensor in bucket.items():
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        tensors.append({"name": name, "dtype": dtype, "shape": list(tensor.shape), "offset": offset})
+        offset += -(-tensor.nbytes // ALIGN) * ALIGN
     return {"nbytes": offset, "tensors": tensors}
 
 
-def pack_bucket(bucket: dict[str, np.ndarray], layout: dict[str, Any]) -> np.ndarray:
-    flat = np.zeros(layout["nbytes"], dtype=np.uint8)
+def pack_bucket(bucket: dict[str, Any], layout: dict[str, Any], device: Any) -> Any:
+    """The bucket's tensors in one uint8 buffer on `device`, at the layout's offsets."""
+    import torch
+
+    flat = torch.zeros(layout["nbytes"], dtype=torch.uint8, device=device)
     for entry in layout["tensors"]:
-        array = np.ascontiguousarray(bucket[entry["name"]])
-        flat[entry["offset"] : entry["offset"] + array.nbytes] = array.reshape(-1).view(np.uint8)
+        tensor = bucket[entry["name"]].contiguous().reshape(-1).view(torch.uint8)
+        flat[entry["offset"] : entry["offset"] + tensor.numel()].copy_(tensor)
     return flat
 
 
-def unpack_bucket(flat: np.ndarray, layout: dict[str, Any]) -> dict[str, np.ndarray]:
+def unpack_bucket(flat: Any, layout: dict[str, Any]) -> dict[str, Any]:
     """Views into `flat`, one per tensor, with the sender's names, dtypes and shapes."""
+    import torch
+
     out = {}
     for entry in layout["tensors"]:
-        dtype = np.dtype(entry["dtype"])
+        dtype = getattr(torch, entry["dtype"])
         count = int(np.prod(entry["shape"], dtype=np.int64))
-        view = flat[entry["offset"] : entry["offset"] + count * dtype.itemsize].view(dtype)
+        size = count * torch.empty((), dtype=dtype).element_size()
+        view = flat[entry["offset"] : entry["offset"] + size].view(dtype)
         out[entry["name"]] = view.reshape(entry["shape"])
     return out
+
+
+def load_draining(buckets: Iterator[dict[str, Any]], load: Callable[[Iterator[tuple[str, Any]]], set[str]]) -> set[str]:
+    """`load` a received version's (name, tensor) stream; on its error, still receive the rest, then raise.
+
+    Every rank of a broadcast group takes part in every broadcast: a receiver that stopped early
+    would leave the sender waiting until its timeout.
+    """
+    stream = (item for bucket in buckets for item in bucket.items())
+    try:
+        loaded = load(stream)
+    except Exception:
+        for _ in buckets:
+            pass
+        raise
+    leftover = sum(1 for _ in buckets)
+    if leftover:
+        raise WeightSyncError(f"the rollout engine stopped reading the weight stream with {leftover} buckets left")
+    return loaded
 
 
 def _await(refs: list[Any], timeout_s: float, what: str) -> list[Any]:

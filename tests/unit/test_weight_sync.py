@@ -145,21 +145,36 @@ def test_stuck_rollout_times_out_naming_the_key(ray_local: None) -> None:
 
 
 def test_pack_unpack_roundtrip_mixed_dtypes_and_shapes() -> None:
+    import torch
+
     rng = np.random.default_rng(2)
     bucket = {
-        "a": rng.standard_normal((3, 5)).astype(np.float32),
-        "b": rng.integers(-9, 9, 7).astype(np.int64),
-        "c": rng.standard_normal(()).astype(np.float64),
-        "d": np.zeros((0, 4), dtype=np.float32),
-        "e": rng.standard_normal((2, 3)).astype(np.float16),
+        "a": torch.from_numpy(rng.standard_normal((3, 5)).astype(np.float32)),
+        "b": torch.from_numpy(rng.integers(-9, 9, 7).astype(np.int64)),
+        "c": torch.from_numpy(rng.standard_normal(()).astype(np.float64)),
+        "d": torch.zeros((0, 4), dtype=torch.float32),
+        "e": torch.from_numpy(rng.standard_normal((2, 3)).astype(np.float16)),
+        "f": torch.randn(5, 3, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16),
     }
     layout = bucket_layout(bucket)
     assert all(t["offset"] % 64 == 0 for t in layout["tensors"])
-    out = unpack_bucket(pack_bucket(bucket, layout), layout)
+    out = unpack_bucket(pack_bucket(bucket, layout, torch.device("cpu")), layout)
     assert list(out) == list(bucket)
-    for name, array in bucket.items():
-        assert out[name].dtype == array.dtype and out[name].shape == array.shape
-        assert np.array_equal(out[name], array)
+    for name, tensor in bucket.items():
+        assert out[name].dtype == tensor.dtype and out[name].shape == tensor.shape
+        assert torch.equal(out[name], tensor)
+
+
+def test_floating_tensors_travel_in_the_wire_dtype() -> None:
+    import torch
+
+    from recipe_gkd.weight_sync import _wire_tensor
+
+    weights = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    wire = _wire_tensor(weights, torch.bfloat16)
+    assert wire.dtype == torch.bfloat16 and torch.equal(wire, torch.from_numpy(weights).to(torch.bfloat16))
+    assert _wire_tensor(np.arange(3), torch.bfloat16).dtype == torch.int64  # integers as they are
+    assert _wire_tensor(weights, None).dtype == torch.float32
 
 
 class ChannelActor(FakeActor):
@@ -186,13 +201,20 @@ class RecordingEngine:
         self.bad_tensor = bad_tensor
         self.loaded: dict[str, np.ndarray] = {}
 
-    def load_weights(self, bucket: dict[str, np.ndarray]) -> None:
-        if self.bad_tensor in bucket:
-            raise KeyError(f"the rollout model has no {self.bad_tensor}")
-        self.loaded.update({k: v.copy() for k, v in bucket.items()})
+    def update_weights(self, named) -> set[str]:
+        for name, tensor in named:
+            if name == self.bad_tensor:
+                raise KeyError(f"the rollout model has no {self.bad_tensor}")
+            self.loaded[name] = tensor.numpy().copy()
+        return set(self.loaded)
 
-    def finish_weight_update(self, loaded: set[str]) -> None:
-        pass
+    def join_weight_group(self, backend: str, host: str, port: int, first_rank: int, world: int, timeout_s: float):
+        self.channel = CollectiveChannel(backend, host, port, first_rank, world, timeout_s)
+
+    def receive_weights(self) -> set[str]:
+        from recipe_gkd.weight_sync import load_draining
+
+        return load_draining(self.channel.receive(), self.update_weights)
 
 
 class ChannelRollout(RolloutWorker):
