@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default",)
 # Megatron's embedding / output layer shard the vocabulary evenly over tensor-parallel ranks.
 # Padding only to a multiple of tp keeps the padded columns (masked out of every loss) few.
@@ -67,6 +67,8 @@ class HFArch:
     tie_word_embeddings: bool
     qkv_bias: bool
     initializer_range: float = 0.02
+    # Qwen3: an RMSNorm over each head's query and key (HF q_norm / k_norm, megatron q/k_layernorm).
+    qk_layernorm: bool = False
 
     @property
     def heads_per_group(self) -> int:
@@ -74,7 +76,7 @@ class HFArch:
 
 
 def read_hf_arch(hf_config: Any) -> HFArch:
-    """HFArch from a transformers `LlamaConfig` / `Qwen2Config` (or any object with those fields)."""
+    """HFArch from a transformers `LlamaConfig` / `Qwen2Config` / `Qwen3Config` (or any object with those fields)."""
     model_type = getattr(hf_config, "model_type", "")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
@@ -89,10 +91,14 @@ def read_hf_arch(hf_config: Any) -> HFArch:
         )
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    if model_type in ("qwen2", "qwen3") and getattr(hf_config, "use_sliding_window", False):
+        raise UnsupportedModelError(f"{model_type} use_sliding_window=true is not supported")
     if model_type == "qwen2":
-        if getattr(hf_config, "use_sliding_window", False):
-            raise UnsupportedModelError("Qwen2 use_sliding_window=true is not supported")
         qkv_bias = True  # Qwen2 always has q/k/v biases and no o_proj bias
+    elif model_type == "qwen3":
+        if getattr(hf_config, "attention_bias", False):
+            raise UnsupportedModelError("Qwen3 attention_bias=true is not supported")
+        qkv_bias = False
     else:
         if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
             raise UnsupportedModelError("Llama attention_bias / mlp_bias = true is not supported")
@@ -115,6 +121,7 @@ def read_hf_arch(hf_config: Any) -> HFArch:
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         initializer_range=float(getattr(hf_config, "initializer_range", 0.02)),
+        qk_layernorm=model_type == "qwen3",
     )
 
 
@@ -227,6 +234,7 @@ def build_transformer_config(
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
         # Distillation fine-tunes as HF does: no dropout (this also keeps TP=1 == TP=2 exact).
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -272,7 +280,7 @@ def build_gpt_model(
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm),
         vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -318,6 +326,8 @@ def mcore_param_names(arch: HFArch) -> list[str]:
         names += [layer + "input_layernorm.weight", layer + "self_attention.linear_qkv.weight"]
         if arch.qkv_bias:
             names.append(layer + "self_attention.linear_qkv.bias")
+        if arch.qk_layernorm:
+            names += [layer + "self_attention.q_layernorm.weight", layer + "self_attention.k_layernorm.weight"]
         names += [
             layer + "self_attention.linear_proj.weight",
             layer + "pre_mlp_layernorm.weight",
@@ -339,6 +349,8 @@ def hf_param_names(arch: HFArch) -> list[str]:
         names += [layer + f"self_attn.{p}_proj.weight" for p in "qkv"]
         if arch.qkv_bias:
             names += [layer + f"self_attn.{p}_proj.bias" for p in "qkv"]
+        if arch.qk_layernorm:
+            names += [layer + "self_attn.q_norm.weight", layer + "self_attn.k_norm.weight"]
         names += [
             layer + "self_attn.o_proj.weight",
             layer + "post_attention_layernorm.weight",
@@ -368,6 +380,9 @@ def hf_to_mcore_full(hf_state: Mapping[str, Tensor], arch: HFArch, tp_size: int)
             out[mc + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 hf_state[attn + "q_proj.bias"], hf_state[attn + "k_proj.bias"], hf_state[attn + "v_proj.bias"], arch
             )
+        if arch.qk_layernorm:
+            out[mc + "self_attention.q_layernorm.weight"] = hf_state[attn + "q_norm.weight"]
+            out[mc + "self_attention.k_layernorm.weight"] = hf_state[attn + "k_norm.weight"]
         out[mc + "self_attention.linear_proj.weight"] = hf_state[attn + "o_proj.weight"]
         out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
         # Unsharded fc1 is [gate; up]; `shard_for_tp` regroups it per rank.
@@ -427,6 +442,9 @@ def mcore_unit_to_hf(unit: str, mcore_state: Mapping[str, Tensor], arch: HFArch)
     if arch.qkv_bias:
         q, k, v = split_qkv(mcore_state[mc + "self_attention.linear_qkv.bias"], arch)
         out[attn + "q_proj.bias"], out[attn + "k_proj.bias"], out[attn + "v_proj.bias"] = q, k, v
+    if arch.qk_layernorm:
+        out[attn + "q_norm.weight"] = mcore_state[mc + "self_attention.q_layernorm.weight"]
+        out[attn + "k_norm.weight"] = mcore_state[mc + "self_attention.k_layernorm.weight"]
     out[attn + "o_proj.weight"] = mcore_state[mc + "self_attention.linear_proj.weight"]
     out[hf + "post_attention_layernorm.weight"] = mcore_state[mc + "pre_mlp_layernorm.weight"]
     gate, up = mcore_state[mc + "mlp.linear_fc1.weight"].chunk(2, dim=0)

@@ -43,7 +43,7 @@ TWO_RANK_JOBS = "logits,tp2_steps,tp2_tied_steps,dp2,save_tp2,logits_pp,pp2_step
 # TP=2 x PP=2 and DP=2 x PP=2: every parallelism together (gathers on a later stage, DP + tied-embedding all-reduces).
 FOUR_RANK_JOBS = "tp2pp2_steps,dp2pp2"
 PORTS_PER_LAUNCH = 16
-MODELS = ("llama_tied", "llama_untied", "qwen2_bias")
+MODELS = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm")
 
 
 # ----------------------------------------------------------------------------- models
@@ -51,7 +51,7 @@ MODELS = ("llama_tied", "llama_untied", "qwen2_bias")
 
 def build_models(root: Path) -> Path:
     """Tiny HF models: Llama tied/untied (char tokenizer), Qwen2 with qkv biases, Llama vocab 101."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     build_tiny_causal_lm(root / "llama_tied", seed=0)
     build_tiny_causal_lm(root / "llama_untied", seed=1, spec=TinyModelSpec(tie_word_embeddings=False))
@@ -63,6 +63,14 @@ def build_models(root: Path) -> Path:
             if name.endswith("bias"):
                 param.normal_(0.0, 0.5)
     qwen.save_pretrained(root / "qwen2_bias")
+    torch.manual_seed(4)
+    # Qwen3: per-head q/k RMSNorm (random weights, HF starts them at 1) and a head_dim of its own (32 != 64 / 4).
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=98, num_key_value_heads=2, head_dim=32, **shape))
+    with torch.no_grad():
+        for name, param in qwen3.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
+    qwen3.save_pretrained(root / "qwen3_qknorm")
     torch.manual_seed(3)
     # Odd vocabulary: TP=2 pads it to 102; untied output layer; GQA 4 heads / 2 groups.
     odd = LlamaForCausalLM(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from recipe_gkd.actor import hf_convert
 from recipe_gkd.actor.hf_convert import HFArch, UnsupportedModelError
@@ -38,6 +38,18 @@ def qwen2(kv_heads: int = 1) -> torch.nn.Module:
     return model
 
 
+def qwen3(kv_heads: int = 2, tied: bool = True) -> torch.nn.Module:
+    """Qwen3: per-head q/k RMSNorm, a head_dim of its own (not hidden / heads), no biases."""
+    torch.manual_seed(4)
+    config = Qwen3Config(vocab_size=97, num_key_value_heads=kv_heads, head_dim=16, tie_word_embeddings=tied, **SHAPE)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # HF initialises the norms to 1: random ones make the q/k norm mapping real
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
+    return model
+
+
 def hf_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
@@ -47,6 +59,8 @@ MODELS = {
     "llama_untied": lambda: llama(tied=False),
     "llama_mha_untied": lambda: llama(kv_heads=4, tied=False),
     "qwen2_bias_kv1": qwen2,
+    "qwen3_qknorm": qwen3,
+    "qwen3_qknorm_untied": lambda: qwen3(tied=False),
 }
 
 
