@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default",)
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # Megatron's embedding / output layer shard the vocabulary evenly over tensor-parallel ranks.
 # Padding only to a multiple of tp keeps the padded columns (masked out of every loss) few.
 VOCAB_PAD_MULTIPLE_PER_TP_RANK = 1
@@ -69,6 +69,8 @@ class HFArch:
     initializer_range: float = 0.02
     # Qwen3: an RMSNorm over each head's query and key (HF q_norm / k_norm, megatron q/k_layernorm).
     qk_layernorm: bool = False
+    # Llama 3.x rope_type "llama3": (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+    llama3_rope: tuple[float, float, float, int] | None = None
 
     @property
     def heads_per_group(self) -> int:
@@ -122,7 +124,25 @@ def read_hf_arch(hf_config: Any) -> HFArch:
         qkv_bias=qkv_bias,
         initializer_range=float(getattr(hf_config, "initializer_range", 0.02)),
         qk_layernorm=model_type == "qwen3",
+        llama3_rope=_llama3_rope(rope),
     )
+
+
+def _llama3_rope(rope: dict[str, Any]) -> tuple[float, float, float, int] | None:
+    """Llama 3.x's frequency-dependent RoPE scaling parameters (rope_type "llama3"), else None."""
+    if rope.get("rope_type", "default") != "llama3":
+        return None
+    try:
+        return (
+            float(rope["factor"]),
+            float(rope["low_freq_factor"]),
+            float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]),
+        )
+    except KeyError as err:
+        raise UnsupportedModelError(
+            f"rope_type='llama3' without {err.args[0]} in the model's rope parameters"
+        ) from None
 
 
 def _rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -291,8 +311,28 @@ def build_gpt_model(
         rotary_percent=1.0,
         rotary_base=arch.rope_theta,  # type: ignore[arg-type]  # a float base is what HF uses
     )
+    if arch.llama3_rope is not None:
+        _apply_llama3_rope(model, arch)
     _mark_tensor_parallel_params(model)
     return model
+
+
+def _apply_llama3_rope(model: GPTModel, arch: HFArch) -> None:
+    """Llama 3.x RoPE scaling with the model's own four parameters.
+
+    megatron-core 0.16.1's GPTModel passes only the factor to RotaryEmbedding._apply_scaling and
+    keeps low/high frequency factors 1/4 and an original context of 8192 (rotary_pos_embedding.py);
+    the same function is called here with every parameter, on the unscaled frequencies, before
+    any forward (its forward caches by sequence length).
+    """
+    rotary = model.rotary_pos_emb
+    factor, low, high, original = arch.llama3_rope  # type: ignore[misc]
+    dim = arch.head_dim
+    device = rotary.inv_freq.device
+    unscaled = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    rotary.inv_freq = rotary._apply_scaling(
+        unscaled, factor=factor, low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=original
+    )
 
 
 def _mark_tensor_parallel_params(model: torch.nn.Module) -> None:

@@ -43,7 +43,7 @@ TWO_RANK_JOBS = "logits,tp2_steps,tp2_tied_steps,dp2,save_tp2,logits_pp,pp2_step
 # TP=2 x PP=2 and DP=2 x PP=2: every parallelism together (gathers on a later stage, DP + tied-embedding all-reduces).
 FOUR_RANK_JOBS = "tp2pp2_steps,dp2pp2"
 PORTS_PER_LAUNCH = 16
-MODELS = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm")
+MODELS = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm", "llama3_rope")
 
 
 # ----------------------------------------------------------------------------- models
@@ -71,6 +71,18 @@ def build_models(root: Path) -> Path:
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.uniform_(0.5, 1.5)
     qwen3.save_pretrained(root / "qwen3_qknorm")
+    torch.manual_seed(5)
+    # Llama 3.x RoPE scaling, with an original context of 16 so that it changes the probe's logits.
+    llama3_rope = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    llama3 = LlamaForCausalLM(LlamaConfig(vocab_size=99, num_key_value_heads=2, rope_parameters=llama3_rope, **shape))
+    llama3.save_pretrained(root / "llama3_rope")
     torch.manual_seed(3)
     # Odd vocabulary: TP=2 pads it to 102; untied output layer; GQA 4 heads / 2 groups.
     odd = LlamaForCausalLM(

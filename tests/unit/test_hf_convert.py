@@ -124,6 +124,20 @@ def test_tp_shards_follow_megatron_layouts() -> None:
     del arch
 
 
+def test_llama3_rope_scaling_is_read_whole() -> None:
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    arch = hf_convert.read_hf_arch(LlamaConfig(rope_parameters=rope, **SHAPE))
+    assert arch.llama3_rope == (32.0, 1.0, 4.0, 8192) and arch.rope_theta == 5e5
+    assert hf_convert.read_hf_arch(LlamaConfig(**SHAPE)).llama3_rope is None
+
+
 def test_read_hf_arch_reads_gqa_rope_and_bias() -> None:
     arch = hf_convert.read_hf_arch(qwen2().config)
     assert arch == HFArch(
