@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # Megatron's embedding / output layer shard the vocabulary evenly over tensor-parallel ranks.
 # Padding only to a multiple of tp keeps the padded columns (masked out of every loss) few.
@@ -95,6 +95,9 @@ def read_hf_arch(hf_config: Any) -> HFArch:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
     if model_type in ("qwen2", "qwen3") and getattr(hf_config, "use_sliding_window", False):
         raise UnsupportedModelError(f"{model_type} use_sliding_window=true is not supported")
+    if model_type == "mistral" and getattr(hf_config, "sliding_window", None) is not None:
+        # Mistral-style Llama (Mistral 7B v0.2+, Ministral) has none; v0.1's 4096-token window is not reproduced.
+        raise UnsupportedModelError(f"mistral sliding_window={hf_config.sliding_window} is not supported (only null)")
     if model_type == "qwen2":
         qkv_bias = True  # Qwen2 always has q/k/v biases and no o_proj bias
     elif model_type == "qwen3":

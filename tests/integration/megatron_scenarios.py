@@ -120,7 +120,7 @@ def _logits_job(parallel: str) -> Callable[[Job], None]:
     """Per model variant: logits and the untouched export (HF -> mcore -> HF), `parallel` ("tp"/"pp") = world."""
 
     def run(job: Job) -> None:
-        for model in ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm", "llama3_rope"):
+        for model in ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm", "llama3_rope", "mistral"):
             a = job.actor(model, **{parallel: job.args.world})
             vocab = a.arch.vocab_size
             job.out[f"{model}/logits"] = a.forward_logits(probe_ids(vocab))

@@ -42,8 +42,8 @@ ONE_RANK_JOBS = "logits,mb8,mb1,tp1_steps,tp1_tied_steps,noclip,clip,bf16"
 TWO_RANK_JOBS = "logits,tp2_steps,tp2_tied_steps,dp2,save_tp2,logits_pp,pp2_steps,pp2_tied_steps"
 # TP=2 x PP=2 and DP=2 x PP=2: every parallelism together (gathers on a later stage, DP + tied-embedding all-reduces).
 FOUR_RANK_JOBS = "tp2pp2_steps,dp2pp2"
-PORTS_PER_LAUNCH = 16
-MODELS = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm", "llama3_rope")
+PORTS_PER_LAUNCH = 32  # one per actor a launch builds (every model twice in the logits jobs)
+MODELS = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm", "llama3_rope", "mistral")
 
 
 # ----------------------------------------------------------------------------- models
@@ -51,7 +51,16 @@ MODELS = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm", "llama3_ro
 
 def build_models(root: Path) -> Path:
     """Tiny HF models: Llama tied/untied (char tokenizer), Qwen2 with qkv biases, Llama vocab 101."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     build_tiny_causal_lm(root / "llama_tied", seed=0)
     build_tiny_causal_lm(root / "llama_untied", seed=1, spec=TinyModelSpec(tie_word_embeddings=False))
@@ -83,6 +92,10 @@ def build_models(root: Path) -> Path:
     }
     llama3 = LlamaForCausalLM(LlamaConfig(vocab_size=99, num_key_value_heads=2, rope_parameters=llama3_rope, **shape))
     llama3.save_pretrained(root / "llama3_rope")
+    torch.manual_seed(6)
+    # Mistral-style Llama: the same blocks under model_type "mistral", no sliding window.
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=95, num_key_value_heads=2, sliding_window=None, **shape))
+    mistral.save_pretrained(root / "mistral")
     torch.manual_seed(3)
     # Odd vocabulary: TP=2 pads it to 102; untied output layer; GQA 4 heads / 2 groups.
     odd = LlamaForCausalLM(

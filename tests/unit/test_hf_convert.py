@@ -138,6 +138,14 @@ def test_llama3_rope_scaling_is_read_whole() -> None:
     assert hf_convert.read_hf_arch(LlamaConfig(**SHAPE)).llama3_rope is None
 
 
+def test_mistral_with_a_sliding_window_is_refused() -> None:
+    from transformers import MistralConfig
+
+    assert hf_convert.read_hf_arch(MistralConfig(sliding_window=None, **SHAPE)).model_type == "mistral"
+    with pytest.raises(hf_convert.UnsupportedModelError, match="sliding_window=4096"):
+        hf_convert.read_hf_arch(MistralConfig(sliding_window=4096, **SHAPE))
+
+
 def test_read_hf_arch_reads_gqa_rope_and_bias() -> None:
     arch = hf_convert.read_hf_arch(qwen2().config)
     assert arch == HFArch(
