@@ -207,9 +207,10 @@ class TeacherConfig:
 
 @dataclass
 class ModelConfig:
-    # HF directory of the student (config, weights, tokenizer).
+    # The student (config, weights, tokenizer): a local HF directory or a hub id (Qwen/Qwen3-1.7B[@revision])
+    # read from the Hugging Face cache (HF_HOME; HF_HUB_OFFLINE=1: the cache only).
     student_path: str = ""
-    # Defaults to student_path when empty.
+    # Defaults to student_path when empty; a directory or a hub id too.
     tokenizer_path: str = ""
 
 
@@ -425,8 +426,8 @@ def _require_model_dir(path: str, key: str) -> None:
     _require(
         (Path(path) / "config.json").is_file(),
         key,
-        f"{path!r}{relative} is not a local HF model directory (no config.json there); models are read from disk, "
-        "never downloaded",
+        f"{path!r}{relative} is not an HF model directory (no config.json there): give a model directory or a "
+        "hub id like Qwen/Qwen3-1.7B",
     )
 
 

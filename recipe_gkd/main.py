@@ -77,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from recipe_gkd.actor.hf_convert import UnsupportedModelError
     from recipe_gkd.data import check_record_fields
+    from recipe_gkd.model_refs import resolve_config_models
 
     try:
+        resolve_config_models(cfg)  # hub ids -> their snapshot directories in the HF cache
         check_local_paths(cfg)
         check_record_fields(cfg)
         check_student_split(cfg)

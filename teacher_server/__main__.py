@@ -60,7 +60,10 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 def check_runnable(settings: ServerSettings, join: str) -> None:
     """What must hold before anything is spawned: a model directory, and a secret for non-loopback binds."""
+    from recipe_gkd.model_refs import resolve_model_ref
+
     t = settings.teacher
+    t.model_path = resolve_model_ref(t.model_path, "teacher.model_path")  # a hub id -> its cached snapshot
     if not t.model_path or not Path(t.model_path).is_dir():
         raise ConfigError(
             "teacher.model_path", f"{t.model_path!r} is not a model directory (set teacher.model_path or --model-path)"

@@ -51,11 +51,17 @@ def _tagged_processes(tag: str) -> list[int]:
 
 
 def run_cli(
-    inputs: dict[str, Path], run_dir: Path, *overrides: str, timeout: float = 600, python_path: str = ""
+    inputs: dict[str, Path],
+    run_dir: Path,
+    *overrides: str,
+    timeout: float = 600,
+    python_path: str = "",
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     tag = uuid.uuid4().hex
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, TAG_VAR: tag, "PYTHONPATH": f"{python_path}:{repo}" if python_path else repo}
+    env.update(extra_env or {})
     cmd = [
         sys.executable,
         "-m",
@@ -412,3 +418,24 @@ def test_a_qwen3_student_for_three_steps(tiny_run_inputs: dict[str, Path], tmp_p
     trained = dict(exported.named_parameters())
     initial = dict(Qwen3ForCausalLM.from_pretrained(student).named_parameters())
     assert any(not torch.equal(trained[n], initial[n]) for n in initial if n.endswith("q_norm.weight"))
+
+
+@pytest.mark.slow
+def test_models_given_as_hub_ids_from_an_offline_cache(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    """Student and teacher as hub ids (one @revision), read from a huggingface_hub cache with HF_HUB_OFFLINE=1."""
+    import shutil
+
+    hub = tmp_path / "hf" / "hub"
+    for repo, source, ref in (("tiny/student", "student", "main"), ("tiny/teacher", "teacher", "v1")):
+        root = hub / ("models--" + repo.replace("/", "--"))
+        shutil.copytree(tiny_run_inputs[source], root / "snapshots" / ("a" * 40))
+        (root / "refs").mkdir()
+        (root / "refs" / ref).write_text("a" * 40)
+    inputs = {**tiny_run_inputs, "student": "tiny/student", "teacher": "tiny/teacher@v1"}
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    run_dir = tmp_path / "run"
+    proc = run_cli(inputs, run_dir, "trainer.total_steps=2", "trainer.eval_every=0", extra_env=env)  # type: ignore[arg-type]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert [r["weight_version"] for r in read_metrics(run_dir)] == [1, 2]
+    resolved = (run_dir / "resolved_config.yaml").read_text()
+    assert str(hub / "models--tiny--student" / "snapshots" / ("a" * 40)) in resolved

@@ -263,3 +263,34 @@ def test_pyproject_declares_the_checked_vllm_range(repo_root: Path) -> None:
 
     extras = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["vllm"] == [f"vllm{SUPPORTED_TEXT}"]
+
+
+# Tokenizer families of the hub ids the presets name: a student and its teacher must share one.
+TOKENIZER_FAMILIES = {
+    "Qwen/Qwen2.5-": "qwen2.5",
+    "Qwen/Qwen3-": "qwen3",
+    "meta-llama/Llama-3.1-": "llama3",
+    "meta-llama/Llama-3.2-": "llama3",
+    "meta-llama/Llama-3.3-": "llama3",
+}
+
+
+def _family(model_id: str) -> str:
+    matches = [family for prefix, family in TOKENIZER_FAMILIES.items() if model_id.startswith(prefix)]
+    assert len(matches) == 1, f"{model_id}: no known tokenizer family"
+    return matches[0]
+
+
+@pytest.mark.parametrize("path", [p for p in PRESETS if p.name != "cpu_demo.yaml"], ids=lambda p: p.name)
+def test_gpu_presets_pair_real_models_and_can_start(path: Path) -> None:
+    """What can be checked without downloading: hub ids, one tokenizer family, a secret where the teacher is exposed."""
+    from recipe_gkd.model_refs import HUB_ID
+    from teacher_server.settings import is_loopback
+
+    cfg = load_config(path)
+    student, teacher = cfg.model.student_path, cfg.teacher.model_path
+    assert HUB_ID.match(student) and HUB_ID.match(teacher), (student, teacher)
+    assert _family(student) == _family(teacher), f"{student} and {teacher} do not share a tokenizer"
+    assert is_loopback(cfg.teacher.address) or cfg.teacher.secret_file, (
+        f"{cfg.teacher.address} is not loopback: start_teacher.sh refuses it without teacher.secret_file"
+    )

@@ -1,0 +1,84 @@
+"""Model references: local directories, and hub ids read offline from a cache laid out as huggingface_hub lays it out."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipe_gkd.config import ConfigError
+from recipe_gkd.model_refs import resolve_model_ref
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER_COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
+
+
+def lay_out_cache(hub_cache: Path, repo: str, model_dir: Path, commit: str, refs: tuple[str, ...]) -> Path:
+    """models--org--name/{refs/<ref> -> commit, snapshots/<commit>/<files>}: huggingface_hub's cache layout."""
+    root = hub_cache / ("models--" + repo.replace("/", "--"))
+    snapshot = root / "snapshots" / commit
+    shutil.copytree(model_dir, snapshot)
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    for ref in refs:
+        (root / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture()
+def offline_cache(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from huggingface_hub import constants
+
+    hub = tmp_path / "hub"
+    lay_out_cache(hub, "tiny-org/Tiny-LM", tiny_model_dir, COMMIT, ("main",))
+    lay_out_cache(hub, "tiny-org/Tiny-LM", tiny_model_dir, OTHER_COMMIT, ("v2",))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return hub
+
+
+def test_a_local_directory_is_itself(tiny_model_dir: Path) -> None:
+    assert resolve_model_ref(str(tiny_model_dir), "model.student_path") == str(tiny_model_dir)
+    assert resolve_model_ref("", "model.tokenizer_path") == ""
+
+
+def test_hub_ids_resolve_to_their_cached_snapshot(offline_cache: Path) -> None:
+    root = offline_cache / "models--tiny-org--Tiny-LM" / "snapshots"
+    assert Path(resolve_model_ref("tiny-org/Tiny-LM", "model.student_path")) == root / COMMIT
+    assert Path(resolve_model_ref("tiny-org/Tiny-LM@v2", "model.student_path")) == root / OTHER_COMMIT
+    assert Path(resolve_model_ref(f"tiny-org/Tiny-LM@{COMMIT}", "teacher.model_path")) == root / COMMIT
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(resolve_model_ref("tiny-org/Tiny-LM", "model.student_path")).model_type
+
+
+@pytest.mark.parametrize(
+    ("ref", "match"),
+    [
+        ("tiny-org/Not-Cached", r"tiny-org/Not-Cached is not in the Hugging Face cache .* HF_HUB_OFFLINE=1"),
+        ("tiny-org/Tiny-LM@no-such-branch", r"tiny-org/Tiny-LM@no-such-branch is not in the Hugging Face cache"),
+        ("/no/such/dir", "neither a local directory nor a hub id"),
+    ],
+)
+def test_what_cannot_be_resolved_names_the_key_and_the_id(offline_cache: Path, ref: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as info:
+        resolve_model_ref(ref, "model.student_path")
+    assert info.value.key == "model.student_path"
+
+
+def test_cli_offline_without_the_model_exits_2_naming_key_and_id(tmp_path: Path) -> None:
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe_gkd.main", "model.student_path=Qwen/Qwen3-1.7B"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "model.student_path" in last and "Qwen/Qwen3-1.7B is not in the Hugging Face cache" in last, last
+    assert "Traceback" not in proc.stderr
