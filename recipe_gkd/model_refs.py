@@ -50,8 +50,8 @@ def _snapshot(repo: str, revision: str | None, key: str) -> Path:
         reason = "HF_HUB_OFFLINE=1" if offline else "the hub could not be reached"
         raise ConfigError(
             key,
-            f"{where} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {reason}: download it "
-            f"first (hf download {repo}) or give a local directory",
+            f"{where} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {reason}, nor a local "
+            f"directory: download it first (hf download {repo}) or give a model directory",
         ) from None
     except HfHubHTTPError as err:
         raise ConfigError(key, f"{where} could not be fetched from the hub: {err}") from None

@@ -64,17 +64,54 @@ def build_char_tokenizer(out_dir: str | Path):
     return tokenizer
 
 
-def build_tiny_causal_lm(out_dir: str | Path, seed: int, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """Write a randomly initialised tiny Llama model and the char tokenizer to `out_dir`.
+# Llama 3.x RoPE scaling ("llama3") with an original context of 16 tokens, so that it changes a
+# tiny model's logits at the short positions tests use (real Llama 3.1 models have 8192).
+LLAMA3_ROPE_SHORT_CONTEXT = {
+    "rope_type": "llama3",
+    "rope_theta": 5e5,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+# Architectures the tiny builder writes, each with transformers' own config class.
+TINY_FAMILIES = ("llama", "llama3", "mistral", "qwen3")
 
-    Deterministic for a given (seed, spec): the same bytes on every machine with this torch.
+
+def build_tiny_causal_lm(
+    out_dir: str | Path, seed: int, spec: TinyModelSpec = TinyModelSpec(), family: str = "llama"
+) -> Path:
+    """Write a randomly initialised tiny causal LM of `family` and the char tokenizer to `out_dir`.
+
+    `family`: llama, llama3 (Llama with llama3 RoPE scaling), mistral (no sliding window) or qwen3
+    (per-head q/k norm). Deterministic for a given (seed, spec, family) on every machine with this torch.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; choose from {TINY_FAMILIES}")
     out = Path(out_dir)
     tokenizer = build_char_tokenizer(out)
-    config = LlamaConfig(
+    config_class, model_class = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "llama3": (LlamaConfig, LlamaForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }[family]
+    extra: dict = {
+        "llama3": {"rope_parameters": LLAMA3_ROPE_SHORT_CONTEXT},
+        "mistral": {"sliding_window": None},
+        "qwen3": {"head_dim": spec.hidden_size // spec.num_heads},
+    }.get(family, {})
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -87,9 +124,10 @@ def build_tiny_causal_lm(out_dir: str | Path, seed: int, spec: TinyModelSpec = T
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
+        **extra,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(out), safe_serialization=True)
     return out

@@ -25,7 +25,7 @@ from recipe_gkd.actor.megatron_actor import MegatronActor
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.losses import gkd_loss_sum
 from recipe_gkd.ports import reserve_ports
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+from recipe_gkd.tiny_models import LLAMA3_ROPE_SHORT_CONTEXT, TinyModelSpec, build_tiny_causal_lm
 
 SCENARIO_SCRIPT = Path(scenarios.__file__)
 # Both launches together, on 2 busy cores (imports alone take ~10 s per process).
@@ -82,15 +82,8 @@ def build_models(root: Path) -> Path:
     qwen3.save_pretrained(root / "qwen3_qknorm")
     torch.manual_seed(5)
     # Llama 3.x RoPE scaling, with an original context of 16 so that it changes the probe's logits.
-    llama3_rope = {
-        "rope_type": "llama3",
-        "rope_theta": 5e5,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16,
-    }
-    llama3 = LlamaForCausalLM(LlamaConfig(vocab_size=99, num_key_value_heads=2, rope_parameters=llama3_rope, **shape))
+    rope = LLAMA3_ROPE_SHORT_CONTEXT
+    llama3 = LlamaForCausalLM(LlamaConfig(vocab_size=99, num_key_value_heads=2, rope_parameters=rope, **shape))
     llama3.save_pretrained(root / "llama3_rope")
     torch.manual_seed(6)
     # Mistral-style Llama: the same blocks under model_type "mistral", no sliding window.

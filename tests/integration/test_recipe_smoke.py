@@ -10,7 +10,6 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -384,55 +383,25 @@ def test_an_unsupported_vllm_is_one_line_exit_1(tiny_run_inputs: dict[str, Path]
     assert "Traceback" not in proc.stderr
 
 
-def _student_config(family: str, tokenizer: Any) -> Any:
-    """A tiny config of `family` over the char tokenizer, built with transformers' own config class."""
-    from transformers import LlamaConfig, MistralConfig, Qwen3Config
-
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    ids = dict(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    if family == "qwen3":
-        return Qwen3Config(head_dim=16, **shape, **ids)
-    if family == "llama3":
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": 5e5,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-        }
-        return LlamaConfig(rope_parameters=rope, **shape, **ids)
-    return MistralConfig(sliding_window=None, **shape, **ids)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "llama3", "mistral"])
 def test_students_of_each_family_for_three_steps(tiny_run_inputs: dict[str, Path], tmp_path: Path, family: str) -> None:
-    """Qwen3 (q/k norm), Llama 3.x (llama3 RoPE), Mistral-style Llama: actor, HF rollout, weight sync, export."""
+    """Student and teacher of one family (Qwen3 q/k norm, Llama 3.x llama3 RoPE, Mistral-style Llama)
+    through the whole loop: actor, HF rollout, teacher server, weight sync, export."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_run_inputs["student"])
-    torch.manual_seed(5)
-    student = tmp_path / f"{family}_student"
-    AutoModelForCausalLM.from_config(_student_config(family, tokenizer)).save_pretrained(student)
+    student = build_tiny_causal_lm(tmp_path / "student", seed=5, family=family)
+    teacher = build_tiny_causal_lm(tmp_path / "teacher", seed=6, spec=TinyModelSpec(hidden_size=96), family=family)
     run_dir = tmp_path / "run"
-    # transformers reads a Qwen3 directory's tokenizer as Qwen's own: the char tokenizer comes from its own path.
-    overrides = [f"model.tokenizer_path={tiny_run_inputs['student']}", "trainer.total_steps=3", "trainer.eval_every=0"]
-    proc = run_cli({**tiny_run_inputs, "student": student}, run_dir, *overrides)
+    inputs = {**tiny_run_inputs, "student": student, "teacher": teacher}
+    proc = run_cli(inputs, run_dir, "trainer.total_steps=3", "trainer.eval_every=0")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = read_metrics(run_dir)
     assert [r["weight_version"] for r in rows] == [1, 2, 3] and all(r["loss"] > 0 for r in rows)
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_student")
     initial = AutoModelForCausalLM.from_pretrained(student)
-    assert exported.config.model_type == initial.config.model_type
+    assert type(exported) is type(initial) and exported.config.model_type == initial.config.model_type
     assert exported.config.to_dict().get("rope_parameters") == initial.config.to_dict().get("rope_parameters")
     trained, before = dict(exported.named_parameters()), dict(initial.named_parameters())
     assert trained.keys() == before.keys() and any(not torch.equal(trained[n], before[n]) for n in before)

@@ -23,7 +23,7 @@ VOCAB_SPLIT = 9  # uneven shards: rank 0 holds [0, 9), rank 1 holds [9, 23)
 PROCESS_GROUP_TIMEOUT_S = 60
 
 
-def make_case(seed: int, top_k: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def make_case(seed: int, top_k: int, dtype: torch.dtype, folded: bool = False) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     batch, seq = 2, 7
     teacher_full_BTV = (2 * torch.randn(batch, seq, VOCAB, generator=gen, dtype=torch.float64)).log_softmax(-1)
@@ -34,12 +34,19 @@ def make_case(seed: int, top_k: int, dtype: torch.dtype) -> dict[str, torch.Tens
         teacher_ids_BTK[0, 2] = VOCAB_SPLIT + torch.randperm(VOCAB - VOCAB_SPLIT, generator=gen)[:top_k]
     loss_mask_BT = torch.rand(batch, seq, generator=gen) > 0.25
     loss_mask_BT[0, :3] = True
-    return {
+    case = {
         "student_logits": (2 * torch.randn(batch, seq, VOCAB, generator=gen, dtype=torch.float64)).to(dtype),
         "teacher_topk_logprobs": teacher_full_BTV.gather(-1, teacher_ids_BTK).to(dtype),
         "teacher_topk_ids": teacher_ids_BTK,
         "loss_mask": loss_mask_BT,
     }
+    if folded:
+        # One sent id per position lies past the student's rows (a teacher with more embedding rows):
+        # its mass must fold into the tail on every shard. The sent tail is the mass outside the K ids.
+        case["teacher_tail_logmass"] = teacher_full_BTV.scatter(-1, teacher_ids_BTK, -float("inf")).logsumexp(-1)
+        case["teacher_topk_ids"] = teacher_ids_BTK.clone()
+        case["teacher_topk_ids"][..., 0] = VOCAB + 2
+    return case
 
 
 CASES = [
@@ -48,6 +55,12 @@ CASES = [
     for tail in (True, False)
     for beta in ((0.0, 0.3, 1.0) if divergence == "jsd" else (0.5,))
     for top_k, dtype in ((5, torch.float64), (VOCAB, torch.float64), (5, torch.float32))
+]
+# Ids beyond the student's vocabulary fold into the tail (only the tail bucket can take them), with the sent tail.
+CASES += [
+    {"divergence": divergence, "tail": True, "beta": 0.3, "temperature": 0.8, "top_k": 5, "dtype": torch.float64}
+    | {"folded": True}
+    for divergence in DIVERGENCES
 ]
 
 
@@ -62,6 +75,7 @@ def loss_and_grad(case: dict, logits: torch.Tensor, fn, **extra) -> tuple[torch.
         beta=case["beta"],
         temperature=case["temperature"],
         tail=case["tail"],
+        teacher_tail_logmass=case.get("teacher_tail_logmass"),
         chunk_size=3,
         **extra,
     )
@@ -83,7 +97,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         vocab_start, vocab_end = (0, VOCAB_SPLIT) if rank == 0 else (VOCAB_SPLIT, VOCAB)
         results = []
         for index, spec in enumerate(CASES):
-            case = dict(spec, **make_case(index, spec["top_k"], spec["dtype"]))
+            case = dict(spec, **make_case(index, spec["top_k"], spec["dtype"], spec.get("folded", False)))
             full_loss, full_count, full_grad = loss_and_grad(case, case["student_logits"], gkd_loss_sum)
             tp_loss, tp_count, tp_grad = loss_and_grad(
                 case,
