@@ -87,6 +87,25 @@ class Precision(enum.StrEnum):
     bf16 = "bf16"
 
 
+class Recompute(enum.StrEnum):
+    """Activation recompute in the actor's backward pass (megatron's recompute_granularity)."""
+
+    none = "none"
+    # The dense MLP (and core attention when actor.megatron.attention=unfused) is recomputed.
+    selective = "selective"
+    # Every layer keeps only its input; the whole layer is recomputed in the backward pass.
+    full = "full"
+
+
+class Attention(enum.StrEnum):
+    """The actor's core attention."""
+
+    # torch scaled_dot_product_attention: flash / memory-efficient kernels on CUDA, no [s, s] buffer.
+    sdpa = "sdpa"
+    # megatron's local DotProductAttention: materialises the [b, heads, s, s] probabilities.
+    unfused = "unfused"
+
+
 # ----------------------------------------------------------------------------- schema
 
 
@@ -105,6 +124,8 @@ class ClusterConfig:
     ray_object_store_mb: int = 256
     # Every wait for Ray resources (placement groups, worker start) is bounded by this.
     placement_timeout_s: float = 120.0
+    # Memory of one GPU as torch reports it (an 80 GB H100/A100: ~79 GiB): the budget of the memory plan.
+    gpu_memory_gib: float = 79.0
 
 
 @dataclass
@@ -112,6 +133,13 @@ class MegatronConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    # megatron's distributed optimizer: fp32 master weights and Adam moments sharded over data
+    # parallel (gradients reduce-scattered, parameters all-gathered); false: replicated on every rank.
+    distributed_optimizer: bool = True
+    # Activation recompute: none | selective (the MLP; core attention too when unfused) | full (every layer).
+    recompute: Recompute = Recompute.none
+    # Core attention: sdpa (torch's fused kernels) | unfused (megatron's local implementation).
+    attention: Attention = Attention.sdpa
 
 
 @dataclass
@@ -134,7 +162,11 @@ class ActorConfig:
     # First node (0-based) of the actor pool; the pool spans [node_offset, node_offset + nnodes).
     node_offset: int = 0
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    # Sequences per micro-batch (right-padded to the longest), when max_tokens_per_micro_batch is 0.
     micro_batch_size: int = 1
+    # > 0: micro-batches are formed by tokens instead: sequences sorted by length and grouped so
+    # that rows x longest row <= this many tokens (micro_batch_size is then unused).
+    max_tokens_per_micro_batch: int = 0
     precision: Precision = Precision.bf16
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -275,6 +307,9 @@ class DebugConfig:
     # Added to every teacher call by the rollout workers: emulates a remote or busy teacher
     # (benchmarks of the async schedules); 0 in real runs.
     teacher_latency_s: float = 0.0
+    # Refuse to launch (exit 2) when the memory plan says a GPU role does not fit cluster.gpu_memory_gib.
+    # false: print the plan and launch anyway (the plan is an estimate; see README "Memory plan").
+    memory_check: bool = True
 
 
 @dataclass
@@ -478,6 +513,7 @@ def _validate_positive(cfg: GKDConfig) -> None:
         _require(value >= 0, key, f"must be >= 0, got {value}")
     for key, fvalue in {
         "cluster.placement_timeout_s": cfg.cluster.placement_timeout_s,
+        "cluster.gpu_memory_gib": cfg.cluster.gpu_memory_gib,
         "teacher.timeout_s": cfg.teacher.timeout_s,
         "weight_sync.timeout_s": cfg.weight_sync.timeout_s,
         "debug.hang_timeout_s": cfg.debug.hang_timeout_s,
@@ -614,8 +650,17 @@ def _validate_batches(cfg: GKDConfig) -> None:
         "data.train_batch_size",
         f"{d.train_batch_size} must be divisible by the actor's data-parallel size {dp}",
     )
+    budget = cfg.actor.max_tokens_per_micro_batch
+    longest = d.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    _require(budget >= 0, "actor.max_tokens_per_micro_batch", f"must be >= 0 (0: by micro_batch_size), got {budget}")
     _require(
-        per_rank % cfg.actor.micro_batch_size == 0,
+        budget == 0 or budget >= longest,
+        "actor.max_tokens_per_micro_batch",
+        f"{budget} tokens cannot hold one sequence of data.max_prompt_length + rollout.sampling.max_new_tokens = "
+        f"{longest} tokens; raise it to >= {longest}",
+    )
+    _require(
+        budget > 0 or per_rank % cfg.actor.micro_batch_size == 0,
         "actor.micro_batch_size",
         f"micro_batch_size={cfg.actor.micro_batch_size} must divide the per-rank batch {per_rank} "
         f"(data.train_batch_size {d.train_batch_size} / data-parallel {dp})",

@@ -63,7 +63,7 @@ def run(cfg: GKDConfig, plan: PlacementPlan) -> Path:
     metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.loggers, cfg.trainer.total_steps)
     try:
         with ray_cluster(cfg, plan), teacher_service(cfg) as address, launch_workers(cfg, plan, address) as workers:
-            print(f"workers ready in {workers.setup_s:.1f}s", flush=True)
+            print(f"workers ready in {workers.setup_s:.1f}s; actor: {workers.actor_summary}", flush=True)
             teacher_accuracy = launch_teacher_accuracy(cfg)
             train(cfg, workers, metrics, resume)
             report(

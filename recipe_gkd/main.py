@@ -1,8 +1,9 @@
 """The driver: `python -m recipe_gkd.main [--config PATH] [--dry-run] [key=value ...]`.
 
 With no --config it runs the CPU demo preset (configs/presets/cpu_demo.yaml). A bad config
-exits 2 with one line naming the key; --dry-run validates and prints the placement plan
-without starting Ray or any model.
+exits 2 with one line naming the key; --dry-run validates and prints the placement plan and,
+for a GPU run, the per-GPU memory plan (recipe_gkd/memory_plan.py, from the models' config.json
+only), without starting Ray or any model. A GPU role that does not fit exits 2 naming the key.
 """
 
 from __future__ import annotations
@@ -46,6 +47,24 @@ def check_student_split(cfg: GKDConfig) -> None:
     hf_convert.check_split(hf_convert.read_student_arch(cfg.model.student_path), m.tp, m.pp, m.cp)
 
 
+def report_memory_plan(cfg: GKDConfig) -> bool:
+    """Print the per-GPU memory plan (GPU runs); False when a role does not fit and debug.memory_check is on."""
+    from recipe_gkd.memory_plan import build_memory_plan, check_memory_plan, format_memory_plan
+
+    memory = build_memory_plan(cfg)
+    if memory is None:
+        return True
+    print(format_memory_plan(memory), flush=True)
+    try:
+        check_memory_plan(memory)
+    except ConfigError as err:
+        if cfg.debug.memory_check:
+            print(f"error: {err}", file=sys.stderr)
+            return False
+        print(f"warning: {err}", flush=True)
+    return True
+
+
 def exit_code_for(err: BaseException) -> int | None:
     """The exit code of an error whose message is written for the user (naming what to change), else None."""
     from recipe_gkd.actor.hf_convert import UnsupportedModelError
@@ -73,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_CONFIG
     print(format_plan(plan), flush=True)
     if args.dry_run:
+        # Model references are read where they are (a directory, or the HF cache): nothing is downloaded.
+        if not report_memory_plan(cfg):
+            return EXIT_BAD_CONFIG
         print("dry run: config valid, nothing started")
         return 0
     from recipe_gkd.actor.hf_convert import UnsupportedModelError
@@ -86,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         check_student_split(cfg)
     except (ConfigError, UnsupportedModelError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    if not report_memory_plan(cfg):
         return EXIT_BAD_CONFIG
     write_resolved_config(cfg)
     from recipe_gkd.gkd import RunStopped, run

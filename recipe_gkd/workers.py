@@ -147,6 +147,8 @@ class Workers:
     rollouts: list[Any]
     dp_size: int
     setup_s: float
+    # Actor rank 0's one-line account of how it computes (attention, recompute, optimizer, micro-batches).
+    actor_summary: str = ""
 
 
 @contextmanager
@@ -184,14 +186,15 @@ def launch_workers(cfg: GKDConfig, plan: PlacementPlan, teacher_address: str | N
         handles = actors + rollouts
         names = {f"actor{i}": a for i, a in enumerate(actors)} | {f"rollout{i}": r for i, r in enumerate(rollouts)}
         _watchdog = watchdog.install(names, cfg.trainer.run_dir, cfg.cluster.placement_timeout_s)
-        wait(
+        ready = wait(
             [a.setup.remote() for a in actors] + [r.setup.remote(None, teacher_address) for r in rollouts],
             timeout,
             "worker setup",
         )
         if cfg.weight_sync.transport != "object_store":
             _open_weight_group(cfg, actors[0], rollouts, host, sync_port)
-        yield Workers(actors, rollouts, actor_data_parallel_size(cfg), time.perf_counter() - start)
+        summary = str(ready[0].get("summary", ""))
+        yield Workers(actors, rollouts, actor_data_parallel_size(cfg), time.perf_counter() - start, summary)
     finally:
         _watchdog = None
         _stop(handles, timeout)

@@ -85,6 +85,33 @@ def split_micro_batches(sequences: SequenceOf[Sequence], micro_batch_size: int) 
     return [list(sequences[i : i + micro_batch_size]) for i in range(0, len(sequences), micro_batch_size)]
 
 
+def split_by_token_budget(sequences: SequenceOf[Sequence], max_tokens: int) -> list[list[Sequence]]:
+    """Groups whose padded size (rows x longest row, as `collate` pads them) stays <= `max_tokens`.
+
+    Sequences are taken longest first, so each group pads to a length close to its own rows'
+    and long and short responses cost what they are. A sequence longer than the budget on its
+    own is an error (the config check `actor.max_tokens_per_micro_batch` prevents it). The
+    loss is a sum over tokens divided by the global token count, so the grouping changes
+    neither the loss nor the gradients (up to float summation order).
+    """
+    if max_tokens < 1:
+        raise ValueError(f"actor.max_tokens_per_micro_batch must be >= 1, got {max_tokens}")
+    by_length = sorted(sequences, key=lambda s: len(s.input_ids), reverse=True)
+    groups: list[list[Sequence]] = []
+    for seq in by_length:
+        padded = len(seq.input_ids) - 1  # collate's row length
+        if padded > max_tokens:
+            raise ValueError(
+                f"sample {seq.sample_id} has {padded} tokens, more than actor.max_tokens_per_micro_batch={max_tokens}"
+            )
+        # Longest first: the group's first row sets its padded length.
+        if groups and (len(groups[-1]) + 1) * (len(groups[-1][0].input_ids) - 1) <= max_tokens:
+            groups[-1].append(seq)
+        else:
+            groups.append([seq])
+    return groups
+
+
 def _common_top_k(sequences: SequenceOf[Sequence]) -> int:
     top_ks = {s.teacher_topk_ids.shape[-1] for s in sequences if s.teacher_topk_ids.ndim == 2}
     if len(top_ks) != 1:

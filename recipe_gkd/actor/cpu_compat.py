@@ -11,7 +11,7 @@ thread, without touching megatron's source:
    device index, `Tensor.to(...)`, `Tensor.cuda()`) to the CPU, and names CPU tensor types as
    CUDA ones (`Tensor.type()` -> 'torch.cuda.FloatTensor'), which megatron's optimizer checks.
 3. megatron's model-parallel RNG tracker forks the CPU generator instead of the CUDA one, so
-   `model_parallel_cuda_manual_seed` works unchanged.
+   `model_parallel_cuda_manual_seed` and activation recompute's RNG save/restore work unchanged.
 
 Dropout is off in every model `hf_convert` builds (HF Llama/Qwen2 fine-tune without it), so no
 dropout mask ever depends on the RNG tracker. Call this only when `cluster.device=cpu`.
@@ -149,5 +149,25 @@ def _patch_megatron_rng_tracker() -> None:
                 torch.set_rng_state(original)
 
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker  # type: ignore[misc]
+    # Activation recompute (tensor_parallel.checkpoint) saves and restores "the CUDA generator"
+    # around the recomputed forward: on CPU that is the CPU generator (restored once more, harmless).
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
     # A tracker built before this patch would still be the CUDA one: rebuild on next use.
     mcore_random.initialize_rng_tracker(force_reset=True)
+    _patch_causal_mask()
+
+
+def _patch_causal_mask() -> None:
+    """The unfused softmax's causal mask (a literal device="cuda") made on the CPU.
+
+    A torch function mode is popped while its own handler runs, so code inside an
+    `autograd.Function` it dispatched (recompute's `CheckpointFunction` forward) sees no mode:
+    the one CUDA literal reached there, megatron's causal mask, is patched at its import site.
+    """
+    from megatron.core.fusions import fused_softmax
+
+    def cpu_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, device=CPU), diagonal=1).bool()
+
+    fused_softmax.get_default_causal_mask = cpu_causal_mask

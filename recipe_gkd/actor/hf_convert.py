@@ -213,22 +213,44 @@ def load_hf_state(model_dir: str | Path) -> dict[str, Tensor]:
     """Every tensor of an HF safetensors checkpoint (single file or sharded with an index), fp32."""
     from safetensors.torch import load_file
 
-    index = Path(model_dir) / SAFETENSORS_INDEX
-    if index.is_file():
-        files = sorted({Path(model_dir) / f for f in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"no *.safetensors weights in {model_dir} (model.student_path); save the student with safe_serialization"
-        )
     state: dict[str, Tensor] = {}
-    for file in files:
+    for file in _safetensors_files(Path(model_dir)):
         state.update({name: t.float() for name, t in load_file(str(file)).items()})
     return state
 
 
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {model_dir} (model.student_path); save the student with safe_serialization"
+        )
+    return files
+
+
 # ----------------------------------------------------------------------------- megatron model
+
+
+def recompute_settings(recompute: str, attention: str) -> dict[str, Any]:
+    """megatron's TransformerConfig fields for `actor.megatron.recompute` (none | selective | full).
+
+    selective recomputes the dense MLP (its fc1 output and SwiGLU, 4 * ffn / tp values per token,
+    are the largest activations of a Llama/Qwen layer) and, with the unfused attention, the
+    [heads, s, s] probabilities; full keeps only each layer's input and recomputes the layer.
+    """
+    if recompute == "none":
+        return {"recompute_granularity": None}
+    if recompute == "selective":
+        modules = ["mlp", "core_attn"] if attention == "unfused" else ["mlp"]
+        return {"recompute_granularity": "selective", "recompute_modules": modules}
+    if recompute == "full":
+        # Uniform, one layer per unit: every layer's input is kept, each layer recomputed on its own.
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    raise ValueError(f"actor.megatron.recompute={recompute!r}: choose none, selective or full")
 
 
 def build_transformer_config(
@@ -239,12 +261,15 @@ def build_transformer_config(
     cp_size: int,
     bf16: bool,
     on_cpu: bool,
+    recompute: str = "none",
+    attention: str = "sdpa",
 ) -> TransformerConfig:
     """megatron TransformerConfig reproducing the HF model (local spec, no fused kernels)."""
     from megatron.core.transformer import TransformerConfig
 
     check_split(arch, tp_size, pp_size, cp_size)
     return TransformerConfig(
+        **recompute_settings(recompute, attention),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.intermediate_size,
@@ -291,19 +316,32 @@ def build_transformer_config(
 
 
 def build_gpt_model(
-    arch: HFArch, config: TransformerConfig, *, pre_process: bool = True, post_process: bool = True
+    arch: HFArch,
+    config: TransformerConfig,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    attention: str = "sdpa",
 ) -> GPTModel:
     """GPTModel with megatron's local (no Transformer Engine) layer spec.
 
     `pre_process` / `post_process`: this pipeline stage holds the embedding / the final norm and
-    output layer (both for a single stage).
+    output layer (both for a single stage). `attention`: "sdpa" swaps the spec's core attention
+    for `SDPAttention` (torch's fused kernels), "unfused" keeps megatron's DotProductAttention.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
+    if attention == "sdpa":
+        from recipe_gkd.actor.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    elif attention != "unfused":
+        raise ValueError(f"actor.megatron.attention={attention!r}: choose sdpa or unfused")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -410,33 +448,110 @@ def hf_param_names(arch: HFArch) -> list[str]:
 def hf_to_mcore_full(hf_state: Mapping[str, Tensor], arch: HFArch, tp_size: int) -> dict[str, Tensor]:
     """HF state dict -> unsharded megatron tensors (vocabulary padded for `tp_size`)."""
     _require_keys(hf_state, hf_param_names(arch), "HF checkpoint")
-    vocab_padded = padded_vocab_size(arch.vocab_size, tp_size)
-    out = {EMBEDDING: _pad_rows(hf_state["model.embed_tokens.weight"], vocab_padded)}
-    for i in range(arch.num_layers):
-        hf, mc = _HF_LAYER.format(i=i), _LAYER.format(i=i)
-        attn = hf + "self_attn."
-        out[mc + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
-        out[mc + "self_attention.linear_qkv.weight"] = fuse_qkv(
-            hf_state[attn + "q_proj.weight"], hf_state[attn + "k_proj.weight"], hf_state[attn + "v_proj.weight"], arch
-        )
-        if arch.qkv_bias:
-            out[mc + "self_attention.linear_qkv.bias"] = fuse_qkv(
-                hf_state[attn + "q_proj.bias"], hf_state[attn + "k_proj.bias"], hf_state[attn + "v_proj.bias"], arch
-            )
-        if arch.qk_layernorm:
-            out[mc + "self_attention.q_layernorm.weight"] = hf_state[attn + "q_norm.weight"]
-            out[mc + "self_attention.k_layernorm.weight"] = hf_state[attn + "k_norm.weight"]
-        out[mc + "self_attention.linear_proj.weight"] = hf_state[attn + "o_proj.weight"]
-        out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
-        # Unsharded fc1 is [gate; up]; `shard_for_tp` regroups it per rank.
-        out[mc + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]], dim=0
-        )
-        out[mc + "mlp.linear_fc2.weight"] = hf_state[hf + "mlp.down_proj.weight"]
-    out[FINAL_NORM] = hf_state["model.norm.weight"]
-    if not arch.tie_word_embeddings:
-        out[OUTPUT_LAYER] = _pad_rows(hf_state["lm_head.weight"], vocab_padded)
+    out: dict[str, Tensor] = {}
+    for unit in mcore_units(arch):
+        out.update(hf_unit_to_mcore(unit, hf_state, arch, tp_size))
     return out
+
+
+def hf_unit_names(unit: str, arch: HFArch) -> list[str]:
+    """The HF tensors megatron unit `unit` (see `mcore_units`) is built from."""
+    if unit == EMBEDDING:
+        return ["model.embed_tokens.weight"]
+    if unit == FINAL_NORM:
+        return ["model.norm.weight"]
+    if unit == OUTPUT_LAYER:
+        return ["lm_head.weight"]
+    prefix = _HF_LAYER.format(i=layer_index(unit))
+    return [name for name in hf_param_names(arch) if name.startswith(prefix)]
+
+
+def hf_unit_to_mcore(unit: str, hf_state: Mapping[str, Tensor], arch: HFArch, tp_size: int) -> dict[str, Tensor]:
+    """One unit's HF tensors -> its unsharded megatron tensors (vocabulary padded for `tp_size`)."""
+    vocab_padded = padded_vocab_size(arch.vocab_size, tp_size)
+    if unit == EMBEDDING:
+        return {EMBEDDING: _pad_rows(hf_state["model.embed_tokens.weight"], vocab_padded)}
+    if unit == FINAL_NORM:
+        return {FINAL_NORM: hf_state["model.norm.weight"]}
+    if unit == OUTPUT_LAYER:
+        return {OUTPUT_LAYER: _pad_rows(hf_state["lm_head.weight"], vocab_padded)}
+    i = layer_index(unit)
+    hf, mc = _HF_LAYER.format(i=i), _LAYER.format(i=i)
+    attn = hf + "self_attn."
+    out = {mc + "input_layernorm.weight": hf_state[hf + "input_layernorm.weight"]}
+    out[mc + "self_attention.linear_qkv.weight"] = fuse_qkv(
+        hf_state[attn + "q_proj.weight"], hf_state[attn + "k_proj.weight"], hf_state[attn + "v_proj.weight"], arch
+    )
+    if arch.qkv_bias:
+        out[mc + "self_attention.linear_qkv.bias"] = fuse_qkv(
+            hf_state[attn + "q_proj.bias"], hf_state[attn + "k_proj.bias"], hf_state[attn + "v_proj.bias"], arch
+        )
+    if arch.qk_layernorm:
+        out[mc + "self_attention.q_layernorm.weight"] = hf_state[attn + "q_norm.weight"]
+        out[mc + "self_attention.k_layernorm.weight"] = hf_state[attn + "k_norm.weight"]
+    out[mc + "self_attention.linear_proj.weight"] = hf_state[attn + "o_proj.weight"]
+    out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
+    # Unsharded fc1 is [gate; up]; `shard_for_tp` regroups it per rank.
+    out[mc + "mlp.linear_fc1.weight"] = torch.cat(
+        [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]], dim=0
+    )
+    out[mc + "mlp.linear_fc2.weight"] = hf_state[hf + "mlp.down_proj.weight"]
+    return out
+
+
+class HFCheckpointReader:
+    """Reads single tensors of an HF safetensors checkpoint on demand (fp32), never the whole file.
+
+    safetensors memory-maps each file and copies only the tensor asked for, so a rank that
+    needs one pipeline stage reads that stage's bytes. `read` records every name it returned.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.model_dir = Path(model_dir)
+        self._files: dict[str, Any] = {}
+        self._where: dict[str, str] = {}
+        for file in _safetensors_files(self.model_dir):
+            handle = safe_open(str(file), framework="pt")
+            self._files[str(file)] = handle
+            self._where.update({name: str(file) for name in handle.keys()})
+        self.read_names: list[str] = []
+
+    def numel(self, name: str) -> int:
+        """Element count of `name`, from the file header (nothing read)."""
+        return math.prod(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str) -> Tensor:
+        tensor = self._handle(name).get_tensor(name).float()
+        self.read_names.append(name)
+        return tensor
+
+    def _handle(self, name: str) -> Any:
+        if name not in self._where:
+            raise KeyError(f"HF checkpoint {self.model_dir} has no tensor {name!r} (model.student_path)")
+        return self._files[self._where[name]]
+
+
+def load_stage_shards(
+    reader: HFCheckpointReader, arch: HFArch, global_names: Sequence[str], tp_rank: int, tp_size: int
+) -> dict[str, Tensor]:
+    """Global megatron name -> this TP rank's shard, for `global_names` only (one pipeline stage's).
+
+    Converts unit by unit (the embedding, a decoder layer, ...): the host holds one unit's
+    unsharded tensors at a time plus the shards kept, never the whole checkpoint.
+    """
+    wanted = set(global_names)
+    units = list(dict.fromkeys(mcore_unit_of(name) for name in global_names))
+    shards: dict[str, Tensor] = {}
+    for unit in units:
+        hf_tensors = {name: reader.read(name) for name in hf_unit_names(unit, arch)}
+        for name, full in hf_unit_to_mcore(unit, hf_tensors, arch, tp_size).items():
+            if name in wanted:
+                # A copy: a slice would keep the whole unsharded tensor alive.
+                shards[name] = shard_for_tp(name, full, tp_rank, tp_size).clone()
+        del hf_tensors
+    return shards
 
 
 def mcore_full_to_hf(mcore_state: Mapping[str, Tensor], arch: HFArch) -> dict[str, Tensor]:

@@ -3,15 +3,21 @@
 The driver applies `ray.remote` and calls every method on every actor rank (they all take part
 in collectives); tests construct it directly, one process per rank. One step:
 
-1. collate this rank's sequences into right-padded micro-batches (`actor.micro_batch_size`);
-   every TP and PP rank of a data-parallel replica holds the same sequences,
+1. collate this rank's sequences into right-padded micro-batches (`actor.micro_batch_size`
+   sequences, or by tokens: `actor.max_tokens_per_micro_batch`); every TP and PP rank of a
+   data-parallel replica holds the same sequences,
 2. megatron's schedule runs the micro-batches through the pipeline stages (1F1B when PP > 1,
    activation shapes exchanged per micro-batch); the last stage sums the GKD divergence over
    each micro-batch's loss tokens (vocab-parallel over TP) and backpropagates that sum,
 3. megatron's `finalize_model_grads` all-reduces the gradients over DP and the tied embedding's
    over the first and last stage, then divides them by the global count of loss tokens
    (`calculate_per_token_loss`): d(global token-mean loss), whatever the micro-batch split,
-4. clip by the global grad norm (torch ops: runs on CPU and GPU), warmup lr, Adam(W) step.
+4. clip by the global grad norm (torch ops: runs on CPU and GPU), warmup lr, Adam(W) step
+   (bf16: megatron keeps fp32 master weights; `actor.megatron.distributed_optimizer` shards them
+   and the Adam moments over data parallel).
+
+Weights load stage by stage: a rank reads only its pipeline stage's tensors from the HF
+safetensors files, converting one layer at a time (`hf_convert.load_stage_shards`).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from recipe_gkd.actor import hf_convert
-from recipe_gkd.actor.collate import MicroBatch, collate, split_micro_batches
+from recipe_gkd.actor.collate import MicroBatch, collate, split_by_token_budget, split_micro_batches
 from recipe_gkd.actor.layout import rank_layout
 from recipe_gkd.batch import Sequence, TrainShard
 from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, scaled_lr
@@ -84,20 +90,30 @@ class MegatronActor:
         m = self.cfg.actor.megatron
         bf16 = self.cfg.actor.precision == Precision.bf16
         self.tconfig = hf_convert.build_transformer_config(
-            self.arch, tp_size=m.tp, pp_size=m.pp, cp_size=m.cp, bf16=bf16, on_cpu=self.on_cpu
+            self.arch,
+            tp_size=m.tp,
+            pp_size=m.pp,
+            cp_size=m.cp,
+            bf16=bf16,
+            on_cpu=self.on_cpu,
+            recompute=m.recompute.value,
+            attention=m.attention.value,
         )
         self.gpt = hf_convert.build_gpt_model(
-            self.arch, self.tconfig, pre_process=self.layout.is_first_stage, post_process=self.layout.is_last_stage
+            self.arch,
+            self.tconfig,
+            pre_process=self.layout.is_first_stage,
+            post_process=self.layout.is_last_stage,
+            attention=m.attention.value,
         )
         self._check_stage_layers()
         if not self.on_cpu:
             self.gpt.cuda(torch.cuda.current_device())
         # This stage's parameter names -> names in the whole model (layers renumbered per stage).
         self._global_names = hf_convert.stage_param_names(self.arch, self.layout.pp_rank, self.layout.pp_size)
-        hf_state = hf_convert.load_hf_state(self.cfg.model.student_path)
-        self._load_hf_state(hf_state)
-        num_params = sum(hf_state[n].numel() for n in hf_convert.hf_param_names(self.arch))
-        del hf_state
+        reader = hf_convert.HFCheckpointReader(self.cfg.model.student_path)
+        self._load_stage(reader)
+        num_params = sum(reader.numel(n) for n in hf_convert.hf_param_names(self.arch))
         self._model = self._wrap_ddp(bf16)
         self._build_optimizer(bf16)
         self._vocab_shard = self._local_vocab_slice()
@@ -113,7 +129,31 @@ class MegatronActor:
             "num_params": num_params,
             "num_local_params": sum(p.numel() for p in self.gpt.parameters()),
             "setup_s": time.perf_counter() - start,
+            "summary": self._summary(),
         }
+
+    def _summary(self) -> str:
+        """One line: how this actor computes (attention kernel, recompute, optimizer sharding, micro-batches)."""
+        m, a = self.cfg.actor.megatron, self.cfg.actor
+        attention = {
+            "sdpa": "torch scaled_dot_product_attention",
+            "unfused": "megatron's unfused DotProductAttention",
+        }[m.attention.value]
+        optimizer = (
+            f"distributed optimizer over data parallel {self.layout.dp_size}"
+            if m.distributed_optimizer
+            else "optimizer state replicated per rank"
+        )
+        batches = (
+            f"micro-batches of <= {a.max_tokens_per_micro_batch} tokens"
+            if a.max_tokens_per_micro_batch
+            else f"micro-batches of {a.micro_batch_size} sequences"
+        )
+        return (
+            f"{a.precision.value} params ({'fp32 master weights, ' if a.precision == Precision.bf16 else ''}"
+            f"Adam), attention: {attention}, local layer spec (no Transformer Engine), recompute: "
+            f"{m.recompute.value}, {optimizer}, {batches}"
+        )
 
     def shutdown(self) -> None:
         """Destroy megatron's parallel state and the process group (idempotent)."""
@@ -188,8 +228,8 @@ class MegatronActor:
         # TP x PP: the ranks that compute one model replica together (and hold the same data).
         self.mp_group = parallel_state.get_model_parallel_group()
 
-    def _load_hf_state(self, hf_state: dict[str, Tensor]) -> None:
-        full = hf_convert.hf_to_mcore_full(hf_state, self.arch, self.layout.tp_size)
+    def _load_stage(self, reader: hf_convert.HFCheckpointReader) -> None:
+        """This rank's shards of this stage's parameters, read from the HF checkpoint unit by unit."""
         params = dict(self.gpt.named_parameters())
         expected = set(self._global_names)
         if set(params) != expected:
@@ -197,10 +237,12 @@ class MegatronActor:
                 f"megatron stage {self.layout.pp_rank} parameters differ from the converter's: "
                 f"extra {sorted(set(params) - expected)[:3]}, missing {sorted(expected - set(params))[:3]}"
             )
+        shards = hf_convert.load_stage_shards(
+            reader, self.arch, list(self._global_names.values()), self.layout.tp_rank, self.layout.tp_size
+        )
         with torch.no_grad():
             for name, param in params.items():
-                whole = full[self._global_names[name]]
-                local = hf_convert.shard_for_tp(name, whole, self.layout.tp_rank, self.layout.tp_size)
+                local = shards[self._global_names[name]]
                 if tuple(local.shape) != tuple(param.shape):
                     raise RuntimeError(f"{name}: converted shard {tuple(local.shape)} != megatron {tuple(param.shape)}")
                 param.copy_(local)
@@ -215,7 +257,10 @@ class MegatronActor:
 
         module = Float16Module(self.tconfig, self.gpt) if bf16 else self.gpt
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            # Reduce-scatter of the grads into each rank's optimizer shard, all-gather of the params after.
+            use_distributed_optimizer=self.cfg.actor.megatron.distributed_optimizer,
         )
         # Run by megatron's schedule after the backward passes: DP all-reduce, tied-embedding
         # all-reduce between the first and last stage, division by the global loss-token count.
@@ -240,6 +285,8 @@ class MegatronActor:
             clip_grad=0.0,
             bf16=bf16,
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            # fp32 master weights and Adam moments sharded over data parallel (megatron's DistributedOptimizer).
+            use_distributed_optimizer=self.cfg.actor.megatron.distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(config, [self._model])
         # Linear warmup to `lr` over actor.optim.warmup_steps, then constant; wd off for norms/biases.
@@ -327,7 +374,11 @@ class MegatronActor:
         return sum(int((s.teacher_topk_ids >= self.arch.vocab_size).sum()) for s in sequences)
 
     def _micro_batches(self, sequences: list[Sequence]) -> list[MicroBatch]:
-        groups = split_micro_batches(sequences, self.cfg.actor.micro_batch_size)
+        budget = self.cfg.actor.max_tokens_per_micro_batch
+        if budget:
+            groups = split_by_token_budget(sequences, budget)
+        else:
+            groups = split_micro_batches(sequences, self.cfg.actor.micro_batch_size)
         return [collate(group, self.pad_id).to(self.device) for group in groups]
 
     def _run_schedule(

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.batch import Sequence, TrainShard
-from recipe_gkd.config import Device, GKDConfig, Precision
+from recipe_gkd.config import Attention, Device, GKDConfig, Precision, Recompute
 from teacher_server.protocol import scores_from_logprobs
 
 GLOBAL_BATCH = 8
@@ -82,6 +82,11 @@ def make_cfg(model_dir: str, world: int, device: str, **actor: Any) -> GKDConfig
     cfg.actor.megatron.pp = actor.pop("pp", 1)
     cfg.actor.micro_batch_size = actor.pop("micro_batch_size", 4)
     cfg.actor.precision = Precision(actor.pop("precision", "fp32"))
+    cfg.actor.max_tokens_per_micro_batch = actor.pop("max_tokens_per_micro_batch", 0)
+    m = cfg.actor.megatron
+    m.distributed_optimizer = actor.pop("distributed_optimizer", False)
+    m.recompute = Recompute(actor.pop("recompute", "none"))
+    m.attention = Attention(actor.pop("attention", "sdpa"))
     for key, value in actor.items():
         setattr(cfg.actor.optim, key, value)
     return cfg
@@ -110,10 +115,22 @@ class Job:
         stats = [a.train_step(rank_shards(s, vocab, a.layout.dp_rank, a.layout.dp_size)) for s in seeds]
         for key in ("loss", "grad_norm", "lr", "num_tokens"):
             self.out[key] = np.array([s[key] for s in stats])
+        self.out["optimizer_state_numel"] = np.array(optimizer_state_numel(a.optimizer))
 
     def save(self) -> None:
         if self.args.rank == 0:
             np.savez(Path(self.args.workdir) / f"{self.name}.npz", **self.out)
+
+
+def optimizer_state_numel(optimizer: Any) -> int:
+    """Elements of this rank's Adam state (moments, and fp32 master weights when bf16): what sharding shrinks."""
+    import torch
+
+    total = 0
+    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in leaf.optimizer.state.values():
+            total += sum(t.numel() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    return total
 
 
 def _logits_job(parallel: str) -> Callable[[Job], None]:
@@ -169,7 +186,15 @@ JOBS: dict[str, Callable[[Job], None]] = {
     # Global-token normalization: one batch, micro-batch 8 vs 1 vs DP=2 (x micro-batch 2).
     "mb8": _train_job("llama_tied", [1], micro_batch_size=8, **NO_CLIP),
     "mb1": _train_job("llama_tied", [1], micro_batch_size=1, **NO_CLIP),
+    # Micro-batches by tokens (sorted, unequal row counts) and the memory-saving settings: the same update as mb8.
+    "tokens50": _train_job("llama_tied", [1], max_tokens_per_micro_batch=50, **NO_CLIP),
+    "recompute_full": _train_job("llama_tied", [1], micro_batch_size=8, recompute="full", **NO_CLIP),
+    "recompute_selective": _train_job(
+        "llama_tied", [1], micro_batch_size=8, recompute="selective", attention="unfused", **NO_CLIP
+    ),
+    "unfused": _train_job("llama_tied", [1], micro_batch_size=8, attention="unfused", **NO_CLIP),
     "dp2": _train_job("llama_tied", [1], micro_batch_size=2, **NO_CLIP),
+    "dp2_distopt": _train_job("llama_tied", [1], micro_batch_size=2, distributed_optimizer=True, **NO_CLIP),
     # TP=2 vs TP=1: three steps on different batches, Adam with clipping at 1.0, warmup.
     "tp1_steps": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, warmup_steps=2),
     "tp2_steps": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, warmup_steps=2),

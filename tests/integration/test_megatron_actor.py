@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from recipe_gkd.actor.collate import split_by_token_budget
 from recipe_gkd.actor.megatron_actor import MegatronActor
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.losses import gkd_loss_sum
@@ -38,8 +39,10 @@ LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-5
 WEIGHT_TIGHT_ATOL = 1e-6
 WEIGHT_TIGHT_FRACTION = 1e-3
-ONE_RANK_JOBS = "logits,mb8,mb1,tp1_steps,tp1_tied_steps,noclip,clip,bf16"
-TWO_RANK_JOBS = "logits,tp2_steps,tp2_tied_steps,dp2,save_tp2,logits_pp,pp2_steps,pp2_tied_steps"
+ONE_RANK_JOBS = (
+    "logits,mb8,mb1,tp1_steps,tp1_tied_steps,noclip,clip,bf16,tokens50,recompute_full,recompute_selective,unfused"
+)
+TWO_RANK_JOBS = "logits,tp2_steps,tp2_tied_steps,dp2,dp2_distopt,save_tp2,logits_pp,pp2_steps,pp2_tied_steps"
 # TP=2 x PP=2 and DP=2 x PP=2: every parallelism together (gathers on a later stage, DP + tied-embedding all-reduces).
 FOUR_RANK_JOBS = "tp2pp2_steps,dp2pp2"
 PORTS_PER_LAUNCH = 32  # one per actor a launch builds (every model twice in the logits jobs)
@@ -325,6 +328,33 @@ def test_dp2_equals_dp1_on_the_same_global_batch(runs: dict[str, Path], world: s
     dp2 = result(runs, world, job)
     assert json.loads(str(dp2["info"]))["dp_size"] == 2
     assert_same_update(result(runs, "w1", "mb8"), dp2)
+
+
+@pytest.mark.slow
+def test_token_budget_micro_batches_give_the_same_update(runs: dict[str, Path]) -> None:
+    """Micro-batches by tokens (rows x longest <= 50, longest first) train exactly like 8 sequences at once."""
+    sequences = scenarios.make_sequences(1, scenarios.GLOBAL_BATCH, vocab=101)
+    groups = split_by_token_budget(sequences, 50)
+    # The split is a real one: several micro-batches of different row counts, each within the budget.
+    assert len(groups) > 2 and len({len(g) for g in groups}) > 1
+    assert all(len(g) * (max(len(s.input_ids) for s in g) - 1) <= 50 for g in groups)
+    assert_same_update(result(runs, "w1", "mb8"), result(runs, "w1", "tokens50"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["recompute_full", "recompute_selective", "unfused"])
+def test_recompute_and_attention_settings_do_not_change_the_update(runs: dict[str, Path], job: str) -> None:
+    """Full and selective recompute, and megatron's unfused attention, against the default (sdpa, no recompute)."""
+    assert_same_update(result(runs, "w1", "mb8"), result(runs, "w1", job))
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_shards_the_state_and_gives_the_same_update(runs: dict[str, Path]) -> None:
+    """megatron's DistributedOptimizer over DP=2 (gloo): the DP=1 update, with half the Adam state per rank."""
+    sharded, replicated = result(runs, "w2", "dp2_distopt"), result(runs, "w2", "dp2")
+    assert_same_update(result(runs, "w1", "mb8"), sharded)
+    ratio = int(sharded["optimizer_state_numel"]) / int(replicated["optimizer_state_numel"])
+    assert 0.45 <= ratio <= 0.55, ratio
 
 
 @pytest.mark.slow

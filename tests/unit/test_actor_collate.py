@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from recipe_gkd.actor.collate import collate, split_micro_batches
+from recipe_gkd.actor.collate import collate, split_by_token_budget, split_micro_batches
 from recipe_gkd.batch import Sequence
 
 PAD = 0
@@ -74,3 +74,23 @@ def test_micro_batches_keep_order_and_the_remainder() -> None:
     assert [[s.sample_id for s in g] for g in groups] == [[0, 1, 2], [3, 4, 5], [6]]
     with pytest.raises(ValueError, match=r"actor\.micro_batch_size"):
         split_micro_batches(seqs, 0)
+
+
+def test_token_budget_groups_every_sequence_once_within_the_budget() -> None:
+    lengths = [30, 5, 12, 9, 30, 7, 21, 6, 6, 16]
+    seqs = [sequence(i, length=n, response_start=2) for i, n in enumerate(lengths)]
+    groups = split_by_token_budget(seqs, max_tokens=40)
+    assert sorted(s.sample_id for g in groups for s in g) == list(range(len(seqs)))
+    padded = [collate(g, PAD).input_ids_BT.numel() for g in groups]
+    assert all(p <= 40 for p in padded), padded
+    # Longest first (rows of 29, 29, 20, 15, 11, 8, 6, 5, 5, 4): the two 29s cannot share (2 x 29 > 40),
+    # 20 + 15 pad to 2 x 20, then 11 + 8 + 6 to 3 x 11 and 5 + 5 + 4 to 3 x 5.
+    assert [len(g) for g in groups] == [1, 1, 2, 3, 3]
+    # Less padding than fixed groups of 3 in arrival order.
+    fixed = [collate(g, PAD).input_ids_BT.numel() for g in split_micro_batches(seqs, 3)]
+    assert sum(padded) < sum(fixed)
+
+
+def test_a_sequence_longer_than_the_budget_is_refused_naming_the_key() -> None:
+    with pytest.raises(ValueError, match=r"actor\.max_tokens_per_micro_batch=8"):
+        split_by_token_budget([sequence(0, length=12, response_start=2)], max_tokens=8)

@@ -288,3 +288,29 @@ def test_load_hf_state_follows_a_sharded_index(tmp_path: Path) -> None:
     state = hf_convert.load_hf_state(tmp_path)
     for name, tensor in hf_params(model).items():
         assert torch.equal(state[name], tensor)
+
+
+@pytest.mark.parametrize(("tied", "tp", "pp"), [(False, 2, 2), (True, 1, 2), (True, 2, 1)])
+def test_a_rank_reads_only_its_stage_and_gets_its_shards(tmp_path: Path, tied: bool, tp: int, pp: int) -> None:
+    """load_stage_shards == slicing the full conversion, and it reads no tensor of another stage."""
+    model = llama(tied=tied)
+    model.save_pretrained(tmp_path, max_shard_size="50KB")  # several files behind an index
+    arch = hf_convert.read_hf_arch(model.config)
+    full = hf_convert.hf_to_mcore_full(hf_params(model), arch, tp)
+    for stage in range(pp):
+        names = list(hf_convert.stage_param_names(arch, stage, pp).values())
+        for tp_rank in range(tp):
+            reader = hf_convert.HFCheckpointReader(tmp_path)
+            shards = hf_convert.load_stage_shards(reader, arch, names, tp_rank, tp)
+            assert set(shards) == set(names)
+            for name in names:
+                assert torch.equal(shards[name], hf_convert.shard_for_tp(name, full[name], tp_rank, tp)), name
+            layers = hf_convert.stage_layers(arch, stage, pp)
+            other = [i for i in range(arch.num_layers) if i not in layers]
+            read_layers = {int(n.split(".")[2]) for n in reader.read_names if n.startswith("model.layers.")}
+            assert read_layers == set(layers) and not read_layers & set(other)
+            assert ("model.embed_tokens.weight" in reader.read_names) == (stage == 0 or (tied and stage == pp - 1))
+            assert ("model.norm.weight" in reader.read_names) == (stage == pp - 1)
+    assert hf_convert.HFCheckpointReader(tmp_path).numel("model.norm.weight") == arch.hidden_size
+    with pytest.raises(KeyError, match=r"model\.student_path"):
+        hf_convert.HFCheckpointReader(tmp_path).read("model.nope")

@@ -1,0 +1,396 @@
+"""Per-GPU memory plan: will each role fit, before anything launches (reads config.json only).
+
+For every GPU role of the config, an estimate in GiB of what that GPU will hold:
+
+- actor rank (megatron, the heaviest pipeline stage): weights, gradient buffer, optimizer state
+  (fp32 master weights + Adam moments, divided over data parallel with the distributed
+  optimizer), activations of the micro-batches in flight, logits/loss buffers, and a fixed
+  CUDA/NCCL reserve;
+- rollout engine GPU (vLLM): its `rollout.gpu_memory_utilization` share holds the weights, a
+  runtime reserve and the KV cache, which must hold at least one sequence of
+  `data.max_prompt_length + rollout.sampling.max_new_tokens` tokens;
+- teacher replica GPU (vLLM, local): weights, one request's full-vocabulary prompt log-prob
+  buffers, a runtime reserve and the KV cache for `teacher.max_model_len`.
+
+The formulas follow what the code allocates (see `actor_bytes_per_token_and_layer`); they
+are compared with measured peaks in benchmarks/bench_actor_memory.py. A role that cannot fit
+raises ConfigError naming the key to change (`check_memory_plan`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recipe_gkd.config import (
+    ConfigError,
+    Device,
+    GKDConfig,
+    Precision,
+    Recompute,
+    RolloutBackend,
+    TeacherBackend,
+    TeacherLocation,
+    actor_data_parallel_size,
+    actor_world_size,
+)
+from recipe_gkd.model_refs import HUB_ID
+
+GIB = 1024**3
+# CUDA context, cuBLAS workspaces, NCCL buffers and allocator slack on every actor GPU.
+ACTOR_RESERVE_GIB = 2.5
+# vLLM outside weights and KV cache: CUDA graphs, sampler, activations of its profile run.
+VLLM_RESERVE_GIB = 2.0
+# vLLM's default max_num_batched_tokens for the offline LLM class on H100/H200 (vllm/engine/arg_utils.py).
+VLLM_BATCHED_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The numbers of a dense decoder-only transformer the plan needs (from its config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_layernorm: bool = False
+    max_position_embeddings: int = 0
+
+    def layer_params(self, tp: int = 1) -> float:
+        """Parameters of one decoder layer on one of `tp` tensor-parallel ranks."""
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        sharded = self.hidden_size * qkv_rows + self.num_heads * self.head_dim * self.hidden_size
+        sharded += 3 * self.hidden_size * self.intermediate_size + (qkv_rows if self.qkv_bias else 0)
+        replicated = 2 * self.hidden_size + (2 * self.head_dim if self.qk_layernorm else 0)
+        return sharded / tp + replicated
+
+    def num_params(self) -> float:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.layer_params() + embeddings + self.hidden_size
+
+    def kv_bytes_per_token(self, tp: int, dtype_bytes: int) -> float:
+        """K and V of every layer for one token on one of `tp` ranks (vLLM keeps >= 1 KV head per rank)."""
+        return 2 * self.num_layers * max(1.0, self.num_kv_heads / tp) * self.head_dim * dtype_bytes
+
+
+@dataclass
+class RoleMemory:
+    """One GPU role's estimate: named parts in bytes against the GPU's usable bytes."""
+
+    role: str
+    gpus: int
+    parts: list[tuple[str, float]] = field(default_factory=list)
+    capacity: float = 0.0
+    # The config key to change when it does not fit, and what the shortfall is.
+    key: str = ""
+    problem: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(b for _, b in self.parts)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problem
+
+
+@dataclass
+class MemoryPlan:
+    roles: list[RoleMemory]
+    skipped: list[str]
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def shape_from_config(config: dict[str, Any]) -> Shape:
+    """A Shape from a config.json dict (Llama / Qwen2 / Qwen3 / Mistral field names)."""
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    return Shape(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        # transformers' own default for these families is false when the key is absent.
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
+        qk_layernorm=config.get("model_type") == "qwen3",
+        max_position_embeddings=int(config.get("max_position_embeddings") or 0),
+    )
+
+
+def find_config_json(ref: str) -> Path | None:
+    """config.json of a model reference: a local directory's, or a hub id's in the HF cache (no download)."""
+    if not ref:
+        return None
+    local = Path(ref) / "config.json"
+    if local.is_file():
+        return local
+    match = HUB_ID.match(ref)
+    if match is None:
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(match["repo"], "config.json", revision=match["revision"])
+    return Path(found) if isinstance(found, str) else None
+
+
+def read_shape(ref: str, key: str, skipped: list[str]) -> Shape | None:
+    """The Shape behind model reference `ref`, or None (with the reason appended to `skipped`)."""
+    path = find_config_json(ref)
+    if path is None:
+        skipped.append(
+            f"{key}={ref!r}: no config.json here or in the Hugging Face cache (hf download {ref} config.json)"
+        )
+        return None
+    config = json.loads(path.read_text())
+    if any(k in config for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        skipped.append(f"{key}={ref!r}: a mixture-of-experts model; the plan covers dense models only")
+        return None
+    try:
+        return shape_from_config(config)
+    except KeyError as err:
+        skipped.append(f"{key}={ref!r}: config.json lacks {err.args[0]}")
+        return None
+
+
+# ----------------------------------------------------------------------------- actor
+
+
+def actor_bytes_per_token_and_layer(
+    shape: Shape, tp: int, act_bytes: int, seq_len: int, recompute: str, attention: str
+) -> float:
+    """Activation bytes one decoder layer keeps for the backward pass, per token of a micro-batch.
+
+    Local layer spec, no sequence parallel. Kept tensors: the two RMSNorm inputs and outputs
+    (4h, replicated over TP), Qwen3's q/k norm inputs, the attention inputs and output, and the
+    MLP's fc1 output, SwiGLU's two halves and its product (4 * ffn / tp). sdpa keeps q, k, v,
+    the output and one log-sum-exp per row; unfused keeps q, k and v repeated to every head,
+    the fp32 softmax output and its copy in the compute dtype ([heads, s] per token).
+    selective recomputes the MLP (and unfused core attention); full keeps the layer input only
+    (the recomputed layer's activations are added once by the caller).
+    """
+    h, d = shape.hidden_size, shape.head_dim
+    heads, groups = shape.num_heads / tp, max(1.0, shape.num_kv_heads / tp)
+    norms = 4 * h + ((heads + groups) * d if shape.qk_layernorm else 0)
+    if attention == "sdpa":
+        attn = (2 * heads + 2 * groups) * d
+        probs = 0.0
+    else:
+        attn = 4 * heads * d
+        probs = heads * seq_len * (4 + (act_bytes if act_bytes != 4 else 0)) / act_bytes
+    mlp = 4 * shape.intermediate_size / tp
+    if recompute == "full":
+        return act_bytes * h
+    if recompute == "selective":
+        mlp = 0.0
+        if attention == "unfused":
+            attn, probs = (heads + 2 * groups) * d + heads * d, 0.0
+    return act_bytes * (norms + attn + probs + mlp)
+
+
+def actor_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
+    """The heaviest actor rank: the first pipeline stage (embedding + in-flight micro-batches) or the last (logits)."""
+    a, m = cfg.actor, cfg.actor.megatron
+    tp, pp, dp = m.tp, m.pp, actor_data_parallel_size(cfg)
+    bf16 = a.precision == Precision.bf16
+    act = 2 if bf16 else 4
+    vocab_shard = math.ceil(shape.vocab_size / tp)
+    layers = shape.num_layers // pp
+    embedding = vocab_shard * shape.hidden_size
+    # The last stage: final norm + output layer (a tied one is a copy there when pp > 1).
+    last = shape.hidden_size + (embedding if (not shape.tie_word_embeddings or pp > 1) else 0)
+    params = layers * shape.layer_params(tp) + (embedding + last if pp == 1 else max(embedding, last))
+    optimizer_per_param = (12 if bf16 else 8) / (dp if m.distributed_optimizer else 1)
+    seq_len = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    tokens = a.max_tokens_per_micro_batch or a.micro_batch_size * seq_len
+    per_rank = cfg.data.train_batch_size // dp
+    micro_batches = (
+        max(1, math.ceil(per_rank * seq_len / tokens))
+        if a.max_tokens_per_micro_batch
+        else per_rank // a.micro_batch_size
+    )
+    in_flight = min(pp, micro_batches)
+    per_layer = actor_bytes_per_token_and_layer(shape, tp, act, seq_len, m.recompute.value, m.attention.value)
+    activations = in_flight * tokens * layers * per_layer
+    if m.recompute == Recompute.full:  # one layer's full activations while it is recomputed
+        activations += tokens * actor_bytes_per_token_and_layer(shape, tp, act, seq_len, "none", m.attention.value)
+    # Last stage: logits in the compute dtype, their fp32 copy, the loss's fp32 log-softmax and
+    # the two gradients of the same size (measured on CPU: benchmarks/bench_actor_memory.py).
+    logits = tokens * vocab_shard * (act + 4 * 4)
+    mode = f"distributed over data parallel {dp}" if m.distributed_optimizer else "replicated"
+    role = RoleMemory(
+        role="actor rank",
+        gpus=actor_world_size(cfg),
+        parts=[
+            (f"weights ({'bf16' if bf16 else 'fp32'}, {params / 1e9:.2f}B params on this rank)", params * act),
+            ("gradient buffer (fp32)", params * 4),
+            (f"optimizer state ({'fp32 master + ' if bf16 else ''}Adam moments, {mode})", params * optimizer_per_param),
+            (
+                f"activations ({in_flight} micro-batch(es) of {tokens} tokens x {layers} layers, "
+                f"recompute {m.recompute.value}, {m.attention.value} attention)",
+                activations,
+            ),
+            (f"logits and loss buffers ({tokens} tokens x {vocab_shard} vocabulary columns)", logits),
+            ("CUDA context, NCCL, allocator reserve", ACTOR_RESERVE_GIB * GIB),
+        ],
+        capacity=cfg.cluster.gpu_memory_gib * GIB,
+    )
+    if role.total > role.capacity:
+        role.key, role.problem = _actor_remedy(cfg, role)
+    return role
+
+
+def _actor_remedy(cfg: GKDConfig, role: RoleMemory) -> tuple[str, str]:
+    """The key to change first: the split when the model state alone overflows, else the activations."""
+    m, a = cfg.actor.megatron, cfg.actor
+    state = sum(b for name, b in role.parts[:3])
+    over = f"needs {role.total / GIB:.1f} GiB of {role.capacity / GIB:.1f} GiB"
+    if state + ACTOR_RESERVE_GIB * GIB > role.capacity:
+        if not m.distributed_optimizer and actor_data_parallel_size(cfg) > 1:
+            return "actor.megatron.distributed_optimizer", f"{over}; shard the optimizer state over data parallel"
+        return (
+            "actor.megatron.tp",
+            f"{over}; weights, gradients and optimizer state alone take {state / GIB:.1f} GiB: split the student "
+            "over more GPUs (actor.megatron.tp / actor.megatron.pp, or more actor GPUs with the distributed optimizer)",
+        )
+    if m.recompute != Recompute.full:
+        nxt = "selective" if m.recompute == Recompute.none else "full"
+        return "actor.megatron.recompute", f"{over}; recompute activations (actor.megatron.recompute={nxt})"
+    key = "actor.max_tokens_per_micro_batch" if a.max_tokens_per_micro_batch else "actor.micro_batch_size"
+    return key, f"{over}; use smaller micro-batches ({key})"
+
+
+# ----------------------------------------------------------------------------- vLLM engines
+
+
+def vllm_memory(
+    role: str, gpus: int, shape: Shape, tp: int, utilization: float, max_len: int, cfg: GKDConfig, scores: bool
+) -> RoleMemory:
+    """One GPU of a vLLM engine with `tp` GPUs: bf16 weights, runtime reserve, [prompt log-prob buffer], KV cache."""
+    capacity = cfg.cluster.gpu_memory_gib * GIB
+    budget = utilization * capacity
+    weights = shape.num_params() * 2 / tp
+    parts = [(f"weights (bf16, {shape.num_params() / 1e9:.2f}B params / tp {tp})", weights)]
+    parts.append(("vLLM runtime (CUDA graphs, sampler, profile activations)", VLLM_RESERVE_GIB * GIB))
+    if scores:
+        # One scheduled chunk's full-vocabulary fp32 logits and log-probs (vLLM's prompt log-probs
+        # are computed over the chunk's tokens; a chunk is at most max_num_batched_tokens).
+        chunk = min(max_len, VLLM_BATCHED_TOKENS)
+        parts.append(
+            (
+                f"prompt log-prob buffers ({chunk} tokens x {shape.vocab_size} vocabulary)",
+                chunk * shape.vocab_size * 8.0,
+            )
+        )
+    kv = budget - sum(b for _, b in parts)
+    per_token = shape.kv_bytes_per_token(tp, 2)
+    kv_tokens = int(kv // per_token) if kv > 0 else 0
+    parts.append((f"KV cache ({kv_tokens} tokens at {per_token / 1024:.0f} KiB each)", max(kv, 0.0)))
+    memory = RoleMemory(role=role, gpus=gpus, parts=parts, capacity=budget)
+    memory.notes.append(f"budget = {utilization} x {cfg.cluster.gpu_memory_gib} GiB")
+    if kv_tokens < max_len:
+        memory.problem = (
+            f"the KV cache holds {kv_tokens} tokens, less than one {max_len}-token sequence: "
+            f"weights {weights / GIB:.1f} GiB per GPU leave too little of {budget / GIB:.1f} GiB"
+        )
+    return memory
+
+
+def rollout_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
+    r = cfg.rollout
+    max_len = cfg.data.max_prompt_length + r.sampling.max_new_tokens
+    memory = vllm_memory(
+        "rollout GPU", r.nnodes * r.gpus_per_node, shape, r.tp, r.gpu_memory_utilization, max_len, cfg, False
+    )
+    if not memory.fits:
+        memory.key = "rollout.gpu_memory_utilization" if r.gpu_memory_utilization < 0.9 else "rollout.tp"
+    else:
+        engines = r.nnodes * r.gpus_per_node // r.tp
+        prompts = cfg.data.train_batch_size // engines
+        kv_tokens = memory.parts[-1][1] / shape.kv_bytes_per_token(r.tp, 2)
+        memory.notes.append(
+            f"{min(prompts, int(kv_tokens // max_len))} of its {prompts} prompts per step fit at full length at once"
+        )
+    return memory
+
+
+def teacher_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
+    t = cfg.teacher
+    max_len = t.max_model_len or shape.max_position_embeddings
+    memory = vllm_memory(
+        "teacher GPU",
+        t.replicas * t.gpus_per_replica,
+        shape,
+        t.gpus_per_replica,
+        t.gpu_memory_utilization,
+        max_len,
+        cfg,
+        True,
+    )
+    if not memory.fits:
+        memory.key = "teacher.max_model_len" if not t.max_model_len else "teacher.gpus_per_replica"
+    return memory
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def build_memory_plan(cfg: GKDConfig) -> MemoryPlan | None:
+    """The plan for a GPU run (None on cluster.device=cpu, where nothing is on a GPU)."""
+    if cfg.cluster.device == Device.cpu:
+        return None
+    skipped: list[str] = []
+    roles: list[RoleMemory] = []
+    student = read_shape(cfg.model.student_path, "model.student_path", skipped)
+    if student is not None:
+        roles.append(actor_memory(cfg, student))
+        if cfg.rollout.backend == RolloutBackend.vllm:
+            roles.append(rollout_memory(cfg, student))
+        else:
+            skipped.append("rollout: rollout.backend=hf is not planned (vllm is the GPU backend)")
+    if cfg.teacher.location == TeacherLocation.remote:
+        skipped.append("teacher: teacher.location=remote, planned where it runs")
+    elif cfg.teacher.backend != TeacherBackend.vllm:
+        skipped.append("teacher: teacher.backend=hf is not planned (vllm is the GPU backend)")
+    else:
+        teacher = read_shape(cfg.teacher.model_path, "teacher.model_path", skipped)
+        if teacher is not None:
+            roles.append(teacher_memory(cfg, teacher))
+    return MemoryPlan(roles=roles, skipped=skipped)
+
+
+def format_memory_plan(plan: MemoryPlan) -> str:
+    lines = ["memory plan (estimate, GiB per GPU):"]
+    for role in plan.roles:
+        verdict = "fits" if role.fits else "DOES NOT FIT"
+        lines.append(
+            f"  {role.role} (x{role.gpus}): {role.total / GIB:.1f} of {role.capacity / GIB:.1f} GiB, {verdict}"
+        )
+        lines += [f"    {bytes_ / GIB:7.2f}  {name}" for name, bytes_ in role.parts]
+        lines += [f"    note: {note}" for note in role.notes]
+    lines += [f"  not planned: {reason}" for reason in plan.skipped]
+    return "\n".join(lines)
+
+
+def check_memory_plan(plan: MemoryPlan) -> None:
+    """Raise ConfigError naming the key of the first role that does not fit."""
+    for role in plan.roles:
+        if not role.fits:
+            raise ConfigError(
+                role.key,
+                f"{role.role} does not fit: {role.problem} (memory plan above; debug.memory_check=false launches anyway)",
+            )

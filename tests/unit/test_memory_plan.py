@@ -1,0 +1,237 @@
+"""The per-GPU memory plan (recipe_gkd.memory_plan) and --dry-run's use of it.
+
+Model shapes are the published config.json numbers of the models the GPU presets name; they
+are written into a private Hugging Face cache layout, so the plan reads them as it would on a
+user's machine (config.json only, no weights, no network).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from recipe_gkd import memory_plan
+from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
+from recipe_gkd.main import main
+
+QWEN25_7B = {
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 32768,
+}
+# Published shapes of every model the GPU presets name (the teachers of remote presets are not planned).
+HUB_MODELS = {
+    "Qwen/Qwen2.5-7B-Instruct": QWEN25_7B,
+    "Qwen/Qwen2.5-1.5B-Instruct": {
+        **QWEN25_7B,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "Qwen/Qwen3-1.7B": {
+        "model_type": "qwen3",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 40960,
+    },
+    "Qwen/Qwen3-8B": {
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 40960,
+    },
+    "Qwen/Qwen3-32B": {
+        "model_type": "qwen3",
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 40960,
+    },
+    "meta-llama/Llama-3.2-1B-Instruct": {
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
+    },
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+    },
+}
+GPU_PRESETS = sorted(p for p in (CONFIG_DIR / "presets").glob("*.yaml") if p.name != "cpu_demo.yaml")
+REMOTE_PRESET = CONFIG_DIR / "presets" / "1x8_a4_r4_t0_remote.yaml"
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A Hugging Face cache holding only config.json of every preset model (huggingface_hub's layout)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    for repo, config in HUB_MODELS.items():
+        folder = cache / f"models--{repo.replace('/', '--')}"
+        snapshot = folder / "snapshots" / ("0" * 40)
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text(json.dumps(config))
+        (folder / "refs").mkdir()
+        (folder / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def qwen7b_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "qwen2.5-7b-shaped"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(QWEN25_7B))
+    return directory
+
+
+def test_a_7b_student_on_one_actor_gpu_exits_2_naming_the_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    student = qwen7b_dir(tmp_path)
+    one_gpu = ["actor.gpus_per_node=1", "actor.megatron.tp=1", "rollout.gpus_per_node=7"]
+    one_gpu += ["data.train_batch_size=126", "data.eval_batch_size=63"]
+    code = main(["--config", str(REMOTE_PRESET), "--dry-run", f"model.student_path={student}", *one_gpu])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "config error at `actor.megatron.tp`: actor rank does not fit" in err
+    assert "actor rank (x1)" in out and "DOES NOT FIT" in out
+
+
+def test_a_7b_student_at_the_presets_split_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--config", str(REMOTE_PRESET), "--dry-run", f"model.student_path={qwen7b_dir(tmp_path)}"])
+    out, _ = capsys.readouterr()
+    assert code == 0, out
+    actor_line = next(line for line in out.splitlines() if line.strip().startswith("actor rank"))
+    assert actor_line.strip().startswith("actor rank (x4)") and actor_line.endswith("fits")
+    for part in ("weights", "gradient buffer", "optimizer state", "activations", "logits and loss", "KV cache"):
+        assert part in out
+    assert "not planned: teacher: teacher.location=remote" in out
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS, ids=lambda p: p.name)
+def test_every_gpu_preset_fits_its_own_plan(preset: Path, hub_cache: Path) -> None:
+    plan = memory_plan.build_memory_plan(load_config(preset))
+    assert plan is not None
+    # Every model is in the cache: only a remote teacher (planned on its own host) is left out.
+    assert all("teacher.location=remote" in reason for reason in plan.skipped), plan.skipped
+    planned = {role.role for role in plan.roles}
+    assert {"actor rank", "rollout GPU"} <= planned
+    for role in plan.roles:
+        assert role.fits, memory_plan.format_memory_plan(plan)
+    memory_plan.check_memory_plan(plan)
+
+
+def test_a_hub_id_missing_from_the_cache_is_reported_not_downloaded(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["--config", str(REMOTE_PRESET), "--dry-run", "model.student_path=org/not-cached"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert "not planned: model.student_path='org/not-cached': no config.json here or in the Hugging Face cache" in out
+
+
+def test_activation_overflow_names_recompute_then_the_micro_batch(tmp_path: Path) -> None:
+    student = str(qwen7b_dir(tmp_path))
+    long = [f"model.student_path={student}", "actor.micro_batch_size=16", "data.max_prompt_length=4096"]
+    cfg = load_config(REMOTE_PRESET, long)
+    plan = memory_plan.build_memory_plan(cfg)
+    with pytest.raises(ConfigError) as err:
+        memory_plan.check_memory_plan(plan)  # type: ignore[arg-type]
+    assert err.value.key == "actor.megatron.recompute"
+    cfg = load_config(REMOTE_PRESET, [*long, "actor.megatron.recompute=full"])
+    with pytest.raises(ConfigError) as err:
+        memory_plan.check_memory_plan(memory_plan.build_memory_plan(cfg))  # type: ignore[arg-type]
+    assert err.value.key == "actor.micro_batch_size"
+    # Recompute and a token budget bring the same step back under the GPU.
+    fixed = [*long, "actor.megatron.recompute=selective", "actor.max_tokens_per_micro_batch=8192"]
+    memory_plan.check_memory_plan(memory_plan.build_memory_plan(load_config(REMOTE_PRESET, fixed)))  # type: ignore[arg-type]
+
+
+def test_a_rollout_share_too_small_for_the_weights_names_its_key(tmp_path: Path) -> None:
+    cfg = load_config(
+        REMOTE_PRESET, [f"model.student_path={qwen7b_dir(tmp_path)}", "rollout.gpu_memory_utilization=0.2"]
+    )
+    with pytest.raises(ConfigError) as err:
+        memory_plan.check_memory_plan(memory_plan.build_memory_plan(cfg))  # type: ignore[arg-type]
+    assert err.value.key == "rollout.gpu_memory_utilization"
+
+
+def test_memory_check_false_prints_and_goes_on(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    student = qwen7b_dir(tmp_path)
+    args = ["actor.gpus_per_node=1", "actor.megatron.tp=1", "rollout.gpus_per_node=7", "data.train_batch_size=126"]
+    args += ["data.eval_batch_size=63", "debug.memory_check=false", f"model.student_path={student}"]
+    assert main(["--config", str(REMOTE_PRESET), "--dry-run", *args]) == 0
+    assert "warning: config error at `actor.megatron.tp`" in capsys.readouterr().out
+
+
+def test_no_plan_on_cpu() -> None:
+    assert memory_plan.build_memory_plan(load_config(None)) is None
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama_tied", "llama_untied"])
+def test_parameter_count_equals_transformers(family: str) -> None:
+    """Shape.num_params against the same shape instantiated by transformers (an independent count)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = dict(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2
+    )
+    settings = {
+        "qwen2": dict(model_type="qwen2", vocab_size=300, tie_word_embeddings=False),
+        "qwen3": dict(model_type="qwen3", vocab_size=300, head_dim=16, tie_word_embeddings=True),
+        "llama_tied": dict(model_type="llama", vocab_size=301, tie_word_embeddings=True),
+        "llama_untied": dict(model_type="llama", vocab_size=301, tie_word_embeddings=False),
+    }[family]
+    config_dict = {**base, **settings}
+    kwargs = {k: v for k, v in config_dict.items() if k != "model_type"}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config_dict["model_type"], **kwargs))
+    unique = {id(p): p.numel() for p in model.parameters()}
+    assert memory_plan.shape_from_config(config_dict).num_params() == sum(unique.values())
+
+
+def test_the_7b_shape_counts_7_6_billion_parameters() -> None:
+    # Qwen2.5-7B's model card: 7.61B parameters.
+    assert memory_plan.shape_from_config(QWEN25_7B).num_params() == pytest.approx(7.61e9, rel=0.005)
