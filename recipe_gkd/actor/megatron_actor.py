@@ -552,9 +552,11 @@ class MegatronActor:
 
         self._enter_device()
         start = time.perf_counter()
+        self._init_empty_optimizer_state()
         loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), path)
         self._model.module.load_state_dict(loaded["model"], strict=True)
         self.optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(self.optimizer)
         # fp32 main params (bf16 training) are the optimizer's copy: refresh them from the model.
         self.optimizer.reload_model_params()
         state = torch.load(Path(path) / ACTOR_STATE_FILE, weights_only=False)
@@ -566,9 +568,31 @@ class MegatronActor:
         dist.barrier()
         return {"load_s": time.perf_counter() - start, "steps": float(self._steps)}
 
+    def _init_empty_optimizer_state(self) -> None:
+        """Give a distributed optimizer that has not stepped yet its Adam state, to be overwritten by the load.
+
+        megatron-core 0.16.1's DistributedOptimizer.state_dict() (optimizer/distrib_optimizer.py)
+        reads every parameter's Adam `step` when neither Apex nor Transformer Engine provides the
+        fused Adam, so loading into a fresh one fails; its own
+        `_init_optimizer_states_with_dummy_values` (one step with zero gradients, used by megatron
+        for the FSDP format) creates the state. The main params it touches are reloaded from the
+        model after the load (`reload_model_params`).
+        """
+        if not self.cfg.actor.megatron.distributed_optimizer:
+            return
+        for leaf in _leaf_optimizers(self.optimizer):
+            if not leaf.optimizer.state:
+                leaf._init_optimizer_states_with_dummy_values()
+            _keep_adam_step_on_reshardable_load(leaf)
+
     def _sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
         model_sd = self._model.module.sharded_state_dict()
-        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+        # The distributed optimizer's default format (fully_sharded_model_space) is refused by
+        # megatron-core 0.16.1's own checkpointing (flattened ranges); fully_reshardable gathers its
+        # shards into per-parameter tensors, so a checkpoint loads at another TP / PP / DP size.
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        optimizer_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+        return {"model": model_sd, "optimizer": optimizer_sd}
 
     # ------------------------------------------------------------------------- probes and export
 
@@ -764,6 +788,44 @@ def _no_teacher(batch: int, length: int, device: torch.device) -> tuple[Tensor, 
         torch.zeros(batch, length, dtype=torch.bool, device=device),
         0,
     )
+
+
+def _keep_adam_step_on_reshardable_load(optimizer: Any) -> None:
+    """Let a fully_reshardable load set torch Adam's per-parameter `step` (megatron-core 0.16.1 fix).
+
+    Without Apex / Transformer Engine, DistributedOptimizer.load_state_dict puts the checkpoint's
+    step into every torch Adam state, then `_set_main_param_and_optimizer_states` copies each
+    saved tensor into *every* state key, and the fully_reshardable format saves no "step":
+    KeyError (optimizer/distrib_optimizer.py). The step is already restored at that point, so it
+    is passed through as is. Bound to this optimizer instance only.
+    """
+    if getattr(optimizer, "_gkd_step_kept", False):
+        return
+    original = optimizer._set_main_param_and_optimizer_states
+
+    def set_states(model_param: Any, tensors: dict[str, Any]) -> None:
+        group_index, group_order = optimizer.model_param_group_index_map[model_param]
+        state = optimizer.optimizer.state[optimizer.optimizer.param_groups[group_index]["params"][group_order]]
+        if "step" in state and "step" not in tensors:
+            tensors = {**tensors, "step": state["step"]}
+        original(model_param, tensors)
+
+    optimizer._set_main_param_and_optimizer_states = set_states
+    optimizer._gkd_step_kept = True
+
+
+def _unshare_adam_steps(optimizer: Any) -> None:
+    """One `step` tensor per parameter again after a distributed-optimizer load (megatron-core 0.16.1 fix).
+
+    Without Apex / Transformer Engine, DistributedOptimizer.load_state_dict gives every torch
+    Adam state the *same* step tensor; torch's Adam then adds 1 to it once per parameter, so the
+    bias correction of every later step is wrong (measured: step 2 -> 17 after one step of a
+    15-parameter model). A no-op for the other optimizers (their states hold separate steps).
+    """
+    for leaf in _leaf_optimizers(optimizer):
+        for state in leaf.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
 
 def _leaf_optimizers(optimizer: Any) -> list[Any]:

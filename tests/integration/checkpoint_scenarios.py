@@ -25,11 +25,12 @@ def main() -> None:
         parser.add_argument(name, type=int, required=True)
     for name in ("--model", "--checkpoint", "--mode", "--out"):
         parser.add_argument(name, required=True)
-    parser.add_argument("--parallel", choices=("tp", "pp"), default="tp")
+    # dp: every rank a data-parallel replica, with megatron's distributed optimizer (sharded state).
+    parser.add_argument("--parallel", choices=("tp", "pp", "dp"), default="tp")
     args = parser.parse_args()
     from recipe_gkd.actor.megatron_actor import MegatronActor
 
-    split = {args.parallel: args.world}
+    split: dict[str, object] = {"distributed_optimizer": True} if args.parallel == "dp" else {args.parallel: args.world}
     cfg = make_cfg(args.model, args.world, "cpu", **split, micro_batch_size=4, lr=1e-3, warmup_steps=3)
     actor = MegatronActor(cfg, args.rank, args.world, "127.0.0.1", args.port)
     actor.setup()

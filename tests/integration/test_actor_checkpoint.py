@@ -90,3 +90,10 @@ def test_resume_equals_uninterrupted_at_another_pipeline_size(tmp_path: Path) ->
     # saved once and loaded into both stages; 4 layers, so stage 1 holds layers 2-3 as its 0-1.
     model = build_tiny_causal_lm(tmp_path / "model", seed=0, spec=TinyModelSpec(num_layers=4))
     _resume_at_the_other_size(model, tmp_path, "pp")
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_resumes_at_another_data_parallel_size(tmp_path: Path) -> None:
+    # The optimizer state is sharded over data parallel: saved at DP=1 and DP=2, each loaded at the other.
+    model = build_tiny_causal_lm(tmp_path / "model", seed=0, spec=TinyModelSpec(tie_word_embeddings=False))
+    _resume_at_the_other_size(model, tmp_path, "dp")

@@ -97,6 +97,12 @@ BAD_VALUES = [
     (["algorithm.temperature=0.5"], "algorithm.temperature"),
     (["teacher.temperature=2.0"], "algorithm.temperature"),
     (["teacher.temperature=0.5", "algorithm.temperature=0.5"], "teacher.temperature"),  # vllm teacher: T=1 only
+    (["actor.megatron.recompute=partial"], "actor.megatron.recompute"),
+    (["actor.megatron.attention=flash"], "actor.megatron.attention"),
+    (["actor.megatron.distributed_optimizer=maybe"], "actor.megatron.distributed_optimizer"),
+    (["actor.max_tokens_per_micro_batch=-1"], "actor.max_tokens_per_micro_batch"),
+    (["actor.max_tokens_per_micro_batch=100"], "actor.max_tokens_per_micro_batch"),  # < one 512+256 sequence
+    (["cluster.gpu_memory_gib=0"], "cluster.gpu_memory_gib"),
 ]
 
 
@@ -294,3 +300,10 @@ def test_gpu_presets_pair_real_models_and_can_start(path: Path) -> None:
     assert is_loopback(cfg.teacher.address) or cfg.teacher.secret_file, (
         f"{cfg.teacher.address} is not loopback: start_teacher.sh refuses it without teacher.secret_file"
     )
+
+
+def test_a_token_budget_replaces_the_micro_batch_size_rule() -> None:
+    # micro_batch_size 7 does not divide the per-rank batch; with micro-batches by tokens it is unused.
+    assert _error(["actor.micro_batch_size=7"]).key == "actor.micro_batch_size"
+    cfg = load_config(ONE_BY_EIGHT, ["actor.micro_batch_size=7", "actor.max_tokens_per_micro_batch=8192"])
+    assert cfg.actor.max_tokens_per_micro_batch == 8192

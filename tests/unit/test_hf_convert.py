@@ -314,3 +314,20 @@ def test_a_rank_reads_only_its_stage_and_gets_its_shards(tmp_path: Path, tied: b
     assert hf_convert.HFCheckpointReader(tmp_path).numel("model.norm.weight") == arch.hidden_size
     with pytest.raises(KeyError, match=r"model\.student_path"):
         hf_convert.HFCheckpointReader(tmp_path).read("model.nope")
+
+
+@pytest.mark.parametrize(
+    ("recompute", "attention", "expected"),
+    [
+        ("none", "sdpa", {"recompute_granularity": None}),
+        ("selective", "sdpa", {"recompute_granularity": "selective", "recompute_modules": ["mlp"]}),
+        ("selective", "unfused", {"recompute_granularity": "selective", "recompute_modules": ["mlp", "core_attn"]}),
+        (
+            "full",
+            "sdpa",
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        ),
+    ],
+)
+def test_recompute_setting_maps_to_megatrons_fields(recompute: str, attention: str, expected: dict) -> None:
+    assert hf_convert.recompute_settings(recompute, attention) == expected
