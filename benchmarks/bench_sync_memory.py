@@ -89,7 +89,7 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import ray
 
-    from recipe_gkd.workers import actor_worker_class
+    from recipe_gkd.actor.worker import actor_worker_class
 
     spec = TinyModelSpec(
         hidden_size=args.hidden,

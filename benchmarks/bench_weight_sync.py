@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from recipe_gkd.config import WeightSyncConfig, load_config  # noqa: E402
 from recipe_gkd.ports import reserve_ports  # noqa: E402
-from recipe_gkd.rollout.base import RolloutWorker  # noqa: E402
+from recipe_gkd.rollout.worker import RolloutWorker  # noqa: E402
 from recipe_gkd.weight_sync import MIB, CollectiveChannel, load_draining, put_buckets, sync_weights  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_weight_sync.json"

@@ -355,7 +355,7 @@ def prepare_resume(cfg: GKDConfig, log: Any = print) -> Path | None:
 
 def save(cfg: GKDConfig, workers: Any, step: int, version: int) -> Path:
     """Checkpoint after `step` trained batches: actor state, data positions; atomic; keep trainer.keep_last."""
-    from recipe_gkd.workers import wait
+    from recipe_gkd.watchdog import wait
 
     start = time.perf_counter()
     timeout = cfg.debug.hang_timeout_s
@@ -376,8 +376,8 @@ def restore(cfg: GKDConfig, workers: Any, path: Path) -> tuple[int, int]:
 
     Returns (trained steps, weight version) to continue from.
     """
+    from recipe_gkd.watchdog import wait
     from recipe_gkd.weight_sync import sync_weights
-    from recipe_gkd.workers import wait
 
     start = time.perf_counter()
     timeout = cfg.debug.hang_timeout_s

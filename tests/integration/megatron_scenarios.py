@@ -195,6 +195,11 @@ JOBS: dict[str, Callable[[Job], None]] = {
     "unfused": _train_job("llama_tied", [1], micro_batch_size=8, attention="unfused", **NO_CLIP),
     "dp2": _train_job("llama_tied", [1], micro_batch_size=2, **NO_CLIP),
     "dp2_distopt": _train_job("llama_tied", [1], micro_batch_size=2, distributed_optimizer=True, **NO_CLIP),
+    # bf16 params with fp32 master weights, sharded (the GPU presets' setting) vs replicated; three clipped steps.
+    "bf16_dp2": _train_job("llama_tied", [1, 2, 3], micro_batch_size=2, precision="bf16", lr=1e-3),
+    "bf16_dp2_distopt": _train_job(
+        "llama_tied", [1, 2, 3], micro_batch_size=2, precision="bf16", distributed_optimizer=True, lr=1e-3
+    ),
     # TP=2 vs TP=1: three steps on different batches, Adam with clipping at 1.0, warmup.
     "tp1_steps": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, warmup_steps=2),
     "tp2_steps": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, warmup_steps=2),

@@ -42,7 +42,7 @@ WEIGHT_TIGHT_FRACTION = 1e-3
 ONE_RANK_JOBS = (
     "logits,mb8,mb1,tp1_steps,tp1_tied_steps,noclip,clip,bf16,tokens50,recompute_full,recompute_selective,unfused"
 )
-TWO_RANK_JOBS = "logits,tp2_steps,tp2_tied_steps,dp2,dp2_distopt,save_tp2,logits_pp,pp2_steps,pp2_tied_steps"
+TWO_RANK_JOBS = "logits,tp2_steps,tp2_tied_steps,dp2,dp2_distopt,bf16_dp2,bf16_dp2_distopt,save_tp2,logits_pp,pp2_steps,pp2_tied_steps"
 # TP=2 x PP=2 and DP=2 x PP=2: every parallelism together (gathers on a later stage, DP + tied-embedding all-reduces).
 FOUR_RANK_JOBS = "tp2pp2_steps,dp2pp2"
 PORTS_PER_LAUNCH = 32  # one per actor a launch builds (every model twice in the logits jobs)
@@ -353,6 +353,19 @@ def test_distributed_optimizer_shards_the_state_and_gives_the_same_update(runs: 
     """megatron's DistributedOptimizer over DP=2 (gloo): the DP=1 update, with half the Adam state per rank."""
     sharded, replicated = result(runs, "w2", "dp2_distopt"), result(runs, "w2", "dp2")
     assert_same_update(result(runs, "w1", "mb8"), sharded)
+    ratio = int(sharded["optimizer_state_numel"]) / int(replicated["optimizer_state_numel"])
+    assert 0.45 <= ratio <= 0.55, ratio
+
+
+@pytest.mark.slow
+def test_bf16_with_sharded_fp32_master_weights_trains_like_replicated(runs: dict[str, Path]) -> None:
+    """The GPU presets' setting (bf16 params, fp32 master weights + Adam sharded over DP=2): three clipped steps."""
+    sharded, replicated = result(runs, "w2", "bf16_dp2_distopt"), result(runs, "w2", "bf16_dp2")
+    np.testing.assert_allclose(sharded["loss"], replicated["loss"], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(sharded["grad_norm"], replicated["grad_norm"], rtol=LOSS_RTOL)
+    assert_same_weights(prefixed(replicated, "after"), prefixed(sharded, "after"))
+    before = prefixed(replicated, "before")
+    assert any(not np.array_equal(w, before[n]) for n, w in prefixed(sharded, "after").items())
     ratio = int(sharded["optimizer_state_numel"]) / int(replicated["optimizer_state_numel"])
     assert 0.45 <= ratio <= 0.55, ratio
 

@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from recipe_gkd.actor.worker import actor_worker_class
 from recipe_gkd.batch import Sequence, TrainShard
 from recipe_gkd.config import WeightSyncConfig, load_config
 from recipe_gkd.ports import reserve_ports
-from recipe_gkd.rollout.base import RolloutWorker, make_engine
+from recipe_gkd.rollout.worker import RolloutWorker, make_engine
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.weight_sync import sync_weights
-from recipe_gkd.workers import actor_worker_class
 from teacher_server.protocol import scores_from_logprobs
 
 TOP_K = 4

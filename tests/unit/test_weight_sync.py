@@ -11,7 +11,7 @@ import pytest
 
 from recipe_gkd.config import WeightSyncConfig, load_config
 from recipe_gkd.ports import reserve_ports
-from recipe_gkd.rollout.base import RolloutWorker
+from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.weight_sync import (
     MIB,
     CollectiveChannel,

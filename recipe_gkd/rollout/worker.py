@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from recipe_gkd.batch import RolloutStats, Sequence, TrainShard
 from recipe_gkd.config import GKDConfig, rollout_engines
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, encode_prompt, encode_response
 from recipe_gkd.metrics import worker_memory_mb
-from teacher_server.protocol import TeacherTopK
+from recipe_gkd.rollout.engine import Engine, Scorer
 
 # Salt that separates the on/off-policy coin flips from the epoch order's random stream.
 MIX_SALT = 0x6B64
@@ -28,14 +28,6 @@ MIX_SALT = 0x6B64
 SAMPLE_SALT = 0x5EED
 # Data positions remembered per generated batch: enough for the deepest pipeline plus the checkpoint.
 POSITIONS_KEPT = 4
-
-
-@dataclass
-class Generation:
-    """One sampled response: token ids (ending with EOS unless cut by max_new_tokens) and their logprobs."""
-
-    response_ids: list[int]
-    logprobs: np.ndarray  # float32 [len(response_ids)], under the unscaled student distribution
 
 
 @dataclass
@@ -48,38 +40,6 @@ class Generated:
     responses: list[tuple[list[int], np.ndarray | None]]
     weight_version: int  # the weights these were sampled with
     seconds: float
-
-
-class Engine(Protocol):
-    """What a rollout backend implements."""
-
-    tokenizer: Any
-
-    def generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None = None) -> list[Generation]: ...
-
-    def update_weights(self, named: Iterator[tuple[str, Any]]) -> set[str]:
-        """Load a whole version from a stream of (HF name, array or tensor); raise if any tensor is left stale."""
-        ...
-
-    def join_weight_group(
-        self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float
-    ) -> None:
-        """Join the gloo/nccl weight-sync group from rank `first_rank` (one rank per receiving process)."""
-        ...
-
-    def receive_weights(self) -> set[str]:
-        """Receive one version over the weight-sync group and load it (draining the rest on an error)."""
-        ...
-
-    def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray: ...
-
-
-class Scorer(Protocol):
-    """The teacher as the rollout worker sees it."""
-
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
-        """Per sequence: the teacher's top-k, tail and sampled-token logprob for positions score_from.."""
-        ...
 
 
 def make_engine(cfg: GKDConfig) -> Engine:

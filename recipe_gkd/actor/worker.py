@@ -1,0 +1,69 @@
+"""The actor rank as a Ray actor: MegatronActor plus the methods that take and give Ray object refs.
+
+MegatronActor stays a plain class (tests build it directly); the driver applies `ray.remote` to
+the class `actor_worker_class()` returns (recipe_gkd/workers.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def actor_worker_class() -> type:
+    """MegatronActor plus the Ray-facing methods (imported lazily: megatron stays out of the driver)."""
+    from recipe_gkd.actor.megatron_actor import MegatronActor
+
+    class ActorWorker(MegatronActor):  # type: ignore[misc, valid-type]
+        def train_refs(self, shard_refs: list[Any]) -> dict[str, float]:
+            """Train on the TrainShards behind `shard_refs` (one per rollout worker)."""
+            import ray
+
+            from recipe_gkd.metrics import worker_memory_mb
+
+            stats = self.train_step(ray.get(shard_refs))
+            if self.cfg.debug.log_memory:
+                stats.update(worker_memory_mb(f"actor{self.rank}"))
+            return stats
+
+        def eval_refs(self, shard_refs: list[Any]) -> dict[str, float]:
+            import ray
+
+            return self.eval_loss(ray.get(shard_refs))
+
+        def export_weight_buckets(self, bucket_mb: int) -> list[Any] | None:
+            """Every rank gathers over TP; rank 0 puts the buckets as they fill and returns their refs."""
+            from recipe_gkd.weight_sync import put_buckets
+
+            refs = put_buckets(self.iter_hf_weights(), bucket_mb)
+            return refs if self.rank == 0 else None
+
+        def init_weight_group(self, backend: str, host: str, port: int, world_size: int, timeout_s: float) -> None:
+            """Rank 0 only: open the weight-sync group as its rank 0 (the rollout workers join)."""
+            from recipe_gkd.weight_sync import CollectiveChannel
+
+            self.weight_channel = CollectiveChannel(backend, host, port, 0, world_size, timeout_s)
+
+        def broadcast_weights(self, bucket_mb: int) -> dict[str, float]:
+            """Every rank gathers over TP; rank 0 broadcasts the buckets to the rollout workers as they fill."""
+            import torch
+
+            from recipe_gkd.config import Precision
+            from recipe_gkd.weight_sync import MIB, TimedIterator
+
+            weights = TimedIterator(self.iter_hf_weights())
+            if self.rank != 0:
+                for _ in weights:  # yields nothing here: this rank's part is the TP gathers
+                    pass
+                return {}
+            start = time.perf_counter()
+            # Buckets travel in the training dtype (bf16 halves the bytes of fp32 exports).
+            wire_dtype = torch.bfloat16 if self.cfg.actor.precision == Precision.bf16 else None
+            sent = self.weight_channel.send(weights, bucket_mb * MIB, dtype=wire_dtype)
+            return {
+                "export_s": weights.seconds,
+                "send_s": time.perf_counter() - start - weights.seconds,
+                "bytes": float(sent),
+            }
+
+    return ActorWorker

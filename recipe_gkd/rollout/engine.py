@@ -1,0 +1,55 @@
+"""What a rollout backend is to the rollout worker: the Engine and Scorer protocols and one `Generation`.
+
+The worker (recipe_gkd/rollout/worker.py) picks the backend (`make_engine`); the backends
+(rollout/hf.py, rollout/vllm.py) implement `Engine`; the teacher client implements `Scorer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from teacher_server.protocol import TeacherTopK
+
+
+@dataclass
+class Generation:
+    """One sampled response: token ids (ending with EOS unless cut by max_new_tokens) and their logprobs."""
+
+    response_ids: list[int]
+    logprobs: np.ndarray  # float32 [len(response_ids)], under the unscaled student distribution
+
+
+class Engine(Protocol):
+    """What a rollout backend implements."""
+
+    tokenizer: Any
+
+    def generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None = None) -> list[Generation]: ...
+
+    def update_weights(self, named: Iterator[tuple[str, Any]]) -> set[str]:
+        """Load a whole version from a stream of (HF name, array or tensor); raise if any tensor is left stale."""
+        ...
+
+    def join_weight_group(
+        self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float
+    ) -> None:
+        """Join the gloo/nccl weight-sync group from rank `first_rank` (one rank per receiving process)."""
+        ...
+
+    def receive_weights(self) -> set[str]:
+        """Receive one version over the weight-sync group and load it (draining the rest on an error)."""
+        ...
+
+    def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray: ...
+
+
+class Scorer(Protocol):
+    """The teacher as the rollout worker sees it."""
+
+    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
+        """Per sequence: the teacher's top-k, tail and sampled-token logprob for positions score_from.."""
+        ...
