@@ -54,7 +54,7 @@ def report_memory_plan(cfg: GKDConfig) -> bool:
     memory = build_memory_plan(cfg)
     if memory is None:
         return True
-    print(format_memory_plan(memory), flush=True)
+    print(format_memory_plan(memory, cfg.cluster.gpu_memory_gib), flush=True)
     try:
         check_memory_plan(memory)
     except ConfigError as err:

@@ -373,8 +373,8 @@ def build_memory_plan(cfg: GKDConfig) -> MemoryPlan | None:
     return MemoryPlan(roles=roles, skipped=skipped)
 
 
-def format_memory_plan(plan: MemoryPlan) -> str:
-    lines = ["memory plan (estimate, GiB per GPU):"]
+def format_memory_plan(plan: MemoryPlan, gpu_memory_gib: float) -> str:
+    lines = [f"memory plan (estimate, GiB per GPU of cluster.gpu_memory_gib={gpu_memory_gib}):"]
     for role in plan.roles:
         verdict = "fits" if role.fits else "DOES NOT FIT"
         lines.append(

@@ -138,6 +138,7 @@ def test_a_7b_student_on_one_actor_gpu_exits_2_naming_the_split(
     assert code == 2
     assert "config error at `actor.megatron.tp`: actor rank does not fit" in err
     assert "actor rank (x1)" in out and "DOES NOT FIT" in out
+    assert "GiB per GPU of cluster.gpu_memory_gib=79.0" in out  # the key to set for other GPUs
 
 
 def test_a_7b_student_at_the_presets_split_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -160,7 +161,7 @@ def test_every_gpu_preset_fits_its_own_plan(preset: Path, hub_cache: Path) -> No
     planned = {role.role for role in plan.roles}
     assert {"actor rank", "rollout GPU"} <= planned
     for role in plan.roles:
-        assert role.fits, memory_plan.format_memory_plan(plan)
+        assert role.fits, memory_plan.format_memory_plan(plan, 79.0)
     memory_plan.check_memory_plan(plan)
 
 
