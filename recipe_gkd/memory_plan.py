@@ -203,7 +203,12 @@ def actor_bytes_per_token_and_layer(
 
 
 def actor_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
-    """The heaviest actor rank: the first pipeline stage (embedding + in-flight micro-batches) or the last (logits)."""
+    """The heaviest actor rank, bounded from above.
+
+    With pp > 1 the first stage holds the embedding and the most micro-batches in flight, the
+    last one the output layer and the logits; the estimate takes the larger of the two end
+    layers and adds both the first stage's activations and the last stage's logits.
+    """
     a, m = cfg.actor, cfg.actor.megatron
     tp, pp, dp = m.tp, m.pp, actor_data_parallel_size(cfg)
     bf16 = a.precision == Precision.bf16
@@ -278,13 +283,26 @@ def _actor_remedy(cfg: GKDConfig, role: RoleMemory) -> tuple[str, str]:
 
 
 def vllm_memory(
-    role: str, gpus: int, shape: Shape, tp: int, utilization: float, max_len: int, cfg: GKDConfig, scores: bool
+    role: str,
+    gpus: int,
+    shape: Shape,
+    tp: int,
+    utilization: float,
+    max_len: int,
+    cfg: GKDConfig,
+    *,
+    dtype_bytes: int,
+    scores: bool,
 ) -> RoleMemory:
-    """One GPU of a vLLM engine with `tp` GPUs: bf16 weights, runtime reserve, [prompt log-prob buffer], KV cache."""
+    """One GPU of a vLLM engine with `tp` GPUs: weights, runtime reserve, [prompt log-prob buffer], KV cache.
+
+    Weights and KV cache are in the engine's dtype (`dtype_bytes`; vLLM's kv_cache_dtype "auto").
+    """
     capacity = cfg.cluster.gpu_memory_gib * GIB
     budget = utilization * capacity
-    weights = shape.num_params() * 2 / tp
-    parts = [(f"weights (bf16, {shape.num_params() / 1e9:.2f}B params / tp {tp})", weights)]
+    weights = shape.num_params() * dtype_bytes / tp
+    dtype = {2: "bf16", 4: "fp32"}[dtype_bytes]
+    parts = [(f"weights ({dtype}, {shape.num_params() / 1e9:.2f}B params / tp {tp})", weights)]
     parts.append(("vLLM runtime (CUDA graphs, sampler, profile activations)", VLLM_RESERVE_GIB * GIB))
     if scores:
         # One scheduled chunk's full-vocabulary fp32 logits and log-probs (vLLM's prompt log-probs
@@ -297,7 +315,7 @@ def vllm_memory(
             )
         )
     kv = budget - sum(b for _, b in parts)
-    per_token = shape.kv_bytes_per_token(tp, 2)
+    per_token = shape.kv_bytes_per_token(tp, dtype_bytes)
     kv_tokens = int(kv // per_token) if kv > 0 else 0
     parts.append((f"KV cache ({kv_tokens} tokens at {per_token / 1024:.0f} KiB each)", max(kv, 0.0)))
     memory = RoleMemory(role=role, gpus=gpus, parts=parts, capacity=budget)
@@ -313,15 +331,18 @@ def vllm_memory(
 def rollout_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
     r = cfg.rollout
     max_len = cfg.data.max_prompt_length + r.sampling.max_new_tokens
+    # The rollout engine loads the student in the training precision (recipe_gkd/rollout/vllm.py).
+    dtype_bytes = 4 if cfg.actor.precision == Precision.fp32 else 2
+    gpus = r.nnodes * r.gpus_per_node
     memory = vllm_memory(
-        "rollout GPU", r.nnodes * r.gpus_per_node, shape, r.tp, r.gpu_memory_utilization, max_len, cfg, False
+        "rollout GPU", gpus, shape, r.tp, r.gpu_memory_utilization, max_len, cfg, dtype_bytes=dtype_bytes, scores=False
     )
     if not memory.fits:
         memory.key = "rollout.gpu_memory_utilization" if r.gpu_memory_utilization < 0.9 else "rollout.tp"
     else:
-        engines = r.nnodes * r.gpus_per_node // r.tp
+        engines = gpus // r.tp
         prompts = cfg.data.train_batch_size // engines
-        kv_tokens = memory.parts[-1][1] / shape.kv_bytes_per_token(r.tp, 2)
+        kv_tokens = memory.parts[-1][1] / shape.kv_bytes_per_token(r.tp, dtype_bytes)
         memory.notes.append(
             f"{min(prompts, int(kv_tokens // max_len))} of its {prompts} prompts per step fit at full length at once"
         )
@@ -331,6 +352,9 @@ def rollout_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
 def teacher_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
     t = cfg.teacher
     max_len = t.max_model_len or shape.max_position_embeddings
+    # teacher.dtype auto: vLLM keeps a 16-bit checkpoint's dtype and casts an fp32 one to fp16
+    # (vllm/config/model.py, ModelConfig.dtype).
+    dtype_bytes = 4 if t.dtype == "float32" else 2
     memory = vllm_memory(
         "teacher GPU",
         t.replicas * t.gpus_per_replica,
@@ -339,7 +363,8 @@ def teacher_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
         t.gpu_memory_utilization,
         max_len,
         cfg,
-        True,
+        dtype_bytes=dtype_bytes,
+        scores=True,
     )
     if not memory.fits:
         memory.key = "teacher.max_model_len" if not t.max_model_len else "teacher.gpus_per_replica"

@@ -209,16 +209,6 @@ def check_context_parallel(cp_size: int) -> None:
         )
 
 
-def load_hf_state(model_dir: str | Path) -> dict[str, Tensor]:
-    """Every tensor of an HF safetensors checkpoint (single file or sharded with an index), fp32."""
-    from safetensors.torch import load_file
-
-    state: dict[str, Tensor] = {}
-    for file in _safetensors_files(Path(model_dir)):
-        state.update({name: t.float() for name, t in load_file(str(file)).items()})
-    return state
-
-
 def _safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / SAFETENSORS_INDEX
     if index.is_file():

@@ -261,14 +261,19 @@ def test_rank_layout_puts_pipeline_stages_outermost() -> None:
     assert [x.is_last_stage for x in layouts] == [False] * 4 + [True] * 4
 
 
-def test_load_hf_state_reads_safetensors(tmp_path: Path) -> None:
+def read_all(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    reader = hf_convert.HFCheckpointReader(model_dir)
+    return {name: reader.read(name) for name in names}
+
+
+def test_checkpoint_reader_reads_safetensors(tmp_path: Path) -> None:
     model = llama(tied=False)
     model.save_pretrained(tmp_path)
-    state = hf_convert.load_hf_state(tmp_path)
+    state = read_all(tmp_path, list(hf_params(model)))
     for name, tensor in hf_params(model).items():
         assert torch.equal(state[name], tensor)
     with pytest.raises(FileNotFoundError, match=r"model\.student_path"):
-        hf_convert.load_hf_state(tmp_path / "missing")
+        hf_convert.HFCheckpointReader(tmp_path / "missing")
 
 
 def test_importing_the_actor_does_not_import_megatron() -> None:
@@ -280,12 +285,12 @@ def test_importing_the_actor_does_not_import_megatron() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=120)
 
 
-def test_load_hf_state_follows_a_sharded_index(tmp_path: Path) -> None:
+def test_checkpoint_reader_follows_a_sharded_index(tmp_path: Path) -> None:
     model = llama(tied=False)
     model.save_pretrained(tmp_path, max_shard_size="50KB")
     assert (tmp_path / hf_convert.SAFETENSORS_INDEX).is_file()
     (tmp_path / "adapter_model.safetensors").write_bytes(b"not part of the model")
-    state = hf_convert.load_hf_state(tmp_path)
+    state = read_all(tmp_path, list(hf_params(model)))
     for name, tensor in hf_params(model).items():
         assert torch.equal(state[name], tensor)
 

@@ -236,3 +236,19 @@ def test_parameter_count_equals_transformers(family: str) -> None:
 def test_the_7b_shape_counts_7_6_billion_parameters() -> None:
     # Qwen2.5-7B's model card: 7.61B parameters.
     assert memory_plan.shape_from_config(QWEN25_7B).num_params() == pytest.approx(7.61e9, rel=0.005)
+
+
+def test_vllm_weights_and_kv_cache_are_in_the_engines_dtype(tmp_path: Path) -> None:
+    """The rollout engine loads the student in the training precision: fp32 doubles weights and KV bytes per token."""
+    student = f"model.student_path={qwen7b_dir(tmp_path)}"
+    rollouts = {}
+    for precision in ("bf16", "fp32"):
+        cfg = load_config(REMOTE_PRESET, [student, f"actor.precision={precision}", "debug.memory_check=false"])
+        plan = memory_plan.build_memory_plan(cfg)
+        assert plan is not None
+        rollouts[precision] = next(r for r in plan.roles if r.role == "rollout GPU")
+    bf16_weights, fp32_weights = rollouts["bf16"].parts[0], rollouts["fp32"].parts[0]
+    assert fp32_weights[1] == 2 * bf16_weights[1] and "fp32" in fp32_weights[0]
+    shape = memory_plan.shape_from_config(QWEN25_7B)
+    assert shape.kv_bytes_per_token(1, 4) == 2 * shape.kv_bytes_per_token(1, 2)
+    assert "KiB each" in rollouts["fp32"].parts[-1][0] and rollouts["fp32"].parts[-1][1] < rollouts["bf16"].parts[-1][1]
