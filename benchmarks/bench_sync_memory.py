@@ -89,7 +89,7 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import ray
 
-    from recipe_gkd.actor.worker import actor_worker_class
+    from recipe_gkd.ray_pools import ray_actor_worker_class
 
     spec = TinyModelSpec(
         hidden_size=args.hidden,
@@ -105,7 +105,7 @@ def main() -> None:
         cfg = load_config(None, [f"model.student_path={model}", "actor.precision=fp32"])
         ray.init(num_cpus=2, num_gpus=1, object_store_memory=int((2 * model_mb + 256) * MIB), include_dashboard=False)
         try:
-            actor = ray.remote(num_cpus=0)(actor_worker_class()).options(num_gpus=1)
+            actor = ray.remote(num_cpus=0)(ray_actor_worker_class()).options(num_gpus=1)
             handle = actor.remote(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0])
             ray.get(handle.setup.remote(), timeout=600)
             runs = [

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from recipe_gkd.config import WeightSyncConfig, load_config  # noqa: E402
 from recipe_gkd.ports import reserve_ports  # noqa: E402
-from recipe_gkd.rollout.worker import RolloutWorker  # noqa: E402
-from recipe_gkd.weight_sync import MIB, CollectiveChannel, load_draining, put_buckets, sync_weights  # noqa: E402
+from recipe_gkd.ray_pools import RayRolloutWorker, put_buckets, sync_weights  # noqa: E402
+from recipe_gkd.weight_sync import MIB, CollectiveChannel, load_draining  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_weight_sync.json"
 HIDDEN = 1024
@@ -107,7 +107,7 @@ class CopyEngine:
         return load_draining(self.channel.receive(), self.update_weights)
 
 
-class Receiver(RolloutWorker):
+class Receiver(RayRolloutWorker):
     def __init__(self, total_mb: int) -> None:
         super().__init__(load_config(None, []), 0, 1)
         self.engine = CopyEngine(total_mb)

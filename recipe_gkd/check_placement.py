@@ -10,72 +10,11 @@ Exits 0 when every worker sits on the GPUs the plan gives it and no two workers 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from dataclasses import dataclass
 
-from recipe_gkd.config import ConfigError, GKDConfig, load_config
-from recipe_gkd.placement import NODE_RESOURCE_PREFIX, PlacementPlan, ResourcePoolManager, build_plan, format_plan
-from recipe_gkd.ray_cluster import ray_cluster
-
-
-@dataclass(frozen=True)
-class Observed:
-    role: str
-    rank: int
-    node: int
-    cuda_visible_devices: str
-    ray_gpu_ids: tuple[int, ...]
-
-
-class PlacementProbe:
-    """A placeholder worker: reports where Ray put it."""
-
-    def where(self) -> tuple[str, tuple[int, ...], str]:
-        import ray
-
-        ids = tuple(int(g) for g in ray.get_gpu_ids())
-        return os.environ.get("CUDA_VISIBLE_DEVICES", ""), ids, ray.get_runtime_context().get_node_id()
-
-
-def observe(cfg: GKDConfig, plan: PlacementPlan) -> list[Observed]:
-    """Start one probe per actor/rollout slot and collect what each sees (Ray must be up)."""
-    import ray
-
-    pools = ResourcePoolManager(plan, cfg.cluster.placement_timeout_s)
-    pools.create()
-    try:
-        probe_cls = ray.remote(num_cpus=0)(PlacementProbe)
-        probes = [
-            probe_cls.options(num_gpus=len(s.gpu_ids), scheduling_strategy=pools.scheduling_strategy(s)).remote()
-            for s in plan.workers
-        ]
-        reports = ray.get([p.where.remote() for p in probes], timeout=cfg.cluster.placement_timeout_s)
-        node_index = _node_index_by_id(plan)
-        observed = [
-            Observed(s.role, s.rank, node_index[node_id], cvd, ids)
-            for s, (cvd, ids, node_id) in zip(plan.workers, reports, strict=True)
-        ]
-        for p in probes:
-            ray.kill(p)
-        return observed
-    finally:
-        pools.remove()
-
-
-def _node_index_by_id(plan: PlacementPlan) -> dict[str, int]:
-    import ray
-
-    index: dict[str, int] = {}
-    for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        labels = [k for k in node["Resources"] if k.startswith(NODE_RESOURCE_PREFIX)]
-        if plan.nnodes == 1:
-            index[node["NodeID"]] = 0
-        elif labels:
-            index[node["NodeID"]] = int(labels[0].removeprefix(NODE_RESOURCE_PREFIX))
-    return index
+from recipe_gkd.config import ConfigError, load_config
+from recipe_gkd.placement import PlacementPlan, build_plan, format_plan
+from recipe_gkd.ray_cluster import Observed, observe, ray_cluster
 
 
 def compare(plan: PlacementPlan, observed: list[Observed]) -> list[str]:

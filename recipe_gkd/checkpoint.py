@@ -29,6 +29,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from recipe_gkd.config import ConfigError, GKDConfig
+from recipe_gkd.pools import Pools
 
 CHECKPOINTS_DIR = "checkpoints"
 ACTOR_DIR = "actor"
@@ -353,16 +354,13 @@ def prepare_resume(cfg: GKDConfig, log: Any = print) -> Path | None:
     return path
 
 
-def save(cfg: GKDConfig, workers: Any, step: int, version: int) -> Path:
+def save(cfg: GKDConfig, pools: Pools, step: int, version: int) -> Path:
     """Checkpoint after `step` trained batches: actor state, data positions; atomic; keep trainer.keep_last."""
-    from recipe_gkd.watchdog import wait
-
     start = time.perf_counter()
-    timeout = cfg.debug.hang_timeout_s
     tmp = staging_dir(cfg.trainer.run_dir, step)
-    wait([a.save_checkpoint.remote(str(tmp / ACTOR_DIR)) for a in workers.actors], timeout, "checkpoint save")
+    pools.actor.save_checkpoint(str(tmp / ACTOR_DIR))
     # The position after the last *trained* batch: read-ahead batches are regenerated on resume.
-    positions = wait([r.data_position.remote(step - 1) for r in workers.rollouts], timeout, "checkpoint positions")
+    positions = pools.rollout.data_positions(step - 1)
     semantic = semantic_config(cfg)
     state = TrainerState(step, version, positions, config_hash(semantic), semantic, saved_at=time.time())
     path = commit(tmp, state)
@@ -371,22 +369,16 @@ def save(cfg: GKDConfig, workers: Any, step: int, version: int) -> Path:
     return path
 
 
-def restore(cfg: GKDConfig, workers: Any, path: Path) -> tuple[int, int]:
+def restore(cfg: GKDConfig, pools: Pools, path: Path) -> tuple[int, int]:
     """Load `path` into every actor rank, set the rollout workers' data positions, sync the weights.
 
     Returns (trained steps, weight version) to continue from.
     """
-    from recipe_gkd.watchdog import wait
-    from recipe_gkd.weight_sync import sync_weights
-
     start = time.perf_counter()
-    timeout = cfg.debug.hang_timeout_s
     state = read_state(path)
-    wait([a.load_checkpoint.remote(str(path / ACTOR_DIR)) for a in workers.actors], timeout, "checkpoint load")
-    positions = redistribute_positions(state.data_positions, len(workers.rollouts), path)
-    sets = [r.set_position.remote(p) for r, p in zip(workers.rollouts, positions, strict=True)]
-    wait(sets, timeout, "checkpoint positions")
+    pools.actor.load_checkpoint(str(path / ACTOR_DIR))
+    pools.rollout.set_positions(redistribute_positions(state.data_positions, pools.rollout.size, path))
     # The rollout engines hold the initial student: give them the checkpoint's weights and version.
-    sync_weights(workers.actors, workers.rollouts, state.weight_version, cfg.weight_sync)
+    pools.weights.push(state.weight_version)
     print(f"restored step {state.step} from {path} in {time.perf_counter() - start:.1f}s", flush=True)
     return state.step, state.weight_version

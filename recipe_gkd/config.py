@@ -8,6 +8,7 @@ Nothing is ever rewritten silently: a bad value is an error that names the key t
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import enum
 from collections.abc import Sequence
@@ -18,22 +19,20 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+# The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.
+from teacher_server.config import (
+    ConfigError,
+    TeacherConfig,
+    TeacherLocation,
+    bounded,
+    check_fields,
+    require,
+    validate_teacher_section,
+)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "presets" / "cpu_demo.yaml"
-
-
-class ConfigError(ValueError):
-    """A config value is wrong; `key` is the dotted path to change."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"config error at `{key}`: {message}")
-        self.key = key
-        self.message = message
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        # Rebuilt from (key, message) when it crosses a process boundary (a Ray worker's error).
-        return type(self), (self.key, self.message)
 
 
 class Device(enum.StrEnum):
@@ -44,18 +43,6 @@ class Device(enum.StrEnum):
 class RolloutBackend(enum.StrEnum):
     vllm = "vllm"
     hf = "hf"
-
-
-class TeacherBackend(enum.StrEnum):
-    vllm = "vllm"
-    hf = "hf"
-
-
-class TeacherLocation(enum.StrEnum):
-    """Where the teacher's GPUs are: `local` = the GPUs this cluster leaves over, `remote` = elsewhere."""
-
-    local = "local"
-    remote = "remote"
 
 
 class LrScaling(enum.StrEnum):
@@ -115,7 +102,7 @@ class Attention(enum.StrEnum):
 
 @dataclass
 class ClusterConfig:
-    nnodes: int = 1
+    nnodes: int = bounded(1, ge=1)
     gpus_per_node: int = 8
     # The torch device the workers compute on. `cpu` runs everything on CPU (demo, CI).
     device: Device = Device.cuda
@@ -125,18 +112,18 @@ class ClusterConfig:
     # Address of a running Ray cluster ("auto" or "host:port"); null/empty starts a local one.
     ray_address: str | None = None
     ray_num_cpus: int | None = None
-    ray_object_store_mb: int = 256
+    ray_object_store_mb: int = bounded(256, ge=1)
     # Every wait for Ray resources (placement groups, worker start) is bounded by this.
-    placement_timeout_s: float = 120.0
+    placement_timeout_s: float = bounded(120.0, gt=0)
     # Memory of one GPU as torch reports it (an 80 GB H100/A100: ~79 GiB): the budget of the memory plan.
-    gpu_memory_gib: float = 79.0
+    gpu_memory_gib: float = bounded(79.0, gt=0)
 
 
 @dataclass
 class MegatronConfig:
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
+    tp: int = bounded(1, ge=1)
+    pp: int = bounded(1, ge=1)
+    cp: int = bounded(1, ge=1)
     # megatron's distributed optimizer: fp32 master weights and Adam moments sharded over data
     # parallel (gradients reduce-scattered, parameters all-gathered); false: replicated on every rank.
     distributed_optimizer: bool = True
@@ -148,97 +135,52 @@ class MegatronConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
+    lr: float = bounded(1e-6, gt=0)
     # How `lr` scales with the actor's data-parallel size: none, linear (lr * dp), sqrt.
     lr_scaling: LrScaling = LrScaling.none
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
+    clip_grad: float = bounded(1.0, ge=0, note="0 disables clipping")
+    warmup_steps: int = bounded(0, ge=0)
 
 
 @dataclass
 class ActorConfig:
-    nnodes: int = 1
-    gpus_per_node: int = 1
+    nnodes: int = bounded(1, ge=1)
+    gpus_per_node: int = bounded(1, ge=1)
     # First node (0-based) of the actor pool; the pool spans [node_offset, node_offset + nnodes).
-    node_offset: int = 0
+    node_offset: int = bounded(0, ge=0)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     # Sequences per micro-batch (right-padded to the longest), when max_tokens_per_micro_batch is 0.
-    micro_batch_size: int = 1
+    micro_batch_size: int = bounded(1, ge=1)
     # > 0: micro-batches are formed by tokens instead: sequences sorted by length and grouped so
     # that rows x longest row <= this many tokens (micro_batch_size is then unused).
-    max_tokens_per_micro_batch: int = 0
+    max_tokens_per_micro_batch: int = bounded(0, ge=0, note="0: by micro_batch_size")
     precision: Precision = Precision.bf16
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = bounded(1.0, gt=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
     # 0 disables top-k filtering.
-    top_k: int = 0
-    max_new_tokens: int = 256
+    top_k: int = bounded(0, ge=0)
+    max_new_tokens: int = bounded(256, ge=1)
 
 
 @dataclass
 class RolloutConfig:
-    nnodes: int = 1
-    gpus_per_node: int = 1
-    node_offset: int = 0
+    nnodes: int = bounded(1, ge=1)
+    gpus_per_node: int = bounded(1, ge=1)
+    node_offset: int = bounded(0, ge=0)
     backend: RolloutBackend = RolloutBackend.vllm
     # GPUs per rollout engine (vLLM tensor parallel); one Ray bundle holds one engine.
-    tp: int = 1
-    gpu_memory_utilization: float = 0.5
+    tp: int = bounded(1, ge=1)
+    gpu_memory_utilization: float = bounded(0.5, gt=0, le=1)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-
-
-@dataclass
-class TeacherClientConfig:
-    # Concurrent requests the trainer keeps in flight to the server. Not a GPU count.
-    max_inflight: int = 4
-    retries: int = 3
-    # Wire dtype of top-k logprobs: float16 (half the bytes, |error| <= 4e-3 at logprob -16) or float32 (exact).
-    logprob_dtype: str = "float16"
-    # Wire encoding of top-k ids: elias_fano (~1.1 B/id at K=256, decoded to int32) or int32.
-    id_encoding: str = "elias_fano"
-
-
-@dataclass
-class TeacherConfig:
-    address: str = "tcp://127.0.0.1:5555"
-    # Start the server from the driver (CPU demo). On GPU clusters use launch/start_teacher.sh.
-    autostart: bool = False
-    location: TeacherLocation = TeacherLocation.local
-    backend: TeacherBackend = TeacherBackend.vllm
-    model_path: str = ""
-    replicas: int = 1
-    gpus_per_replica: int = 1
-    top_k: int = 64
-    # The largest top_k the server will return; the handshake reports the server's value.
-    max_top_k: int = 256
-    temperature: float = 1.0
-    timeout_s: float = 300.0
-    client: TeacherClientConfig = field(default_factory=TeacherClientConfig)
-    # File holding a shared secret that clients and replicas present; required for a non-loopback address.
-    secret_file: str = ""
-    # The server answers `too_large` to bigger requests; clients split their batches below it.
-    max_request_mb: float = 64.0
-    # hf backend: padded tokens (rows x longest sequence) per forward pass.
-    max_batch_tokens: int = 8192
-    # Requests queued per replica before the server answers `busy` instead of growing memory.
-    queue_depth: int = 8
-    # A replica silent (no heartbeat) this long is dropped and its requests are retried elsewhere.
-    replica_timeout_s: float = 30.0
-    # Teacher weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.
-    dtype: str = "auto"
-    # vllm backend: fraction of each replica GPU's memory for weights + KV cache, and the longest
-    # sequence (prompt + response) it scores; 0 takes the model's own maximum.
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int = 0
 
 
 @dataclass
@@ -261,9 +203,9 @@ class DataConfig:
     answer_key: str = "answer"
     apply_chat_template: bool = True
     # Prompts per training step, over all rollout workers.
-    train_batch_size: int = 64
-    eval_batch_size: int = 64
-    max_prompt_length: int = 512
+    train_batch_size: int = bounded(64, ge=1)
+    eval_batch_size: int = bounded(64, ge=1)
+    max_prompt_length: int = bounded(512, ge=1)
     seed: int = 1
 
 
@@ -271,14 +213,14 @@ class DataConfig:
 class AlgorithmConfig:
     divergence: Divergence = Divergence.forward_kl
     # Generalized JSD interpolation: 0 = forward KL, 1 = reverse KL (TRL's endpoints).
-    beta: float = 0.5
+    beta: float = bounded(0.5, ge=0, le=1)
     # Fraction of each batch generated on-policy by the student (GKD's lambda); rest off-policy.
-    lmbda: float = 1.0
+    lmbda: float = bounded(1.0, ge=0, le=1)
     # Divides the student logits in the loss; must equal teacher.temperature (the server applies that one).
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, gt=0)
     schedule: Schedule = Schedule.sync
     # Refuse to train on a batch sampled with weights older than this many syncs.
-    max_staleness: int = 2
+    max_staleness: int = bounded(2, ge=0)
     # Add the "outside the teacher's top-k" bucket so the divergence is exact over K+1 outcomes.
     tail: bool = True
 
@@ -287,16 +229,16 @@ class AlgorithmConfig:
 class WeightSyncConfig:
     # object_store (Ray's; CPU default, measured fastest there), gloo, or nccl (GPU: rank 0's GPU to the rollouts').
     transport: WeightTransport = WeightTransport.object_store
-    bucket_mb: int = 256
-    timeout_s: float = 300.0
+    bucket_mb: int = bounded(256, ge=1)
+    timeout_s: float = bounded(300.0, gt=0)
 
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 100
-    eval_every: int = 0
-    save_every: int = 0
-    keep_last: int = 2
+    total_steps: int = bounded(100, ge=1)
+    eval_every: int = bounded(0, ge=0)
+    save_every: int = bounded(0, ge=0)
+    keep_last: int = bounded(2, ge=1)
     # auto: resume from the newest complete checkpoint in run_dir; none: start fresh.
     resume: str = "auto"
     run_dir: str = "runs/default"
@@ -307,10 +249,10 @@ class TrainerConfig:
 class DebugConfig:
     log_memory: bool = False
     # A phase running longer than this dumps every worker's stack and stops the run.
-    hang_timeout_s: float = 1800.0
+    hang_timeout_s: float = bounded(1800.0, gt=0)
     # Added to every teacher call by the rollout workers: emulates a remote or busy teacher
     # (benchmarks of the async schedules); 0 in real runs.
-    teacher_latency_s: float = 0.0
+    teacher_latency_s: float = bounded(0.0, ge=0)
     # Refuse to launch (exit 2) when the memory plan says a GPU role does not fit cluster.gpu_memory_gib.
     # false: print the plan and launch anyway (the plan is an estimate; see README "Memory plan").
     memory_check: bool = True
@@ -434,8 +376,8 @@ def _first_line(err: Exception) -> str:
 
 
 def validate(cfg: GKDConfig) -> None:
-    """Every cross-field rule, in one place. Raises ConfigError naming the key and the fix."""
-    _validate_positive(cfg)
+    """The fields' declared bounds, then every cross-field rule, in one place. Raises ConfigError naming the key."""
+    _validate_fields(cfg)
     _validate_gpu_split(cfg)
     _validate_parallelism(cfg)
     _validate_batches(cfg)
@@ -449,20 +391,20 @@ def check_local_paths(cfg: GKDConfig) -> None:
     --dry-run of a cluster preset runs anywhere). Raises ConfigError naming the key."""
     _require_model_dir(cfg.model.student_path, "model.student_path")
     if cfg.model.tokenizer_path:
-        _require(
+        require(
             Path(cfg.model.tokenizer_path).is_dir(), "model.tokenizer_path", f"no directory {cfg.model.tokenizer_path}"
         )
     if cfg.teacher.autostart:
         _require_model_dir(cfg.teacher.model_path, "teacher.model_path")
     for key, files in (("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)):
         for file in files:
-            _require(Path(file).is_file(), key, f"no such data file {file}")
+            require(Path(file).is_file(), key, f"no such data file {file}")
 
 
 def _require_model_dir(path: str, key: str) -> None:
-    _require(bool(path), key, "is empty: set it to a local HF model directory")
+    require(bool(path), key, "is empty: set it to a local HF model directory")
     relative = "" if Path(path).is_absolute() else f" (relative to the current directory {Path.cwd()})"
-    _require(
+    require(
         (Path(path) / "config.json").is_file(),
         key,
         f"{path!r}{relative} is not an HF model directory (no config.json there): give a model directory or a "
@@ -470,98 +412,33 @@ def _require_model_dir(path: str, key: str) -> None:
     )
 
 
-def _require(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(key, message)
-
-
-def _validate_positive(cfg: GKDConfig) -> None:
-    positive = {
-        "cluster.nnodes": cfg.cluster.nnodes,
-        "actor.nnodes": cfg.actor.nnodes,
-        "actor.gpus_per_node": cfg.actor.gpus_per_node,
-        "actor.micro_batch_size": cfg.actor.micro_batch_size,
-        "actor.megatron.tp": cfg.actor.megatron.tp,
-        "actor.megatron.pp": cfg.actor.megatron.pp,
-        "actor.megatron.cp": cfg.actor.megatron.cp,
-        "rollout.nnodes": cfg.rollout.nnodes,
-        "rollout.gpus_per_node": cfg.rollout.gpus_per_node,
-        "rollout.tp": cfg.rollout.tp,
-        "rollout.sampling.max_new_tokens": cfg.rollout.sampling.max_new_tokens,
-        "teacher.replicas": cfg.teacher.replicas,
-        "teacher.gpus_per_replica": cfg.teacher.gpus_per_replica,
-        "teacher.top_k": cfg.teacher.top_k,
-        "teacher.max_top_k": cfg.teacher.max_top_k,
-        "teacher.client.max_inflight": cfg.teacher.client.max_inflight,
-        "data.train_batch_size": cfg.data.train_batch_size,
-        "data.eval_batch_size": cfg.data.eval_batch_size,
-        "data.max_prompt_length": cfg.data.max_prompt_length,
-        "trainer.total_steps": cfg.trainer.total_steps,
-        "trainer.keep_last": cfg.trainer.keep_last,
-        "weight_sync.bucket_mb": cfg.weight_sync.bucket_mb,
-        "cluster.ray_object_store_mb": cfg.cluster.ray_object_store_mb,
-    }
-    for key, value in positive.items():
-        _require(value >= 1, key, f"must be >= 1, got {value}")
-    for key, value in {
-        "cluster.gpus_per_node": cfg.cluster.gpus_per_node,
-        "actor.node_offset": cfg.actor.node_offset,
-        "rollout.node_offset": cfg.rollout.node_offset,
-        "teacher.client.retries": cfg.teacher.client.retries,
-        "trainer.eval_every": cfg.trainer.eval_every,
-        "trainer.save_every": cfg.trainer.save_every,
-        "algorithm.max_staleness": cfg.algorithm.max_staleness,
-        "actor.optim.warmup_steps": cfg.actor.optim.warmup_steps,
-        "rollout.sampling.top_k": cfg.rollout.sampling.top_k,
-    }.items():
-        _require(value >= 0, key, f"must be >= 0, got {value}")
-    for key, fvalue in {
-        "cluster.placement_timeout_s": cfg.cluster.placement_timeout_s,
-        "cluster.gpu_memory_gib": cfg.cluster.gpu_memory_gib,
-        "teacher.timeout_s": cfg.teacher.timeout_s,
-        "weight_sync.timeout_s": cfg.weight_sync.timeout_s,
-        "debug.hang_timeout_s": cfg.debug.hang_timeout_s,
-        "actor.optim.lr": cfg.actor.optim.lr,
-        "algorithm.temperature": cfg.algorithm.temperature,
-        "teacher.temperature": cfg.teacher.temperature,
-        "rollout.sampling.temperature": cfg.rollout.sampling.temperature,
-    }.items():
-        _require(fvalue > 0, key, f"must be > 0, got {fvalue}")
-    _require(
-        0 < cfg.rollout.sampling.top_p <= 1,
-        "rollout.sampling.top_p",
-        f"must be in (0, 1], got {cfg.rollout.sampling.top_p}",
-    )
-    _require(
-        0 < cfg.rollout.gpu_memory_utilization <= 1,
-        "rollout.gpu_memory_utilization",
-        f"must be in (0, 1], got {cfg.rollout.gpu_memory_utilization}",
-    )
-    _require(cfg.actor.optim.clip_grad >= 0, "actor.optim.clip_grad", "must be >= 0 (0 disables clipping)")
-    _require(cfg.debug.teacher_latency_s >= 0, "debug.teacher_latency_s", "must be >= 0")
+def _validate_fields(cfg: GKDConfig) -> None:
+    """The bounds and choices declared on the fields (`bounded`, `one_of`), section by section."""
+    for section in dataclasses.fields(cfg):
+        check_fields(getattr(cfg, section.name), section.name)
 
 
 def _validate_gpu_split(cfg: GKDConfig) -> None:
     """Per node: actor + rollout + teacher = gpus_per_node; teacher GPUs = replicas x gpus_per_replica."""
     c, a, r, t = cfg.cluster, cfg.actor, cfg.rollout, cfg.teacher
-    _require(
+    require(
         c.gpus_per_node >= 1,
         "cluster.gpus_per_node",
         "must be >= 1 (on CPU, set cluster.device=cpu and cluster.fake_gpus=true)",
     )
-    _require(
+    require(
         a.node_offset + a.nnodes <= c.nnodes,
         "actor.nnodes",
         f"the actor pool spans nodes {a.node_offset}..{a.node_offset + a.nnodes - 1} but cluster.nnodes={c.nnodes}",
     )
-    _require(
+    require(
         r.node_offset + r.nnodes <= c.nnodes,
         "rollout.nnodes",
         f"the rollout pool spans nodes {r.node_offset}..{r.node_offset + r.nnodes - 1} but cluster.nnodes={c.nnodes}",
     )
     for node in range(c.nnodes):
         used = node_gpus(cfg, "actor", node) + node_gpus(cfg, "rollout", node)
-        _require(
+        require(
             used <= c.gpus_per_node,
             "actor.gpus_per_node",
             f"node {node} needs actor {node_gpus(cfg, 'actor', node)} + rollout {node_gpus(cfg, 'rollout', node)} = {used} "
@@ -570,7 +447,7 @@ def _validate_gpu_split(cfg: GKDConfig) -> None:
     leftover = [c.gpus_per_node - node_gpus(cfg, "actor", n) - node_gpus(cfg, "rollout", n) for n in range(c.nnodes)]
     if t.location == TeacherLocation.remote:
         idle = {n: g for n, g in enumerate(leftover) if g}
-        _require(
+        require(
             not idle,
             "teacher.location",
             f"teacher.location=remote but GPUs would sit idle (node: count) {idle}; give them to actor/rollout "
@@ -579,14 +456,14 @@ def _validate_gpu_split(cfg: GKDConfig) -> None:
         return
     total_teacher = sum(leftover)
     want = t.replicas * t.gpus_per_replica
-    _require(
+    require(
         total_teacher == want,
         "teacher.replicas",
         f"the split leaves {total_teacher} GPUs for the teacher (per node {leftover}) but teacher.replicas x "
         f"teacher.gpus_per_replica = {t.replicas} x {t.gpus_per_replica} = {want}; make them equal",
     )
     for node, gpus in enumerate(leftover):
-        _require(
+        require(
             gpus % t.gpus_per_replica == 0,
             "teacher.gpus_per_replica",
             f"node {node} has {gpus} teacher GPUs, not a multiple of teacher.gpus_per_replica={t.gpus_per_replica} "
@@ -597,40 +474,40 @@ def _validate_gpu_split(cfg: GKDConfig) -> None:
 def _validate_parallelism(cfg: GKDConfig) -> None:
     a, r = cfg.actor, cfg.rollout
     model_parallel = a.megatron.tp * a.megatron.pp * a.megatron.cp
-    _require(
+    require(
         a.gpus_per_node % a.megatron.tp == 0,
         "actor.megatron.tp",
         f"tp={a.megatron.tp} must divide actor.gpus_per_node={a.gpus_per_node} (a TP group stays inside a node)",
     )
-    _require(
+    require(
         actor_world_size(cfg) % model_parallel == 0,
         "actor.megatron.pp",
         f"tp x pp x cp = {model_parallel} must divide the actor's {actor_world_size(cfg)} GPUs",
     )
     # The megatron actor implements tensor, pipeline and data parallelism; refused here, before anything starts.
-    _require(
+    require(
         a.megatron.cp == 1,
         "actor.megatron.cp",
         f"cp={a.megatron.cp}: context parallelism is not implemented in the actor; set actor.megatron.cp=1",
     )
-    _require(
+    require(
         r.gpus_per_node % r.tp == 0,
         "rollout.tp",
         f"rollout.tp={r.tp} must divide rollout.gpus_per_node={r.gpus_per_node} (an engine stays inside a node)",
     )
-    _require(
+    require(
         not (cfg.cluster.device == Device.cpu and not cfg.cluster.fake_gpus),
         "cluster.fake_gpus",
         "cluster.device=cpu needs cluster.fake_gpus=true (Ray places workers by GPU bundles)",
     )
-    _require(
+    require(
         not (cfg.cluster.device == Device.cpu and cfg.weight_sync.transport == WeightTransport.nccl),
         "weight_sync.transport",
         "nccl needs GPUs: on cluster.device=cpu use weight_sync.transport=object_store or gloo",
     )
     # An engine with TP workers in processes of their own cannot be handed the object store's
     # stream: each worker receives the broadcast itself.
-    _require(
+    require(
         not (
             r.backend == RolloutBackend.vllm and r.tp > 1 and cfg.weight_sync.transport == WeightTransport.object_store
         ),
@@ -642,34 +519,33 @@ def _validate_parallelism(cfg: GKDConfig) -> None:
 def _validate_batches(cfg: GKDConfig) -> None:
     d = cfg.data
     engines = rollout_engines(cfg)
-    _require(
+    require(
         d.train_batch_size % engines == 0,
         "data.train_batch_size",
         f"{d.train_batch_size} prompts must split evenly over {engines} rollout engines",
     )
     dp = actor_data_parallel_size(cfg)
     per_rank, rem = divmod(d.train_batch_size, dp)
-    _require(
+    require(
         rem == 0,
         "data.train_batch_size",
         f"{d.train_batch_size} must be divisible by the actor's data-parallel size {dp}",
     )
     budget = cfg.actor.max_tokens_per_micro_batch
     longest = d.max_prompt_length + cfg.rollout.sampling.max_new_tokens
-    _require(budget >= 0, "actor.max_tokens_per_micro_batch", f"must be >= 0 (0: by micro_batch_size), got {budget}")
-    _require(
+    require(
         budget == 0 or budget >= longest,
         "actor.max_tokens_per_micro_batch",
         f"{budget} tokens cannot hold one sequence of data.max_prompt_length + rollout.sampling.max_new_tokens = "
         f"{longest} tokens; raise it to >= {longest}",
     )
-    _require(
+    require(
         budget > 0 or per_rank % cfg.actor.micro_batch_size == 0,
         "actor.micro_batch_size",
         f"micro_batch_size={cfg.actor.micro_batch_size} must divide the per-rank batch {per_rank} "
         f"(data.train_batch_size {d.train_batch_size} / data-parallel {dp})",
     )
-    _require(
+    require(
         d.eval_batch_size % engines == 0,
         "data.eval_batch_size",
         f"{d.eval_batch_size} prompts must split evenly over {engines} rollout engines",
@@ -678,9 +554,7 @@ def _validate_batches(cfg: GKDConfig) -> None:
 
 def _validate_algorithm(cfg: GKDConfig) -> None:
     al = cfg.algorithm
-    _require(0.0 <= al.beta <= 1.0, "algorithm.beta", f"must be in [0, 1], got {al.beta}")
-    _require(0.0 <= al.lmbda <= 1.0, "algorithm.lmbda", f"must be in [0, 1], got {al.lmbda}")
-    _require(
+    require(
         al.lmbda == 1.0 or bool(cfg.data.response_key),
         "data.response_key",
         "algorithm.lmbda < 1 mixes in dataset responses: set data.response_key",
@@ -688,14 +562,14 @@ def _validate_algorithm(cfg: GKDConfig) -> None:
     # One distillation temperature (TRL's convention): the loss divides the student's logits by
     # algorithm.temperature, the server scores the teacher at teacher.temperature. Different values
     # would train the student to a sharpened or flattened teacher (student == teacher is not the optimum).
-    _require(
+    require(
         al.temperature == cfg.teacher.temperature,
         "algorithm.temperature",
         f"is {al.temperature} but teacher.temperature is {cfg.teacher.temperature}: both sides of the divergence "
         "must be at one temperature; set them to the same value",
     )
     depth = PIPELINE_DEPTH[al.schedule]
-    _require(
+    require(
         al.max_staleness >= depth,
         "algorithm.max_staleness",
         f"schedule {al.schedule.value} trains on data {depth} syncs old; set max_staleness >= {depth}",
@@ -705,85 +579,29 @@ def _validate_algorithm(cfg: GKDConfig) -> None:
 def _validate_teacher(cfg: GKDConfig) -> None:
     t = cfg.teacher
     validate_teacher_section(t)
-    _require(
+    require(
         not (t.autostart and t.location == TeacherLocation.remote),
         "teacher.autostart",
         "the driver can only autostart a local teacher; start a remote one with launch/start_teacher.sh",
     )
-    _require(
+    require(
         not (t.autostart and cfg.cluster.nnodes > 1),
         "teacher.autostart",
         "autostart is for single-node runs; on several nodes start the teacher with launch/start_teacher.sh",
     )
 
 
-TEACHER_DTYPES = ("auto", "float32", "bfloat16", "float16")
-TEACHER_WIRE_DTYPES = ("float16", "float32")
-TEACHER_ID_ENCODINGS = ("elias_fano", "int32")
-
-
-def validate_teacher_section(t: TeacherConfig) -> None:
-    """The rules of the `teacher` section alone (also used for standalone configs/teacher/*.yaml)."""
-    for key, value in {
-        "teacher.replicas": t.replicas,
-        "teacher.gpus_per_replica": t.gpus_per_replica,
-        "teacher.top_k": t.top_k,
-        "teacher.max_top_k": t.max_top_k,
-        "teacher.client.max_inflight": t.client.max_inflight,
-        "teacher.max_batch_tokens": t.max_batch_tokens,
-        "teacher.queue_depth": t.queue_depth,
-    }.items():
-        _require(value >= 1, key, f"must be >= 1, got {value}")
-    _require(t.client.retries >= 0, "teacher.client.retries", f"must be >= 0, got {t.client.retries}")
-    for key, fvalue in {
-        "teacher.timeout_s": t.timeout_s,
-        "teacher.temperature": t.temperature,
-        "teacher.max_request_mb": t.max_request_mb,
-        "teacher.replica_timeout_s": t.replica_timeout_s,
-    }.items():
-        _require(fvalue > 0, key, f"must be > 0, got {fvalue}")
-    _require(t.top_k <= t.max_top_k, "teacher.top_k", f"top_k={t.top_k} exceeds teacher.max_top_k={t.max_top_k}")
-    _require(
-        0 < t.gpu_memory_utilization <= 1,
-        "teacher.gpu_memory_utilization",
-        f"must be in (0, 1], got {t.gpu_memory_utilization}",
-    )
-    _require(t.max_model_len >= 0, "teacher.max_model_len", f"must be >= 0 (0: the model's own), got {t.max_model_len}")
-    _require(
-        t.backend != TeacherBackend.vllm or t.temperature == 1.0,
-        "teacher.temperature",
-        f"is {t.temperature} but the vllm teacher backend scores at temperature 1 only (vLLM returns the top-k "
-        "of the T=1 distribution, from which another temperature cannot be recovered); use teacher.backend=hf",
-    )
-    _require(
-        t.address.startswith(("tcp://", "ipc://")),
-        "teacher.address",
-        f"must be a ZeroMQ address like tcp://127.0.0.1:5555, got {t.address!r}",
-    )
-    _require(t.dtype in TEACHER_DTYPES, "teacher.dtype", f"must be one of {TEACHER_DTYPES}, got {t.dtype!r}")
-    wire = t.client.logprob_dtype
-    _require(
-        wire in TEACHER_WIRE_DTYPES,
-        "teacher.client.logprob_dtype",
-        f"must be one of {TEACHER_WIRE_DTYPES}, got {wire!r}",
-    )
-    enc = t.client.id_encoding
-    _require(
-        enc in TEACHER_ID_ENCODINGS, "teacher.client.id_encoding", f"must be one of {TEACHER_ID_ENCODINGS}, got {enc!r}"
-    )
-
-
 def _validate_trainer(cfg: GKDConfig) -> None:
     tr = cfg.trainer
     bad = [x for x in tr.loggers if x not in VALID_LOGGERS]
-    _require(not bad, "trainer.loggers", f"unknown logger(s) {bad}; choose from {list(VALID_LOGGERS)}")
-    _require(bool(tr.run_dir), "trainer.run_dir", "must not be empty")
-    _require(
+    require(not bad, "trainer.loggers", f"unknown logger(s) {bad}; choose from {list(VALID_LOGGERS)}")
+    require(bool(tr.run_dir), "trainer.run_dir", "must not be empty")
+    require(
         tr.eval_every == 0 or bool(cfg.data.eval_files),
         "data.eval_files",
         f"trainer.eval_every={tr.eval_every} evaluates on held-out prompts: set data.eval_files or trainer.eval_every=0",
     )
-    _require(
+    require(
         tr.resume in ("auto", "none") or Path(tr.resume).exists(),
         "trainer.resume",
         f"must be auto, none or an existing checkpoint path, got {tr.resume!r}",

@@ -12,7 +12,9 @@
     python -m recipe_gkd.main                                            # CPU demo
     python -m recipe_gkd.main --config configs/presets/1x8_a1_r3_t4.yaml  # one 8-GPU node
 
-The driver holds no model and no per-token data: it passes Ray object refs between pools.
+The loop talks to its workers through recipe_gkd/pools.py: on Ray (ray_pools.py, every run)
+the driver holds no model and no per-token data, it passes object refs between the pools;
+in-process (local_pools.py, the tests) the same loop runs with the workers as plain objects.
 """
 
 from __future__ import annotations
@@ -25,16 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from recipe_gkd import checkpoint
-from recipe_gkd.actor.layout import data_parallel_rank
 from recipe_gkd.batch import RolloutStats
 from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig
 from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics
 from recipe_gkd.placement import PlacementPlan
 from recipe_gkd.plots import before_after_table, plot_run
+from recipe_gkd.pools import Pending, Pools, ShardHandle
 from recipe_gkd.ray_cluster import ray_cluster
-from recipe_gkd.watchdog import wait, wait_done
-from recipe_gkd.weight_sync import sync_weights
-from recipe_gkd.workers import Workers, launch_workers
+from recipe_gkd.ray_pools import launch_pools, launch_teacher_accuracy
 
 FINAL_EXPORT_DIR = "final_student"
 # Teacher failures that survived the client's retries (bounded by teacher.timeout_s): the run stops.
@@ -49,10 +49,10 @@ class RunStopped(RuntimeError):
 
 @dataclass
 class Rollout:
-    """One step's data as the driver sees it: stats, and per actor rank the refs of its shards."""
+    """One step's data as the driver sees it: stats, and per actor rank the handles of its shards."""
 
     stats: list[RolloutStats]
-    shard_refs: list[list[Any]]  # [dp rank][rollout worker]
+    shards: list[list[ShardHandle]]  # [dp rank][rollout worker]
     seconds: float
 
 
@@ -61,33 +61,14 @@ def run(cfg: GKDConfig, plan: PlacementPlan) -> Path:
     resume = checkpoint.prepare_resume(cfg)  # before anything starts: a config mismatch exits at once
     metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.loggers, cfg.trainer.total_steps)
     try:
-        with ray_cluster(cfg, plan), teacher_service(cfg) as address, launch_workers(cfg, plan, address) as workers:
-            print(f"workers ready in {workers.setup_s:.1f}s; actor: {workers.actor_summary}", flush=True)
+        with ray_cluster(cfg, plan), teacher_service(cfg) as address, launch_pools(cfg, plan, address) as pools:
+            print(f"workers ready in {pools.setup_s:.1f}s; actor: {pools.actor.summary}", flush=True)
             teacher_accuracy = launch_teacher_accuracy(cfg)
-            train(cfg, workers, metrics, resume)
-            report(
-                cfg,
-                wait([teacher_accuracy], cfg.debug.hang_timeout_s, "teacher accuracy")[0] if teacher_accuracy else None,
-            )
+            train(cfg, pools, metrics, resume)
+            report(cfg, teacher_accuracy())
     finally:
         metrics.close()
     return Path(cfg.trainer.run_dir)
-
-
-def launch_teacher_accuracy(cfg: GKDConfig) -> Any | None:
-    """The teacher's own held-out accuracy, for the before/after table (CPU runs with an HF teacher only).
-
-    Runs greedy decoding of the teacher model as a Ray task beside the training; on GPU
-    clusters the teacher's GPUs belong to the teacher server, so it is not measured there.
-    """
-    if not (cfg.trainer.eval_every and cfg.cluster.device.value == "cpu" and cfg.teacher.backend.value == "hf"):
-        return None
-    import ray
-
-    from recipe_gkd.demo.evaluate import greedy_accuracy
-
-    task = ray.remote(num_cpus=0)(greedy_accuracy)
-    return task.remote(cfg.teacher.model_path, cfg.data.eval_files[0], cfg.data.eval_batch_size)
 
 
 def report(cfg: GKDConfig, teacher_accuracy: float | None) -> None:
@@ -105,30 +86,30 @@ def report(cfg: GKDConfig, teacher_accuracy: float | None) -> None:
     print("\n" + text, flush=True)
 
 
-def train(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger, resume: Path | None) -> None:
+def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | None) -> None:
     # Fresh: the rollout workers start from the same student weights as the actor, version 0.
-    first, version = checkpoint.restore(cfg, workers, resume) if resume else (0, 0)
+    first, version = checkpoint.restore(cfg, pools, resume) if resume else (0, 0)
     if cfg.trainer.eval_every and first == 0:
-        evaluate(cfg, workers, metrics, step=0)
+        evaluate(cfg, pools, metrics, step=0)
     metrics.start_progress(first)
-    pipeline = RolloutPipeline(cfg, workers, first)
+    pipeline = RolloutPipeline(cfg, pools, first)
     for step in range(first, cfg.trainer.total_steps):
         start = time.perf_counter()
-        rollout = next_batch(cfg, workers, pipeline, step, version)  # launches the work the schedule overlaps
+        rollout = next_batch(cfg, pools, pipeline, step, version)  # launches the work the schedule overlaps
         check_staleness(cfg, rollout, version)
-        stats = train_on(cfg, workers, rollout)
+        stats = train_on(pools, rollout)
         pipeline.wait_for_generation()  # the engines must be idle before their weights change
-        sync = sync_weights(workers.actors, workers.rollouts, version + 1, cfg.weight_sync)
+        sync = pools.weights.push(version + 1)
         version += 1
         row = step_row(cfg, step, version, rollout, stats, sync, time.perf_counter() - start)
         if cfg.debug.log_memory:
             row.update(memory_row(rollout, stats))
         metrics.log_step(row)
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
-            evaluate(cfg, workers, metrics, step=step + 1)
+            evaluate(cfg, pools, metrics, step=step + 1)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
-            checkpoint.save(cfg, workers, step + 1, version)
-    export_student(cfg, workers)
+            checkpoint.save(cfg, pools, step + 1, version)
+    export_student(cfg, pools)
 
 
 class RolloutPipeline:
@@ -141,12 +122,12 @@ class RolloutPipeline:
     A resumed run starts at batch `first` (the rollout workers were set back to its data position).
     """
 
-    def __init__(self, cfg: GKDConfig, workers: Workers, first: int = 0) -> None:
-        self.cfg, self.workers, self.first = cfg, workers, first
+    def __init__(self, cfg: GKDConfig, pools: Pools, first: int = 0) -> None:
+        self.rollout, self.dp_size, self.first = pools.rollout, pools.actor.dp_size, first
         self.depth = PIPELINE_DEPTH[cfg.algorithm.schedule]
         self.total = cfg.trainer.total_steps
-        self.generating: dict[int, list[Any]] = {}  # two_step_off: step -> refs of generate()
-        self.producing: dict[int, list[Any]] = {}  # step -> refs of produce() / score()
+        self.generating: dict[int, Pending] = {}  # two_step_off: step -> generate()
+        self.producing: dict[int, Pending] = {}  # step -> produce() / score()
 
     def next_batch(self, step: int) -> Rollout:
         start = time.perf_counter()
@@ -154,7 +135,7 @@ class RolloutPipeline:
             self._prefill(step)
         if self.depth == 0:
             self._produce(step)
-        results = wait(self.producing.pop(step), self.cfg.debug.hang_timeout_s, f"rollout of step {step}")
+        results = self.rollout.wait(self.producing.pop(step), f"rollout of step {step}")
         if self.depth == 1 and step + 1 < self.total:
             self._produce(step + 1)
         if self.depth == 2:
@@ -163,15 +144,14 @@ class RolloutPipeline:
             if step + 2 < self.total:
                 self._generate(step + 2)
         stats = [s for s, _ in results]
-        by_rank = [[refs[d] for _, refs in results] for d in range(self.workers.dp_size)]
-        return Rollout(stats, by_rank, time.perf_counter() - start)
+        return Rollout(stats, by_rank(results, self.dp_size), time.perf_counter() - start)
 
     def wait_for_generation(self) -> None:
         """Block until no engine is sampling (one_step_off waits for the whole produce of t+1)."""
         in_flight = self.generating if self.depth == 2 else self.producing
-        for step, refs in in_flight.items():
+        for step, pending in in_flight.items():
             # Finished, not fetched: a failure (teacher down) surfaces when batch `step` is asked for.
-            wait_done(refs, self.cfg.debug.hang_timeout_s, f"generation of step {step}")
+            self.rollout.wait_done(pending, f"generation of step {step}")
 
     def _prefill(self, step: int) -> None:
         if self.depth == 1:
@@ -183,18 +163,23 @@ class RolloutPipeline:
                 self._generate(step + 1)
 
     def _produce(self, step: int) -> None:
-        self.producing[step] = [r.produce.remote(step, self.workers.dp_size) for r in self.workers.rollouts]
+        self.producing[step] = self.rollout.produce(step)
 
     def _generate(self, step: int) -> None:
-        self.generating[step] = [r.generate.remote(step) for r in self.workers.rollouts]
+        self.generating[step] = self.rollout.generate(step)
 
     def _score(self, step: int) -> None:
         # The worker scores what it generated for `step`: that generation must be finished.
-        wait(self.generating.pop(step), self.cfg.debug.hang_timeout_s, f"generation of step {step}")
-        self.producing[step] = [r.score.remote(step, self.workers.dp_size) for r in self.workers.rollouts]
+        self.rollout.wait(self.generating.pop(step), f"generation of step {step}")
+        self.producing[step] = self.rollout.score(step)
 
 
-def next_batch(cfg: GKDConfig, workers: Workers, pipeline: RolloutPipeline, step: int, version: int) -> Rollout:
+def by_rank(results: list[Any], dp_size: int) -> list[list[ShardHandle]]:
+    """Per actor data-parallel rank, its shard from every rollout worker ([dp rank][rollout worker])."""
+    return [[shards[d] for _, shards in results] for d in range(dp_size)]
+
+
+def next_batch(cfg: GKDConfig, pools: Pools, pipeline: RolloutPipeline, step: int, version: int) -> Rollout:
     """Batch `step` of the pipeline. If the teacher stays down, checkpoint the `step` trained batches and stop."""
     try:
         return pipeline.next_batch(step)
@@ -202,11 +187,11 @@ def next_batch(cfg: GKDConfig, workers: Workers, pipeline: RolloutPipeline, step
         cause = getattr(err, "cause", err)
         if type(cause).__name__ not in TEACHER_DOWN_ERRORS:
             raise
-        raise stop_for_teacher(cfg, workers, step, version, cause, trained_here=step > pipeline.first) from err
+        raise stop_for_teacher(cfg, pools, step, version, cause, trained_here=step > pipeline.first) from err
 
 
 def stop_for_teacher(
-    cfg: GKDConfig, workers: Workers, step: int, version: int, cause: BaseException, trained_here: bool
+    cfg: GKDConfig, pools: Pools, step: int, version: int, cause: BaseException, trained_here: bool
 ) -> RunStopped:
     """Save what is trained (the actor is healthy), and say in one line how to continue.
 
@@ -215,7 +200,7 @@ def stop_for_teacher(
     """
     saved = "nothing new to checkpoint"
     if trained_here:
-        saved = f"checkpoint {checkpoint.save(cfg, workers, step, version)} saved"
+        saved = f"checkpoint {checkpoint.save(cfg, pools, step, version)} saved"
     reason = str(cause).strip().splitlines()[0]
     return RunStopped(
         f"teacher server down ({type(cause).__name__}: {reason}); {saved}. Restart the teacher at "
@@ -233,26 +218,20 @@ def check_staleness(cfg: GKDConfig, rollout: Rollout, version: int) -> None:
         )
 
 
-def train_on(cfg: GKDConfig, workers: Workers, rollout: Rollout) -> dict[str, float]:
+def train_on(pools: Pools, rollout: Rollout) -> dict[str, float]:
     """One optimizer step on every actor rank, each on its own shards."""
     start = time.perf_counter()
-    # Tensor-parallel ranks of one replica train on the same shards (megatron puts them side by side).
-    calls = [a.train_refs.remote(rollout.shard_refs[data_parallel_rank(cfg, r)]) for r, a in enumerate(workers.actors)]
-    results: list[dict[str, float]] = wait(calls, cfg.debug.hang_timeout_s, "train")
+    results = pools.actor.train(rollout.shards)
     # The step statistics are the same on every rank; the memory figures are each rank's own.
     memory = {k: v for ranks in results for k, v in ranks.items() if k.endswith(MEMORY_SUFFIXES)}
     return {**results[0], **memory, "train_s": time.perf_counter() - start}
 
 
-def evaluate(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger, step: int) -> None:
+def evaluate(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, step: int) -> None:
     """Greedy responses to the held-out prompts: task reward and the divergence to the teacher."""
     start = time.perf_counter()
-    results = wait(
-        [r.produce_eval.remote(workers.dp_size) for r in workers.rollouts], cfg.debug.hang_timeout_s, "eval rollout"
-    )
-    by_rank = [[refs[d] for _, refs in results] for d in range(workers.dp_size)]
-    calls = [a.eval_refs.remote(by_rank[data_parallel_rank(cfg, r)]) for r, a in enumerate(workers.actors)]
-    loss = wait(calls, cfg.debug.hang_timeout_s, "eval loss")[0]
+    results = pools.rollout.wait(pools.rollout.produce_eval(), "eval rollout")
+    loss = pools.actor.eval_loss(by_rank(results, pools.actor.dp_size))
     rollout_stats = [s for s, _ in results]
     metrics.log_eval(
         {
@@ -268,10 +247,10 @@ def evaluate(cfg: GKDConfig, workers: Workers, metrics: MetricsLogger, step: int
     )
 
 
-def export_student(cfg: GKDConfig, workers: Workers) -> Path:
+def export_student(cfg: GKDConfig, pools: Pools) -> Path:
     """The trained student as an HF directory under the run directory (every actor rank takes part)."""
     out = Path(cfg.trainer.run_dir).resolve() / FINAL_EXPORT_DIR
-    wait([a.save_hf.remote(str(out)) for a in workers.actors], cfg.debug.hang_timeout_s, "export")
+    pools.actor.export_hf(str(out))
     return out
 
 

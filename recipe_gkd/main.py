@@ -69,10 +69,10 @@ def exit_code_for(err: BaseException) -> int | None:
     """The exit code of an error whose message is written for the user (naming what to change), else None."""
     from recipe_gkd.actor.hf_convert import UnsupportedModelError
     from recipe_gkd.checkpoint import CheckpointError
-    from recipe_gkd.vllm_version import UnsupportedVLLMError
     from recipe_gkd.weight_sync import WeightSyncError
     from teacher_server.client import TeacherError
     from teacher_server.launcher import TeacherLaunchError
+    from teacher_server.vllm_version import UnsupportedVLLMError
 
     cause = getattr(err, "cause", None) or err
     if isinstance(cause, ConfigError | UnsupportedModelError):
@@ -99,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from recipe_gkd.actor.hf_convert import UnsupportedModelError
     from recipe_gkd.data import check_record_fields
-    from recipe_gkd.model_refs import resolve_config_models
 
     try:
         resolve_config_models(cfg)  # hub ids -> their snapshot directories in the HF cache
@@ -131,6 +130,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {getattr(err, 'cause', None) or err}", file=sys.stderr)
         return code
     return 0
+
+
+def resolve_config_models(cfg: GKDConfig) -> None:
+    """Replace every hub id in the config's model references by its snapshot directory (in place)."""
+    from teacher_server.model_refs import resolve_model_ref
+
+    cfg.model.student_path = resolve_model_ref(cfg.model.student_path, "model.student_path")
+    cfg.model.tokenizer_path = resolve_model_ref(cfg.model.tokenizer_path, "model.tokenizer_path")
+    cfg.teacher.model_path = resolve_model_ref(cfg.teacher.model_path, "teacher.model_path")
 
 
 if __name__ == "__main__":

@@ -32,12 +32,11 @@ from recipe_gkd.config import (
     Precision,
     Recompute,
     RolloutBackend,
-    TeacherBackend,
-    TeacherLocation,
     actor_data_parallel_size,
     actor_world_size,
 )
-from recipe_gkd.model_refs import HUB_ID
+from teacher_server.config import TeacherBackend, TeacherLocation
+from teacher_server.model_refs import HUB_ID
 
 GIB = 1024**3
 # CUDA context, cuBLAS workspaces, NCCL buffers and allocator slack on every actor GPU.

@@ -3,21 +3,18 @@
 The plan is pure arithmetic on the config (no Ray): on every node the actor pool takes the
 first GPUs, the rollout pool the next ones, the teacher the rest. Ray only ever sees the
 actor + rollout GPUs (launch/ hides the teacher's), so the teacher's ids are the node-local
-ids after them. `ResourcePoolManager` turns the plan into one STRICT_PACK placement group
-per (role, node), created in plan order so Ray hands out GPU ids in plan order.
+ids after them. `ray_cluster.ResourcePoolManager` turns the plan into one STRICT_PACK placement
+group per (role, node), created in plan order so Ray hands out GPU ids in plan order.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from recipe_gkd.config import ConfigError, GKDConfig, TeacherLocation, node_gpus
-
-if TYPE_CHECKING:
-    from ray.util.placement_group import PlacementGroup
 
 # Ray resource that pins a bundle to a node of the plan; `launch/ray_start.sh --node-rank i`
 # (and the fake multi-node cluster in tests) gives node i `{NODE_RESOURCE_PREFIX}i: 1`.
@@ -108,7 +105,7 @@ def _row(cells: tuple[str, ...]) -> str:
     return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
 
-# ----------------------------------------------------------------------------- Ray
+# ----------------------------------------------------------------------------- what Ray must see
 
 
 def node_resource(node: int) -> str:
@@ -149,67 +146,6 @@ def check_ray_gpus(plan: PlacementPlan, ray_nodes: list[dict[str, Any]]) -> None
             )
 
 
-class ResourcePoolManager:
-    """Disjoint actor and rollout pools: one STRICT_PACK placement group per (role, node).
-
-    Groups are created and awaited one at a time in plan order (actor, then rollout, node by
-    node) so that Ray assigns GPU ids in plan order; each wait is bounded by
-    cluster.placement_timeout_s.
-    """
-
-    def __init__(self, plan: PlacementPlan, timeout_s: float) -> None:
-        self.plan = plan
-        self.timeout_s = timeout_s
-        self._groups: dict[tuple[str, int], PlacementGroup] = {}
-
-    def create(self) -> None:
-        from ray.util.placement_group import placement_group
-
-        for role in ROLES:
-            for node in range(self.plan.nnodes):
-                slots = [s for s in self.plan.role(role) if s.node == node]
-                if not slots:
-                    continue
-                bundles = [self._bundle(s) for s in slots]
-                group = placement_group(bundles, strategy="STRICT_PACK", name=f"gkd_{role}_node{node}")
-                self._groups[(role, node)] = group
-                self._wait(group, role, node, bundles)
-
-    def _bundle(self, slot: Slot) -> dict[str, float]:
-        bundle = {"GPU": float(len(slot.gpu_ids))}
-        if self.plan.nnodes > 1:
-            bundle[node_resource(slot.node)] = NODE_RESOURCE_DEMAND
-        return bundle
-
-    def _wait(self, group: PlacementGroup, role: str, node: int, bundles: list[dict[str, float]]) -> None:
-        import ray
-
-        start = time.monotonic()
-        ready, _ = ray.wait([group.ready()], timeout=self.timeout_s)
-        if not ready:
-            raise TimeoutError(
-                f"the {role} placement group on node {node} ({bundles}) was not placed within "
-                f"cluster.placement_timeout_s={self.timeout_s}s: Ray has {ray.available_resources()} free. "
-                "Check the GPU split or raise cluster.placement_timeout_s"
-            )
-        self.wait_s = time.monotonic() - start
-
-    def scheduling_strategy(self, slot: Slot) -> Any:
-        """The Ray scheduling strategy that puts a worker into its slot's bundle."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        group = self._groups[(slot.role, slot.node)]
-        index = self.plan.bundle_index(slot)
-        return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
-
-    def remove(self) -> None:
-        from ray.util.placement_group import remove_placement_group
-
-        for group in self._groups.values():
-            remove_placement_group(group)
-        self._groups.clear()
-
-
 # ----------------------------------------------------------------------------- CLI for launch/
 
 
@@ -217,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m recipe_gkd.placement --config P --node-rank N --print ray-gpus|teacher-gpus|ray-resources`.
 
     Prints one value for launch/ scripts (comma-separated GPU ids, or a JSON resources map).
+    `python -m recipe_gkd.placement teacher-argv ARGS` prints launch/start_teacher.sh's server argv.
     """
     import argparse
     import json
@@ -224,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from recipe_gkd.config import load_config
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["teacher-argv"]:
+        return teacher_argv(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m recipe_gkd.placement")
     parser.add_argument("--config", required=True)
     parser.add_argument("--node-rank", type=int, default=0)
@@ -245,6 +185,60 @@ def main(argv: list[str] | None = None) -> int:
         print(",".join(map(str, plan.teacher_gpu_ids(node))))
     else:
         print(json.dumps({node_resource(node): 1}))
+    return 0
+
+
+def teacher_argv(argv: list[str]) -> int:
+    """The `python -m teacher_server` arguments for launch/start_teacher.sh's, one per line.
+
+    The server reads the teacher section only; a run preset's teacher GPUs on --node-rank are the
+    ones this plan leaves over (added as --gpu-ids unless given), and overrides of the trainer's
+    keys shape that plan without reaching the server. A standalone teacher yaml passes through.
+    """
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from recipe_gkd.config import load_config
+
+    flags = [a for a in argv if "=" not in a or a.startswith("--")]
+    overrides = [a for a in argv if "=" in a and not a.startswith("--")]
+    server_overrides = [o for o in overrides if o.split(".")[0] in ("teacher", "server")]
+    config, node, has_ids = _flag(flags, "--config"), int(_flag(flags, "--node-rank") or 0), "--gpu-ids" in flags
+    if not config or not Path(config).is_file():
+        return _print_argv(flags + server_overrides)  # the server reports what is missing
+    raw = OmegaConf.load(config)
+    if set(raw.keys()) <= {"teacher", "server"} or has_ids:
+        return _print_argv(flags + server_overrides)
+    try:
+        cfg = load_config(config, [o for o in overrides if not o.startswith("server.")])
+        plan = build_plan(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not 0 <= node < plan.nnodes:
+        print(f"error: --node-rank {node} outside cluster.nnodes={plan.nnodes} of {config}", file=sys.stderr)
+        return 2
+    ids = plan.teacher_gpu_ids(node)
+    if cfg.teacher.location == TeacherLocation.local and not ids:
+        print(f"error: {config} gives node {node} no teacher GPUs; pick a --node-rank that has some", file=sys.stderr)
+        return 2
+    extra = ["--gpu-ids", ",".join(map(str, ids))] if ids else []
+    return _print_argv(flags + extra + server_overrides)
+
+
+def _flag(flags: list[str], name: str) -> str:
+    """The value of `name` in `flags` (`--name value` or `--name=value`), or ''."""
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            return flags[i + 1]
+        if flag.startswith(name + "="):
+            return flag.split("=", 1)[1]
+    return ""
+
+
+def _print_argv(argv: list[str]) -> int:
+    print("\n".join(argv))
     return 0
 
 

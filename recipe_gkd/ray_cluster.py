@@ -1,4 +1,6 @@
-"""Start (or join) the Ray cluster a run needs, and stop exactly what was started.
+"""Ray as infrastructure: start (or join) the cluster a run needs, its placement groups, and what a probe sees.
+
+One of the two modules that import Ray (the other, recipe_gkd/ray_pools.py, runs the workers).
 
 Three cases, chosen by the config:
 - `cluster.ray_address` set: join a running cluster (started by launch/ray_start.sh).
@@ -8,17 +10,32 @@ Three cases, chosen by the config:
 - otherwise: start a single local node with `num_gpus` = actor + rollout GPUs, so Ray hands
   out ids 0..n-1 and never the teacher's.
 In every case the GPUs Ray sees are checked against the plan before anything is placed.
+`ResourcePoolManager` makes the placement groups; `observe` places one probe per bundle and
+reports what each sees from inside (python -m recipe_gkd.check_placement).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from recipe_gkd.config import GKDConfig
-from recipe_gkd.placement import PlacementPlan, check_ray_gpus, node_resource
+from recipe_gkd.placement import (
+    NODE_RESOURCE_DEMAND,
+    NODE_RESOURCE_PREFIX,
+    ROLES,
+    PlacementPlan,
+    Slot,
+    check_ray_gpus,
+    node_resource,
+)
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 MIB = 1024 * 1024
 # Loopback only: nothing a run starts on its own listens on other interfaces.
@@ -83,3 +100,129 @@ def _fake_multi_node(cfg: GKDConfig, plan: PlacementPlan, store: int) -> Any:
             node_ip_address=LOCAL_IP,
         )
     return cluster
+
+
+# ----------------------------------------------------------------------------- placement groups
+
+
+class ResourcePoolManager:
+    """Disjoint actor and rollout pools: one STRICT_PACK placement group per (role, node).
+
+    Groups are created and awaited one at a time in plan order (actor, then rollout, node by
+    node) so that Ray assigns GPU ids in plan order; each wait is bounded by
+    cluster.placement_timeout_s.
+    """
+
+    def __init__(self, plan: PlacementPlan, timeout_s: float) -> None:
+        self.plan = plan
+        self.timeout_s = timeout_s
+        self._groups: dict[tuple[str, int], PlacementGroup] = {}
+
+    def create(self) -> None:
+        from ray.util.placement_group import placement_group
+
+        for role in ROLES:
+            for node in range(self.plan.nnodes):
+                slots = [s for s in self.plan.role(role) if s.node == node]
+                if not slots:
+                    continue
+                bundles = [self._bundle(s) for s in slots]
+                group = placement_group(bundles, strategy="STRICT_PACK", name=f"gkd_{role}_node{node}")
+                self._groups[(role, node)] = group
+                self._wait(group, role, node, bundles)
+
+    def _bundle(self, slot: Slot) -> dict[str, float]:
+        bundle = {"GPU": float(len(slot.gpu_ids))}
+        if self.plan.nnodes > 1:
+            bundle[node_resource(slot.node)] = NODE_RESOURCE_DEMAND
+        return bundle
+
+    def _wait(self, group: PlacementGroup, role: str, node: int, bundles: list[dict[str, float]]) -> None:
+        import ray
+
+        start = time.monotonic()
+        ready, _ = ray.wait([group.ready()], timeout=self.timeout_s)
+        if not ready:
+            raise TimeoutError(
+                f"the {role} placement group on node {node} ({bundles}) was not placed within "
+                f"cluster.placement_timeout_s={self.timeout_s}s: Ray has {ray.available_resources()} free. "
+                "Check the GPU split or raise cluster.placement_timeout_s"
+            )
+        self.wait_s = time.monotonic() - start
+
+    def scheduling_strategy(self, slot: Slot) -> Any:
+        """The Ray scheduling strategy that puts a worker into its slot's bundle."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = self._groups[(slot.role, slot.node)]
+        index = self.plan.bundle_index(slot)
+        return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self._groups.values():
+            remove_placement_group(group)
+        self._groups.clear()
+
+
+# ----------------------------------------------------------------------------- probes
+
+
+@dataclass(frozen=True)
+class Observed:
+    role: str
+    rank: int
+    node: int
+    cuda_visible_devices: str
+    ray_gpu_ids: tuple[int, ...]
+
+
+class PlacementProbe:
+    """A placeholder worker: reports where Ray put it."""
+
+    def where(self) -> tuple[str, tuple[int, ...], str]:
+        import ray
+
+        ids = tuple(int(g) for g in ray.get_gpu_ids())
+        return os.environ.get("CUDA_VISIBLE_DEVICES", ""), ids, ray.get_runtime_context().get_node_id()
+
+
+def observe(cfg: GKDConfig, plan: PlacementPlan) -> list[Observed]:
+    """Start one probe per actor/rollout slot and collect what each sees (Ray must be up)."""
+    import ray
+
+    pools = ResourcePoolManager(plan, cfg.cluster.placement_timeout_s)
+    pools.create()
+    try:
+        probe_cls = ray.remote(num_cpus=0)(PlacementProbe)
+        probes = [
+            probe_cls.options(num_gpus=len(s.gpu_ids), scheduling_strategy=pools.scheduling_strategy(s)).remote()
+            for s in plan.workers
+        ]
+        reports = ray.get([p.where.remote() for p in probes], timeout=cfg.cluster.placement_timeout_s)
+        node_index = _node_index_by_id(plan)
+        observed = [
+            Observed(s.role, s.rank, node_index[node_id], cvd, ids)
+            for s, (cvd, ids, node_id) in zip(plan.workers, reports, strict=True)
+        ]
+        for p in probes:
+            ray.kill(p)
+        return observed
+    finally:
+        pools.remove()
+
+
+def _node_index_by_id(plan: PlacementPlan) -> dict[str, int]:
+    import ray
+
+    index: dict[str, int] = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        labels = [k for k in node["Resources"] if k.startswith(NODE_RESOURCE_PREFIX)]
+        if plan.nnodes == 1:
+            index[node["NodeID"]] = 0
+        elif labels:
+            index[node["NodeID"]] = int(labels[0].removeprefix(NODE_RESOURCE_PREFIX))
+    return index

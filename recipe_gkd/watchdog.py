@@ -1,11 +1,12 @@
-"""Hang watchdog: every wait is bounded, and when a phase exceeds its time every worker's Python stack goes to disk.
+"""Hang watchdog: when a phase exceeds its time, every worker's Python stack goes to disk.
 
-`wait` / `wait_done` are the driver's only blocking calls on workers: each has a timeout and a
-phase name; a timeout raises PhaseTimeoutError naming the phase and the key to raise, after the
-installed watchdog (`install`, for the running launch) has dumped every worker's stack.
+The pools' waits (recipe_gkd/ray_pools.py `wait` / `wait_done`) are the driver's only blocking
+calls on workers: each has a timeout and a phase name; a timeout raises `phase_timeout(...)`, a
+PhaseTimeoutError naming the phase and the key to raise, after the installed watchdog (`install`,
+for the running launch) has dumped every worker's stack.
 
-At launch each worker registers `faulthandler` on SIGUSR1 (through Ray's `__ray_call__`, so the
-worker classes stay plain). faulthandler's handler is C code: it dumps every thread even while
+At launch each worker registers `faulthandler` on SIGUSR1 (the Ray pool calls
+`register_stack_dump` inside each worker, so the worker classes stay plain). faulthandler's handler is C code: it dumps every thread even while
 the worker's main thread is blocked inside a C call (a collective, a socket read), where a
 Python-level signal handler would never run. On a timeout the driver signals every worker, adds
 `py-spy dump` output when py-spy is installed, and writes one file per worker (and the driver's
@@ -13,9 +14,9 @@ own stack) into <run_dir>/hang_<phase>_<time>/. A worker whose stack is inside t
 code is reported as stuck, with its innermost frame.
 
 Workers on other nodes than the driver's write their dumps to that node's temp directory (the
-run directory need not be shared); on a timeout a Ray task pinned to each such node signals
-them, reads the dumps there and returns the text, so every stack still lands in the driver's
-run directory. The driver never signals a pid of another node (it could be a local process).
+run directory need not be shared); on a timeout the watchdog's `collect_remote` (a Ray task
+pinned to each such node) signals them, reads the dumps there and returns the text, so every
+stack still lands in the driver's run directory. The driver never signals a pid of another node (it could be a local process).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 DUMP_SIGNAL = signal.SIGUSR1
 STACKS_DIR = ".stacks"
@@ -45,17 +47,14 @@ OUR_CODE = re.compile(r'File "([^"]*/(?:recipe_gkd|teacher_server)/[^"]+)", line
 _dump_file: TextIO | None = None
 
 
-def register_stack_dump(_worker: Any, name: str, run_dir: str, driver_node: str) -> tuple[int, str, str]:
-    """In a worker (via `__ray_call__`): dump all threads' stacks to a file on DUMP_SIGNAL.
+def register_stack_dump(name: str, run_dir: str, on_driver_node: bool) -> tuple[int, str]:
+    """In a worker: dump all threads' stacks to a file on DUMP_SIGNAL.
 
     The file is <run_dir>/.stacks/<name>.txt on the driver's node, else in this node's temp
-    directory. Returns (pid, node id, file).
+    directory. Returns (pid, file).
     """
-    import ray
-
     global _dump_file
-    node = ray.get_runtime_context().get_node_id()
-    if node == driver_node:
+    if on_driver_node:
         directory = Path(run_dir) / STACKS_DIR
     else:
         directory = Path(tempfile.gettempdir()) / "recipe_gkd_stacks" / re.sub(r"[^A-Za-z0-9]+", "_", run_dir)
@@ -66,7 +65,7 @@ def register_stack_dump(_worker: Any, name: str, run_dir: str, driver_node: str)
     # Not a `with`: the file must stay open for the life of the process.
     _dump_file = path.open("w")
     faulthandler.register(DUMP_SIGNAL, file=_dump_file, all_threads=True)
-    return os.getpid(), node, str(path)
+    return os.getpid(), str(path)
 
 
 @dataclass(frozen=True)
@@ -109,23 +108,6 @@ def _read_from(path: str, offset: int) -> str:
         return f.read() or f"no stack written within {DUMP_WAIT_S}s of {DUMP_SIGNAL.name}\n"
 
 
-def _collect_on(node: str, workers: dict[str, WorkerProcess]) -> dict[str, str]:
-    """collect_stacks run by a Ray task pinned to `node`; on failure every worker's text says why."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    task = ray.remote(num_cpus=0, max_retries=0)(collect_stacks)
-    strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-    timeout = DUMP_WAIT_S + PY_SPY_TIMEOUT_S * len(workers) + REMOTE_SLACK_S
-    ref = task.options(scheduling_strategy=strategy).remote(workers)
-    try:
-        return ray.get(ref, timeout=timeout)
-    except Exception as err:  # noqa: BLE001 -- reported in each worker's dump file instead of masking the hang
-        ray.cancel(ref, force=True)
-        reason = f"stacks of node {node} not collected: {type(err).__name__}: {str(err)[:300]}\n"
-        return dict.fromkeys(workers, reason)
-
-
 @dataclass
 class Watchdog:
     """The driver's view: each worker's process, node and dump file."""
@@ -133,6 +115,8 @@ class Watchdog:
     run_dir: Path
     driver_node: str = ""
     workers: dict[str, WorkerProcess] = field(default_factory=dict)
+    # collect_stacks run on another node (node id, its workers) -> texts; never raises.
+    collect_remote: Callable[[str, dict[str, WorkerProcess]], dict[str, str]] | None = None
 
     def dump(self, phase: str) -> tuple[Path, dict[str, str]]:
         """Every worker's stack into hang_<phase>_<time>/; returns the directory and the stuck workers.
@@ -148,7 +132,10 @@ class Watchdog:
             by_node.setdefault(worker.node, {})[name] = worker
         texts = collect_stacks(by_node.pop(self.driver_node, {}))
         for node, workers in by_node.items():
-            texts.update(_collect_on(node, workers))
+            if self.collect_remote is None:
+                texts.update(dict.fromkeys(workers, f"stacks of node {node} not collected: no collector\n"))
+            else:
+                texts.update(self.collect_remote(node, workers))
         stuck: dict[str, str] = {}
         for name in self.workers:
             (out / f"{name}.txt").write_text(texts[name])
@@ -160,19 +147,9 @@ class Watchdog:
         return out, stuck
 
 
-def install(handles: dict[str, Any], run_dir: str | Path, timeout_s: float) -> Watchdog:
-    """Register the stack dump in every worker (`handles`: name -> Ray actor handle); phase timeouts use it."""
-    import ray
-
+def install(watchdog: Watchdog) -> Watchdog:
+    """The running launch's watchdog: phase timeouts dump its workers' stacks."""
     global _installed
-    watchdog = Watchdog(Path(run_dir).resolve(), ray.get_runtime_context().get_node_id())
-    names = list(handles)
-    calls = [
-        handles[n].__ray_call__.remote(register_stack_dump, n, str(watchdog.run_dir), watchdog.driver_node)
-        for n in names
-    ]
-    registered = ray.get(calls, timeout=timeout_s)
-    watchdog.workers = {n: WorkerProcess(*r) for n, r in zip(names, registered, strict=True)}
     _installed = watchdog
     return watchdog
 
@@ -183,7 +160,7 @@ def uninstall() -> None:
     _installed = None
 
 
-# ----------------------------------------------------------------------------- bounded waits
+# ----------------------------------------------------------------------------- phase timeouts
 
 # The running launch's watchdog (driver process only): phase timeouts dump the workers' stacks.
 _installed: Watchdog | None = None
@@ -191,26 +168,6 @@ _installed: Watchdog | None = None
 
 class PhaseTimeoutError(TimeoutError):
     """A phase of the step did not finish within debug.hang_timeout_s."""
-
-
-def wait(refs: list[Any], timeout_s: float, phase: str) -> list[Any]:
-    """ray.get with a timeout whose error names the phase and the key to change."""
-    import ray
-    from ray.exceptions import GetTimeoutError
-
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except GetTimeoutError:
-        raise phase_timeout(phase, timeout_s) from None
-
-
-def wait_done(refs: list[Any], timeout_s: float, phase: str) -> None:
-    """Block until every task behind `refs` has finished, without fetching (nor raising) its result."""
-    import ray
-
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
-    if pending:
-        raise phase_timeout(phase, timeout_s)
 
 
 def phase_timeout(phase: str, timeout_s: float) -> PhaseTimeoutError:

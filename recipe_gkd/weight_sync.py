@@ -1,4 +1,4 @@
-"""Actor -> rollout weight sync: bucketed, versioned, both sides awaited with a timeout.
+"""Actor -> rollout weight sync, the wire: buckets, their byte layout, the collective channel.
 
 Actor rank 0 gathers the full HF-named state (over TP) and sends it in buckets of at most
 `weight_sync.bucket_mb`; every rollout worker loads the buckets as they arrive, then switches
@@ -6,7 +6,9 @@ its version. No process holds more than one bucket beyond the model itself. An e
 either side fails the step with its message; a side that does not answer within
 `weight_sync.timeout_s` fails it too.
 
-Transports (`weight_sync.transport`):
+The driver's side (which worker sends, which receive, the timeouts) is the pools' `WeightSync`
+(recipe_gkd/pools.py): `ray_pools.RayWeightSync` for real runs, `local_pools.LocalWeightSync`
+in-process. Transports (`weight_sync.transport`):
 - `object_store`: rank 0 puts each bucket into Ray's object store, the workers fetch them
   (same node: shared-memory reads; other nodes: Ray's transfer).
 - `gloo` / `nccl`: a private torch.distributed group of actor rank 0 (rank 0) and the rollout
@@ -30,8 +32,6 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
-
-from recipe_gkd.config import WeightSyncConfig, WeightTransport
 
 MIB = 1024 * 1024
 ALIGN = 64  # bytes: every tensor in a collective bucket starts on a cache line
@@ -60,13 +60,6 @@ def iter_buckets(named: Iterable[tuple[str, np.ndarray]], bucket_bytes: int) -> 
         yield current
 
 
-def put_buckets(named: Iterable[tuple[str, np.ndarray]], bucket_mb: int) -> list[Any]:
-    """Inside the sending process: the stream as object refs, one per bucket, each put once it is full."""
-    import ray
-
-    return [ray.put(bucket) for bucket in iter_buckets(named, bucket_mb * MIB)]
-
-
 class TimedIterator:
     """Wraps an iterator; `seconds` accumulates the time spent producing its items."""
 
@@ -84,42 +77,6 @@ class TimedIterator:
                 return
             self.seconds += time.perf_counter() - start
             yield item
-
-
-def sync_weights(actors: list[Any], rollouts: list[Any], version: int, settings: WeightSyncConfig) -> dict[str, float]:
-    """Push the actor's current weights to every rollout worker as `version`. Driver side.
-
-    Every actor rank must take part (the export gathers over tensor parallelism). With the
-    object store, rank 0 returns the bucket refs; with a collective, rank 0 broadcasts while
-    the rollout workers receive, all awaited together.
-    """
-    bucket_mb, timeout_s = settings.bucket_mb, settings.timeout_s
-    if settings.transport != WeightTransport.object_store:
-        return _sync_collective(actors, rollouts, version, bucket_mb, timeout_s)
-    start = time.perf_counter()
-    exports = [a.export_weight_buckets.remote(bucket_mb) for a in actors]
-    buckets = _await(exports, timeout_s, f"actor export of weight version {version}")[0]
-    if not buckets:
-        raise WeightSyncError(f"actor rank 0 exported no weights for version {version}")
-    exported = time.perf_counter()
-    loads = [r.update_weights.remote(version, buckets, timeout_s) for r in rollouts]
-    _await(loads, timeout_s, f"rollout load of weight version {version}")
-    done = time.perf_counter()
-    return {"sync_export_s": exported - start, "sync_load_s": done - exported}
-
-
-def _sync_collective(
-    actors: list[Any], rollouts: list[Any], version: int, bucket_mb: int, timeout_s: float
-) -> dict[str, float]:
-    start = time.perf_counter()
-    sends = [a.broadcast_weights.remote(bucket_mb) for a in actors]
-    loads = [r.receive_weights.remote(version) for r in rollouts]
-    results = _await(sends + loads, timeout_s, f"collective sync of weight version {version}")
-    sent = results[0]
-    if not sent or not sent.get("bytes"):
-        raise WeightSyncError(f"actor rank 0 broadcast no weights for version {version}")
-    total = time.perf_counter() - start
-    return {"sync_export_s": sent["export_s"], "sync_load_s": total - sent["export_s"]}
 
 
 class CollectiveChannel:
@@ -256,20 +213,3 @@ def load_draining(buckets: Iterator[dict[str, Any]], load: Callable[[Iterator[tu
     if leftover:
         raise WeightSyncError(f"the rollout engine stopped reading the weight stream with {leftover} buckets left")
     return loaded
-
-
-def _await(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
-    import ray
-    from ray.exceptions import GetTimeoutError, RayError
-
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except GetTimeoutError:
-        from recipe_gkd.watchdog import dump_stacks
-
-        dumped = dump_stacks(f"weight sync {what}")  # before the cancel: the stacks show where it hung
-        for ref in refs:
-            ray.cancel(ref, force=False)
-        raise WeightSyncError(f"{what} did not finish within weight_sync.timeout_s={timeout_s}s{dumped}") from None
-    except RayError as err:
-        raise WeightSyncError(f"{what} failed: {err}") from err

@@ -12,7 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
-from recipe_gkd.config import ConfigError, validate_teacher_section
+from teacher_server.config import ConfigError, validate_teacher_section
 from teacher_server.settings import ServerSettings, is_loopback, load_settings, with_port
 
 EXIT_CONFIG = 2
@@ -60,7 +60,7 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 def check_runnable(settings: ServerSettings, join: str) -> None:
     """What must hold before anything is spawned: a model directory, and a secret for non-loopback binds."""
-    from recipe_gkd.model_refs import resolve_model_ref
+    from teacher_server.model_refs import resolve_model_ref
 
     t = settings.teacher
     t.model_path = resolve_model_ref(t.model_path, "teacher.model_path")  # a hub id -> its cached snapshot

@@ -30,7 +30,7 @@ import zmq
 from teacher_server import protocol as P
 
 if TYPE_CHECKING:
-    from recipe_gkd.config import TeacherConfig
+    from teacher_server.config import TeacherConfig
 
 PING_INTERVAL_S = 1.0
 BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)

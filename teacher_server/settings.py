@@ -1,9 +1,11 @@
 """What `python -m teacher_server --config PATH` serves: the teacher section, server knobs, replica slots.
 
-PATH is either a run preset (configs/presets/*.yaml: the whole GKD config; the teacher's GPU
-ids on `--node-rank N` come from the placement plan) or a standalone teacher yaml
-(configs/teacher/*.yaml: a `teacher:` section plus an optional `server:` section).
-`key=value` overrides apply to either (`teacher.*` and `server.*` keys).
+PATH is either a run preset (configs/presets/*.yaml: the whole GKD config, of which the server
+reads the `teacher:` section only) or a standalone teacher yaml (configs/teacher/*.yaml: a
+`teacher:` section plus an optional `server:` section). `key=value` overrides apply to either
+(`teacher.*` and `server.*` keys). A preset's teacher GPUs on a node are what the trainer's
+placement plan leaves over: launch/start_teacher.sh asks the plan
+(`python -m recipe_gkd.placement --print teacher-gpus`) and passes them as --gpu-ids.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from recipe_gkd.config import ConfigError, TeacherConfig, TeacherLocation, load_config, validate_teacher_section
+from teacher_server.config import ConfigError, TeacherConfig, TeacherLocation, validate_teacher_section
 
 STANDALONE_KEYS = frozenset({"teacher", "server"})
+PLACEMENT_COMMAND = "python -m recipe_gkd.placement --config PRESET --node-rank N --print teacher-gpus"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
@@ -25,8 +28,9 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 class ServerSection:
     """Server-only knobs (the `server:` section of a standalone yaml, `server.*` overrides)."""
 
-    # Node-local GPU ids for this node's replicas, split by teacher.gpus_per_replica. Empty: the
-    # preset's plan for --node-rank, or 0..replicas*gpus_per_replica-1 for a standalone yaml.
+    # Node-local GPU ids for this node's replicas, split by teacher.gpus_per_replica. Empty:
+    # 0..replicas*gpus_per_replica-1 (a teacher yaml, or a preset whose teacher is remote); a preset
+    # with a local teacher needs them (launch/start_teacher.sh passes the plan's).
     gpu_ids: list[int] = field(default_factory=list)
     # Where replicas connect (and `--join` points). Empty: teacher.address with port + 1
     # (an ephemeral port when teacher.address has port 0).
@@ -73,20 +77,24 @@ def load_settings(path: str | Path, overrides: Sequence[str] = (), *, node_rank:
         raise ConfigError("--config", f"no such file {yaml_path}")
     raw = OmegaConf.load(yaml_path)
     keys = set(raw.keys()) if hasattr(raw, "keys") else set()
-    server_overrides = [o for o in overrides if o.startswith("server.")]
-    other_overrides = [o for o in overrides if not o.startswith("server.")]
-    if keys and keys <= STANDALONE_KEYS:
-        loaded = _load_standalone(raw, list(overrides), str(yaml_path))
-        teacher, server = loaded.teacher, loaded.server
-        plan_gpus: tuple[tuple[int, ...], ...] = ()
-    else:
-        cfg = load_config(yaml_path, other_overrides)
-        teacher = cfg.teacher
-        server = _load_standalone(OmegaConf.create({}), server_overrides, "command line").server
-        plan_gpus = _plan_gpus(cfg, node_rank)
+    preset = bool(keys - STANDALONE_KEYS)
+    for override in overrides:
+        key = override.partition("=")[0]
+        if key.split(".")[0] not in STANDALONE_KEYS:
+            raise ConfigError(key, "the teacher server takes teacher.* and server.* keys only")
+    if preset:
+        # A run preset: its teacher section; the rest is the trainer's.
+        raw = OmegaConf.create({"teacher": raw.get("teacher") or {}})
+    loaded = _load_standalone(raw, list(overrides), str(yaml_path))
+    teacher, server = loaded.teacher, loaded.server
     _validate_server(server, teacher)
-    slots = _slots(teacher, server, node_rank, plan_gpus)
-    return ServerSettings(teacher, server, node_rank, slots)
+    if preset and teacher.location == TeacherLocation.local and not server.gpu_ids:
+        raise ConfigError(
+            "--gpu-ids",
+            f"{yaml_path} is a run preset whose teacher takes the GPUs the trainer leaves over on each node: start "
+            f"it with launch/start_teacher.sh (which asks `{PLACEMENT_COMMAND}`) or pass those ids as --gpu-ids",
+        )
+    return ServerSettings(teacher, server, node_rank, _slots(teacher, server, node_rank))
 
 
 def load_teacher_file(path: str | Path, overrides: Sequence[str] = ()) -> TeacherFile:
@@ -113,22 +121,6 @@ def _load_standalone(raw: object, overrides: list[str], source: str) -> TeacherF
     return loaded
 
 
-def _plan_gpus(cfg: object, node_rank: int) -> tuple[tuple[int, ...], ...]:
-    from recipe_gkd.placement import build_plan
-
-    plan = build_plan(cfg)  # type: ignore[arg-type]
-    if node_rank < 0 or node_rank >= plan.nnodes:
-        raise ConfigError("--node-rank", f"must be in [0, {plan.nnodes}) for this preset, got {node_rank}")
-    if cfg.teacher.location == TeacherLocation.remote:  # type: ignore[attr-defined]
-        return ()
-    slots = tuple(s.gpu_ids for s in plan.teacher if s.node == node_rank)
-    if not slots:
-        raise ConfigError(
-            "--node-rank", f"the preset gives node {node_rank} no teacher GPUs; pick a node that has some"
-        )
-    return slots
-
-
 def _validate_server(server: ServerSection, teacher: TeacherConfig) -> None:
     if server.torch_threads < 0:
         raise ConfigError("server.torch_threads", f"must be >= 0, got {server.torch_threads}")
@@ -145,14 +137,10 @@ def _validate_server(server: ServerSection, teacher: TeacherConfig) -> None:
         raise ConfigError("server.replica_address", f"must be a ZeroMQ address, got {server.replica_address!r}")
 
 
-def _slots(
-    teacher: TeacherConfig, server: ServerSection, node_rank: int, plan_gpus: tuple[tuple[int, ...], ...]
-) -> tuple[ReplicaSlot, ...]:
+def _slots(teacher: TeacherConfig, server: ServerSection, node_rank: int) -> tuple[ReplicaSlot, ...]:
     gpr = teacher.gpus_per_replica
     if server.gpu_ids:
         groups = [tuple(server.gpu_ids[i : i + gpr]) for i in range(0, len(server.gpu_ids), gpr)]
-    elif plan_gpus:
-        groups = list(plan_gpus)
     else:
         groups = [tuple(range(r * gpr, (r + 1) * gpr)) for r in range(teacher.replicas)]
     return tuple(ReplicaSlot(f"n{node_rank}-r{i}", node_rank, g) for i, g in enumerate(groups))

@@ -1,7 +1,8 @@
-"""The actor rank as a Ray actor: MegatronActor plus the methods that take and give Ray object refs.
+"""The actor rank as a pool worker: MegatronActor plus the step statistics and the weight-sync sender.
 
-MegatronActor stays a plain class (tests build it directly); the driver applies `ray.remote` to
-the class `actor_worker_class()` returns (recipe_gkd/workers.py).
+MegatronActor stays a plain class (tests build it directly). The pools build their workers from
+`actor_worker_class()`: the Ray pool (recipe_gkd/ray_pools.py) adds the methods that take and give
+object refs, the local pool (recipe_gkd/local_pools.py) calls it directly.
 """
 
 from __future__ import annotations
@@ -11,32 +12,18 @@ from typing import Any
 
 
 def actor_worker_class() -> type:
-    """MegatronActor plus the Ray-facing methods (imported lazily: megatron stays out of the driver)."""
+    """MegatronActor plus the pool-facing methods (imported lazily: megatron stays out of the driver)."""
     from recipe_gkd.actor.megatron_actor import MegatronActor
 
     class ActorWorker(MegatronActor):  # type: ignore[misc, valid-type]
-        def train_refs(self, shard_refs: list[Any]) -> dict[str, float]:
-            """Train on the TrainShards behind `shard_refs` (one per rollout worker)."""
-            import ray
-
+        def train(self, shards: list[Any]) -> dict[str, float]:
+            """One optimizer step on `shards` (one TrainShard per rollout worker); with debug.log_memory, MiB."""
             from recipe_gkd.metrics import worker_memory_mb
 
-            stats = self.train_step(ray.get(shard_refs))
+            stats = self.train_step(shards)
             if self.cfg.debug.log_memory:
                 stats.update(worker_memory_mb(f"actor{self.rank}"))
             return stats
-
-        def eval_refs(self, shard_refs: list[Any]) -> dict[str, float]:
-            import ray
-
-            return self.eval_loss(ray.get(shard_refs))
-
-        def export_weight_buckets(self, bucket_mb: int) -> list[Any] | None:
-            """Every rank gathers over TP; rank 0 puts the buckets as they fill and returns their refs."""
-            from recipe_gkd.weight_sync import put_buckets
-
-            refs = put_buckets(self.iter_hf_weights(), bucket_mb)
-            return refs if self.rank == 0 else None
 
         def init_weight_group(self, backend: str, host: str, port: int, world_size: int, timeout_s: float) -> None:
             """Rank 0 only: open the weight-sync group as its rank 0 (the rollout workers join)."""

@@ -47,15 +47,19 @@ def autostart_teacher(cfg: GKDConfig) -> Iterator[str]:
     The server reads the run's resolved config, so it serves exactly what the trainer expects;
     its log goes to <run_dir>/teacher_server.log.
     """
+    from recipe_gkd.placement import build_plan
     from teacher_server.launcher import launch_teacher
 
     run_dir = Path(cfg.trainer.run_dir)
     resolved = run_dir / "resolved_config.yaml"
     if not resolved.is_file():
         resolved.write_text(to_yaml(cfg))
+    # The server reads the teacher section only: its GPUs are what this run's plan leaves over.
+    gpu_ids = ",".join(map(str, build_plan(cfg).teacher_gpu_ids(0)))
     with launch_teacher(
         resolved,
-        extra_args=["--log-dir", str(run_dir.resolve() / "teacher_logs")],  # replica logs stay with the run
+        # Replica logs stay with the run.
+        extra_args=["--log-dir", str(run_dir.resolve() / "teacher_logs"), *(["--gpu-ids", gpu_ids] if gpu_ids else [])],
         log_path=run_dir / "teacher_server.log",
         ready_timeout_s=cfg.teacher.timeout_s,
     ) as server:

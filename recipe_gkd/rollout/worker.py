@@ -1,16 +1,17 @@
 """The rollout worker: reads its prompt shard, samples with the student, has the teacher score.
 
 One class for every engine: the engine (`hf` or `vllm`) only generates and loads weights.
-The worker is a plain class; the driver applies `ray.remote` when it launches it. Finished
-sequences go to the teacher from here, and the results go into Ray's object store as one
-`TrainShard` per actor data-parallel rank: the driver only ever sees small `RolloutStats`.
+The worker is a plain class: the Ray pool (recipe_gkd/ray_pools.py) wraps it so that the
+shards go into Ray's object store, the local pool (recipe_gkd/local_pools.py) calls it directly.
+Finished sequences go to the teacher from here, and the results come out as one `TrainShard`
+per actor data-parallel rank plus small `RolloutStats` (all the driver reads).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,13 +103,13 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ one step
 
-    def produce(self, step: int, dp_size: int) -> tuple[RolloutStats, list[Any]]:
+    def produce(self, step: int, dp_size: int) -> tuple[RolloutStats, list[TrainShard]]:
         """Generate this worker's share of step `step`, score it, split it over `dp_size` actor ranks.
 
-        Returns the stats and one object ref per actor rank (each a TrainShard).
+        Returns the stats and one TrainShard per actor data-parallel rank.
         """
         self.generate(step)
-        return self.score(step, dp_size)
+        return self._score_generated(step, dp_size)
 
     def generate(self, step: int) -> float:
         """Sample this worker's share of step `step` and keep it here until `score(step)`; returns seconds.
@@ -123,8 +124,11 @@ class RolloutWorker:
         self._pending[step] = generated
         return generated.seconds
 
-    def score(self, step: int, dp_size: int) -> tuple[RolloutStats, list[Any]]:
+    def score(self, step: int, dp_size: int) -> tuple[RolloutStats, list[TrainShard]]:
         """Send step `step`'s sequences to the teacher and publish one TrainShard per actor rank."""
+        return self._score_generated(step, dp_size)
+
+    def _score_generated(self, step: int, dp_size: int) -> tuple[RolloutStats, list[TrainShard]]:
         generated = self._pending.pop(step)
         sequences, teacher_s = self._score(generated)
         return self._publish(
@@ -135,7 +139,7 @@ class RolloutWorker:
             generated.weight_version,
         )
 
-    def produce_eval(self, dp_size: int) -> tuple[RolloutStats, list[Any]]:
+    def produce_eval(self, dp_size: int) -> tuple[RolloutStats, list[TrainShard]]:
         """Greedy responses to this worker's share of the first data.eval_batch_size held-out prompts."""
         if self.eval_dataset is None:
             raise ValueError("trainer.eval_every > 0 needs data.eval_files")
@@ -237,30 +241,26 @@ class RolloutWorker:
 
     def _publish(
         self, step: int, sequences: list[Sequence], timings: dict[str, float], dp_size: int, weight_version: int
-    ) -> tuple[RolloutStats, list[Any]]:
-        import ray
-
+    ) -> tuple[RolloutStats, list[TrainShard]]:
         # Sequence j of this worker goes to actor rank (global index) % dp: every rank gets
         # the same count when the global batch divides by dp (config.validate checks that).
         offset = self.rank * len(sequences)
         shards = [TrainShard(step, weight_version, timings=timings) for _ in range(dp_size)]
         for j, seq in enumerate(sequences):
             shards[(offset + j) % dp_size].sequences.append(seq)
-        refs = [ray.put(s) for s in shards]
         stats = summarize(step, weight_version, sequences, timings)
         if self.cfg.debug.log_memory:
             stats.memory_mb = worker_memory_mb(f"rollout{self.rank}")
-        return stats, refs
+        return stats, shards
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights(self, version: int, bucket_refs: list[Any], timeout_s: float) -> dict[str, float]:
-        """Load the buckets of weight version `version` (fetched one at a time) and switch to it."""
-        import ray
-
+    def load_weights(self, version: int, buckets: Iterable[dict[str, Any]]) -> dict[str, float]:
+        """Load the buckets of weight version `version` (taken one at a time) and switch to it."""
         assert self.engine is not None, "call setup() first"
-        stream = (item for ref in bucket_refs for item in ray.get(ref, timeout=timeout_s).items())
-        return self._switch_weights(version, lambda: self.engine.update_weights(stream))
+        engine = self.engine
+        stream = (item for bucket in buckets for item in bucket.items())
+        return self._switch_weights(version, lambda: engine.update_weights(stream))
 
     def init_weight_group(
         self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float

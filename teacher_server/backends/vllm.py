@@ -38,7 +38,6 @@ import vllm
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from recipe_gkd.vllm_version import check_vllm_version
 from teacher_server.backends import BackendOptions, ModelInfo
 from teacher_server.protocol import (
     ParsedRequest,
@@ -48,6 +47,7 @@ from teacher_server.protocol import (
     tail_from_topk,
     tokenizer_fingerprint,
 )
+from teacher_server.vllm_version import check_vllm_version
 
 # Leaves room for the one sampled token vLLM generates after each prompt.
 MAX_MODEL_LEN_MARGIN = 1

@@ -140,7 +140,9 @@ def expected_sample_ids(steps: int, dataset_size: int) -> list[list[int]]:
     return out
 
 
-CRASH_CASES = [("sync", 0), ("one_step_off", 1)]
+# The read-ahead schedule (its checkpoint's data position trails the stream); a sync resume is checked
+# against the uninterrupted run in-process (tests/integration/test_gkd_loop.py).
+CRASH_CASES = [("one_step_off", 1)]
 
 
 @pytest.mark.slow

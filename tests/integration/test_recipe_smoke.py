@@ -89,33 +89,6 @@ def run_cli(
     return proc
 
 
-@pytest.mark.slow
-def test_three_steps_of_the_cpu_preset(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    proc = run_cli(tiny_run_inputs, run_dir, "trainer.total_steps=3", "trainer.eval_every=2")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert [r["weight_version"] for r in rows] == [1, 2, 3]
-    assert all(r["staleness"] == 0 for r in rows)
-    for row in rows:
-        assert row["loss"] > 0 and row["teacher_kl"] > 0
-        for key in ("generate_s", "teacher_s", "train_s", "sync_s", "step_s"):
-            assert row[key] >= 0
-        assert len(row["sample_ids"]) == 8
-    seen = Counter(i for r in rows for i in r["sample_ids"])
-    assert seen == dict.fromkeys(range(12), 2), "3 steps x 8 prompts = exactly two epochs of the 12 prompts"
-    assert (run_dir / "resolved_config.yaml").is_file()
-    evals = read_metrics(run_dir, "eval.jsonl")
-    assert [e["step"] for e in evals] == [0, 2]
-    from transformers import AutoModelForCausalLM
-
-    AutoModelForCausalLM.from_pretrained(run_dir / "final_student")
-    assert (run_dir / "training.png").stat().st_size > 10_000
-    summary = (run_dir / "summary.txt").read_text()
-    assert "student held-out accuracy" in summary and "teacher held-out accuracy" in summary
-
-
 def test_bad_override_exits_2_before_starting_anything(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
     proc = run_cli(tiny_run_inputs, tmp_path / "run", "algorithm.divergence=kl", timeout=60)
     assert proc.returncode == 2
@@ -212,11 +185,11 @@ def test_driver_memory_does_not_grow_with_the_dataset(tiny_run_inputs: dict[str,
 
 
 # (schedule, total_steps, staleness of each trained batch). Includes runs shorter than the pipeline.
+# Every schedule's order, staleness and exactly-once are checked in-process (tests/integration/test_gkd_loop.py);
+# on Ray: two_step_off, whose rollout worker scores batch t+1 in one thread while generating t+2 in another,
+# and one_step_off with a run shorter than its pipeline (and in test_gloo_weight_sync_with_tp_actor_and_two_rollouts).
 SCHEDULES = [
     ("one_step_off", 1, [0]),
-    ("one_step_off", 3, [0, 1, 1]),
-    ("two_step_off", 1, [0]),
-    ("two_step_off", 2, [0, 1]),
     ("two_step_off", 4, [0, 1, 2, 2]),
 ]
 
@@ -239,46 +212,41 @@ def test_async_schedules_train_every_batch_once(
 
 
 @pytest.mark.slow
-def test_tensor_and_data_parallel_actor(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
-    """4 actor ranks (TP=2 x DP=2) on fake GPUs 0-3: placement, TP-aware data routing, export."""
-    run_dir = tmp_path / "run"
-    overrides = ["cluster.gpus_per_node=6", "actor.gpus_per_node=4", "actor.megatron.tp=2", "trainer.total_steps=2"]
-    proc = run_cli(tiny_run_inputs, run_dir, *overrides, "debug.log_memory=true")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = read_metrics(run_dir)
-    assert [r["weight_version"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
-    assert all(rows[-1][f"actor{rank}_rss_mb"] > 100 for rank in range(4)), "each actor rank reports its own memory"
-    plan_rows = [
-        line.split() for line in proc.stdout.splitlines() if line.startswith(("actor ", "rollout ", "teacher "))
-    ]
-    assert plan_rows[:6] == [
-        ["actor", "0", "0", "0", "0"],
-        ["actor", "1", "0", "1", "1"],
-        ["actor", "2", "0", "2", "2"],
-        ["actor", "3", "0", "3", "3"],
-        ["rollout", "0", "0", "0", "4"],
-        ["teacher", "0", "0", "-", "5"],
-    ]
-
-
-@pytest.mark.slow
-def test_gloo_weight_sync_with_tp_actor_and_two_rollouts(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
-    """The collective transport end to end: TP=2 ranks gather, rank 0 broadcasts to 2 rollout workers."""
+def test_tensor_and_data_parallel_actor_with_gloo_sync_to_two_rollouts(
+    tiny_run_inputs: dict[str, Path], tmp_path: Path
+) -> None:
+    """4 actor ranks (TP=2 x DP=2) on fake GPUs 0-3, 2 rollout workers: placement, TP-aware data routing,
+    the collective transport end to end (TP ranks gather, rank 0 broadcasts to both rollouts), export."""
     run_dir = tmp_path / "run"
     overrides = [
-        "cluster.gpus_per_node=5",
-        "actor.gpus_per_node=2",
+        "cluster.gpus_per_node=7",
+        "actor.gpus_per_node=4",
         "actor.megatron.tp=2",
         "rollout.gpus_per_node=2",
         "weight_sync.transport=gloo",
         "algorithm.schedule=one_step_off",
         "trainer.total_steps=3",
+        "debug.log_memory=true",
     ]
     proc = run_cli(tiny_run_inputs, run_dir, *overrides)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = read_metrics(run_dir)
     assert [r["weight_version"] for r in rows] == [1, 2, 3] and [r["staleness"] for r in rows] == [0, 1, 1]
     assert all(r["loss"] > 0 and r["sync_s"] > 0 for r in rows)
+    assert all(rows[-1][f"actor{rank}_rss_mb"] > 100 for rank in range(4)), "each actor rank reports its own memory"
+    plan_rows = [
+        line.split() for line in proc.stdout.splitlines() if line.startswith(("actor ", "rollout ", "teacher "))
+    ]
+    assert plan_rows[:7] == [
+        ["actor", "0", "0", "0", "0"],
+        ["actor", "1", "0", "1", "1"],
+        ["actor", "2", "0", "2", "2"],
+        ["actor", "3", "0", "3", "3"],
+        ["rollout", "0", "0", "0", "4"],
+        ["rollout", "1", "0", "1", "5"],
+        ["teacher", "0", "0", "-", "6"],
+    ]
+    assert (run_dir / "final_student" / "config.json").is_file()
 
 
 @pytest.mark.slow
@@ -301,10 +269,16 @@ def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> No
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["weight_version"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert row["loss"] > 0 and row["teacher_kl"] > 0 and row["staleness"] == 0 and len(row["sample_ids"]) == 64
+        assert all(row[key] >= 0 for key in ("generate_s", "teacher_s", "train_s", "sync_s", "step_s"))
     assert [e["step"] for e in read_metrics(run_dir, "eval.jsonl")] == [0, 2, 4]
-    assert (run_dir / "training.png").stat().st_size > 10_000
+    assert (run_dir / "training.png").stat().st_size > 10_000 and (run_dir / "resolved_config.yaml").is_file()
     assert "teacher held-out accuracy" in proc.stdout and "student held-out accuracy" in proc.stdout
+    summary = (run_dir / "summary.txt").read_text()
+    assert "student held-out accuracy" in summary and "teacher held-out accuracy" in summary
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoModelForCausalLM.from_pretrained(run_dir / "final_student")
@@ -312,7 +286,7 @@ def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("pp", [2])
 def test_export_on_demand_equals_the_final_export(tiny_run_inputs: dict[str, Path], tmp_path: Path, pp: int) -> None:
     """pp=2: a two-stage actor trains, checkpoints and exports (stage 1 sends its layers to rank 0); the
     export tool reloads that checkpoint into one stage and must write the same weights, bit for bit."""
@@ -381,30 +355,6 @@ def test_an_unsupported_vllm_is_one_line_exit_1(tiny_run_inputs: dict[str, Path]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: vLLM 0.11.0 is installed but rollout.backend=vllm supports vllm>=0.24.0,<0.34"), last
     assert "Traceback" not in proc.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "llama3", "mistral"])
-def test_students_of_each_family_for_three_steps(tiny_run_inputs: dict[str, Path], tmp_path: Path, family: str) -> None:
-    """Student and teacher of one family (Qwen3 q/k norm, Llama 3.x llama3 RoPE, Mistral-style Llama)
-    through the whole loop: actor, HF rollout, teacher server, weight sync, export."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    student = build_tiny_causal_lm(tmp_path / "student", seed=5, family=family)
-    teacher = build_tiny_causal_lm(tmp_path / "teacher", seed=6, spec=TinyModelSpec(hidden_size=96), family=family)
-    run_dir = tmp_path / "run"
-    inputs = {**tiny_run_inputs, "student": student, "teacher": teacher}
-    proc = run_cli(inputs, run_dir, "trainer.total_steps=3", "trainer.eval_every=0")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = read_metrics(run_dir)
-    assert [r["weight_version"] for r in rows] == [1, 2, 3] and all(r["loss"] > 0 for r in rows)
-    exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_student")
-    initial = AutoModelForCausalLM.from_pretrained(student)
-    assert type(exported) is type(initial) and exported.config.model_type == initial.config.model_type
-    assert exported.config.to_dict().get("rope_parameters") == initial.config.to_dict().get("rope_parameters")
-    trained, before = dict(exported.named_parameters()), dict(initial.named_parameters())
-    assert trained.keys() == before.keys() and any(not torch.equal(trained[n], before[n]) for n in before)
 
 
 @pytest.mark.slow

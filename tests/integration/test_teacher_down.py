@@ -45,7 +45,8 @@ def test_teacher_down_checkpoints_and_exits_then_the_rerun_continues(
     tmp_path: Path,
 ) -> None:
     address = f"tcp://127.0.0.1:{_free_port()}"
-    server_args = [f"teacher.model_path={inputs['teacher']}", f"teacher.address={address}"]
+    # The demo preset's teacher GPU (what launch/start_teacher.sh would pass from the placement plan).
+    server_args = [f"teacher.model_path={inputs['teacher']}", f"teacher.address={address}", "server.gpu_ids=[2]"]
     run_dir = tmp_path / "run"
     cmd = cli(
         inputs,

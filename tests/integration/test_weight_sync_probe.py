@@ -12,19 +12,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from recipe_gkd.actor.worker import actor_worker_class
 from recipe_gkd.batch import Sequence, TrainShard
 from recipe_gkd.config import WeightSyncConfig, load_config
 from recipe_gkd.ports import reserve_ports
-from recipe_gkd.rollout.worker import RolloutWorker, make_engine
+from recipe_gkd.ray_pools import RayRolloutWorker, ray_actor_worker_class, sync_weights
+from recipe_gkd.rollout.worker import make_engine
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
-from recipe_gkd.weight_sync import sync_weights
 from teacher_server.protocol import scores_from_logprobs
 
 TOP_K = 4
 
 
-class EngineOnlyRollout(RolloutWorker):
+class EngineOnlyRollout(RayRolloutWorker):
     """The real rollout worker with its engine only (no teacher, no data): what the sync touches."""
 
     def setup(self, scorer: Any = None, teacher_address: str | None = None) -> dict[str, Any]:
@@ -99,7 +98,7 @@ def test_rollout_matches_actor_after_sync(
         ],
     )
     port = _free_port()
-    actor_cls = ray.remote(num_cpus=0)(actor_worker_class()).options(num_gpus=1)
+    actor_cls = ray.remote(num_cpus=0)(ray_actor_worker_class()).options(num_gpus=1)
     actors = [actor_cls.remote(cfg, rank, pp, "127.0.0.1", port) for rank in range(pp)]
     actor = actors[0]
     rollouts = [ray.remote(num_cpus=0)(EngineOnlyRollout).options(num_gpus=1).remote(cfg, i, 2) for i in range(2)]

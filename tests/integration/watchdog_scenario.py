@@ -19,7 +19,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep a fake multi-node 
 import ray
 from ray.cluster_utils import Cluster
 
-from recipe_gkd import watchdog
+from recipe_gkd.ray_pools import install_watchdog
 
 STORE = 128 * 1024 * 1024
 
@@ -48,7 +48,7 @@ def main() -> None:
             "far": actor.options(resources={"other": 0.01}).remote(),
         }
         ray.get([h.pid.remote() for h in handles.values()], timeout=60)
-        dog = watchdog.install(handles, run_dir, timeout_s=60)
+        dog = install_watchdog(handles, str(run_dir), timeout_s=60)
         for h in handles.values():
             h.block_in_user_code.remote(120)
         time.sleep(1.0)  # both are inside block_in_user_code

@@ -253,7 +253,7 @@ def test_config_error_survives_pickling() -> None:
     [("0.24.0", True), ("0.32.0", True), ("0.33.0+cpu", True), ("0.33.9", True), ("0.23.1", False), ("0.34.0", False)],
 )
 def test_vllm_version_range(version: str, ok: bool) -> None:
-    from recipe_gkd.vllm_version import UnsupportedVLLMError, check_vllm_version
+    from teacher_server.vllm_version import UnsupportedVLLMError, check_vllm_version
 
     if ok:
         check_vllm_version(version, "teacher.backend")
@@ -265,7 +265,7 @@ def test_vllm_version_range(version: str, ok: bool) -> None:
 def test_pyproject_declares_the_checked_vllm_range(repo_root: Path) -> None:
     import tomllib
 
-    from recipe_gkd.vllm_version import SUPPORTED_TEXT
+    from teacher_server.vllm_version import SUPPORTED_TEXT
 
     extras = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["vllm"] == [f"vllm{SUPPORTED_TEXT}"]
@@ -290,7 +290,7 @@ def _family(model_id: str) -> str:
 @pytest.mark.parametrize("path", [p for p in PRESETS if p.name != "cpu_demo.yaml"], ids=lambda p: p.name)
 def test_gpu_presets_pair_real_models_and_can_start(path: Path) -> None:
     """What can be checked without downloading: hub ids, one tokenizer family, a secret where the teacher is exposed."""
-    from recipe_gkd.model_refs import HUB_ID
+    from teacher_server.model_refs import HUB_ID
     from teacher_server.settings import is_loopback
 
     cfg = load_config(path)
@@ -307,3 +307,39 @@ def test_a_token_budget_replaces_the_micro_batch_size_rule() -> None:
     assert _error(["actor.micro_batch_size=7"]).key == "actor.micro_batch_size"
     cfg = load_config(ONE_BY_EIGHT, ["actor.micro_batch_size=7", "actor.max_tokens_per_micro_batch=8192"])
     assert cfg.actor.max_tokens_per_micro_batch == 8192
+
+
+def _declared_bounds(section: type, prefix: str) -> list[tuple[str, dict]]:
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(section)
+    out: list[tuple[str, dict]] = []
+    for f in dataclasses.fields(section):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            out += _declared_bounds(kind, f"{prefix}{f.name}.")
+        elif f.metadata:
+            out.append((f"{prefix}{f.name}", dict(f.metadata)))
+    return out
+
+
+def _outside(m: dict) -> object:
+    """A value just outside a declared range (or choice list)."""
+    if "choices" in m:
+        return "not_a_choice"
+    if m["le"] is not None:
+        return m["le"] + 1
+    return m["ge"] - 1 if m["ge"] is not None else m["gt"]
+
+
+def test_every_declared_bound_is_enforced_and_names_its_key() -> None:
+    from recipe_gkd.config import GKDConfig
+
+    bounds = _declared_bounds(GKDConfig, "")
+    assert len(bounds) >= 45, "the bounds are declared on the fields"
+    for key, meta in bounds:
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"{key}={_outside(meta)}"])
+        assert err.value.key == key, (key, str(err.value))
+        assert "must be" in err.value.message

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from recipe_gkd.config import TeacherClientConfig
 from recipe_gkd.losses import DIVERGENCES, gkd_loss
+from teacher_server.config import TeacherClientConfig
 from teacher_server.protocol import ScoreReply, TopKBatch, parse_score_reply, reply_frames
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from recipe_gkd.check_placement import Observed, compare
+from recipe_gkd.check_placement import compare
 from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
 from recipe_gkd.placement import build_plan, check_ray_gpus, format_plan, node_resource
 from recipe_gkd.placement import main as placement_cli
+from recipe_gkd.ray_cluster import Observed
 
 PRESETS = sorted((CONFIG_DIR / "presets").glob("*.yaml"))
 

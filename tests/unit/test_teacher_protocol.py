@@ -258,9 +258,25 @@ def test_every_teacher_yaml_loads() -> None:
         assert loaded.teacher.model_path
 
 
-def test_preset_gives_replica_gpu_ids_per_node() -> None:
-    settings = load_settings(REPO_ROOT / "configs" / "presets" / "1x8_a1_r3_t4.yaml", node_rank=0)
-    assert [s.gpu_ids for s in settings.slots] == [(4, 5), (6, 7)]
+def test_preset_gives_replica_gpu_ids_per_node(capsys: pytest.CaptureFixture[str]) -> None:
+    """launch/start_teacher.sh asks the trainer's plan for a preset's teacher GPUs; the server splits them."""
+    from recipe_gkd.placement import main as placement_cli
+
+    preset = REPO_ROOT / "configs" / "presets" / "2x8_a8_r4_t4.yaml"
+    args = ["teacher-argv", "--config", str(preset), "trainer.total_steps=3", "teacher.top_k=32", "--node-rank"]
+    assert placement_cli([*args, "0"]) == 2, "node 0 is all actor GPUs"
+    assert "no teacher GPUs" in capsys.readouterr().err
+    assert placement_cli([*args, "1"]) == 0
+    argv = capsys.readouterr().out.split()
+    assert argv == ["--config", str(preset), "--node-rank", "1", "--gpu-ids", "4,5,6,7", "teacher.top_k=32"]
+    settings = load_settings(preset, ["server.gpu_ids=[4,5,6,7]"], node_rank=1)
+    assert [s.gpu_ids for s in settings.slots] == [(4, 5, 6, 7)]
+    with pytest.raises(ConfigError) as err:
+        load_settings(preset, node_rank=1)
+    assert err.value.key == "--gpu-ids" and "launch/start_teacher.sh" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_settings(preset, ["server.gpu_ids=[4]", "trainer.total_steps=3"])
+    assert err.value.key == "trainer.total_steps", "the server refuses the trainer's keys"
     explicit = load_settings(
         REPO_ROOT / "configs" / "teacher" / "cpu_demo.yaml", ["server.gpu_ids=[3,5]", "teacher.replicas=2"]
     )

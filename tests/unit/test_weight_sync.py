@@ -11,6 +11,7 @@ import pytest
 
 from recipe_gkd.config import WeightSyncConfig, load_config
 from recipe_gkd.ports import reserve_ports
+from recipe_gkd.ray_pools import sync_weights
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.weight_sync import (
     MIB,
@@ -21,7 +22,6 @@ from recipe_gkd.weight_sync import (
     bucketize,
     iter_buckets,
     pack_bucket,
-    sync_weights,
     unpack_bucket,
 )
 
@@ -70,7 +70,7 @@ class FakeActor:
         self.rank, self.named, self.fail = rank, named, fail
 
     def export_weight_buckets(self, bucket_mb: int) -> list | None:
-        from recipe_gkd.weight_sync import put_buckets
+        from recipe_gkd.ray_pools import put_buckets
 
         if self.fail:
             raise RuntimeError("gather over TP failed on rank 0")

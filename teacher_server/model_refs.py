@@ -5,7 +5,7 @@
 becomes the directory of its snapshot in the cache (HF_HOME / HF_HUB_CACHE as huggingface_hub
 reads them); with HF_HUB_OFFLINE=1 only the cache is read, otherwise a missing snapshot is
 downloaded. The driver resolves every reference once, before anything starts, so every
-process reads the same files.
+process reads the same files. The teacher server resolves teacher.model_path the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from recipe_gkd.config import ConfigError, GKDConfig
+from teacher_server.config import ConfigError
 
 # org/name (the hub's repo id grammar), optionally @revision.
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.\-]*/[\w.\-]+)(?:@(?P<revision>[\w.\-/]+))?$")
@@ -29,13 +29,6 @@ def resolve_model_ref(ref: str, key: str) -> str:
     if match is None:
         raise ConfigError(key, f"{ref!r} is neither a local directory nor a hub id like Qwen/Qwen3-1.7B[@revision]")
     return str(_snapshot(match["repo"], match["revision"], key))
-
-
-def resolve_config_models(cfg: GKDConfig) -> None:
-    """Replace every hub id in the config's model references by its snapshot directory (in place)."""
-    cfg.model.student_path = resolve_model_ref(cfg.model.student_path, "model.student_path")
-    cfg.model.tokenizer_path = resolve_model_ref(cfg.model.tokenizer_path, "model.tokenizer_path")
-    cfg.teacher.model_path = resolve_model_ref(cfg.teacher.model_path, "teacher.model_path")
 
 
 def _snapshot(repo: str, revision: str | None, key: str) -> Path:

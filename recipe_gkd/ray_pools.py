@@ -1,0 +1,405 @@
+"""The pools on Ray: every actor rank and rollout worker a Ray actor in its placement-group bundle.
+
+One of the two modules that import Ray (the other, recipe_gkd/ray_cluster.py, starts the cluster
+and makes the placement groups). Everything here implements recipe_gkd/pools.py's Protocols:
+- `RayActorPool`, `RayRolloutPool`: `.remote` calls; the shards travel as object refs from the
+  rollout workers to the actor ranks (the driver holds refs and small stats only);
+- `RayWeightSync`: the driver's side of weight_sync.transport (object store, gloo, nccl);
+- `wait` / `wait_done`: every blocking call on a worker, bounded by debug.hang_timeout_s and
+  naming its phase; a timeout first has every worker dump its Python stack (recipe_gkd/watchdog.py);
+- `launch_pools`: placement groups, workers, the weight-sync group and the watchdog; all
+  stopped on exit.
+The worker classes stay plain (tests build them directly): `ray.remote` is applied here, to
+subclasses that add the methods taking and giving object refs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recipe_gkd import watchdog
+from recipe_gkd.actor.layout import data_parallel_rank
+from recipe_gkd.config import (
+    GKDConfig,
+    WeightSyncConfig,
+    WeightTransport,
+    actor_data_parallel_size,
+    weight_group_ranks_per_engine,
+)
+from recipe_gkd.placement import PlacementPlan, Slot
+from recipe_gkd.pools import Pending, Pools, Produced
+from recipe_gkd.ports import reserve_ports
+from recipe_gkd.ray_cluster import ResourcePoolManager
+from recipe_gkd.rollout.worker import RolloutWorker
+from recipe_gkd.watchdog import WorkerProcess, phase_timeout
+from recipe_gkd.weight_sync import MIB, WeightSyncError, iter_buckets
+
+# ----------------------------------------------------------------------------- bounded waits
+
+
+def wait(refs: list[Any], timeout_s: float, phase: str) -> list[Any]:
+    """ray.get with a timeout whose error names the phase and the key to change."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError:
+        raise phase_timeout(phase, timeout_s) from None
+
+
+def wait_done(refs: list[Any], timeout_s: float, phase: str) -> None:
+    """Block until every task behind `refs` has finished, without fetching (nor raising) its result."""
+    import ray
+
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+    if pending:
+        raise phase_timeout(phase, timeout_s)
+
+
+# ----------------------------------------------------------------------------- the worker classes on Ray
+
+
+class RayRolloutWorker(RolloutWorker):
+    """The rollout worker with its shards put into Ray's object store and its buckets fetched from it."""
+
+    def produce(self, step: int, dp_size: int) -> Produced:  # type: ignore[override]
+        return _put_shards(super().produce(step, dp_size))
+
+    def score(self, step: int, dp_size: int) -> Produced:  # type: ignore[override]
+        return _put_shards(super().score(step, dp_size))
+
+    def produce_eval(self, dp_size: int) -> Produced:  # type: ignore[override]
+        return _put_shards(super().produce_eval(dp_size))
+
+    def update_weights(self, version: int, bucket_refs: list[Any], timeout_s: float) -> dict[str, float]:
+        """Load the buckets behind `bucket_refs` (fetched one at a time) as weight version `version`."""
+        import ray
+
+        return self.load_weights(version, (ray.get(ref, timeout=timeout_s) for ref in bucket_refs))
+
+
+def _put_shards(produced: tuple[Any, list[Any]]) -> Produced:
+    import ray
+
+    stats, shards = produced
+    return stats, [ray.put(s) for s in shards]
+
+
+def put_buckets(named: Iterable[tuple[str, np.ndarray]], bucket_mb: int) -> list[Any]:
+    """Inside the sending process: the stream as object refs, one per bucket, each put once it is full."""
+    import ray
+
+    return [ray.put(bucket) for bucket in iter_buckets(named, bucket_mb * MIB)]
+
+
+def ray_actor_worker_class() -> type:
+    """The actor worker plus the methods taking and giving object refs (megatron imported lazily)."""
+    from recipe_gkd.actor.worker import actor_worker_class
+
+    class RayActorWorker(actor_worker_class()):  # type: ignore[misc]
+        def train_refs(self, shard_refs: list[Any]) -> dict[str, float]:
+            """Train on the TrainShards behind `shard_refs` (one per rollout worker)."""
+            import ray
+
+            return self.train(ray.get(shard_refs))
+
+        def eval_refs(self, shard_refs: list[Any]) -> dict[str, float]:
+            import ray
+
+            return self.eval_loss(ray.get(shard_refs))
+
+        def export_weight_buckets(self, bucket_mb: int) -> list[Any] | None:
+            """Every rank gathers over TP; rank 0 puts the buckets as they fill and returns their refs."""
+            refs = put_buckets(self.iter_hf_weights(), bucket_mb)
+            return refs if self.rank == 0 else None
+
+    return RayActorWorker
+
+
+# ----------------------------------------------------------------------------- the pools
+
+
+class RayRolloutPool:
+    """RolloutPool over Ray actors (max_concurrency 2: two_step_off scores t+1 beside generating t+2)."""
+
+    def __init__(self, handles: list[Any], dp_size: int, timeout_s: float) -> None:
+        self.handles, self.dp_size, self.timeout_s = handles, dp_size, timeout_s
+        self.size = len(handles)
+
+    def produce(self, step: int) -> Pending:
+        return [r.produce.remote(step, self.dp_size) for r in self.handles]
+
+    def generate(self, step: int) -> Pending:
+        return [r.generate.remote(step) for r in self.handles]
+
+    def score(self, step: int) -> Pending:
+        return [r.score.remote(step, self.dp_size) for r in self.handles]
+
+    def produce_eval(self) -> Pending:
+        return [r.produce_eval.remote(self.dp_size) for r in self.handles]
+
+    def wait(self, pending: Pending, phase: str) -> list[Any]:
+        return wait(pending, self.timeout_s, phase)
+
+    def wait_done(self, pending: Pending, phase: str) -> None:
+        wait_done(pending, self.timeout_s, phase)
+
+    def data_positions(self, batch: int) -> list[int]:
+        return wait([r.data_position.remote(batch) for r in self.handles], self.timeout_s, "checkpoint positions")
+
+    def set_positions(self, positions: list[int]) -> None:
+        calls = [r.set_position.remote(p) for r, p in zip(self.handles, positions, strict=True)]
+        wait(calls, self.timeout_s, "checkpoint positions")
+
+
+class RayActorPool:
+    """ActorPool over Ray actors: tensor-parallel ranks of one replica get the same shards."""
+
+    def __init__(self, cfg: GKDConfig, handles: list[Any], summary: str) -> None:
+        self.cfg, self.handles, self.summary = cfg, handles, summary
+        self.dp_size = actor_data_parallel_size(cfg)
+        self.timeout_s = cfg.debug.hang_timeout_s
+
+    def train(self, shards: list[list[Any]]) -> list[dict[str, float]]:
+        calls = [a.train_refs.remote(shards[data_parallel_rank(self.cfg, r)]) for r, a in enumerate(self.handles)]
+        return wait(calls, self.timeout_s, "train")
+
+    def eval_loss(self, shards: list[list[Any]]) -> dict[str, float]:
+        calls = [a.eval_refs.remote(shards[data_parallel_rank(self.cfg, r)]) for r, a in enumerate(self.handles)]
+        return wait(calls, self.timeout_s, "eval loss")[0]
+
+    def save_checkpoint(self, path: str) -> None:
+        wait([a.save_checkpoint.remote(path) for a in self.handles], self.timeout_s, "checkpoint save")
+
+    def load_checkpoint(self, path: str) -> None:
+        wait([a.load_checkpoint.remote(path) for a in self.handles], self.timeout_s, "checkpoint load")
+
+    def export_hf(self, out_dir: str) -> None:
+        wait([a.save_hf.remote(out_dir) for a in self.handles], self.timeout_s, "export")
+
+
+class RayWeightSync:
+    """The driver's side of weight_sync.transport.
+
+    Every actor rank takes part (the export gathers over tensor parallelism). With the object
+    store, rank 0 returns the bucket refs and the rollout workers fetch them; with a collective,
+    rank 0 broadcasts while the rollout workers receive, all awaited together. Both sides are
+    bounded by weight_sync.timeout_s.
+    """
+
+    def __init__(self, actors: list[Any], rollouts: list[Any], settings: WeightSyncConfig) -> None:
+        self.actors, self.rollouts, self.settings = actors, rollouts, settings
+
+    def push(self, version: int) -> dict[str, float]:
+        bucket_mb, timeout_s = self.settings.bucket_mb, self.settings.timeout_s
+        if self.settings.transport != WeightTransport.object_store:
+            return self._push_collective(version, bucket_mb, timeout_s)
+        start = time.perf_counter()
+        exports = [a.export_weight_buckets.remote(bucket_mb) for a in self.actors]
+        buckets = _await(exports, timeout_s, f"actor export of weight version {version}")[0]
+        if not buckets:
+            raise WeightSyncError(f"actor rank 0 exported no weights for version {version}")
+        exported = time.perf_counter()
+        loads = [r.update_weights.remote(version, buckets, timeout_s) for r in self.rollouts]
+        _await(loads, timeout_s, f"rollout load of weight version {version}")
+        done = time.perf_counter()
+        return {"sync_export_s": exported - start, "sync_load_s": done - exported}
+
+    def _push_collective(self, version: int, bucket_mb: int, timeout_s: float) -> dict[str, float]:
+        start = time.perf_counter()
+        sends = [a.broadcast_weights.remote(bucket_mb) for a in self.actors]
+        loads = [r.receive_weights.remote(version) for r in self.rollouts]
+        results = _await(sends + loads, timeout_s, f"collective sync of weight version {version}")
+        sent = results[0]
+        if not sent or not sent.get("bytes"):
+            raise WeightSyncError(f"actor rank 0 broadcast no weights for version {version}")
+        total = time.perf_counter() - start
+        return {"sync_export_s": sent["export_s"], "sync_load_s": total - sent["export_s"]}
+
+
+def sync_weights(actors: list[Any], rollouts: list[Any], version: int, settings: WeightSyncConfig) -> dict[str, float]:
+    """One push of `version` from these actor handles to these rollout handles (tests, benchmarks)."""
+    return RayWeightSync(actors, rollouts, settings).push(version)
+
+
+def _await(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayError
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError:
+        dumped = watchdog.dump_stacks(f"weight sync {what}")  # before the cancel: the stacks show where it hung
+        for ref in refs:
+            ray.cancel(ref, force=False)
+        raise WeightSyncError(f"{what} did not finish within weight_sync.timeout_s={timeout_s}s{dumped}") from None
+    except RayError as err:
+        raise WeightSyncError(f"{what} failed: {err}") from err
+
+
+# ----------------------------------------------------------------------------- launch and stop
+
+
+@contextmanager
+def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: str | None) -> Iterator[Pools]:
+    """Placement groups, then every actor rank and rollout worker set up; all stopped on exit (Ray must be up)."""
+    import ray
+
+    start = time.perf_counter()
+    timeout = cfg.debug.hang_timeout_s
+    groups = ResourcePoolManager(plan, cfg.cluster.placement_timeout_s)
+    handles: list[Any] = []
+    try:
+        groups.create()
+        actor_slots, rollout_slots = plan.role("actor"), plan.role("rollout")
+        host, (megatron_port, sync_port) = _rank0_endpoint(groups, actor_slots[0], cfg.cluster.placement_timeout_s)
+        actor_cls = ray.remote(num_cpus=0)(ray_actor_worker_class())
+        actors = [
+            actor_cls.options(num_gpus=len(s.gpu_ids), scheduling_strategy=groups.scheduling_strategy(s)).remote(
+                cfg, s.rank, len(actor_slots), host, megatron_port
+            )
+            for s in actor_slots
+        ]
+        # Two threads: two_step_off scores batch t+1 while generating t+2 (the worker locks its engine).
+        rollout_cls = ray.remote(num_cpus=0, max_concurrency=2)(RayRolloutWorker)
+        rollouts = [
+            rollout_cls.options(num_gpus=len(s.gpu_ids), scheduling_strategy=groups.scheduling_strategy(s)).remote(
+                cfg, s.rank, len(rollout_slots)
+            )
+            for s in rollout_slots
+        ]
+        handles = actors + rollouts
+        names = {f"actor{i}": a for i, a in enumerate(actors)} | {f"rollout{i}": r for i, r in enumerate(rollouts)}
+        install_watchdog(names, cfg.trainer.run_dir, cfg.cluster.placement_timeout_s)
+        ready = wait(
+            [a.setup.remote() for a in actors] + [r.setup.remote(None, teacher_address) for r in rollouts],
+            timeout,
+            "worker setup",
+        )
+        if cfg.weight_sync.transport != "object_store":
+            _open_weight_group(cfg, actors[0], rollouts, host, sync_port)
+        summary = str(ready[0].get("summary", ""))
+        yield Pools(
+            actor=RayActorPool(cfg, actors, summary),
+            rollout=RayRolloutPool(rollouts, actor_data_parallel_size(cfg), timeout),
+            weights=RayWeightSync(actors, rollouts, cfg.weight_sync),
+            setup_s=time.perf_counter() - start,
+        )
+    finally:
+        watchdog.uninstall()
+        _stop(handles, timeout)
+        groups.remove()
+
+
+def _rank0_endpoint(groups: ResourcePoolManager, slot: Slot, timeout_s: float) -> tuple[str, list[int]]:
+    """Address and two free ports on actor rank 0's node: megatron's rendezvous, the weight-sync group's."""
+    import ray
+
+    if groups.plan.nnodes == 1:
+        return "127.0.0.1", reserve_ports(2)
+
+    @ray.remote(num_cpus=0)
+    def endpoint() -> tuple[str, list[int]]:
+        from recipe_gkd.ports import reserve_ports
+
+        return ray.util.get_node_ip_address(), reserve_ports(2, host="0.0.0.0")
+
+    return wait(
+        [endpoint.options(scheduling_strategy=groups.scheduling_strategy(slot)).remote()], timeout_s, "rendezvous"
+    )[0]
+
+
+def _open_weight_group(cfg: GKDConfig, actor0: Any, rollouts: list[Any], host: str, port: int) -> None:
+    """Actor rank 0 and every rollout worker join the weight-sync process group (all at once)."""
+    backend, timeout = str(cfg.weight_sync.transport), cfg.weight_sync.timeout_s
+    # Rank 0 sends; rollout engine i's workers take ranks 1 + i * per_engine onwards.
+    per_engine = weight_group_ranks_per_engine(cfg)
+    world = 1 + per_engine * len(rollouts)
+    joins = [actor0.init_weight_group.remote(backend, host, port, world, timeout)] + [
+        r.init_weight_group.remote(backend, host, port, 1 + i * per_engine, world, timeout)
+        for i, r in enumerate(rollouts)
+    ]
+    wait(joins, cfg.debug.hang_timeout_s, f"weight-sync group setup ({backend} on {host}:{port})")
+
+
+def _stop(handles: list[Any], timeout_s: float) -> None:
+    """Ask actors to release their process groups, then kill every worker this run started."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayError
+
+    shutdowns = [h.shutdown.remote() for h in handles if hasattr(h, "shutdown")]
+    try:
+        ray.get(shutdowns, timeout=min(timeout_s, 30.0))
+    except (GetTimeoutError, RayError) as err:
+        print(f"warning: a worker did not shut down cleanly ({type(err).__name__}); killing it", flush=True)
+    for h in handles:
+        ray.kill(h)
+
+
+# ----------------------------------------------------------------------------- the watchdog on Ray
+
+
+def install_watchdog(handles: dict[str, Any], run_dir: str, timeout_s: float) -> watchdog.Watchdog:
+    """Register the stack dump in every worker (`handles`: name -> Ray actor handle); phase timeouts use it."""
+    import ray
+
+    dog = watchdog.Watchdog(Path(run_dir).resolve(), ray.get_runtime_context().get_node_id())
+    names = list(handles)
+    calls = [handles[n].__ray_call__.remote(_register, n, str(dog.run_dir), dog.driver_node) for n in names]
+    registered = ray.get(calls, timeout=timeout_s)
+    dog.workers = {n: WorkerProcess(*r) for n, r in zip(names, registered, strict=True)}
+    dog.collect_remote = _collect_on
+    return watchdog.install(dog)
+
+
+def _register(_worker: Any, name: str, run_dir: str, driver_node: str) -> tuple[int, str, str]:
+    """Inside a worker (via `__ray_call__`): its stack dump registered; (pid, node id, file)."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    pid, path = watchdog.register_stack_dump(name, run_dir, on_driver_node=node == driver_node)
+    return pid, node, path
+
+
+def _collect_on(node: str, workers: dict[str, WorkerProcess]) -> dict[str, str]:
+    """collect_stacks run by a Ray task pinned to `node`; on failure every worker's text says why."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(watchdog.collect_stacks)
+    strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+    timeout = watchdog.DUMP_WAIT_S + watchdog.PY_SPY_TIMEOUT_S * len(workers) + watchdog.REMOTE_SLACK_S
+    ref = task.options(scheduling_strategy=strategy).remote(workers)
+    try:
+        return ray.get(ref, timeout=timeout)
+    except Exception as err:  # noqa: BLE001 -- reported in each worker's dump file instead of masking the hang
+        ray.cancel(ref, force=True)
+        reason = f"stacks of node {node} not collected: {type(err).__name__}: {str(err)[:300]}\n"
+        return dict.fromkeys(workers, reason)
+
+
+# ----------------------------------------------------------------------------- side tasks
+
+
+def launch_teacher_accuracy(cfg: GKDConfig) -> Callable[[], float | None]:
+    """The teacher's own held-out accuracy, for the before/after table; returns the call that awaits it.
+
+    Runs greedy decoding of the teacher model as a Ray task beside the training (CPU runs with an
+    HF teacher only: on GPU clusters the teacher's GPUs belong to the teacher server).
+    """
+    if not (cfg.trainer.eval_every and cfg.cluster.device.value == "cpu" and cfg.teacher.backend.value == "hf"):
+        return lambda: None
+    import ray
+
+    from recipe_gkd.demo.evaluate import greedy_accuracy
+
+    task = ray.remote(num_cpus=0)(greedy_accuracy)
+    ref = task.remote(cfg.teacher.model_path, cfg.data.eval_files[0], cfg.data.eval_batch_size)
+    return lambda: wait([ref], cfg.debug.hang_timeout_s, "teacher accuracy")[0]

@@ -1,0 +1,146 @@
+"""The teacher server's settings: the `teacher` section (of a run preset or a standalone teacher yaml).
+
+The trainer (recipe_gkd/config.py) embeds the same section in its run config and checks it with
+the same rules; `ConfigError` is the one error both raise for a bad value, naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; `key` is the dotted path to change."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"config error at `{key}`: {message}")
+        self.key = key
+        self.message = message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Rebuilt from (key, message) when it crosses a process boundary (a Ray worker's error).
+        return type(self), (self.key, self.message)
+
+
+def bounded(
+    default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None, note: str = ""
+) -> Any:
+    """A config field with its allowed range, declared where the field is; `check_fields` enforces it."""
+    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "note": note})
+
+
+def one_of(default: str, choices: tuple[str, ...]) -> Any:
+    """A string config field that takes one of `choices`; `check_fields` enforces it."""
+    return field(default=default, metadata={"choices": choices})
+
+
+def check_fields(section: Any, prefix: str) -> None:
+    """Every bound and choice declared on the fields of `section` and its nested sections, in field order.
+
+    Raises ConfigError naming the first field out of its range, e.g. `teacher.top_k: must be >= 1, got 0`.
+    """
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), f"{prefix}.{f.name}"
+        if dataclasses.is_dataclass(value):
+            check_fields(value, key)
+            continue
+        if value is None or not f.metadata:
+            continue
+        m = f.metadata
+        if "choices" in m:
+            require(value in m["choices"], key, f"must be one of {m['choices']}, got {value!r}")
+            continue
+        note = f" ({m['note']})" if m["note"] else ""
+        low_ok = (m["ge"] is None or value >= m["ge"]) and (m["gt"] is None or value > m["gt"])
+        high_ok = m["le"] is None or value <= m["le"]
+        require(low_ok and high_ok, key, f"must be {_range_text(m)}{note}, got {value}")
+
+
+def _range_text(m: Any) -> str:
+    low = f"[{m['ge']}" if m["ge"] is not None else f"({m['gt']}" if m["gt"] is not None else ""
+    if m["le"] is not None:
+        return f"in {low or '(-inf'}, {m['le']}]"
+    return f">= {m['ge']}" if m["ge"] is not None else f"> {m['gt']}"
+
+
+class TeacherBackend(enum.StrEnum):
+    vllm = "vllm"
+    hf = "hf"
+
+
+class TeacherLocation(enum.StrEnum):
+    """Where the teacher's GPUs are: `local` = the GPUs this cluster leaves over, `remote` = elsewhere."""
+
+    local = "local"
+    remote = "remote"
+
+
+@dataclass
+class TeacherClientConfig:
+    # Concurrent requests the trainer keeps in flight to the server. Not a GPU count.
+    max_inflight: int = bounded(4, ge=1)
+    retries: int = bounded(3, ge=0)
+    # Wire dtype of top-k logprobs: float16 (half the bytes, |error| <= 4e-3 at logprob -16) or float32 (exact).
+    logprob_dtype: str = one_of("float16", ("float16", "float32"))
+    # Wire encoding of top-k ids: elias_fano (~1.1 B/id at K=256, decoded to int32) or int32.
+    id_encoding: str = one_of("elias_fano", ("elias_fano", "int32"))
+
+
+@dataclass
+class TeacherConfig:
+    address: str = "tcp://127.0.0.1:5555"
+    # Start the server from the driver (CPU demo). On GPU clusters use launch/start_teacher.sh.
+    autostart: bool = False
+    location: TeacherLocation = TeacherLocation.local
+    backend: TeacherBackend = TeacherBackend.vllm
+    model_path: str = ""
+    replicas: int = bounded(1, ge=1)
+    gpus_per_replica: int = bounded(1, ge=1)
+    top_k: int = bounded(64, ge=1)
+    # The largest top_k the server will return; the handshake reports the server's value.
+    max_top_k: int = bounded(256, ge=1)
+    temperature: float = bounded(1.0, gt=0)
+    timeout_s: float = bounded(300.0, gt=0)
+    client: TeacherClientConfig = field(default_factory=TeacherClientConfig)
+    # File holding a shared secret that clients and replicas present; required for a non-loopback address.
+    secret_file: str = ""
+    # The server answers `too_large` to bigger requests; clients split their batches below it.
+    max_request_mb: float = bounded(64.0, gt=0)
+    # hf backend: padded tokens (rows x longest sequence) per forward pass.
+    max_batch_tokens: int = bounded(8192, ge=1)
+    # Requests queued per replica before the server answers `busy` instead of growing memory.
+    queue_depth: int = bounded(8, ge=1)
+    # A replica silent (no heartbeat) this long is dropped and its requests are retried elsewhere.
+    replica_timeout_s: float = bounded(30.0, gt=0)
+    # Teacher weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.
+    dtype: str = one_of("auto", ("auto", "float32", "bfloat16", "float16"))
+    # vllm backend: fraction of each replica GPU's memory for weights + KV cache, and the longest
+    # sequence (prompt + response) it scores; 0 takes the model's own maximum.
+    gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
+    max_model_len: int = bounded(0, ge=0, note="0: the model's own")
+
+
+def require(ok: bool, key: str, message: str) -> None:
+    """Raise ConfigError(key, message) unless `ok`."""
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def validate_teacher_section(t: TeacherConfig) -> None:
+    """The rules of the `teacher` section alone (also used for standalone configs/teacher/*.yaml)."""
+    check_fields(t, "teacher")
+    require(t.top_k <= t.max_top_k, "teacher.top_k", f"top_k={t.top_k} exceeds teacher.max_top_k={t.max_top_k}")
+    require(
+        t.backend != TeacherBackend.vllm or t.temperature == 1.0,
+        "teacher.temperature",
+        f"is {t.temperature} but the vllm teacher backend scores at temperature 1 only (vLLM returns the top-k "
+        "of the T=1 distribution, from which another temperature cannot be recovered); use teacher.backend=hf",
+    )
+    require(
+        t.address.startswith(("tcp://", "ipc://")),
+        "teacher.address",
+        f"must be a ZeroMQ address like tcp://127.0.0.1:5555, got {t.address!r}",
+    )

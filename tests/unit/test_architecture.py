@@ -1,0 +1,127 @@
+"""The seams, checked from the source: who imports Ray, what the teacher server depends on, no import cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("recipe_gkd", "teacher_server")
+# The only modules of recipe_gkd that may import Ray (the cluster; the workers as Ray actors).
+RAY_MODULES = {"recipe_gkd.ray_cluster", "recipe_gkd.ray_pools"}
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, root: Path = ROOT) -> set[str]:
+    """Every module `path` imports, at any depth of the file (function-level imports too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            found.add(stem)
+            # `from pkg import mod` imports pkg.mod when it is a module.
+            found.update(f"{stem}.{alias.name}" for alias in node.names)
+    return found
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def project_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: {m for m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of `graph` (a list of modules, first == last), or [] when there is none.
+
+    A package's `__init__` importing its own submodules is not counted (Python handles it).
+    """
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt.startswith(node + "."):
+                continue
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state:
+            cycle = visit(start)
+            if cycle:
+                return cycle
+    return []
+
+
+def test_no_import_cycle_among_the_packages() -> None:
+    cycle = find_cycle(project_graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert find_cycle({"p": {"p.x"}, "p.x": {"p"}}) == [], "a package importing its own submodule is fine"
+
+
+def test_ray_is_imported_in_two_modules_only() -> None:
+    users = {
+        name
+        for name, path in project_modules().items()
+        if name.startswith("recipe_gkd") and any(m == "ray" or m.startswith("ray.") for m in imports_of(path))
+    }
+    assert users == RAY_MODULES, f"Ray imported outside {sorted(RAY_MODULES)}: {sorted(users - RAY_MODULES)}"
+
+
+def test_the_teacher_server_imports_nothing_from_the_trainer() -> None:
+    offenders = {
+        name: sorted(m for m in imports_of(path) if m.split(".")[0] == "recipe_gkd")
+        for name, path in project_modules().items()
+        if name.startswith("teacher_server")
+    }
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, f"teacher_server imports recipe_gkd: {offenders}"
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("import ray\n", {"ray"}),
+        ("def f():\n    from ray.util import x\n", {"ray.util", "ray.util.x"}),
+        ("from . import sibling\n", {"pkg", "pkg.sibling"}),
+    ],
+)
+def test_imports_are_found_at_any_depth(tmp_path: Path, source: str, expected: set[str]) -> None:
+    (tmp_path / "pkg").mkdir()
+    path = tmp_path / "pkg" / "mod.py"
+    path.write_text(source)
+    assert imports_of(path, root=tmp_path) == expected
