@@ -171,6 +171,7 @@ def local_pools(cfg: GKDConfig, scorer: Scorer | None = None) -> Iterator[Pools]
         workers = [RolloutWorker(cfg, rank, rollout_engines(cfg)) for rank in range(rollout_engines(cfg))]
         for worker in workers:
             worker.setup(scorer=teacher)
+            stack.callback(worker.shutdown)  # closes the scorer's connection, if it has one
         yield Pools(
             actor=LocalActorPool(actor, summary),
             rollout=LocalRolloutPool(workers, dp_size=1),

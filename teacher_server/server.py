@@ -5,15 +5,22 @@ only see good ones), sends it to the replica with the fewest outstanding tokens,
 forwards the replica's reply frames to the client unchanged (zero-copy) under the client's
 own request id. Per-replica queues are bounded by teacher.queue_depth: when every replica's
 is full the client gets a retryable `busy` instead of the server growing memory. Replicas
-register and heartbeat with `Register`; one silent for teacher.replica_timeout_s is dropped
-and its requests answered `replica_lost`, which the client retries on another replica. A
-replica from any node may join at any time by connecting to the replica address.
+register and heartbeat with `Register`. A replica is dropped when its process exits (the
+supervisor calls `replica_exited`), when its restart registers under the same name, or when it
+stays silent for teacher.replica_timeout_s; its requests in flight are then sent again at once
+to a live replica, or held until one registers (the restarted one) for at most
+teacher.replica_timeout_s, after which they are answered `replica_lost` and the client retries.
+Each request is answered once: a re-sent request gets a new internal id, so a late answer
+from the dropped replica is discarded. A replica from any node may join at any time by
+connecting to the replica address.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -74,6 +81,17 @@ class _Inflight:
     client_request_id: int
     replica: bytes
     tokens: int
+    # What the replica was sent (header without the internal id, ids frame): re-sent if it is lost.
+    request: P.ScoreRequest
+    ids: zmq.Frame
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A request whose replica was lost while no other could take it; re-sent when one registers."""
+
+    inflight: _Inflight
+    deadline: float
 
 
 class Frontend:
@@ -90,6 +108,8 @@ class Frontend:
         self._token = P.auth_token(options.secret)
         self._replicas: dict[bytes, _Replica] = {}
         self._inflight: dict[int, _Inflight] = {}
+        self._held: deque[_Held] = deque()
+        self._exited: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._model: P.Register | None = None
         self._lock = threading.Lock()
@@ -130,6 +150,10 @@ class Frontend:
         with self._lock:
             return [r.info.name for r in self._replicas.values()]
 
+    def replica_exited(self, name: str) -> None:
+        """Thread-safe: replica `name`'s process is gone; its requests in flight are re-sent at once."""
+        self._exited.put(name)
+
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._clients, zmq.POLLIN)
@@ -140,7 +164,10 @@ class Frontend:
                 self._drain(self._replicas_sock, self._on_replica_message)
             if self._clients in events:
                 self._drain(self._clients, self._on_client_message)
-            self._expire_replicas(time.monotonic())
+            now = time.monotonic()
+            self._drop_exited()
+            self._expire_replicas(now)
+            self._resend_held(now)
 
     def _drain(self, sock: zmq.Socket, handler: Callable[[list[zmq.Frame]], None]) -> None:
         for _ in range(MAX_DRAIN):
@@ -239,13 +266,19 @@ class Frontend:
     def _dispatch(self, identity: bytes, request: P.ScoreRequest, arrays: list[zmq.Frame]) -> None:
         parsed = P.parse_score_request(request, [f.buffer for f in arrays], self._limits())
         replica = self._pick(request.replica)
-        internal_id = next(self._ids)
-        self._inflight[internal_id] = _Inflight(identity, request.request_id, replica.identity, parsed.n_tokens)
-        replica.outstanding += 1
-        replica.outstanding_tokens += parsed.n_tokens
         self._counts["requests"] += 1
-        forwarded = P.encode(msgspec.structs.replace(request, request_id=internal_id, auth=b""))
-        self._send(self._replicas_sock, replica.identity, [forwarded, arrays[0]])
+        stripped = msgspec.structs.replace(request, auth=b"")
+        inflight = _Inflight(identity, request.request_id, replica.identity, parsed.n_tokens, stripped, arrays[0])
+        self._send_to(replica, inflight)
+
+    def _send_to(self, replica: _Replica, inflight: _Inflight) -> None:
+        """Forward a request to `replica` under a fresh internal id."""
+        internal_id = next(self._ids)
+        self._inflight[internal_id] = dataclasses.replace(inflight, replica=replica.identity)
+        replica.outstanding += 1
+        replica.outstanding_tokens += inflight.tokens
+        forwarded = P.encode(msgspec.structs.replace(inflight.request, request_id=internal_id))
+        self._send(self._replicas_sock, replica.identity, [forwarded, inflight.ids])
 
     def _pick(self, name: str) -> _Replica:
         candidates = [r for r in self._replicas.values() if not name or r.info.name == name]
@@ -321,10 +354,13 @@ class Frontend:
             return
         if self._model is None:
             self._model = info
+        for old in [r for r in self._replicas.values() if r.info.name == info.name]:
+            self._drop(old, f"replaced by its restart (pid {info.pid})")
         with self._lock:
             self._replicas[identity] = _Replica(identity, info, time.monotonic())
         log.info("replica %s joined (pid %d on %s, GPUs %s)", info.name, info.pid, info.host, info.gpu_ids)
         self._send(self._replicas_sock, identity, [P.encode(P.RegisterAck(self.server_id))])
+        self._resend_held(time.monotonic())
 
     def _registration_problem(self, info: P.Register) -> str:
         if info.version != P.PROTOCOL_VERSION:
@@ -344,7 +380,7 @@ class Frontend:
     def _on_result(self, replica: _Replica, message: P.ReplicaMessage, arrays: list[zmq.Frame]) -> None:
         inflight = self._inflight.pop(message.request_id, None)  # type: ignore[union-attr]
         if inflight is None:
-            return  # the answer to a request already failed over (replica_lost); drop it
+            return  # a dropped replica's late answer: the request was re-sent or answered replica_lost
         replica.outstanding -= 1
         replica.outstanding_tokens -= inflight.tokens
         if isinstance(message, P.ScoreReply):
@@ -360,16 +396,50 @@ class Frontend:
     def _expire_replicas(self, now: float) -> None:
         lost = [r for r in self._replicas.values() if now - r.last_seen > self.options.replica_timeout_s]
         for replica in lost:
-            with self._lock:
-                del self._replicas[replica.identity]
-            log.warning(
-                "replica %s (pid %d) silent for %.1f s (teacher.replica_timeout_s): dropped",
-                replica.info.name,
-                replica.info.pid,
-                now - replica.last_seen,
-            )
-            for internal_id, inflight in list(self._inflight.items()):
-                if inflight.replica == replica.identity:
-                    del self._inflight[internal_id]
-                    message = f"replica {replica.info.name} was lost while serving this request; retry"
-                    self._reply_error(inflight.client, inflight.client_request_id, P.ErrorCode.REPLICA_LOST, message)
+            self._drop(replica, f"silent for {now - replica.last_seen:.1f} s (teacher.replica_timeout_s)")
+
+    def _drop_exited(self) -> None:
+        while True:
+            try:
+                name = self._exited.get_nowait()
+            except queue.Empty:
+                return
+            for replica in [r for r in self._replicas.values() if r.info.name == name]:
+                self._drop(replica, "its process exited")
+
+    def _drop(self, replica: _Replica, why: str) -> None:
+        """Forget `replica`; each of its requests in flight goes to a live replica now, or is held for one."""
+        with self._lock:
+            del self._replicas[replica.identity]
+        lost = [i for i, f in self._inflight.items() if f.replica == replica.identity]
+        log.warning(
+            "replica %s (pid %d) dropped: %s; re-sending its %d requests",
+            replica.info.name,
+            replica.info.pid,
+            why,
+            len(lost),
+        )
+        deadline = time.monotonic() + self.options.replica_timeout_s
+        for internal_id in lost:
+            self._held.append(_Held(self._inflight.pop(internal_id), deadline))
+        self._resend_held(time.monotonic())
+
+    def _resend_held(self, now: float) -> None:
+        """Held requests to live replicas with room; past their deadline, `replica_lost` (the client retries)."""
+        for _ in range(len(self._held)):
+            held = self._held.popleft()
+            target = held.inflight.request.replica
+            try:
+                replica = self._pick(target)
+            except P.ProtocolError:
+                if now < held.deadline and not target:
+                    self._held.append(held)  # no replica with room yet: wait for one
+                    continue
+                message = "the replica serving this request was lost and no other took it in time; retry"
+                if target:
+                    message = f"replica {target} was lost while serving this request; retry"
+                self._reply_error(
+                    held.inflight.client, held.inflight.client_request_id, P.ErrorCode.REPLICA_LOST, message
+                )
+                continue
+            self._send_to(replica, held.inflight)

@@ -5,7 +5,8 @@ wait until every replica has registered and answered a real scoring request thro
 frontend, then print `READY <address> replica_address=<where --join points>`. Join mode
 (`--join ADDRESS`): spawn the replicas against another node's frontend and print `JOINED <address>` once it has accepted them all.
 A replica that dies during start-up fails the start (exit 1, with its log tail); one that dies
-later is restarted up to server.max_restarts times. SIGTERM/SIGINT stop exactly the
+later is reported to the frontend at once (its requests in flight go to a live replica, or
+wait for its restart) and restarted up to server.max_restarts times. SIGTERM/SIGINT stop exactly the
 processes this supervisor started.
 """
 
@@ -213,6 +214,8 @@ class Supervisor:
                 if child.gave_up or child.proc.poll() is None:
                     continue
                 exited = f"replica {child.slot.name} exited with code {child.proc.returncode}"
+                if self.frontend is not None:  # its requests go elsewhere now, not after replica_timeout_s
+                    self.frontend.replica_exited(child.slot.name)
                 if child.restarts >= self.settings.server.max_restarts:
                     log.error("%s; not restarting it (server.max_restarts)", self._failure(child, exited))
                     child.gave_up = True

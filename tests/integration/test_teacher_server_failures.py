@@ -197,7 +197,7 @@ def test_lost_replica_fails_over_to_another(frontend: Frontend) -> None:
     worker.start()
     _wait_for(lambda: silent.received == 1)
     answering = FakeReplica(frontend.replica_address, name="answering")
-    silent.stop()  # no more heartbeats: dropped after replica_timeout_s, its request answered replica_lost
+    silent.stop()  # no more heartbeats: dropped after replica_timeout_s, its request re-sent to `answering`
     worker.join(WAIT_S)
     answering.stop()
     assert not worker.is_alive()
