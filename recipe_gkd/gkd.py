@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recipe_gkd import checkpoint
+from recipe_gkd import checkpoint, console
 from recipe_gkd.batch import RolloutStats
 from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig
 from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics
@@ -60,6 +60,7 @@ def run(cfg: GKDConfig, plan: PlacementPlan) -> Path:
     """Run the configured distillation to the end (from the checkpoint trainer.resume picks); returns the run dir."""
     resume = checkpoint.prepare_resume(cfg)  # before anything starts: a config mismatch exits at once
     metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.loggers, cfg.trainer.total_steps)
+    console.quiet_known_warnings(cfg.trainer.run_dir)  # the workers do the same (ray_cluster)
     try:
         with ray_cluster(cfg, plan), teacher_service(cfg) as address, launch_pools(cfg, plan, address) as pools:
             print(f"workers ready in {pools.setup_s:.1f}s; actor: {pools.actor.summary}", flush=True)
@@ -74,7 +75,11 @@ def run(cfg: GKDConfig, plan: PlacementPlan) -> Path:
 def report(cfg: GKDConfig, teacher_accuracy: float | None) -> None:
     """Plots, the before/after table (also saved as summary.txt) and where the student went."""
     run_dir = Path(cfg.trainer.run_dir)
-    lines = [f"run directory: {run_dir.resolve()}", f"exported student: {run_dir.resolve() / FINAL_EXPORT_DIR}"]
+    lines = [
+        f"run directory: {run_dir.resolve()}",
+        f"exported student: {run_dir.resolve() / FINAL_EXPORT_DIR}",
+        f"third-party warnings and banners: {console.log_path(run_dir).resolve()}",
+    ]
     if cfg.trainer.eval_every:
         lines += [
             f"plots: {plot_run(run_dir, teacher_accuracy)}",
@@ -109,6 +114,7 @@ def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | N
             evaluate(cfg, pools, metrics, step=step + 1)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
             checkpoint.save(cfg, pools, step + 1, version)
+    metrics.end_progress()
     export_student(cfg, pools)
 
 

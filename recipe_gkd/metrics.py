@@ -73,7 +73,20 @@ class MetricsLogger:
             self._bar.set_postfix_str(text, refresh=False)
             self._bar.update(1)
         if "console" in self.loggers and (self._bar is None or self._bar.disable or kind == "eval"):
-            print(f"[{kind} {row['step']}] {text}", flush=True)
+            self.write(f"[{kind} {row['step']}] {text}")
+
+    def write(self, line: str) -> None:
+        """A console line; above the progress bar while one is drawn."""
+        if self._bar is not None and not self._bar.disable:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def end_progress(self) -> None:
+        """Close the progress bar (the run's last lines print below it)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def close(self) -> None:
         if self._bar is not None:

@@ -21,9 +21,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from recipe_gkd.config import GKDConfig
+from recipe_gkd import console
+from recipe_gkd.config import REPO_ROOT, GKDConfig
 from recipe_gkd.placement import (
     NODE_RESOURCE_DEMAND,
     NODE_RESOURCE_PREFIX,
@@ -54,19 +56,29 @@ def ray_env(cfg: GKDConfig) -> dict[str, str]:
     return env
 
 
+def worker_runtime_env(cfg: GKDConfig) -> dict[str, Any]:
+    """Every worker of the run: the driver's recipe_gkd first on its path, its known-harmless warnings into
+    the run's log, no library progress bars."""
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path, console.RUN_DIR_VAR: str(Path(cfg.trainer.run_dir).resolve()), **console.WORKER_ENV}
+    return {"worker_process_setup_hook": "recipe_gkd.console.worker_setup", "env_vars": env}
+
+
 @contextmanager
 def ray_cluster(cfg: GKDConfig, plan: PlacementPlan) -> Iterator[None]:
     """Ray connected and checked against the plan for the duration of the block."""
     os.environ.update(ray_env(cfg))
     import ray
 
+    console.route_ray_logging(cfg.trainer.run_dir)
     fake_cluster: Any = None
     store = cfg.cluster.ray_object_store_mb * MIB
+    job = {"runtime_env": worker_runtime_env(cfg)}
     if cfg.cluster.ray_address:
-        ray.init(address=cfg.cluster.ray_address, log_to_driver=True)
+        ray.init(address=cfg.cluster.ray_address, log_to_driver=True, **job)
     elif cfg.cluster.fake_gpus and plan.nnodes > 1:
         fake_cluster = _fake_multi_node(cfg, plan, store)
-        ray.init(address=fake_cluster.address, _node_ip_address=LOCAL_IP)
+        ray.init(address=fake_cluster.address, _node_ip_address=LOCAL_IP, **job)
     else:
         ray.init(
             num_gpus=plan.ray_gpus(0),
@@ -74,6 +86,7 @@ def ray_cluster(cfg: GKDConfig, plan: PlacementPlan) -> Iterator[None]:
             object_store_memory=store,
             include_dashboard=False,
             _node_ip_address=LOCAL_IP,
+            **job,
         )
     try:
         check_ray_gpus(plan, ray.nodes())

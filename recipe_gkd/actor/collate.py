@@ -66,10 +66,11 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int) -> MicroBatch:
         teacher_ids_BTK[row, predicted] = seq.teacher_topk_ids
         teacher_tail_BT[row, predicted] = seq.teacher_tail_logmass
         loss_mask_BT[row, predicted] = True
-    position_ids_BT = np.broadcast_to(np.arange(seq_len, dtype=np.int64), (batch, seq_len))
+    # A fresh writable array (a broadcast view is read-only, which torch.from_numpy warns about).
+    position_ids_BT = np.tile(np.arange(seq_len, dtype=np.int64), (batch, 1))
     return MicroBatch(
         input_ids_BT=torch.from_numpy(input_ids_BT),
-        position_ids_BT=torch.from_numpy(np.ascontiguousarray(position_ids_BT)),
+        position_ids_BT=torch.from_numpy(position_ids_BT),
         teacher_logprobs_BTK=torch.from_numpy(teacher_logprobs_BTK),
         teacher_ids_BTK=torch.from_numpy(teacher_ids_BTK),
         teacher_tail_BT=torch.from_numpy(teacher_tail_BT),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -164,6 +165,54 @@ def test_an_unreachable_teacher_is_one_line_exit_1(tiny_run_inputs: dict[str, Pa
     assert "Traceback" not in proc.stderr
 
 
+# Text of third-party warnings and banners that must not reach a user's console.
+THIRD_PARTY_NOISE = (
+    "warnings.warn(",
+    "UserWarning",
+    "FutureWarning",
+    "DeprecationWarning",
+    "Loading weights",
+    "Started a local Ray instance",
+    "Token authentication",
+    "Apex is not installed",
+)
+
+
+def run_in_terminal(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
+    """Run `cmd` with a pseudo-terminal (120 columns) as its stdin, stdout and stderr; its exit code and screen."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(cmd, cwd=cwd, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer of the terminal has exited
+                break
+            if not data:
+                break
+            chunks.append(data)
+        returncode = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    return returncode, b"".join(chunks).decode(errors="replace")
+
+
 @pytest.mark.slow
 def test_driver_memory_does_not_grow_with_the_dataset(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
     big = tmp_path / "big.jsonl"
@@ -251,7 +300,8 @@ def test_tensor_and_data_parallel_actor_with_gloo_sync_to_two_rollouts(
 
 @pytest.mark.slow
 def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> None:
-    """`python -m recipe_gkd.main` with no --config, on the committed demo assets: report, plots, export."""
+    """`python -m recipe_gkd.main` with no --config, on the committed demo assets, in a terminal (a pseudo-tty):
+    the project's lines and one progress bar on the screen, no third-party warning; report, plots, export."""
     if not (repo_root / "assets" / "demo" / "manifest.json").is_file():
         pytest.skip("demo assets missing: python -m recipe_gkd.demo.build_assets")
     run_dir = tmp_path / "demo"
@@ -261,14 +311,14 @@ def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> No
         "data.eval_batch_size=64",
         f"trainer.run_dir={run_dir}",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "recipe_gkd.main", *overrides],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    returncode, screen = run_in_terminal([sys.executable, "-m", "recipe_gkd.main", *overrides], repo_root, 600)
+    assert returncode == 0, screen[-6000:]
+    assert re.search(r"gkd: +100%\|.*\| 4/4 \[", screen), "the progress bar is drawn"
+    assert "workers ready in" in screen and "[eval 0]" in screen
+    for noise in THIRD_PARTY_NOISE:
+        assert noise not in screen, f"{noise!r} reached the console:\n{screen[-6000:]}"
+    known = (run_dir / "logs" / "third_party.log").read_text()
+    assert "Apex is not installed" in known, "the known warnings went to the run's log"
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["weight_version"] for r in rows] == [1, 2, 3, 4]
     for row in rows:
@@ -276,7 +326,7 @@ def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> No
         assert all(row[key] >= 0 for key in ("generate_s", "teacher_s", "train_s", "sync_s", "step_s"))
     assert [e["step"] for e in read_metrics(run_dir, "eval.jsonl")] == [0, 2, 4]
     assert (run_dir / "training.png").stat().st_size > 10_000 and (run_dir / "resolved_config.yaml").is_file()
-    assert "teacher held-out accuracy" in proc.stdout and "student held-out accuracy" in proc.stdout
+    assert "teacher held-out accuracy" in screen and "student held-out accuracy" in screen
     summary = (run_dir / "summary.txt").read_text()
     assert "student held-out accuracy" in summary and "teacher held-out accuracy" in summary
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,0 +1,42 @@
+"""Known-harmless third-party noise goes to the run's log; any other warning stays on the console."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = """
+import logging, sys, warnings
+warnings.simplefilter("always")
+from recipe_gkd import console
+run_dir = sys.argv[1]
+console.quiet_known_warnings(run_dir)
+console.quiet_known_warnings(run_dir)  # twice: still one hook, one line per warning
+warnings.warn("Apex is not installed. Falling back to Torch Norm")
+warnings.warn("something nobody expected", RuntimeWarning)
+logger = logging.getLogger("ray")
+logger.addHandler(logging.StreamHandler(sys.stderr))  # what Ray installs on import
+logger.setLevel(logging.INFO)
+console.route_ray_logging(run_dir)
+logging.getLogger("ray._private.worker").info("Started a local Ray instance.")
+logging.getLogger("ray._private.auth").warning("Token authentication is enabled for this Ray cluster.")
+logging.getLogger("ray._private.worker").warning("a worker died unexpectedly")
+"""
+
+
+def test_known_noise_goes_to_the_log_and_the_rest_to_the_console(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=repo, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    log = (tmp_path / "logs" / "third_party.log").read_text()
+    assert log.count("Apex is not installed") == 1
+    assert "Started a local Ray instance" in log and "Token authentication" in log
+    assert "a worker died unexpectedly" in log, "the log has everything Ray said"
+    console = proc.stdout + proc.stderr
+    assert "something nobody expected" in console, "an unexpected warning stays visible"
+    assert "a worker died unexpectedly" in console
+    for noise in ("Apex", "Started a local Ray", "Token authentication"):
+        assert noise not in console, noise
