@@ -103,7 +103,13 @@ def main() -> None:
         model = build_tiny_causal_lm(Path(tmp) / "student", seed=0, spec=spec)
         model_mb = sum(f.stat().st_size for f in model.glob("*.safetensors")) / MIB
         cfg = load_config(None, [f"model.student_path={model}", "actor.precision=fp32"])
-        ray.init(num_cpus=2, num_gpus=1, object_store_memory=int((2 * model_mb + 256) * MIB), include_dashboard=False)
+        ray.init(
+            address="local",
+            num_cpus=2,
+            num_gpus=1,
+            object_store_memory=int((2 * model_mb + 256) * MIB),
+            include_dashboard=False,
+        )
         try:
             actor = ray.remote(num_cpus=0)(ray_actor_worker_class()).options(num_gpus=1)
             handle = actor.remote(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0])

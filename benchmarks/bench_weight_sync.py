@@ -187,7 +187,12 @@ def main() -> None:
     import ray
 
     sizes = [int(s) for s in args.sizes_mb.split(",")]
-    ray.init(num_cpus=2, object_store_memory=(max(sizes) + 2 * args.bucket_mb + 256) * MIB, include_dashboard=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        object_store_memory=(max(sizes) + 2 * args.bucket_mb + 256) * MIB,
+        include_dashboard=False,
+    )
     rows = []
     try:
         for size in sizes:

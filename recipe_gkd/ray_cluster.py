@@ -81,6 +81,9 @@ def ray_cluster(cfg: GKDConfig, plan: PlacementPlan) -> Iterator[None]:
         ray.init(address=fake_cluster.address, _node_ip_address=LOCAL_IP, **job)
     else:
         ray.init(
+            # A new cluster of this run's own, never another one found on the machine (a second run's,
+            # or one `ray start` left; ray.init without an address would join it).
+            address="local",
             num_gpus=plan.ray_gpus(0),
             num_cpus=cfg.cluster.ray_num_cpus,
             object_store_memory=store,

@@ -65,6 +65,7 @@ def ray_local() -> Iterator[None]:
     import ray
 
     ray.init(
+        address="local",  # this session's own, not a cluster another test process started
         num_cpus=2,
         num_gpus=4,
         include_dashboard=False,
