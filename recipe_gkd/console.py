@@ -24,14 +24,12 @@ LOG_NAME = "logs/third_party.log"
 KNOWN_HARMLESS = (
     # megatron-core without Apex / Transformer Engine (pip installs; see the actor's summary line).
     r"Apex is not installed",
-    r"Transformer Engine",
-    r"TE is not installed",
+    r"Transformer Engine and Apex are not installed",
     # megatron-core 0.16's TransformerConfig default for cuda_graph_scope (no CUDA graphs are used).
     r"full scope is deprecated",
     # torch / vLLM deprecations inside those libraries' own code (megatron's collectives, vLLM's).
     r"torch\.distributed\.reduce_op",
     r"`torch\.distributed\.[a-z_]+` is deprecated",
-    r"`torch_dtype` is deprecated",
     # megatron's gradient hooks read .grad through the CPU compat layer's torch function mode (CPU only).
     r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
 )

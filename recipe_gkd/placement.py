@@ -191,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
 def teacher_argv(argv: list[str]) -> int:
     """The `python -m teacher_server` arguments for launch/start_teacher.sh's, one per line.
 
-    The server reads the teacher section only; a run preset's teacher GPUs on --node-rank are the
-    ones this plan leaves over (added as --gpu-ids unless given), and overrides of the trainer's
-    keys shape that plan without reaching the server. A standalone teacher yaml passes through.
+    A run preset: its teacher GPUs on --node-rank are the ones this plan leaves over (added as
+    --gpu-ids unless given); overrides of the trainer's keys are checked and shape that plan, and
+    only teacher.* / server.* ones reach the server. Anything else (a teacher yaml, a missing file)
+    passes through unchanged: the server checks every key itself.
     """
     import sys
 
@@ -203,19 +204,19 @@ def teacher_argv(argv: list[str]) -> int:
 
     flags = [a for a in argv if "=" not in a or a.startswith("--")]
     overrides = [a for a in argv if "=" in a and not a.startswith("--")]
+    config = _flag(flags, "--config")
+    if not config or not Path(config).is_file() or set(OmegaConf.load(config).keys()) <= {"teacher", "server"}:
+        return _print_argv(argv)
     server_overrides = [o for o in overrides if o.split(".")[0] in ("teacher", "server")]
-    config, node, has_ids = _flag(flags, "--config"), int(_flag(flags, "--node-rank") or 0), "--gpu-ids" in flags
-    if not config or not Path(config).is_file():
-        return _print_argv(flags + server_overrides)  # the server reports what is missing
-    raw = OmegaConf.load(config)
-    if set(raw.keys()) <= {"teacher", "server"} or has_ids:
-        return _print_argv(flags + server_overrides)
     try:
         cfg = load_config(config, [o for o in overrides if not o.startswith("server.")])
         plan = build_plan(cfg)
-    except ConfigError as err:
+        node = int(_flag(flags, "--node-rank") or 0)
+    except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if _flag(flags, "--gpu-ids"):
+        return _print_argv(flags + server_overrides)
     if not 0 <= node < plan.nnodes:
         print(f"error: --node-rank {node} outside cluster.nnodes={plan.nnodes} of {config}", file=sys.stderr)
         return 2

@@ -76,19 +76,22 @@ def train_in_process(cfg: GKDConfig, resume: Path | None = None) -> list[dict[st
     return read_metrics(Path(cfg.trainer.run_dir))
 
 
-def small_run(repo_root: Path, data: Path, run_dir: Path, schedule: str, *overrides: str) -> list[dict[str, Any]]:
-    cfg = demo_config(
+def small_config(repo_root: Path, data: Path, run_dir: Path, *overrides: str) -> GKDConfig:
+    """The demo's models on the small training set: 8 prompts, 8 new tokens a step, 6 steps (two epochs)."""
+    return demo_config(
         repo_root,
         run_dir,
         f"data.train_files=[{data}]",
         "data.train_batch_size=8",
         "actor.micro_batch_size=8",
         "rollout.sampling.max_new_tokens=8",
-        f"algorithm.schedule={schedule}",
         "trainer.total_steps=6",
         *overrides,
     )
-    return train_in_process(cfg)
+
+
+def small_run(repo_root: Path, data: Path, run_dir: Path, schedule: str, *overrides: str) -> list[dict[str, Any]]:
+    return train_in_process(small_config(repo_root, data, run_dir, f"algorithm.schedule={schedule}", *overrides))
 
 
 def check_schedule(rows: list[dict[str, Any]], schedule: str, sync_rows: list[dict[str, Any]]) -> None:
@@ -167,16 +170,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(repo_root: Path, small_data:
     whole = small_run(repo_root, small_data, tmp_path / "whole", "sync", *common)
     run_dir = tmp_path / "halves"
     small_run(repo_root, small_data, run_dir, "sync", *common, "trainer.total_steps=3")
-    cfg = demo_config(
-        repo_root,
-        run_dir,
-        f"data.train_files=[{small_data}]",
-        "data.train_batch_size=8",
-        "actor.micro_batch_size=8",
-        "rollout.sampling.max_new_tokens=8",
-        *common,
-        "trainer.total_steps=6",
-    )
+    cfg = small_config(repo_root, small_data, run_dir, *common)
     resumed = train_in_process(cfg, resume=checkpoint.prepare_resume(cfg))
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6], "the first half's rows are kept, the rest appended"
     for key in ("batch", "sample_ids", "weight_version", "staleness"):

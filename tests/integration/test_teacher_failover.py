@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_gkd_loop import PROMPTS, demo_config, small_data  # noqa: F401 (fixture)
+from test_gkd_loop import PROMPTS, small_config, small_data  # noqa: F401 (fixture)
 
 from recipe_gkd import gkd
 from recipe_gkd.local_pools import local_pools
@@ -81,13 +81,10 @@ def test_a_killed_replica_stalls_the_step_by_its_restart_at_most(
     from transformers import AutoTokenizer
 
     run_dir = tmp_path / "run"
-    cfg = demo_config(
+    cfg = small_config(
         repo_root,
+        small_data,
         run_dir,
-        f"data.train_files=[{small_data}]",
-        "data.train_batch_size=8",
-        "actor.micro_batch_size=8",
-        "rollout.sampling.max_new_tokens=8",
         f"trainer.total_steps={STEPS}",
         f"cluster.gpus_per_node={2 + replicas}",
         f"teacher.replicas={replicas}",

@@ -269,6 +269,11 @@ def test_preset_gives_replica_gpu_ids_per_node(capsys: pytest.CaptureFixture[str
     assert placement_cli([*args, "1"]) == 0
     argv = capsys.readouterr().out.split()
     assert argv == ["--config", str(preset), "--node-rank", "1", "--gpu-ids", "4,5,6,7", "teacher.top_k=32"]
+    standalone = ["--config", str(REPO_ROOT / "configs" / "teacher" / "cpu_demo.yaml"), "teacher.nope=1"]
+    assert placement_cli(["teacher-argv", *standalone]) == 0
+    assert capsys.readouterr().out.split() == standalone, "a teacher yaml's keys go to the server, which checks them"
+    assert placement_cli([*args[:-1], "actor.nope=1", "--gpu-ids", "4,5,6,7"]) == 2, "trainer keys are checked"
+    assert "actor.nope" in capsys.readouterr().err
     settings = load_settings(preset, ["server.gpu_ids=[4,5,6,7]"], node_rank=1)
     assert [s.gpu_ids for s in settings.slots] == [(4, 5, 6, 7)]
     with pytest.raises(ConfigError) as err:
