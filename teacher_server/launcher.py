@@ -48,8 +48,29 @@ class TeacherProcess:
     log_path: Path
 
 
+class StartingTeacher:
+    """A server process started and not waited for: `ready()` waits for its READY line (once)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log_path: Path, ready_timeout_s: float, log_start: int) -> None:
+        self.proc = proc
+        self.log_path = log_path
+        self.ready_timeout_s = ready_timeout_s
+        self.deadline = time.monotonic() + ready_timeout_s  # READY must have come by then
+        self.log_start = log_start
+        self._ready: TeacherProcess | None = None
+
+    def ready(self) -> TeacherProcess:
+        """The running server once it printed READY; raises TeacherLaunchError (with its log tail) otherwise."""
+        if self._ready is None:
+            address, replica_address = _wait_ready(
+                self.proc, self.log_path, self.deadline, self.ready_timeout_s, self.log_start
+            )
+            self._ready = TeacherProcess(self.proc.pid, address, replica_address, self.log_path)
+        return self._ready
+
+
 @contextmanager
-def launch_teacher(
+def start_teacher(
     config: str | Path,
     overrides: Sequence[str] = (),
     *,
@@ -57,8 +78,12 @@ def launch_teacher(
     ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
     log_path: str | Path | None = None,
     env: dict[str, str] | None = None,
-) -> Iterator[TeacherProcess]:
-    """Run a teacher server for the duration of the `with` block; yields once it is READY."""
+) -> Iterator[StartingTeacher]:
+    """Start a teacher server for the duration of the `with` block without waiting for it.
+
+    The caller does other work while the server loads (a run starts Ray and its workers) and
+    calls `ready()` where it needs the address; READY must come within ready_timeout_s of the start.
+    """
     log_file_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="teacher_server_", suffix=".log")[1])
     cmd = [sys.executable, "-m", "teacher_server", "--config", str(config), *extra_args, *overrides]
     child_env = dict(env if env is not None else os.environ)
@@ -76,10 +101,26 @@ def launch_teacher(
             preexec_fn=functools.partial(_die_with_parent, os.getpid()),
         )
     try:
-        address, replica_address = _wait_ready(proc, log_file_path, ready_timeout_s, log_start)
-        yield TeacherProcess(proc.pid, address, replica_address, log_file_path)
+        yield StartingTeacher(proc, log_file_path, ready_timeout_s, log_start)
     finally:
         stop_process_group(proc)
+
+
+@contextmanager
+def launch_teacher(
+    config: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    extra_args: Sequence[str] = (),
+    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+    log_path: str | Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[TeacherProcess]:
+    """Run a teacher server for the duration of the `with` block; yields once it is READY."""
+    with start_teacher(
+        config, overrides, extra_args=extra_args, ready_timeout_s=ready_timeout_s, log_path=log_path, env=env
+    ) as starting:
+        yield starting.ready()
 
 
 def _die_with_parent(launcher_pid: int) -> None:
@@ -98,8 +139,9 @@ def _die_with_parent(launcher_pid: int) -> None:
         os._exit(1)
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float, offset: int = 0) -> tuple[str, str]:
-    deadline = time.monotonic() + timeout_s
+def _wait_ready(
+    proc: subprocess.Popen[bytes], log_path: Path, deadline: float, timeout_s: float, offset: int = 0
+) -> tuple[str, str]:
     while True:
         with log_path.open("rb") as f:
             f.seek(offset)

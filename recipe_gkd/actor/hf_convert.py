@@ -22,6 +22,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -194,10 +195,17 @@ def check_split(arch: HFArch, tp_size: int, pp_size: int, cp_size: int) -> None:
 
 
 def read_student_arch(model_dir: str | Path) -> HFArch:
-    """The HFArch of the HF model directory `model_dir` (reads config.json only)."""
-    from transformers import AutoConfig
+    """The HFArch of the HF model directory `model_dir`, from its config.json as written.
 
-    return read_hf_arch(AutoConfig.from_pretrained(model_dir))
+    For the driver's checks before anything starts: parsing the json takes milliseconds, where
+    transformers' AutoConfig costs the driver ~4 s of imports (torch, transformers) on 2 cores.
+    A field config.json leaves out takes read_hf_arch's default, not the model class's; the
+    actor reads the same file through AutoConfig and applies every check again.
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise UnsupportedModelError(f"model.student_path={str(model_dir)!r} has no config.json")
+    return read_hf_arch(SimpleNamespace(**json.loads(path.read_text())))
 
 
 def check_context_parallel(cp_size: int) -> None:

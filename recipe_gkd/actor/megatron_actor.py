@@ -42,7 +42,7 @@ from recipe_gkd.actor import hf_convert
 from recipe_gkd.actor.collate import MicroBatch, collate, split_by_token_budget, split_micro_batches
 from recipe_gkd.actor.layout import rank_layout
 from recipe_gkd.batch import Sequence, TrainShard
-from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, scaled_lr
+from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, cpu_threads, scaled_lr
 from recipe_gkd.losses import gkd_loss_sum, vocab_parallel_gkd_loss_sum
 
 # megatron's RNG tracker needs a seed; nothing random runs (no dropout, weights from HF).
@@ -85,6 +85,8 @@ class MegatronActor:
         self.arch = hf_convert.read_hf_arch(hf_config)
         self.pad_id = int(getattr(hf_config, "pad_token_id", None) or 0)
         self._check_world()  # before anything global changes: a bad layout fails cleanly
+        if threads := cpu_threads(self.cfg)["actor"]:
+            torch.set_num_threads(threads)
         self._enter_device()
         self._init_distributed()
         m = self.cfg.actor.megatron

@@ -43,18 +43,30 @@ def greedy_responses(
     return out
 
 
-def accuracy_on(model: torch.nn.Module, tokenizer: Any, examples: Sequence[Example]) -> float:
-    """Mean exact-match reward of greedy responses over `examples`."""
+def accuracy_on(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    examples: Sequence[Example],
+    match: str = "exact",
+    max_new_tokens: int = MAX_NEW_TOKENS,
+) -> float:
+    """Mean reward (`match`: task.reward) of greedy responses over `examples`."""
     if not examples:
         raise ValueError("accuracy_on needs at least one example")
-    responses = greedy_responses(model, tokenizer, [e.prompt for e in examples])
-    return sum(reward(r, e.answer) for r, e in zip(responses, examples, strict=True)) / len(examples)
+    responses = greedy_responses(model, tokenizer, [e.prompt for e in examples], max_new_tokens=max_new_tokens)
+    return sum(reward(r, e.answer, match) for r, e in zip(responses, examples, strict=True)) / len(examples)
 
 
-def greedy_accuracy(model_dir: str | Path, eval_file: str | Path, n: int | None = None) -> float:
-    """Greedy exact-match accuracy of the HF model in `model_dir` on the first `n` eval records."""
+def greedy_accuracy(
+    model_dir: str | Path,
+    eval_file: str | Path,
+    n: int | None = None,
+    match: str = "exact",
+    max_new_tokens: int = MAX_NEW_TOKENS,
+) -> float:
+    """Greedy accuracy (`match`: task.reward) of the HF model in `model_dir` on the first `n` eval records."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    return accuracy_on(model, tokenizer, read_jsonl(eval_file, limit=n))
+    return accuracy_on(model, tokenizer, read_jsonl(eval_file, limit=n), match, max_new_tokens)

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from recipe_gkd.data import answer_reward
+
 TASK_NAME = "reverse"
 PROMPT_PREFIX = "rev:"
 ALPHABET = string.ascii_lowercase
@@ -81,9 +83,9 @@ def generate_splits(
     )
 
 
-def reward(response: str, answer: str) -> float:
-    """Exact-match reward: 1.0 when the decoded response equals the answer (both stripped)."""
-    return 1.0 if response.strip() == answer.strip() else 0.0
+def reward(response: str, answer: str, match: str = "exact") -> float:
+    """The pipeline's task reward (data.answer_match = `match`): 1.0 for a matching response, else 0.0."""
+    return answer_reward(response, answer, match)
 
 
 def write_jsonl(path: str | Path, examples: Iterable[Example]) -> Path:

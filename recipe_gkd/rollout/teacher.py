@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from recipe_gkd.config import GKDConfig, to_yaml
+from recipe_gkd.config import GKDConfig, cpu_threads, to_yaml
 from teacher_server.protocol import TeacherTopK
 
 
@@ -41,14 +41,16 @@ class TeacherScorer:
 
 
 @contextmanager
-def autostart_teacher(cfg: GKDConfig) -> Iterator[str]:
-    """A local teacher server process for the run (teacher.autostart); yields its bound address.
+def start_local_teacher(cfg: GKDConfig) -> Iterator[Callable[[], str]]:
+    """A local teacher server process for the run (teacher.autostart), started now; yields the call
+    that waits for it to be READY and returns its bound address.
 
-    The server reads the run's resolved config, so it serves exactly what the trainer expects;
-    its log goes to <run_dir>/teacher_server.log.
+    The run starts Ray and its actor workers while the server loads. The server reads the run's
+    resolved config, so it serves exactly what the trainer expects; its log goes to
+    <run_dir>/teacher_server.log.
     """
     from recipe_gkd.placement import build_plan
-    from teacher_server.launcher import launch_teacher
+    from teacher_server.launcher import start_teacher
 
     run_dir = Path(cfg.trainer.run_dir)
     resolved = run_dir / "resolved_config.yaml"
@@ -56,11 +58,20 @@ def autostart_teacher(cfg: GKDConfig) -> Iterator[str]:
         resolved.write_text(to_yaml(cfg))
     # The server reads the teacher section only: its GPUs are what this run's plan leaves over.
     gpu_ids = ",".join(map(str, build_plan(cfg).teacher_gpu_ids(0)))
-    with launch_teacher(
+    threads = cpu_threads(cfg)["teacher"]
+    with start_teacher(
         resolved,
+        [f"server.torch_threads={threads}"] if threads else [],
         # Replica logs stay with the run.
         extra_args=["--log-dir", str(run_dir.resolve() / "teacher_logs"), *(["--gpu-ids", gpu_ids] if gpu_ids else [])],
         log_path=run_dir / "teacher_server.log",
         ready_timeout_s=cfg.teacher.timeout_s,
     ) as server:
-        yield server.address
+        yield lambda: server.ready().address
+
+
+@contextmanager
+def autostart_teacher(cfg: GKDConfig) -> Iterator[str]:
+    """A local teacher server for the run, READY; yields its bound address."""
+    with start_local_teacher(cfg) as address:
+        yield address()

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.batch import RolloutStats, Sequence, TrainShard
-from recipe_gkd.config import GKDConfig, rollout_engines
-from recipe_gkd.data import Dataset, Prompt, ShardedStream, encode_prompt, encode_response
+from recipe_gkd.config import GKDConfig, cpu_threads, rollout_engines
+from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encode_prompt, encode_response
 from recipe_gkd.metrics import worker_memory_mb
 from recipe_gkd.rollout.engine import Engine, Scorer
 
@@ -79,6 +79,10 @@ class RolloutWorker:
         `teacher_address` overrides teacher.address (an autostarted server's bound address).
         """
         cfg = self.cfg
+        if threads := cpu_threads(cfg)["rollout"]:
+            import torch
+
+            torch.set_num_threads(threads)
         self.engine = make_engine(cfg)
         self.scorer = scorer if scorer is not None else connect_teacher(cfg, self.engine.tokenizer, teacher_address)
         train = Dataset(cfg.data.train_files, "data.train_files")
@@ -231,13 +235,13 @@ class RolloutWorker:
         return int(np.random.SeedSequence([self.cfg.data.seed, SAMPLE_SALT, first_position]).generate_state(1)[0])
 
     def _reward(self, prompt: Prompt, response: list[int]) -> float | None:
-        """Exact match of the decoded response with the record's answer, when the dataset has one."""
+        """The decoded response against the record's answer (data.answer_match), when the dataset has one."""
         answer = prompt.record.get(self.cfg.data.answer_key)
         if answer is None:
             return None
         assert self.engine is not None
         text = self.engine.tokenizer.decode(response, skip_special_tokens=True)
-        return float(text.strip() == str(answer).strip())
+        return answer_reward(text, str(answer), self.cfg.data.answer_match)
 
     def _publish(
         self, step: int, sequences: list[Sequence], timings: dict[str, float], dp_size: int, weight_version: int

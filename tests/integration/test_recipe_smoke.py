@@ -321,8 +321,10 @@ def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> No
     assert "Apex is not installed" in known, "the known warnings went to the run's log"
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["weight_version"] for r in rows] == [1, 2, 3, 4]
+    # The demo's schedule is two_step_off (the fastest on 2 cores: benchmarks/bench_vs_inprocess.py).
+    assert [r["staleness"] for r in rows] == [0, 1, 2, 2]
     for row in rows:
-        assert row["loss"] > 0 and row["teacher_kl"] > 0 and row["staleness"] == 0 and len(row["sample_ids"]) == 64
+        assert row["loss"] > 0 and row["teacher_kl"] > 0 and len(row["sample_ids"]) == 64
         assert all(row[key] >= 0 for key in ("generate_s", "teacher_s", "train_s", "sync_s", "step_s"))
     assert [e["step"] for e in read_metrics(run_dir, "eval.jsonl")] == [0, 2, 4]
     assert (run_dir / "training.png").stat().st_size > 10_000 and (run_dir / "resolved_config.yaml").is_file()

@@ -15,7 +15,7 @@ import zmq
 from teacher_server import protocol as P
 from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
 from teacher_server.client import TeacherClient, TeacherRequestError, split_balanced
-from teacher_server.launcher import TeacherProcess, launch_teacher
+from teacher_server.launcher import TeacherLaunchError, TeacherProcess, launch_teacher, start_teacher
 
 VOCAB = 102
 MAX_TOP_K = 64
@@ -281,3 +281,20 @@ def test_frames_above_the_hard_limit_drop_the_peer_not_the_server(server: Teache
         sock.close(linger=0)
     with _client(server.address) as client:
         assert client.score([[1, 2, 3]], [1])[0].n_scored == 2
+
+
+def test_a_started_server_is_waited_for_only_when_ready_is_called(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """start_teacher returns at once (a run starts Ray meanwhile); READY is due ready_timeout_s after the start."""
+    yaml_path = write_teacher_yaml(tmp_path / "teacher.yaml", tiny_model_dir)
+    with start_teacher(yaml_path, ready_timeout_s=READY_TIMEOUT_S, log_path=tmp_path / "server.log") as starting:
+        assert starting.proc.poll() is None
+        first = starting.ready()
+        assert first is starting.ready()  # waited for once
+        with TeacherClient(first.address, timeout_s=30, top_k=8) as client:
+            assert client.connect().vocab_size == VOCAB
+    assert starting.proc.poll() is not None  # stopped with the block
+    # The deadline counts from the start: a server that cannot be READY in 0.2 s fails in ready(), and is stopped.
+    with start_teacher(yaml_path, ready_timeout_s=0.2, log_path=tmp_path / "late.log") as late:
+        with pytest.raises(TeacherLaunchError, match=r"not READY within 0\.2 s"):
+            late.ready()
+    assert late.proc.poll() is not None

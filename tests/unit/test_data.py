@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from recipe_gkd.config import ConfigError, GKDConfig
+from recipe_gkd.config import ConfigError, GKDConfig, load_config
 from recipe_gkd.data import (
     Dataset,
     RecordFile,
     ShardedStream,
+    answer_reward,
     check_record_fields,
     encode_prompt,
     encode_response,
@@ -184,3 +185,26 @@ def test_unreadable_first_record_names_the_files_key(tmp_path: Path, text: str, 
     with pytest.raises(ConfigError, match=match) as info:
         check_record_fields(_cfg_with([path]))
     assert info.value.key == "data.train_files"
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "match", "expected"),
+    [
+        (" edcba ", "edcba", "exact", 1.0),
+        ("edcbaa", "edcba", "exact", 0.0),
+        ("+8=8+3=11+1=12+6=18", "=18", "suffix", 1.0),
+        ("+8=8+3=11+1=12+6=118", "=18", "suffix", 0.0),  # the final total, not its last digits
+        ("+8=8+3=11+1=12+6=18", "=18", "exact", 0.0),
+    ],
+)
+def test_answer_reward_compares_the_whole_response_or_its_end(
+    response: str, answer: str, match: str, expected: float
+) -> None:
+    assert answer_reward(response, answer, match) == expected
+
+
+def test_an_unknown_answer_match_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"data\.answer_match"):
+        answer_reward("a", "a", "prefix")
+    with pytest.raises(ConfigError, match=r"data\.answer_match"):
+        load_config(None, ["data.answer_match=prefix"])

@@ -336,3 +336,44 @@ def test_a_rank_reads_only_its_stage_and_gets_its_shards(tmp_path: Path, tied: b
 )
 def test_recompute_setting_maps_to_megatrons_fields(recompute: str, attention: str, expected: dict) -> None:
     assert hf_convert.recompute_settings(recompute, attention) == expected
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(lambda: LlamaConfig(**SHAPE), id="llama"),
+        pytest.param(lambda: LlamaConfig(tie_word_embeddings=False, **SHAPE), id="llama-untied"),
+        pytest.param(
+            lambda: LlamaConfig(
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 5e5,
+                    "factor": 32.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                },
+                **SHAPE,
+            ),
+            id="llama3.1-rope",
+        ),
+        pytest.param(lambda: Qwen2Config(**SHAPE), id="qwen2"),
+        pytest.param(lambda: Qwen3Config(**SHAPE), id="qwen3"),
+    ],
+)
+def test_the_drivers_json_read_equals_the_actors_autoconfig_read(config, tmp_path: Path) -> None:
+    """The driver checks the student from config.json without transformers; the actor reads it via AutoConfig."""
+    from transformers import AutoConfig
+
+    config().save_pretrained(tmp_path)
+    assert hf_convert.read_student_arch(tmp_path) == hf_convert.read_hf_arch(AutoConfig.from_pretrained(tmp_path))
+
+
+def test_the_drivers_json_read_refuses_what_the_actor_refuses(tmp_path: Path) -> None:
+    from transformers import MistralConfig
+
+    MistralConfig(sliding_window=4096, **SHAPE).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
+        hf_convert.read_student_arch(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=r"has no config\.json"):
+        hf_convert.read_student_arch(tmp_path / "missing")
