@@ -1,11 +1,14 @@
-"""Build the CPU demo's assets offline and deterministically: tokenizer, task data, teacher, student.
+"""Build a CPU task's assets offline and deterministically: tokenizer, task data, teacher, student.
 
-    python -m recipe_gkd.demo.build_assets [--out assets/demo] [--force]
+    python -m recipe_gkd.demo.build_assets [--task demo|paper] [--out DIR] [--force]
+
+`demo` (assets/demo): string reversal, the CPU demo. `paper` (assets/paper): digit sums in any
+order with every running total (recipe_gkd/demo/sum_task.py), for benchmarks/paper_table.py.
 
 1. Write the char tokenizer and the task's train / held-out eval jsonl files.
-2. Train the teacher (4 layers x 128) with the project's SFT loop until it is accurate.
-3. Warm the student (2 layers x 96, 5x fewer parameters) up the same way, only until it gets
-   30% of a held-out dev split right, so it starts clearly worse than the teacher.
+2. Train the teacher with the project's SFT loop until it is accurate.
+3. Warm the (5x smaller) student up the same way, only until it gets the task's target share
+   of a held-out dev split right, so it starts clearly worse than the teacher.
 4. Evaluate both on the eval split (greedy exact match) and write `manifest.json` with
    sizes, parameter counts, accuracies, seconds and the sha256 of every file.
 
@@ -25,16 +28,16 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from recipe_gkd.demo import task
+from recipe_gkd.demo import sum_task, task
 from recipe_gkd.demo.evaluate import accuracy_on, greedy_accuracy
-from recipe_gkd.demo.sft import SFTConfig, sft_train
+from recipe_gkd.demo.sft import EncodedExample, SFTConfig, encode_example, sft_train
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
 DEFAULT_OUT = Path("assets/demo")
@@ -85,28 +88,107 @@ STUDENT = ModelRecipe(
 STUDENT_TARGET_DEV_ACCURACY = 0.30
 STUDENT_CHECK_FROM_STEP = 60
 STUDENT_CHECK_EVERY = 2
+# The paper task (sum_task.py): longer responses (up to 25 characters + EOS).
+PAPER_MAX_NEW_TOKENS = 32
+PAPER_TEACHER_STEPS = 800
+PAPER_STUDENT_STEPS = 2000
+PAPER_STUDENT_TARGET = 0.30
 
 
-def recipe() -> dict[str, Any]:
+@dataclass(frozen=True)
+class TaskAssets:
+    """One task's assets: its data, its two models' recipes and how answers are checked."""
+
+    name: str
+    out: Path
+    describe: Callable[[], dict[str, Any]]  # the task's part of the manifest recipe
+    splits: Callable[[], task.Splits]
+    teacher: ModelRecipe
+    student: ModelRecipe
+    student_target: float
+    check_from_step: int
+    check_every: int
+    answer_match: str = "exact"  # data.answer_match of the task's preset
+    max_new_tokens: int = 16
+    teacher_encode: Callable[[Any, task.Example], EncodedExample] = encode_example  # the teacher's SFT examples
+
+
+def _demo_task() -> dict[str, Any]:
+    return {
+        "name": task.TASK_NAME,
+        "prefix": task.PROMPT_PREFIX,
+        "letters": [task.MIN_LETTERS, task.MAX_LETTERS],
+        "seed": task.DEFAULT_SEED,
+        "train": task.TRAIN_SIZE,
+        "dev": task.DEV_SIZE,
+        "eval": task.EVAL_SIZE,
+    }
+
+
+def _paper_task() -> dict[str, Any]:
+    return {
+        "name": sum_task.TASK_NAME,
+        "prefix": sum_task.PROMPT_PREFIX,
+        "digits": [sum_task.MIN_DIGITS, sum_task.MAX_DIGITS],
+        "order": "left_to_right",
+        "teacher_slip_fraction": sum_task.TEACHER_SLIP_FRACTION,
+        "max_slip": sum_task.MAX_SLIP,
+        "seed": sum_task.DEFAULT_SEED,
+        "dev": sum_task.DEV_SIZE,
+        "eval": sum_task.EVAL_SIZE,
+        "answer_match": "suffix",
+        "max_new_tokens": PAPER_MAX_NEW_TOKENS,
+    }
+
+
+DEMO = TaskAssets(
+    name="demo",
+    out=DEFAULT_OUT,
+    describe=_demo_task,
+    splits=task.generate_splits,
+    teacher=TEACHER,
+    student=STUDENT,
+    student_target=STUDENT_TARGET_DEV_ACCURACY,
+    check_from_step=STUDENT_CHECK_FROM_STEP,
+    check_every=STUDENT_CHECK_EVERY,
+)
+PAPER = TaskAssets(
+    name="paper",
+    out=Path("assets/paper"),
+    describe=_paper_task,
+    splits=sum_task.generate_splits,
+    teacher=ModelRecipe(
+        spec=TinyModelSpec(hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4, num_kv_heads=4),
+        init_seed=1,
+        sft=SFTConfig(steps=PAPER_TEACHER_STEPS, batch_size=128, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1, seed=1),
+    ),
+    student=ModelRecipe(
+        spec=TinyModelSpec(hidden_size=96, intermediate_size=192, num_layers=2, num_heads=3, num_kv_heads=3),
+        init_seed=2,
+        sft=SFTConfig(steps=PAPER_STUDENT_STEPS, batch_size=128, lr=3e-3, warmup_steps=10, seed=2),
+    ),
+    student_target=PAPER_STUDENT_TARGET,
+    check_from_step=100,
+    check_every=20,
+    answer_match="suffix",
+    max_new_tokens=PAPER_MAX_NEW_TOKENS,
+    teacher_encode=sum_task.encode_with_slip,
+)
+TASKS = {t.name: t for t in (DEMO, PAPER)}
+
+
+def recipe(assets: TaskAssets = DEMO) -> dict[str, Any]:
     """Everything the asset bytes depend on (besides torch itself); a manifest must match it."""
     return {
         "build_version": BUILD_VERSION,
         "threads": BUILD_THREADS,
-        "task": {
-            "name": task.TASK_NAME,
-            "prefix": task.PROMPT_PREFIX,
-            "letters": [task.MIN_LETTERS, task.MAX_LETTERS],
-            "seed": task.DEFAULT_SEED,
-            "train": task.TRAIN_SIZE,
-            "dev": task.DEV_SIZE,
-            "eval": task.EVAL_SIZE,
-        },
-        "teacher": asdict(TEACHER),
-        "student": asdict(STUDENT),
+        "task": assets.describe(),
+        "teacher": asdict(assets.teacher),
+        "student": asdict(assets.student),
         "student_warmup_stop": {
-            "target_dev_accuracy": STUDENT_TARGET_DEV_ACCURACY,
-            "check_from_step": STUDENT_CHECK_FROM_STEP,
-            "check_every": STUDENT_CHECK_EVERY,
+            "target_dev_accuracy": assets.student_target,
+            "check_from_step": assets.check_from_step,
+            "check_every": assets.check_every,
         },
     }
 
@@ -144,13 +226,13 @@ def file_table(root: Path) -> dict[str, dict[str, Any]]:
     return table
 
 
-def manifest_problem(out: Path) -> str | None:
+def manifest_problem(out: Path, assets: TaskAssets = DEMO) -> str | None:
     """Why `out` does not hold complete assets of the current recipe (None when it does)."""
     path = out / MANIFEST
     if not path.is_file():
         return f"no {path}"
     manifest = json.loads(path.read_text())
-    if manifest.get("recipe") != json.loads(json.dumps(recipe())):
+    if manifest.get("recipe") != json.loads(json.dumps(recipe(assets))):
         return "the recipe changed since the assets were built"
     files = manifest.get("files", {})
     missing = [name for name in REQUIRED_FILES if name not in files]
@@ -173,32 +255,33 @@ def _load(model_dir: Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def train_teacher(model_dir: Path, splits: task.Splits) -> dict[str, Any]:
+def train_teacher(model_dir: Path, splits: task.Splits, assets: TaskAssets) -> dict[str, Any]:
     """Initialise and fully train the teacher in `model_dir`; returns its manifest entry."""
-    build_tiny_causal_lm(model_dir, seed=TEACHER.init_seed, spec=TEACHER.spec)
+    build_tiny_causal_lm(model_dir, seed=assets.teacher.init_seed, spec=assets.teacher.spec)
     model, tokenizer = _load(model_dir)
-    losses = sft_train(model, tokenizer, splits.train, TEACHER.sft)
+    losses = sft_train(model, tokenizer, splits.train, assets.teacher.sft, encode=assets.teacher_encode)
     model.save_pretrained(str(model_dir), safe_serialization=True)
     return {"params": _params(model), "steps": len(losses), "final_loss": losses[-1]}
 
 
-def train_student(model_dir: Path, splits: task.Splits) -> dict[str, Any]:
+def train_student(model_dir: Path, splits: task.Splits, assets: TaskAssets) -> dict[str, Any]:
     """Initialise the student in `model_dir` and warm it up until its dev accuracy hits the target."""
-    build_tiny_causal_lm(model_dir, seed=STUDENT.init_seed, spec=STUDENT.spec)
+    student = assets.student
+    build_tiny_causal_lm(model_dir, seed=student.init_seed, spec=student.spec)
     model, tokenizer = _load(model_dir)
     dev_accuracy: list[float] = []
 
     def reached_target(steps_done: int) -> bool:
-        if steps_done < STUDENT_CHECK_FROM_STEP or steps_done % STUDENT_CHECK_EVERY:
+        if steps_done < assets.check_from_step or steps_done % assets.check_every:
             return False
-        dev_accuracy.append(accuracy_on(model, tokenizer, splits.dev))
-        return dev_accuracy[-1] >= STUDENT_TARGET_DEV_ACCURACY
+        dev_accuracy.append(accuracy_on(model, tokenizer, splits.dev, assets.answer_match, assets.max_new_tokens))
+        return dev_accuracy[-1] >= assets.student_target
 
-    losses = sft_train(model, tokenizer, splits.train, STUDENT.sft, stop=reached_target)
-    if not dev_accuracy or dev_accuracy[-1] < STUDENT_TARGET_DEV_ACCURACY:
+    losses = sft_train(model, tokenizer, splits.train, student.sft, stop=reached_target)
+    if not dev_accuracy or dev_accuracy[-1] < assets.student_target:
         raise RuntimeError(
-            f"student warm-up: dev accuracy {dev_accuracy[-1:]} never reached {STUDENT_TARGET_DEV_ACCURACY} "
-            f"in {STUDENT.sft.steps} steps; raise STUDENT.sft.steps"
+            f"student warm-up: dev accuracy {dev_accuracy[-1:]} never reached {assets.student_target} "
+            f"in {student.sft.steps} steps; raise the student's sft.steps"
         )
     model.save_pretrained(str(model_dir), safe_serialization=True)
     return {"params": _params(model), "steps": len(losses), "final_loss": losses[-1], "dev_accuracy": dev_accuracy[-1]}
@@ -208,18 +291,18 @@ def _params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build(out: Path, force: bool = False) -> dict[str, Any]:
+def build(out: Path, force: bool = False, assets: TaskAssets = DEMO) -> dict[str, Any]:
     """Build the assets into `out` unless a complete matching manifest is there; returns the manifest."""
-    problem = manifest_problem(out)
+    problem = manifest_problem(out, assets)
     if problem is None and not force:
-        print(f"demo assets: {out} is complete and matches the recipe; nothing to do (--force rebuilds)")
+        print(f"{assets.name} assets: {out} is complete and matches the recipe; nothing to do (--force rebuilds)")
         return json.loads((out / MANIFEST).read_text())
-    print(f"demo assets: building into {out} ({'--force' if problem is None else problem})", flush=True)
+    print(f"{assets.name} assets: building into {out} ({'--force' if problem is None else problem})", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         with deterministic_torch():
-            manifest = _build_into(work)
+            manifest = _build_into(work, assets)
         _install(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -227,11 +310,11 @@ def build(out: Path, force: bool = False) -> dict[str, Any]:
     manifest["files"] = file_table(out)
     manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"].values())
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    _print_summary(out, manifest)
+    _print_summary(out, manifest, assets)
     return manifest
 
 
-def _build_into(work: Path) -> dict[str, Any]:
+def _build_into(work: Path, assets: TaskAssets) -> dict[str, Any]:
     import transformers
 
     seconds: dict[str, float] = {}
@@ -243,20 +326,23 @@ def _build_into(work: Path) -> dict[str, Any]:
         return time.perf_counter()
 
     t = time.perf_counter()
-    splits = task.generate_splits()
+    splits = assets.splits()
     task.write_jsonl(work / "data/train.jsonl", splits.train)
     task.write_jsonl(work / "data/eval.jsonl", splits.eval)
     t = lap("data", t)
-    teacher = train_teacher(work / "teacher", splits)
+    teacher = train_teacher(work / "teacher", splits, assets)
     t = lap("teacher_train", t)
-    student = train_student(work / "student", splits)
+    student = train_student(work / "student", splits, assets)
     t = lap("student_warmup", t)
-    teacher["eval_accuracy"] = greedy_accuracy(work / "teacher", work / "data/eval.jsonl")
-    student["eval_accuracy"] = greedy_accuracy(work / "student", work / "data/eval.jsonl")
+    eval_file = work / "data/eval.jsonl"
+    for entry, model in ((teacher, "teacher"), (student, "student")):
+        entry["eval_accuracy"] = greedy_accuracy(
+            work / model, eval_file, match=assets.answer_match, max_new_tokens=assets.max_new_tokens
+        )
     lap("eval", t)
     seconds["total"] = round(time.perf_counter() - start, 2)
     return {
-        "recipe": recipe(),
+        "recipe": recipe(assets),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "data": {"train": len(splits.train), "eval": len(splits.eval)},
         "teacher": teacher,
@@ -275,10 +361,10 @@ def _install(work: Path, out: Path) -> None:
         shutil.move(str(work / entry), str(target))
 
 
-def _print_summary(out: Path, manifest: dict[str, Any]) -> None:
+def _print_summary(out: Path, manifest: dict[str, Any], assets: TaskAssets) -> None:
     t, s = manifest["teacher"], manifest["student"]
     print(
-        f"demo assets: teacher {t['params']:,} params, {t['steps']} steps, eval accuracy {t['eval_accuracy']:.1%}; "
+        f"{assets.name} assets: teacher {t['params']:,} params, {t['steps']} steps, eval accuracy {t['eval_accuracy']:.1%}; "
         f"student {s['params']:,} params, {s['steps']} steps, eval accuracy {s['eval_accuracy']:.1%}; "
         f"{manifest['total_bytes'] / 2**20:.1f} MiB in {out}; built in {manifest['seconds']['total']:.0f} s"
     )
@@ -286,10 +372,12 @@ def _print_summary(out: Path, manifest: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="asset directory (default: %(default)s)")
+    parser.add_argument("--task", choices=sorted(TASKS), default="demo", help="which task (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=None, help="asset directory (default: assets/<task>)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the manifest matches")
     args = parser.parse_args(argv)
-    build(args.out, force=args.force)
+    assets = TASKS[args.task]
+    build(args.out or assets.out, force=args.force, assets=assets)
     return 0
 
 

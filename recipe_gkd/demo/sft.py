@@ -38,10 +38,15 @@ class SFTConfig:
 
 @dataclass(frozen=True)
 class EncodedExample:
-    """Prompt ids (chat template, generation prompt included) and response ids ending with EOS."""
+    """Prompt ids (chat template, generation prompt included) and response ids ending with EOS.
+
+    `loss_mask`: which response tokens carry loss (None: all), e.g. not a deliberate slip in
+    the text that the tokens after it learn to recover from.
+    """
 
     prompt_ids: list[int]
     response_ids: list[int]
+    loss_mask: list[bool] | None = None
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
@@ -70,7 +75,10 @@ def collate(batch: Sequence[EncodedExample], pad_id: int) -> tuple[Tensor, Tenso
         ids = e.prompt_ids + e.response_ids
         input_ids_BL[i, : len(ids)] = torch.tensor(ids)
         attention_BL[i, : len(ids)] = 1
-        labels_BL[i, len(e.prompt_ids) : len(ids)] = torch.tensor(e.response_ids)
+        labels = torch.tensor(e.response_ids)
+        if e.loss_mask is not None:
+            labels[~torch.tensor(e.loss_mask)] = IGNORE_INDEX
+        labels_BL[i, len(e.prompt_ids) : len(ids)] = labels
     return input_ids_BL, attention_BL, labels_BL
 
 
@@ -114,12 +122,14 @@ def sft_train(
     examples: Sequence[Example],
     cfg: SFTConfig,
     stop: Callable[[int], bool] | None = None,
+    encode: Callable[[Any, Example], EncodedExample] = encode_example,
 ) -> list[float]:
     """Train `model` in place for up to `cfg.steps` AdamW steps; returns the loss of every step.
 
     `stop(steps_done)` is called after every step; training ends early when it returns True.
+    `encode` turns an example into token ids (once, before training).
     """
-    encoded = [encode_example(tokenizer, e) for e in examples]
+    encoded = [encode(tokenizer, e) for e in examples]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     losses: list[float] = []
     for step, indices in enumerate(batch_order(len(encoded), cfg.steps, cfg.batch_size, cfg.seed)):

@@ -99,7 +99,7 @@ HUB_MODELS = {
         "max_position_embeddings": 131072,
     },
 }
-GPU_PRESETS = sorted(p for p in (CONFIG_DIR / "presets").glob("*.yaml") if p.name != "cpu_demo.yaml")
+GPU_PRESETS = sorted(p for p in (CONFIG_DIR / "presets").glob("*.yaml") if not p.name.startswith("cpu_"))
 REMOTE_PRESET = CONFIG_DIR / "presets" / "1x8_a4_r4_t0_remote.yaml"
 
 
