@@ -26,7 +26,7 @@ from recipe_gkd.demo.evaluate import accuracy_on
 from recipe_gkd.demo.sft import encode_prompt
 from recipe_gkd.demo.task import Example, read_jsonl
 from recipe_gkd.losses import gkd_loss
-from recipe_gkd.rollout.hf import plain_generation_config, without_model_generation_defaults
+from recipe_gkd.rollout.hf import left_pad, plain_generation_config, without_model_generation_defaults
 
 RESULTS = Path("benchmarks/results/demo_distill.json")
 
@@ -46,16 +46,6 @@ class DistillConfig:
     seed: int = 0
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    width = max(len(p) for p in prompts)
-    ids_BP = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask_BP = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids_BP[i, width - len(p) :] = torch.tensor(p)
-        mask_BP[i, width - len(p) :] = 1
-    return ids_BP, mask_BP
-
-
 def _response_mask(new_BN: Tensor, eos_id: int) -> Tensor:
     """1 on each response token up to and including its first EOS."""
     is_eos_BN = (new_BN == eos_id).long()
@@ -71,7 +61,7 @@ def on_policy_step(
     Adds each phase's seconds to `timings` (generate_s, teacher_s, train_s: forward + backward).
     """
     start = time.perf_counter()
-    ids_BP, prompt_mask_BP = _left_pad([encode_prompt(tokenizer, p) for p in prompts], tokenizer.pad_token_id)
+    ids_BP, prompt_mask_BP = left_pad([encode_prompt(tokenizer, p) for p in prompts], tokenizer.pad_token_id)
     width = ids_BP.shape[1]
     with torch.no_grad():
         student.eval()

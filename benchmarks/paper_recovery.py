@@ -26,37 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from recipe_gkd.demo import sum_task  # noqa: E402
-from recipe_gkd.demo.sft import encode_prompt  # noqa: E402
+from recipe_gkd.demo.evaluate import greedy_responses  # noqa: E402
 from recipe_gkd.demo.task import Example, read_jsonl, reward  # noqa: E402
-from recipe_gkd.rollout.hf import plain_generation_config, without_model_generation_defaults  # noqa: E402
 
 ASSETS = ROOT / "assets" / "paper"
 RESULTS = ROOT / "benchmarks" / "results" / "paper_recovery.json"
 MAX_NEW_TOKENS = 32
-BATCH = 100
-
-
-@torch.no_grad()
-def continuations(model: Any, tokenizer: Any, prompts: list[str], prefixes: list[str]) -> list[str]:
-    """Greedy continuations of prompt + forced response prefix; returns prefix + continuation."""
-    out: list[str] = []
-    for lo in range(0, len(prompts), BATCH):
-        ids = [
-            encode_prompt(tokenizer, p) + tokenizer(f, add_special_tokens=False).input_ids
-            for p, f in zip(prompts[lo : lo + BATCH], prefixes[lo : lo + BATCH], strict=True)
-        ]
-        width = max(len(i) for i in ids)
-        input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(ids), width), dtype=torch.long)
-        for row, seq in enumerate(ids):
-            input_ids[row, width - len(seq) :] = torch.tensor(seq)
-            attention[row, width - len(seq) :] = 1
-        config = plain_generation_config(tokenizer, greedy=True, max_new_tokens=MAX_NEW_TOKENS)
-        with without_model_generation_defaults(model):
-            seqs = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config)
-        texts = tokenizer.batch_decode(seqs[:, width:], skip_special_tokens=True)
-        out += [f + t for f, t in zip(prefixes[lo : lo + BATCH], texts, strict=True)]
-    return out
 
 
 def measure(model_dir: Path, examples: list[Example]) -> dict[str, float]:
@@ -69,8 +44,8 @@ def measure(model_dir: Path, examples: list[Example]) -> dict[str, float]:
         text, (_, end) = sum_task.with_slip(e, random.Random(f"recovery:{e.prompt}"))
         slipped.append(text[:end])  # up to and including the wrong total
     prompts = [e.prompt for e in examples]
-    clean = continuations(model, tokenizer, prompts, [""] * len(examples))
-    after_slip = continuations(model, tokenizer, prompts, slipped)
+    clean = greedy_responses(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS)
+    after_slip = greedy_responses(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, prefixes=slipped)
 
     def accuracy(responses: list[str]) -> float:
         return statistics.mean(reward(r, e.answer, "suffix") for r, e in zip(responses, examples, strict=True))

@@ -35,7 +35,7 @@ from recipe_gkd.placement import PlacementPlan
 from recipe_gkd.plots import before_after_table, plot_run
 from recipe_gkd.pools import Pending, Pools, ShardHandle
 from recipe_gkd.ray_cluster import ray_cluster
-from recipe_gkd.ray_pools import launch_pools, launch_teacher_accuracy
+from recipe_gkd.ray_pools import launch_pools, teacher_accuracy
 
 FINAL_EXPORT_DIR = "final_student"
 # Teacher failures that survived the client's retries (bounded by teacher.timeout_s): the run stops.
@@ -66,7 +66,7 @@ def run(cfg: GKDConfig, plan: PlacementPlan) -> Path:
         with teacher_service(cfg) as teacher, ray_cluster(cfg, plan), launch_pools(cfg, plan, teacher) as pools:
             print(f"workers ready in {pools.setup_s:.1f}s; actor: {pools.actor.summary}", flush=True)
             train(cfg, pools, metrics, resume)
-            report(cfg, launch_teacher_accuracy(cfg, pools.rollout)())
+            report(cfg, teacher_accuracy(cfg, pools.rollout))
     finally:
         metrics.close()
     return Path(cfg.trainer.run_dir)

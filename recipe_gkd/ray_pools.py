@@ -390,22 +390,21 @@ def _collect_on(node: str, workers: dict[str, WorkerProcess]) -> dict[str, str]:
 # ----------------------------------------------------------------------------- side tasks
 
 
-def launch_teacher_accuracy(cfg: GKDConfig, rollout: RolloutPool) -> Callable[[], float | None]:
-    """The teacher's own held-out accuracy, for the before/after table; returns the call that awaits it.
+def teacher_accuracy(cfg: GKDConfig, rollout: RolloutPool) -> float | None:
+    """The teacher's own held-out accuracy, for the before/after table (after training).
 
     Greedy decoding of the teacher model in rollout worker 0's process, which has torch and
     transformers loaded already (a Ray task of its own cost a new process ~4 s of a core, beside
-    the training). Call it after training: the worker's two threads are the schedule's while it
-    runs. CPU runs with an HF teacher only: on GPU clusters the teacher's GPUs belong to the server.
+    the training). CPU runs with an HF teacher only: on GPU clusters the teacher's GPUs belong
+    to the server.
     """
     if not (cfg.trainer.eval_every and cfg.cluster.device.value == "cpu" and cfg.teacher.backend.value == "hf"):
-        return lambda: None
-    assert isinstance(rollout, RayRolloutPool)
-    worker = rollout.handles[0]
+        return None
+    assert isinstance(rollout, RayRolloutPool), "the Ray run's pools"
     d = cfg.data
     args = (cfg.teacher.model_path, d.eval_files[0], d.eval_batch_size, d.answer_match)
-    ref = worker.__ray_call__.remote(_teacher_accuracy, *args, cfg.rollout.sampling.max_new_tokens)
-    return lambda: wait([ref], cfg.debug.hang_timeout_s, "teacher accuracy")[0]
+    ref = rollout.handles[0].__ray_call__.remote(_teacher_accuracy, *args, cfg.rollout.sampling.max_new_tokens)
+    return wait([ref], cfg.debug.hang_timeout_s, "teacher accuracy")[0]
 
 
 def _teacher_accuracy(

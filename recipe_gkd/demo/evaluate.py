@@ -10,7 +10,7 @@ import torch
 
 from recipe_gkd.demo.sft import encode_prompt
 from recipe_gkd.demo.task import Example, read_jsonl, reward
-from recipe_gkd.rollout.hf import plain_generation_config, without_model_generation_defaults
+from recipe_gkd.rollout.hf import left_pad, plain_generation_config, without_model_generation_defaults
 
 EVAL_BATCH_SIZE = 64
 MAX_NEW_TOKENS = 16
@@ -23,23 +23,29 @@ def greedy_responses(
     prompts: Sequence[str],
     batch_size: int = EVAL_BATCH_SIZE,
     max_new_tokens: int = MAX_NEW_TOKENS,
+    prefixes: Sequence[str] | None = None,
 ) -> list[str]:
-    """Greedy completions of `prompts` (chat template, left padding), decoded without specials."""
+    """Greedy completions of `prompts` (chat template, left padding), decoded without specials.
+
+    `prefixes`: a forced start of each response (its tokens follow the prompt); returned in front
+    of the completion.
+    """
     model.eval()
+    starts = list(prefixes) if prefixes is not None else [""] * len(prompts)
     out: list[str] = []
     for first in range(0, len(prompts), batch_size):
-        encoded = [encode_prompt(tokenizer, p) for p in prompts[first : first + batch_size]]
-        width = max(len(ids) for ids in encoded)
-        # Left padding: every prompt ends at the same column, so new tokens line up.
-        input_ids_BP = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
-        attention_BP = torch.zeros((len(encoded), width), dtype=torch.long)
-        for i, ids in enumerate(encoded):
-            input_ids_BP[i, width - len(ids) :] = torch.tensor(ids)
-            attention_BP[i, width - len(ids) :] = 1
+        batch = range(first, min(first + batch_size, len(prompts)))
+        encoded = [
+            encode_prompt(tokenizer, prompts[i])
+            + (list(tokenizer(starts[i], add_special_tokens=False).input_ids) if starts[i] else [])
+            for i in batch
+        ]
+        input_ids_BP, attention_BP = left_pad(encoded, tokenizer.pad_token_id)
         config = plain_generation_config(tokenizer, greedy=True, max_new_tokens=max_new_tokens)
         with without_model_generation_defaults(model):
             sequences_BS = model.generate(input_ids=input_ids_BP, attention_mask=attention_BP, generation_config=config)
-        out.extend(tokenizer.batch_decode(sequences_BS[:, width:], skip_special_tokens=True))
+        texts = tokenizer.batch_decode(sequences_BS[:, input_ids_BP.shape[1] :], skip_special_tokens=True)
+        out.extend(starts[i] + text for i, text in zip(batch, texts, strict=True))
     return out
 
 

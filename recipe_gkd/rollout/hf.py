@@ -17,6 +17,18 @@ from recipe_gkd.rollout.engine import Generation
 GENERATE_CHUNK = 64
 
 
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids and attention mask [B, P], left-padded: every prompt ends at the same column, so
+    the tokens `generate` adds line up after it."""
+    width = max(len(p) for p in prompts)
+    input_ids_BP = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_BP = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids_BP[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attention_BP[i, width - len(p) :] = 1
+    return input_ids_BP, attention_BP
+
+
 def plain_generation_config(tokenizer: Any, *, greedy: bool, max_new_tokens: int, **sampling: Any) -> Any:
     """Every setting of one `generate` call; nothing else may shape the distribution.
 
@@ -84,13 +96,8 @@ class HFEngine:
             return []
         s = self.cfg.rollout.sampling
         tok = self.tokenizer
-        width = max(len(p) for p in prompts)
-        # Left padding: every prompt ends at the same column, so new tokens line up.
-        input_ids_BP = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
-        attention_BP = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids_BP[i, width - len(p) :] = torch.tensor(p)
-            attention_BP[i, width - len(p) :] = 1
+        input_ids_BP, attention_BP = left_pad(prompts, tok.pad_token_id)
+        width = input_ids_BP.shape[1]
         # top_k=0 disables top-k filtering explicitly: None would fall back to transformers' 50.
         config = plain_generation_config(
             tok, greedy=greedy, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k

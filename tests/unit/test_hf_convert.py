@@ -124,16 +124,19 @@ def test_tp_shards_follow_megatron_layouts() -> None:
     del arch
 
 
+# Llama 3.1/3.2's frequency-dependent RoPE scaling.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 5e5,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
 def test_llama3_rope_scaling_is_read_whole() -> None:
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 5e5,
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    arch = hf_convert.read_hf_arch(LlamaConfig(rope_parameters=rope, **SHAPE))
+    arch = hf_convert.read_hf_arch(LlamaConfig(rope_parameters=LLAMA3_ROPE, **SHAPE))
     assert arch.llama3_rope == (32.0, 1.0, 4.0, 8192) and arch.rope_theta == 5e5
     assert hf_convert.read_hf_arch(LlamaConfig(**SHAPE)).llama3_rope is None
 
@@ -343,20 +346,7 @@ def test_recompute_setting_maps_to_megatrons_fields(recompute: str, attention: s
     [
         pytest.param(lambda: LlamaConfig(**SHAPE), id="llama"),
         pytest.param(lambda: LlamaConfig(tie_word_embeddings=False, **SHAPE), id="llama-untied"),
-        pytest.param(
-            lambda: LlamaConfig(
-                rope_parameters={
-                    "rope_type": "llama3",
-                    "rope_theta": 5e5,
-                    "factor": 32.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192,
-                },
-                **SHAPE,
-            ),
-            id="llama3.1-rope",
-        ),
+        pytest.param(lambda: LlamaConfig(rope_parameters=LLAMA3_ROPE, **SHAPE), id="llama3.1-rope"),
         pytest.param(lambda: Qwen2Config(**SHAPE), id="qwen2"),
         pytest.param(lambda: Qwen3Config(**SHAPE), id="qwen3"),
     ],
