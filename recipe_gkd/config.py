@@ -135,6 +135,10 @@ class ClusterConfig:
     placement_timeout_s: float = bounded(120.0, gt=0)
     # Memory of one GPU as torch reports it (an 80 GB H100/A100: ~79 GiB): the budget of the memory plan.
     gpu_memory_gib: float = bounded(79.0, gt=0)
+    # Every role on the same GPUs of one node (the first GPU a user meets): actor rank i, rollout
+    # engine i and the teacher share GPU i, each within its own memory share (actor.gpu_memory_utilization,
+    # rollout.gpu_memory_utilization, teacher.gpu_memory_utilization), set up one after another.
+    colocate: bool = False
 
 
 @dataclass
@@ -178,6 +182,10 @@ class ActorConfig:
     max_tokens_per_micro_batch: int = bounded(0, ge=0, note="0: by micro_batch_size")
     precision: Precision = Precision.bf16
     optim: OptimConfig = field(default_factory=OptimConfig)
+    # Fraction of each actor GPU's memory the actor process may allocate (torch's per-process cap on
+    # CUDA; an allocation past it is an out-of-memory error in the actor, never in a colocated engine).
+    # Required with cluster.colocate on CUDA; 0: no cap (the GPU is the actor's alone).
+    gpu_memory_utilization: float = bounded(0.0, ge=0, le=1, note="0: no cap")
 
 
 @dataclass
@@ -466,6 +474,9 @@ def _validate_gpu_split(cfg: GKDConfig) -> None:
         "rollout.nnodes",
         f"the rollout pool spans nodes {r.node_offset}..{r.node_offset + r.nnodes - 1} but cluster.nnodes={c.nnodes}",
     )
+    if c.colocate:
+        _validate_colocated(cfg)
+        return
     for node in range(c.nnodes):
         used = node_gpus(cfg, "actor", node) + node_gpus(cfg, "rollout", node)
         require(
@@ -499,6 +510,62 @@ def _validate_gpu_split(cfg: GKDConfig) -> None:
             f"node {node} has {gpus} teacher GPUs, not a multiple of teacher.gpus_per_replica={t.gpus_per_replica} "
             "(a replica cannot span nodes)",
         )
+
+
+def _validate_colocated(cfg: GKDConfig) -> None:
+    """cluster.colocate: actor rank i, rollout engine i and the teacher share GPU i of one node."""
+    c, a, r, t = cfg.cluster, cfg.actor, cfg.rollout, cfg.teacher
+    require(c.nnodes == 1, "cluster.colocate", f"colocated roles run on one node, got cluster.nnodes={c.nnodes}")
+    for key, gpus in (("actor.gpus_per_node", a.gpus_per_node), ("rollout.gpus_per_node", r.gpus_per_node)):
+        require(
+            gpus == c.gpus_per_node,
+            key,
+            f"is {gpus} but with cluster.colocate every role uses all cluster.gpus_per_node={c.gpus_per_node} GPUs",
+        )
+    require(
+        r.tp == 1,
+        "rollout.tp",
+        f"rollout.tp={r.tp}: colocated roles put one rollout engine beside each actor rank (rollout.tp=1)",
+    )
+    if t.location == TeacherLocation.local:
+        want = t.replicas * t.gpus_per_replica
+        require(
+            want == c.gpus_per_node,
+            "teacher.replicas",
+            f"teacher.replicas x teacher.gpus_per_replica = {want} but with cluster.colocate the teacher shares "
+            f"all cluster.gpus_per_node={c.gpus_per_node} GPUs; make them equal",
+        )
+    # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected").
+    require(
+        cfg.weight_sync.transport != WeightTransport.nccl,
+        "weight_sync.transport",
+        "nccl cannot join processes on one GPU (NCCL: 'Duplicate GPU detected'); colocated roles use "
+        "weight_sync.transport=object_store (or gloo)",
+    )
+    on_gpu = c.device == Device.cuda
+    require(
+        not on_gpu or a.gpu_memory_utilization > 0,
+        "actor.gpu_memory_utilization",
+        "is 0 (no cap) but cluster.colocate shares the GPU: give the actor its share, e.g. 0.45",
+    )
+    shares = colocated_shares(cfg)
+    require(
+        sum(shares.values()) <= 1.0,
+        "actor.gpu_memory_utilization",
+        f"the colocated roles' memory shares sum to {sum(shares.values()):.2f} > 1 of the GPU: "
+        + " + ".join(f"{key}={v}" for key, v in shares.items()),
+    )
+
+
+def colocated_shares(cfg: GKDConfig) -> dict[str, float]:
+    """The memory share of each role on a colocated GPU (key -> fraction), the roles that take one."""
+    shares = {"actor.gpu_memory_utilization": cfg.actor.gpu_memory_utilization}
+    if cfg.rollout.backend == RolloutBackend.vllm:
+        shares["rollout.gpu_memory_utilization"] = cfg.rollout.gpu_memory_utilization
+    t = cfg.teacher
+    if t.location == TeacherLocation.local and t.backend.value == "vllm":
+        shares["teacher.gpu_memory_utilization"] = t.gpu_memory_utilization
+    return shares
 
 
 def _validate_parallelism(cfg: GKDConfig) -> None:
@@ -613,6 +680,13 @@ def _validate_teacher(cfg: GKDConfig) -> None:
         not (t.autostart and t.location == TeacherLocation.remote),
         "teacher.autostart",
         "the driver can only autostart a local teacher; start a remote one with launch/start_teacher.sh",
+    )
+    longest = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    require(
+        t.max_model_len == 0 or t.max_model_len >= longest,
+        "teacher.max_model_len",
+        f"is {t.max_model_len} but the teacher scores sequences of up to data.max_prompt_length + "
+        f"rollout.sampling.max_new_tokens = {longest} tokens; raise it to >= {longest} (or 0: the model's own)",
     )
     require(
         not (t.autostart and cfg.cluster.nnodes > 1),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -340,10 +340,13 @@ def teacher_service(cfg: GKDConfig) -> Iterator[Callable[[], str]]:
         return
     from recipe_gkd.rollout.teacher import start_local_teacher
 
-    with start_local_teacher(cfg) as ready:
+    with ExitStack() as stack:
+        # Colocated roles: the teacher starts only when asked for, after the actor set up on the shared GPU.
+        starting = None if cfg.cluster.colocate else stack.enter_context(start_local_teacher(cfg))
 
         @functools.cache
         def address() -> str:
+            ready = starting or stack.enter_context(start_local_teacher(cfg))
             bound = ready()
             print(f"teacher server autostarted at {bound}", flush=True)
             return bound

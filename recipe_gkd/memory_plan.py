@@ -34,6 +34,7 @@ from recipe_gkd.config import (
     RolloutBackend,
     actor_data_parallel_size,
     actor_world_size,
+    colocated_shares,
 )
 from teacher_server.config import TeacherBackend, TeacherLocation
 from teacher_server.model_refs import HUB_ID
@@ -92,10 +93,16 @@ class RoleMemory:
     key: str = ""
     problem: str = ""
     notes: list[str] = field(default_factory=list)
+    # Memory the role takes on its GPU outside `capacity` (a vLLM engine's share): it must fit in what is left.
+    outside: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def total(self) -> float:
         return sum(b for _, b in self.parts)
+
+    @property
+    def outside_total(self) -> float:
+        return sum(b for _, b in self.outside)
 
     @property
     def fits(self) -> bool:
@@ -186,7 +193,10 @@ def actor_bytes_per_token_and_layer(
     heads, groups = shape.num_heads / tp, max(1.0, shape.num_kv_heads / tp)
     norms = 4 * h + ((heads + groups) * d if shape.qk_layernorm else 0)
     if attention == "sdpa":
-        attn = (2 * heads + 2 * groups) * d
+        # fp32 grouped keys/values are repeated per head to reach the memory-efficient kernel
+        # (recipe_gkd/actor/attention.py repeat_kv_for_kernel; with enable_gqa fp32 takes the math kernel).
+        kv_heads = heads if act_bytes == 4 else groups
+        attn = (2 * heads + 2 * kv_heads) * d
         probs = 0.0
     else:
         attn = 4 * heads * d
@@ -253,6 +263,11 @@ def actor_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
         ],
         capacity=cfg.cluster.gpu_memory_gib * GIB,
     )
+    if share := a.gpu_memory_utilization:
+        # torch's per-process cap covers what the caching allocator holds; the CUDA context and NCCL lie outside it.
+        role.outside = [role.parts.pop()]
+        role.capacity = share * role.capacity
+        role.notes.append(f"budget = actor.gpu_memory_utilization {share} x {cfg.cluster.gpu_memory_gib} GiB")
     if role.total > role.capacity:
         role.key, role.problem = _actor_remedy(cfg, role)
     return role
@@ -263,7 +278,9 @@ def _actor_remedy(cfg: GKDConfig, role: RoleMemory) -> tuple[str, str]:
     m, a = cfg.actor.megatron, cfg.actor
     state = sum(b for name, b in role.parts[:3])
     over = f"needs {role.total / GIB:.1f} GiB of {role.capacity / GIB:.1f} GiB"
-    if state + ACTOR_RESERVE_GIB * GIB > role.capacity:
+    if state + (0 if role.outside else ACTOR_RESERVE_GIB * GIB) > role.capacity:
+        if cfg.actor.gpu_memory_utilization and cfg.cluster.colocate:
+            return "actor.gpu_memory_utilization", f"{over}; give the actor a larger share of the colocated GPU"
         if not m.distributed_optimizer and actor_data_parallel_size(cfg) > 1:
             return "actor.megatron.distributed_optimizer", f"{over}; shard the optimizer state over data parallel"
         return (
@@ -303,28 +320,40 @@ def vllm_memory(
     dtype = {2: "bf16", 4: "fp32"}[dtype_bytes]
     parts = [(f"weights ({dtype}, {shape.num_params() / 1e9:.2f}B params / tp {tp})", weights)]
     parts.append(("vLLM runtime (CUDA graphs, sampler, profile activations)", VLLM_RESERVE_GIB * GIB))
-    if scores:
-        # One scheduled chunk's full-vocabulary fp32 logits and log-probs (vLLM's prompt log-probs
-        # are computed over the chunk's tokens; a chunk is at most max_num_batched_tokens).
-        chunk = min(max_len, VLLM_BATCHED_TOKENS)
-        parts.append(
-            (
-                f"prompt log-prob buffers ({chunk} tokens x {shape.vocab_size} vocabulary)",
-                chunk * shape.vocab_size * 8.0,
-            )
-        )
+    outside = [prompt_logprob_buffers(shape, max_len, dtype_bytes)] if scores else []
     kv = budget - sum(b for _, b in parts)
     per_token = shape.kv_bytes_per_token(tp, dtype_bytes)
     kv_tokens = int(kv // per_token) if kv > 0 else 0
     parts.append((f"KV cache ({kv_tokens} tokens at {per_token / 1024:.0f} KiB each)", max(kv, 0.0)))
-    memory = RoleMemory(role=role, gpus=gpus, parts=parts, capacity=budget)
+    memory = RoleMemory(role=role, gpus=gpus, parts=parts, capacity=budget, outside=outside)
     memory.notes.append(f"budget = {utilization} x {cfg.cluster.gpu_memory_gib} GiB")
     if kv_tokens < max_len:
         memory.problem = (
             f"the KV cache holds {kv_tokens} tokens, less than one {max_len}-token sequence: "
             f"weights {weights / GIB:.1f} GiB per GPU leave too little of {budget / GIB:.1f} GiB"
         )
+    elif not cfg.cluster.colocate and budget + memory.outside_total > capacity:
+        memory.problem = (
+            f"{utilization} x {capacity / GIB:.1f} GiB for vLLM plus {memory.outside_total / GIB:.1f} GiB outside it "
+            f"exceed the GPU's {capacity / GIB:.1f} GiB"
+        )
     return memory
+
+
+def prompt_logprob_buffers(shape: Shape, max_len: int, dtype_bytes: int) -> tuple[str, float]:
+    """A scoring request's full-vocabulary prompt log-prob temporaries, which vLLM allocates outside its share.
+
+    vLLM's V1 model runner computes a request's prompt log-probs from its whole scheduled chunk's logits
+    in the model dtype, an fp32 copy and their fp32 log-softmax (vllm/v1/worker/gpu_model_runner.py,
+    _get_prompt_logprobs_dict, 0.24 to 0.33: 12.4 GB for 8192 tokens at a 152k vocabulary); no runner's
+    profiling run asks for prompt log-probs, so the KV cache takes the whole `gpu_memory_utilization`
+    share and these bytes must fit beside it. (0.24's V2 runner, its default for Qwen3 and Llama, works
+    in 1024-token chunks, far less: the plan takes the V1 bound.) A chunk is at most max_num_batched_tokens.
+    """
+    tokens = min(max_len, VLLM_BATCHED_TOKENS)
+    per_entry = dtype_bytes + 4.0 + (4.0 if dtype_bytes != 4 else 0.0)
+    name = f"prompt log-prob buffers ({tokens} tokens x {shape.vocab_size} vocabulary: logits, fp32 log-softmax)"
+    return name, tokens * shape.vocab_size * per_entry
 
 
 def rollout_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
@@ -366,7 +395,11 @@ def teacher_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
         scores=True,
     )
     if not memory.fits:
-        memory.key = "teacher.max_model_len" if not t.max_model_len else "teacher.gpus_per_replica"
+        if memory.problem.startswith("the KV cache"):
+            memory.key = "teacher.max_model_len" if not t.max_model_len else "teacher.gpus_per_replica"
+        else:
+            memory.key = "teacher.gpu_memory_utilization"
+            memory.problem += ": lower teacher.gpu_memory_utilization (or teacher.max_model_len)"
     return memory
 
 
@@ -386,15 +419,59 @@ def build_memory_plan(cfg: GKDConfig) -> MemoryPlan | None:
             roles.append(rollout_memory(cfg, student))
         else:
             skipped.append("rollout: rollout.backend=hf is not planned (vllm is the GPU backend)")
+    teacher_shape = None
     if cfg.teacher.location == TeacherLocation.remote:
         skipped.append("teacher: teacher.location=remote, planned where it runs")
     elif cfg.teacher.backend != TeacherBackend.vllm:
         skipped.append("teacher: teacher.backend=hf is not planned (vllm is the GPU backend)")
     else:
-        teacher = read_shape(cfg.teacher.model_path, "teacher.model_path", skipped)
-        if teacher is not None:
-            roles.append(teacher_memory(cfg, teacher))
+        teacher_shape = read_shape(cfg.teacher.model_path, "teacher.model_path", skipped)
+        if teacher_shape is not None:
+            roles.append(teacher_memory(cfg, teacher_shape))
+    if cfg.cluster.colocate:
+        roles.insert(0, colocated_gpu(cfg, roles))
     return MemoryPlan(roles=roles, skipped=skipped)
+
+
+def colocated_gpu(cfg: GKDConfig, roles: list[RoleMemory]) -> RoleMemory:
+    """One GPU of cluster.colocate: each role's share of it, what lies outside the shares, and the sum.
+
+    The shares come from the config alone (so a dry run prints them without any config.json); the
+    bytes outside them (the actor's CUDA context and NCCL, the teacher's prompt log-prob buffers) from
+    the roles planned. vLLM refuses to start when the GPU's free memory is below its share
+    (vllm/v1/worker/gpu_worker.py, Worker.init_device), so everything must fit at once.
+    """
+    capacity = cfg.cluster.gpu_memory_gib * GIB
+    shares = colocated_shares(cfg)
+    what = {
+        "actor.gpu_memory_utilization": "the actor process (torch's per-process cap)",
+        "rollout.gpu_memory_utilization": "the rollout engine (vLLM: weights, runtime, KV cache)",
+        "teacher.gpu_memory_utilization": "the teacher replica (vLLM: weights, runtime, KV cache)",
+    }
+    parts = [
+        (f"{share:.2f} x {cfg.cluster.gpu_memory_gib}: {key}, {what[key]}", share * capacity)
+        for key, share in shares.items()
+    ]
+    outside = [(f"{r.role}: {name} (outside its share)", b) for r in roles for name, b in r.outside]
+    if not cfg.actor.gpu_memory_utilization or not any(r.role == "actor rank" for r in roles):
+        outside.insert(
+            0, ("actor rank: CUDA context, NCCL, allocator reserve (outside its share)", ACTOR_RESERVE_GIB * GIB)
+        )
+    gpu = RoleMemory(
+        role=f"GPU (colocated: actor rank, rollout engine{', teacher replica' if len(shares) > 2 else ''})",
+        gpus=cfg.cluster.gpus_per_node,
+        parts=parts + outside,
+        capacity=capacity,
+    )
+    gpu.notes.append(f"shares sum to {sum(shares.values()):.2f} of the GPU; {len(outside)} part(s) outside the shares")
+    if gpu.total > capacity:
+        largest = max(shares, key=lambda k: shares[k])
+        gpu.key = largest
+        gpu.problem = (
+            f"the roles on one GPU need {gpu.total / GIB:.1f} GiB of {capacity / GIB:.1f} GiB; lower the shares "
+            f"({', '.join(shares)}), the largest first"
+        )
+    return gpu
 
 
 def format_memory_plan(plan: MemoryPlan, gpu_memory_gib: float) -> str:
@@ -405,6 +482,7 @@ def format_memory_plan(plan: MemoryPlan, gpu_memory_gib: float) -> str:
             f"  {role.role} (x{role.gpus}): {role.total / GIB:.1f} of {role.capacity / GIB:.1f} GiB, {verdict}"
         )
         lines += [f"    {bytes_ / GIB:7.2f}  {name}" for name, bytes_ in role.parts]
+        lines += [f"  + {bytes_ / GIB:7.2f}  {name} (outside the budget)" for name, bytes_ in role.outside]
         lines += [f"    note: {note}" for note in role.notes]
     lines += [f"  not planned: {reason}" for reason in plan.skipped]
     return "\n".join(lines)

@@ -45,20 +45,43 @@ class PlacementPlan:
     workers: tuple[Slot, ...]
     # Teacher replicas on this cluster's leftover GPUs (empty when teacher.location=remote).
     teacher: tuple[Slot, ...]
+    # cluster.colocate: actor rank i, rollout engine i and the teacher share GPU i (one node).
+    colocated: bool = False
 
     def role(self, role: str) -> tuple[Slot, ...]:
         return tuple(s for s in self.workers if s.role == role)
 
+    def ray_gpu_ids(self, node: int) -> tuple[int, ...]:
+        """The GPU ids Ray may see on `node`: the actor's and rollout's (each once), never the teacher's own."""
+        return tuple(sorted({g for s in self.workers if s.node == node for g in s.gpu_ids}))
+
     def ray_gpus(self, node: int) -> int:
-        """GPUs Ray may see on `node`: the actor and rollout ones, never the teacher's."""
-        return sum(len(s.gpu_ids) for s in self.workers if s.node == node)
+        """How many GPUs Ray may see on `node`."""
+        return len(self.ray_gpu_ids(node))
 
     def teacher_gpu_ids(self, node: int) -> tuple[int, ...]:
         return tuple(g for s in self.teacher if s.node == node for g in s.gpu_ids)
 
+    def teacher_only_gpu_ids(self, node: int) -> tuple[int, ...]:
+        """The teacher's GPUs on `node` that Ray must not see (none when the roles are colocated)."""
+        ray_ids = set(self.ray_gpu_ids(node))
+        return tuple(g for g in self.teacher_gpu_ids(node) if g not in ray_ids)
+
     def bundle_index(self, slot: Slot) -> int:
-        """Index of the slot's bundle in its (role, node) placement group."""
+        """Index of the slot's bundle in its placement group: (role, node), or (node) when colocated,
+        where bundle i is GPU i and holds actor rank i and rollout engine i."""
+        if self.colocated:
+            return self.ray_gpu_ids(slot.node).index(slot.gpu_ids[0])
         return [s for s in self.role(slot.role) if s.node == slot.node].index(slot)
+
+    def shared_gpus(self, node: int) -> dict[int, list[str]]:
+        """GPU id -> the roles on it (`actor 0`, `rollout 0`, `teacher 0`), for GPUs of `node` that hold several."""
+        held: dict[int, list[str]] = {}
+        for s in self.all_slots():
+            if s.node == node:
+                for g in s.gpu_ids:
+                    held.setdefault(g, []).append(f"{s.role} {s.rank}")
+        return {g: roles for g, roles in sorted(held.items()) if len(roles) > 1}
 
     def all_slots(self) -> Iterator[Slot]:
         yield from self.workers
@@ -67,6 +90,8 @@ class PlacementPlan:
 
 def build_plan(cfg: GKDConfig) -> PlacementPlan:
     """The GPU assignment of every actor worker, rollout engine and teacher replica."""
+    if cfg.cluster.colocate:
+        return _colocated_plan(cfg)
     workers: list[Slot] = []
     teacher: list[Slot] = []
     ranks = {"actor": 0, "rollout": 0, "teacher": 0}
@@ -87,6 +112,17 @@ def build_plan(cfg: GKDConfig) -> PlacementPlan:
     return PlacementPlan(cfg.cluster.nnodes, cfg.cluster.gpus_per_node, tuple(workers), tuple(teacher))
 
 
+def _colocated_plan(cfg: GKDConfig) -> PlacementPlan:
+    """One node: actor rank i and rollout engine i on GPU i; teacher replicas over the same GPUs."""
+    gpus = cfg.cluster.gpus_per_node
+    workers = tuple(Slot(role, i, 0, (i,)) for role in ROLES for i in range(gpus))
+    teacher: tuple[Slot, ...] = ()
+    if cfg.teacher.location == TeacherLocation.local:
+        step = cfg.teacher.gpus_per_replica
+        teacher = tuple(Slot("teacher", n, 0, tuple(range(g, g + step))) for n, g in enumerate(range(0, gpus, step)))
+    return PlacementPlan(1, gpus, workers, teacher, colocated=True)
+
+
 def format_plan(plan: PlacementPlan) -> str:
     """The placement report: one line per worker and teacher replica."""
     rows = [("role", "rank", "node", "bundle", "CUDA_VISIBLE_DEVICES")]
@@ -97,6 +133,9 @@ def format_plan(plan: PlacementPlan) -> str:
     for node in range(plan.nnodes):
         teacher_ids = ",".join(map(str, plan.teacher_gpu_ids(node))) or "-"
         lines.append(f"node {node}: Ray sees {plan.ray_gpus(node)} GPUs; teacher GPUs {teacher_ids}")
+        lines += [
+            f"GPU {g} of node {node} is shared (colocated): {', '.join(r)}" for g, r in plan.shared_gpus(node).items()
+        ]
     return "\n".join(lines)
 
 
@@ -132,11 +171,11 @@ def check_ray_gpus(plan: PlacementPlan, ray_nodes: list[dict[str, Any]]) -> None
                 raise ConfigError("cluster.nnodes", f"cluster.nnodes=1 but Ray has {len(matches)} nodes with GPUs")
         seen = int(matches[0]["Resources"].get("GPU", 0))
         want = plan.ray_gpus(node)
-        if seen > want and plan.teacher_gpu_ids(node):
+        if seen > want and plan.teacher_only_gpu_ids(node):
             raise ConfigError(
                 "cluster.gpus_per_node",
                 f"Ray sees {seen} GPUs on node {node} but the plan gives Ray only {want} (the rest, "
-                f"{plan.teacher_gpu_ids(node)}, are the teacher's); start Ray with launch/ray_start.sh "
+                f"{plan.teacher_only_gpu_ids(node)}, are the teacher's); start Ray with launch/ray_start.sh "
                 f"(CUDA_VISIBLE_DEVICES / --num-gpus={want})",
             )
         if seen < want:
@@ -180,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     node = args.node_rank
     if args.what == "ray-gpus":
-        print(",".join(str(g) for s in plan.workers if s.node == node for g in s.gpu_ids))
+        print(",".join(map(str, plan.ray_gpu_ids(node))))
     elif args.what == "teacher-gpus":
         print(",".join(map(str, plan.teacher_gpu_ids(node))))
     else:

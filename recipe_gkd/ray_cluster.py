@@ -44,6 +44,8 @@ MIB = 1024 * 1024
 LOCAL_IP = "127.0.0.1"
 # The head of a fake multi-node cluster only hosts the driver and Ray's own services.
 HEAD_CPUS = 1
+# Colocated roles: the actor rank and the rollout engine on one GPU each book half of its bundle.
+COLOCATED_GPU_REQUEST = 0.5
 
 
 def ray_env(cfg: GKDConfig) -> dict[str, str]:
@@ -137,6 +139,9 @@ class ResourcePoolManager:
     def create(self) -> None:
         from ray.util.placement_group import placement_group
 
+        if self.plan.colocated:
+            self._create_colocated()
+            return
         for role in ROLES:
             for node in range(self.plan.nnodes):
                 slots = [s for s in self.plan.role(role) if s.node == node]
@@ -146,6 +151,22 @@ class ResourcePoolManager:
                 group = placement_group(bundles, strategy="STRICT_PACK", name=f"gkd_{role}_node{node}")
                 self._groups[(role, node)] = group
                 self._wait(group, role, node, bundles)
+
+    def _create_colocated(self) -> None:
+        """One group for the node, one {"GPU": 1} bundle per GPU: actor rank i and rollout engine i share bundle i."""
+        from ray.util.placement_group import placement_group
+
+        bundles = [{"GPU": 1.0} for _ in self.plan.ray_gpu_ids(0)]
+        group = placement_group(bundles, strategy="STRICT_PACK", name="gkd_colocated_node0")
+        for role in ROLES:
+            self._groups[(role, 0)] = group
+        self._wait(group, "colocated", 0, bundles)
+
+    def gpu_request(self, slot: Slot) -> float:
+        """The `num_gpus` a worker asks Ray for: its GPUs, or half of its one GPU when actor and rollout share it.
+
+        Ray only books the bundle with it; the memory each process may use is its configured share."""
+        return COLOCATED_GPU_REQUEST if self.plan.colocated else float(len(slot.gpu_ids))
 
     def _bundle(self, slot: Slot) -> dict[str, float]:
         bundle = {"GPU": float(len(slot.gpu_ids))}
@@ -177,7 +198,7 @@ class ResourcePoolManager:
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        for group in self._groups.values():
+        for group in {id(g): g for g in self._groups.values()}.values():
             remove_placement_group(group)
         self._groups.clear()
 
@@ -213,7 +234,7 @@ def observe(cfg: GKDConfig, plan: PlacementPlan) -> list[Observed]:
     try:
         probe_cls = ray.remote(num_cpus=0)(PlacementProbe)
         probes = [
-            probe_cls.options(num_gpus=len(s.gpu_ids), scheduling_strategy=pools.scheduling_strategy(s)).remote()
+            probe_cls.options(num_gpus=pools.gpu_request(s), scheduling_strategy=pools.scheduling_strategy(s)).remote()
             for s in plan.workers
         ]
         reports = ray.get([p.where.remote() for p in probes], timeout=cfg.cluster.placement_timeout_s)

@@ -15,6 +15,7 @@ subclasses that add the methods taking and giving object refs.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -266,7 +267,7 @@ def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[
         host, (megatron_port, sync_port) = _rank0_endpoint(groups, actor_slots[0], cfg.cluster.placement_timeout_s)
         actor_cls = ray.remote(num_cpus=0)(ray_actor_worker_class())
         actors = [
-            actor_cls.options(num_gpus=len(s.gpu_ids), scheduling_strategy=groups.scheduling_strategy(s)).remote(
+            actor_cls.options(num_gpus=groups.gpu_request(s), scheduling_strategy=groups.scheduling_strategy(s)).remote(
                 cfg, s.rank, len(actor_slots), host, megatron_port
             )
             for s in actor_slots
@@ -274,17 +275,15 @@ def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[
         # Two threads: two_step_off scores batch t+1 while generating t+2 (the worker locks its engine).
         rollout_cls = ray.remote(num_cpus=0, max_concurrency=2)(RayRolloutWorker)
         rollouts = [
-            rollout_cls.options(num_gpus=len(s.gpu_ids), scheduling_strategy=groups.scheduling_strategy(s)).remote(
-                cfg, s.rank, len(rollout_slots)
-            )
+            rollout_cls.options(
+                num_gpus=groups.gpu_request(s), scheduling_strategy=groups.scheduling_strategy(s)
+            ).remote(cfg, s.rank, len(rollout_slots))
             for s in rollout_slots
         ]
         handles = actors + rollouts
         names = {f"actor{i}": a for i, a in enumerate(actors)} | {f"rollout{i}": r for i, r in enumerate(rollouts)}
         install_watchdog(names, cfg.trainer.run_dir, cfg.cluster.placement_timeout_s)
-        actor_setup = [a.setup.remote() for a in actors]
-        address = teacher_address()
-        ready = wait(actor_setup + [r.setup.remote(None, address) for r in rollouts], timeout, "worker setup")
+        ready = _set_up(actors, rollouts, teacher_address, plan.colocated, timeout)
         if cfg.weight_sync.transport != "object_store":
             _open_weight_group(cfg, actors[0], rollouts, host, sync_port)
         summary = str(ready[0].get("summary", ""))
@@ -298,6 +297,33 @@ def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[
         watchdog.uninstall()
         _stop(handles, timeout)
         groups.remove()
+
+
+def _set_up(
+    actors: list[Any], rollouts: list[Any], teacher_address: Callable[[], str], colocated: bool, timeout_s: float
+) -> list[dict[str, Any]]:
+    """Every worker's setup(); the results, actors first.
+
+    Disjoint pools set up together (the teacher loads meanwhile). Colocated roles set up one after
+    another, actor, then teacher, then rollout, so that each vLLM engine's start-up check and
+    memory profile see the others' memory already taken, never an allocation in progress
+    (vllm/v1/worker/gpu_worker.py, Worker.init_device / determine_available_memory). The rollout
+    engines come last because their setup connects to the teacher.
+    """
+    actor_setup = [a.setup.remote() for a in actors]
+    if not colocated:
+        address = teacher_address()
+        return wait(actor_setup + [r.setup.remote(None, address) for r in rollouts], timeout_s, "worker setup")
+    marks = [time.perf_counter()]
+    ready = wait(actor_setup, timeout_s, "actor setup (colocated: before the teacher and the rollout engines)")
+    marks.append(time.perf_counter())
+    address = teacher_address()
+    marks.append(time.perf_counter())
+    ready += wait([r.setup.remote(None, address) for r in rollouts], timeout_s, "rollout setup")
+    marks.append(time.perf_counter())
+    took = [f"{b - a:.1f} s" for a, b in itertools.pairwise(marks)]
+    print(f"colocated set-up, one role at a time: actor {took[0]}, teacher {took[1]}, rollout {took[2]}", flush=True)
+    return ready
 
 
 def _rank0_endpoint(groups: ResourcePoolManager, slot: Slot, timeout_s: float) -> tuple[str, list[int]]:

@@ -131,3 +131,33 @@ def build_tiny_causal_lm(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def write_hub_layout(model_dir: str | Path, num_shards: int = 2) -> Path:
+    """Rewrite `model_dir`'s weights the way hub checkpoints ship: `num_shards` safetensors files and
+    `model.safetensors.index.json`, and, for tied embeddings, `lm_head.weight` kept as its own tensor
+    (Qwen3-0.6B and -1.7B ship it although the head is tied; `save_pretrained` drops it)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(model_dir)
+    single = out / "model.safetensors"
+    state = load_file(str(single))
+    config = json.loads((out / "config.json").read_text())
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    names = sorted(state)
+    per_shard = -(-len(names) // num_shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for index in range(num_shards):
+        file = f"model-{index + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: state[n].contiguous() for n in names[index * per_shard : (index + 1) * per_shard]}
+        save_file(part, str(out / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+        total += sum(t.numel() * t.element_size() for t in part.values())
+    single.unlink()
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
+    return out

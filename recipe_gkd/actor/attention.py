@@ -54,8 +54,24 @@ class SDPAttention(DotProductAttention):
         # [s, b, n, d] -> [b, n, s, d], the layout torch's kernels take.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         grouped = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+        if grouped and repeat_kv_for_kernel(q):
+            repeats = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+            k, v = (t.repeat_interleave(repeats, dim=1) for t in (k, v))  # [b, groups, s, d] -> [b, n, s, d]
+            grouped = False
         context = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=grouped
         )
         # [b, n, s, d] -> [s, b, n * d]
         return context.permute(2, 0, 1, 3).reshape(seq, batch, self.hidden_size_per_partition)
+
+
+def repeat_kv_for_kernel(query: Tensor) -> bool:
+    """Whether grouped keys and values must be repeated per query head to reach a fused CUDA kernel.
+
+    GPU-only, reasoned from torch's sdp dispatch (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp):
+    `enable_gqa` is taken by the flash kernel (fp16/bf16 only) and the math kernel; fp32 with
+    `enable_gqa` therefore falls back to math, which holds the [b, heads, s, s] scores. Repeated
+    keys and values (2 x heads x head_dim per token instead of 2 x groups) let fp32 use the
+    memory-efficient kernel. On CPU torch's fused kernel takes GQA in every dtype.
+    """
+    return query.is_cuda and query.dtype == torch.float32

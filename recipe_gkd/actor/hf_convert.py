@@ -42,6 +42,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
+# Mistral's own checkpoint format, shipped beside the HF files by Mistral repos (other tensor names).
+MISTRAL_WEIGHT_FILES = "consolidated*.safetensors"
 _LAYER = "decoder.layers.{i}."
 _HF_LAYER = "model.layers.{i}."
 
@@ -217,12 +219,15 @@ def check_context_parallel(cp_size: int) -> None:
         )
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def hf_weight_files(model_dir: Path) -> list[Path]:
+    """The HF-format safetensors files of a checkpoint: those its index names, else every *.safetensors but
+    Mistral's own consolidated*.safetensors (which Mistral repos ship beside the HF files, other names)."""
     index = model_dir / SAFETENSORS_INDEX
     if index.is_file():
         files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
     else:
-        files = sorted(model_dir.glob("*.safetensors"))
+        mistral = set(model_dir.glob(MISTRAL_WEIGHT_FILES))
+        files = sorted(f for f in model_dir.glob("*.safetensors") if f not in mistral)
     if not files:
         raise FileNotFoundError(
             f"no *.safetensors weights in {model_dir} (model.student_path); save the student with safe_serialization"
@@ -313,6 +318,29 @@ def build_transformer_config(
     )
 
 
+def torch_norm_block_spec(layer_spec: Any, config: TransformerConfig) -> Any:
+    """The decoder block spec of this stage's layers with torch's RMSNorm as its final norm.
+
+    Given a layer spec, megatron-core 0.16.1 builds the block's final norm from a module-level
+    choice (transformer/transformer_block.py: `LayerNormImpl` = TENorm with Transformer Engine,
+    FusedLayerNorm with Apex alone, else WrappedTorchNorm); Apex's FusedLayerNorm asserts
+    normalization == "LayerNorm", so an RMSNorm student failed in setup wherever Apex is installed
+    without TE. The layers' own norms are WrappedTorchNorm already (get_gpt_layer_local_spec with
+    normalization="RMSNorm", models/backends.py LocalSpecProvider.layer_norm).
+    """
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layers = get_num_layers_to_build(config)  # this pipeline stage's, as megatron counts them for a layer spec
+    submodules = TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=WrappedTorchNorm)
+    return ModuleSpec(module=TransformerBlock, submodules=submodules)
+
+
 def build_gpt_model(
     arch: HFArch,
     config: TransformerConfig,
@@ -339,7 +367,7 @@ def build_gpt_model(
         raise ValueError(f"actor.megatron.attention={attention!r}: choose sdpa or unfused")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=torch_norm_block_spec(spec, config),
         vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -510,7 +538,7 @@ class HFCheckpointReader:
         self.model_dir = Path(model_dir)
         self._files: dict[str, Any] = {}
         self._where: dict[str, str] = {}
-        for file in _safetensors_files(self.model_dir):
+        for file in hf_weight_files(self.model_dir):
             handle = safe_open(str(file), framework="pt")
             self._files[str(file)] = handle
             self._where.update({name: str(file) for name in handle.keys()})

@@ -201,6 +201,10 @@ class MegatronActor:
             # Under Ray each rank sees only its own GPU; without Ray, rank i takes GPU i.
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
             backend, self.device = "nccl", torch.device("cuda", torch.cuda.current_device())
+            if share := self.cfg.actor.gpu_memory_utilization:
+                # GPU-only, reasoned (torch/cuda/memory.py set_per_process_memory_fraction): the caching
+                # allocator refuses to grow this process past its share; colocated vLLM engines keep theirs.
+                torch.cuda.set_per_process_memory_fraction(share, self.device)
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{self.master_addr}:{self.master_port}",

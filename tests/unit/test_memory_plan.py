@@ -51,6 +51,18 @@ HUB_MODELS = {
         "tie_word_embeddings": True,
         "max_position_embeddings": 40960,
     },
+    "Qwen/Qwen3-0.6B": {
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 40960,
+    },
     "Qwen/Qwen3-8B": {
         "model_type": "qwen3",
         "hidden_size": 4096,
@@ -160,6 +172,8 @@ def test_every_gpu_preset_fits_its_own_plan(preset: Path, hub_cache: Path) -> No
     assert all("teacher.location=remote" in reason for reason in plan.skipped), plan.skipped
     planned = {role.role for role in plan.roles}
     assert {"actor rank", "rollout GPU"} <= planned
+    if load_config(preset).cluster.colocate:  # the GPU holding every role, planned as a whole too
+        assert plan.roles[0].role.startswith("GPU (colocated") and "teacher GPU" in planned
     for role in plan.roles:
         assert role.fits, memory_plan.format_memory_plan(plan, 79.0)
     memory_plan.check_memory_plan(plan)
@@ -252,3 +266,76 @@ def test_vllm_weights_and_kv_cache_are_in_the_engines_dtype(tmp_path: Path) -> N
     shape = memory_plan.shape_from_config(QWEN25_7B)
     assert shape.kv_bytes_per_token(1, 4) == 2 * shape.kv_bytes_per_token(1, 2)
     assert "KiB each" in rollouts["fp32"].parts[-1][0] and rollouts["fp32"].parts[-1][1] < rollouts["bf16"].parts[-1][1]
+
+
+COLOCATED = CONFIG_DIR / "presets" / "1x1_colocated.yaml"
+
+
+def test_the_one_gpu_preset_prints_every_roles_share_and_the_sum(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--config", str(COLOCATED), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    gpu = out[out.index("GPU (colocated") :].splitlines()
+    assert gpu[0].startswith("GPU (colocated: actor rank, rollout engine, teacher replica) (x1):") and gpu[0].endswith(
+        "fits"
+    )
+    shares = {"actor": 0.40, "rollout": 0.20, "teacher": 0.25}
+    for role, share in shares.items():
+        line = next(x for x in gpu if f"{role}.gpu_memory_utilization" in x)
+        assert float(line.split()[0]) == pytest.approx(share * 79.0, abs=0.01)
+    outside = [x for x in gpu[1:6] if "outside its share" in x]
+    assert any("actor rank: CUDA context" in x for x in outside)
+    assert any("teacher GPU: prompt log-prob buffers" in x for x in outside)
+    total = float(gpu[0].split("): ")[1].split()[0])
+    block = gpu[1 : next(i for i, x in enumerate(gpu) if "note:" in x)]
+    assert total == pytest.approx(sum(float(x.split()[0]) for x in block), abs=0.06)  # rounded to 0.1 and 0.01
+    assert "shares sum to 0.85 of the GPU" in out
+    assert "GPU 0 of node 0 is shared (colocated): actor 0, rollout 0, teacher 0" in out
+
+
+def test_the_one_gpu_shares_print_without_any_config_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--config", str(COLOCATED), "--dry-run", "model.student_path=org/a", "teacher.model_path=org/b"]) == 0
+    out = capsys.readouterr().out
+    assert "0.40 x 79.0: actor.gpu_memory_utilization" in out and "0.25 x 79.0: teacher.gpu_memory_utilization" in out
+    assert "not planned: model.student_path='org/a'" in out
+
+
+def test_colocated_roles_that_overfill_the_gpu_name_the_largest_share(hub_cache: Path) -> None:
+    cfg = load_config(COLOCATED, ["actor.gpu_memory_utilization=0.5", "teacher.gpu_memory_utilization=0.3"])
+    with pytest.raises(ConfigError) as err:
+        memory_plan.check_memory_plan(memory_plan.build_memory_plan(cfg))  # type: ignore[arg-type]
+    assert err.value.key == "actor.gpu_memory_utilization"
+    assert "roles on one GPU need" in err.value.message
+
+
+def test_an_actor_share_too_small_for_its_state_names_the_share(hub_cache: Path) -> None:
+    cfg = load_config(COLOCATED, ["actor.gpu_memory_utilization=0.1"])
+    with pytest.raises(ConfigError) as err:
+        memory_plan.check_memory_plan(memory_plan.build_memory_plan(cfg))  # type: ignore[arg-type]
+    assert err.value.key == "actor.gpu_memory_utilization"
+
+
+def test_the_teachers_prompt_logprob_buffer_lies_outside_its_vllm_share(hub_cache: Path) -> None:
+    """vLLM fills its whole share with KV cache (its profile run scores no prompt): the V1 runner's
+    logits + fp32 copy + fp32 log-softmax of one chunk (12.4 GB at 8192 x 151936) must fit beside it."""
+    preset = CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"
+    cfg = load_config(preset, ["teacher.max_model_len=8192"])
+    teacher = next(r for r in memory_plan.build_memory_plan(cfg).roles if r.role == "teacher GPU")  # type: ignore[union-attr]
+    assert teacher.total == pytest.approx(cfg.teacher.gpu_memory_utilization * 79.0 * memory_plan.GIB)
+    assert teacher.outside_total == pytest.approx(8192 * 151936 * 10)
+    # 0.9 x 79 GiB for vLLM + 11.6 GiB beside it > 79 GiB: the share to lower is named.
+    with pytest.raises(ConfigError) as err:
+        memory_plan.check_memory_plan(memory_plan.build_memory_plan(cfg))  # type: ignore[arg-type]
+    assert err.value.key == "teacher.gpu_memory_utilization"
+    memory_plan.check_memory_plan(  # the preset's 4096 tokens (5.8 GiB beside the share) fit
+        memory_plan.build_memory_plan(load_config(preset))  # type: ignore[arg-type]
+    )
+
+
+def test_fp32_grouped_attention_counts_the_repeated_keys_and_values() -> None:
+    shape = memory_plan.shape_from_config(HUB_MODELS["Qwen/Qwen3-0.6B"])
+    bf16 = memory_plan.actor_bytes_per_token_and_layer(shape, 1, 2, 4096, "none", "sdpa")
+    fp32 = memory_plan.actor_bytes_per_token_and_layer(shape, 1, 4, 4096, "none", "sdpa")
+    # fp32: keys and values repeated to 16 heads (the memory-efficient kernel), no [s, s] term.
+    assert fp32 - 2 * bf16 == pytest.approx(4 * (2 * 16 - 2 * 8) * 128)

@@ -21,6 +21,11 @@ def test_plan_is_disjoint_and_covers_every_gpu(path: Path) -> None:
     plan = build_plan(cfg)
     for node in range(plan.nnodes):
         used = [g for s in plan.all_slots() if s.node == node for g in s.gpu_ids]
+        if cfg.cluster.colocate:  # every role once on every GPU
+            for role in ("actor", "rollout", "teacher"):
+                held = [g for s in plan.all_slots() if s.node == node and s.role == role for g in s.gpu_ids]
+                assert sorted(held) == list(range(cfg.cluster.gpus_per_node)), role
+            used = sorted(set(used))
         assert len(used) == len(set(used)), f"node {node} GPUs shared: {used}"
         if cfg.teacher.location.value == "local":
             assert sorted(used) == list(range(cfg.cluster.gpus_per_node))

