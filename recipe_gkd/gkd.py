@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from recipe_gkd import checkpoint, console
 from recipe_gkd.batch import RolloutStats
 from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig
@@ -36,6 +38,7 @@ from recipe_gkd.plots import before_after_table, plot_run
 from recipe_gkd.pools import Pending, Pools, ShardHandle
 from recipe_gkd.ray_cluster import ray_cluster
 from recipe_gkd.ray_pools import launch_pools, teacher_accuracy
+from recipe_gkd.weight_sync import SYNC_TOLERANCE, WeightSyncError, check_due, logprob_diffs, worst_tensor
 
 FINAL_EXPORT_DIR = "final_student"
 # Teacher failures that survived the client's retries (bounded by teacher.timeout_s): the run stops.
@@ -106,6 +109,7 @@ def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | N
         pipeline.wait_for_generation()  # the engines must be idle before their weights change
         sync = pools.weights.push(version + 1)
         version += 1
+        sync |= check_sync(cfg, pools, version)
         row = step_row(cfg, step, version, rollout, stats, sync, time.perf_counter() - start)
         if cfg.debug.log_memory:
             row.update(memory_row(rollout, stats))
@@ -253,6 +257,44 @@ def evaluate(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, step: int) ->
     )
 
 
+def check_sync(cfg: GKDConfig, pools: Pools, version: int) -> dict[str, float]:
+    """When due (weight_sync.check_every), the engines and the actor score the sync probe; past the
+    tolerance the run stops naming the weight-sync settings and, where it can tell, the worst tensor."""
+    if not check_due(version, cfg.weight_sync.check_every):
+        return {}
+    start = time.perf_counter()
+    actor_BL, engines_BL = pools.weights.logprob_probe()
+    diffs = logprob_diffs(actor_BL, engines_BL)
+    tolerance = sync_tolerance(cfg)
+    if max(diffs) > tolerance:
+        raise WeightSyncError(sync_check_failure(cfg, pools, version, diffs, tolerance))
+    return {"sync_logprob_diff": max(diffs), "sync_check_s": time.perf_counter() - start}
+
+
+def sync_tolerance(cfg: GKDConfig) -> float:
+    """weight_sync.check_tolerance, or the precision's (fp32 actors: 1e-4; bf16: 5e-2)."""
+    return cfg.weight_sync.check_tolerance or SYNC_TOLERANCE[cfg.actor.precision.value]
+
+
+def sync_check_failure(cfg: GKDConfig, pools: Pools, version: int, diffs: list[float], tolerance: float) -> str:
+    """The one-line error of a failed sync check (the worst tensor from per-tensor checksums, where the engine names them)."""
+    engine = int(np.argmax(diffs))
+    actor_sums, engine_sums = pools.weights.weight_checksums()
+    worst = worst_tensor(actor_sums, engine_sums[engine])
+    culprit = (
+        f"worst tensor {worst[0]} (sum of |weights| off by {worst[1]:.2g} relative)"
+        if worst
+        else "no tensor can be named (a vLLM engine fuses them, or every checksum agrees)"
+    )
+    w = cfg.weight_sync
+    return (
+        f"weight sync check after weight version {version}: rollout engine {engine}'s token logprobs on the probe "
+        f"differ from the actor's by {diffs[engine]:.3g} on average (tolerance {tolerance:g}, "
+        f"weight_sync.check_tolerance): the engine is not sampling with the trained weights "
+        f"(weight_sync.transport={w.transport.value}, rollout.backend={cfg.rollout.backend.value}); {culprit}"
+    )
+
+
 def export_student(cfg: GKDConfig, pools: Pools) -> Path:
     """The trained student as an HF directory under the run directory (every actor rank takes part)."""
     out = Path(cfg.trainer.run_dir).resolve() / FINAL_EXPORT_DIR
@@ -296,6 +338,9 @@ def step_row(
         "rollout_wait_s": rollout.seconds,
         "train_s": train["train_s"],
         "sync_s": sync["sync_export_s"] + sync["sync_load_s"],
+        # Mean |token logprob difference| engine vs actor on the sync probe, on the steps that check it.
+        "sync_logprob_diff": sync.get("sync_logprob_diff"),
+        "sync_check_s": sync.get("sync_check_s"),
         "step_s": step_s,
         "sample_ids": sorted(i for s in rollout.stats for i in s.sample_ids),
     }

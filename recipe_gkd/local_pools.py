@@ -125,6 +125,13 @@ class LocalWeightSync:
             export_s += weights.seconds
         return {"sync_export_s": export_s, "sync_load_s": time.perf_counter() - start - export_s}
 
+    def logprob_probe(self) -> tuple[np.ndarray, list[np.ndarray]]:
+        probe = self.workers[0].sync_probe()
+        return self.actor.token_logprobs(probe), [w.token_logprobs(probe) for w in self.workers]
+
+    def weight_checksums(self) -> tuple[dict[str, float], list[dict[str, float]]]:
+        return self.actor.weight_checksums(), [w.weight_checksums() for w in self.workers]
+
 
 class InProcessTeacher:
     """The teacher server's HF backend called in-process: what a replica computes, without the wire.

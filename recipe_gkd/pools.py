@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 from recipe_gkd.batch import RolloutStats
 
 # Work launched on a pool and not yet awaited (Ray: object refs; local: results already computed).
@@ -94,6 +96,14 @@ class WeightSync(Protocol):
 
         Returns {"sync_export_s", "sync_load_s"}; raises WeightSyncError naming the side that failed.
         """
+        ...
+
+    def logprob_probe(self) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The sync check: the actor's token logprobs [R, L-1] on a fixed probe and each rollout engine's."""
+        ...
+
+    def weight_checksums(self) -> tuple[dict[str, float], list[dict[str, float]]]:
+        """Per HF tensor name, the sum of |weights|: the actor's export and each engine's (where it can name them)."""
         ...
 
 

@@ -197,6 +197,7 @@ class RayWeightSync:
 
     def __init__(self, actors: list[Any], rollouts: list[Any], settings: WeightSyncConfig) -> None:
         self.actors, self.rollouts, self.settings = actors, rollouts, settings
+        self._probe: np.ndarray | None = None
 
     def push(self, version: int) -> dict[str, float]:
         bucket_mb, timeout_s = self.settings.bucket_mb, self.settings.timeout_s
@@ -212,6 +213,20 @@ class RayWeightSync:
         _await(loads, timeout_s, f"rollout load of weight version {version}")
         done = time.perf_counter()
         return {"sync_export_s": exported - start, "sync_load_s": done - exported}
+
+    def logprob_probe(self) -> tuple[np.ndarray, list[np.ndarray]]:
+        timeout_s = self.settings.timeout_s
+        if self._probe is None:
+            self._probe = _await([self.rollouts[0].sync_probe.remote()], timeout_s, "the sync probe")[0]
+        refs = [a.token_logprobs.remote(self._probe) for a in self.actors]
+        refs += [r.token_logprobs.remote(self._probe) for r in self.rollouts]
+        results = _await(refs, timeout_s, "the sync check's probe")
+        return results[0], results[len(self.actors) :]
+
+    def weight_checksums(self) -> tuple[dict[str, float], list[dict[str, float]]]:
+        refs = [a.weight_checksums.remote() for a in self.actors] + [r.weight_checksums.remote() for r in self.rollouts]
+        results = _await(refs, self.settings.timeout_s, "weight checksums")
+        return results[0], results[len(self.actors) :]
 
     def _push_collective(self, version: int, bucket_mb: int, timeout_s: float) -> dict[str, float]:
         start = time.perf_counter()

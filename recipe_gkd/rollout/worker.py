@@ -22,6 +22,7 @@ from recipe_gkd.config import GKDConfig, cpu_threads, rollout_engines
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encode_prompt, encode_response
 from recipe_gkd.metrics import worker_memory_mb
 from recipe_gkd.rollout.engine import Engine, Scorer
+from recipe_gkd.weight_sync import PROBE_ROWS, probe_rows
 
 # Salt that separates the on/off-policy coin flips from the epoch order's random stream.
 MIX_SALT = 0x6B64
@@ -295,7 +296,19 @@ class RolloutWorker:
     def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray:
         """Logprob of token t+1 at every position under the current weights (weight-sync probe)."""
         assert self.engine is not None
-        return self.engine.token_logprobs(input_ids)
+        with self._engine_lock:
+            return self.engine.token_logprobs(input_ids)
+
+    def sync_probe(self) -> np.ndarray:
+        """The sync check's probe: the first held-out prompts (else training ones) as token ids, one length."""
+        dataset = self.eval_dataset or Dataset(self.cfg.data.train_files, "data.train_files")
+        count = min(PROBE_ROWS, len(dataset))
+        return probe_rows([self._encode(Prompt(i, 0, dataset[i])) for i in range(count)])
+
+    def weight_checksums(self) -> dict[str, float]:
+        assert self.engine is not None
+        with self._engine_lock:
+            return self.engine.weight_checksums()
 
 
 def summarize(step: int, weight_version: int, sequences: list[Sequence], timings: dict[str, float]) -> RolloutStats:

@@ -41,6 +41,8 @@ def check_one_gpu_run(proc: subprocess.CompletedProcess[str], run_dir: Path, ste
     rows = read_metrics(run_dir)
     assert [r["weight_version"] for r in rows] == list(range(1, steps + 1))
     assert all(r["loss"] > 0 and r["sync_s"] > 0 for r in rows)
+    # The sync check on the first two syncs: the engine samples with the actor's weights (fp32: < 1e-4).
+    assert all(0 <= r["sync_logprob_diff"] < 1e-4 for r in rows[:2]), [r["sync_logprob_diff"] for r in rows]
     assert (run_dir / "final_student" / "config.json").is_file()
 
 

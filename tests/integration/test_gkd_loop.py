@@ -224,3 +224,38 @@ def test_students_of_each_family_through_the_loop(repo_root: Path, tmp_path: Pat
     assert exported.config.to_dict().get("rope_parameters") == initial.config.to_dict().get("rope_parameters")
     trained, before = dict(exported.named_parameters()), dict(initial.named_parameters())
     assert trained.keys() == before.keys() and any(not torch.equal(trained[n], before[n]) for n in before)
+
+
+def test_the_sync_check_is_logged_on_the_first_steps_then_every_check_every(
+    repo_root: Path, small_data: Path, tmp_path: Path
+) -> None:
+    cfg = small_config(repo_root, small_data, tmp_path / "run", "weight_sync.check_every=3")
+    rows = train_in_process(cfg)
+    checked = [r["step"] for r in rows if r["sync_logprob_diff"] is not None]
+    assert checked == [1, 2, 3, 6]  # the first two syncs, then versions 3 and 6
+    # fp32 actor and fp32 HF engine: the same weights give the same logprobs to float rounding.
+    assert all(0 <= r["sync_logprob_diff"] < 1e-5 for r in rows if r["step"] in checked)
+
+
+def test_an_engine_with_one_wrong_tensor_stops_the_run_naming_it(
+    repo_root: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollout engine loads every tensor but perturbs one (as a wrong name map or a dtype slip would):
+    the first sync's check stops the run with one line naming the setting and the tensor."""
+    from recipe_gkd.rollout import hf, worker
+    from recipe_gkd.weight_sync import WeightSyncError
+
+    wrong = "model.layers.1.mlp.down_proj.weight"
+
+    class MisloadingEngine(hf.HFEngine):
+        def update_weights(self, named: Any) -> set[str]:
+            return super().update_weights((n, v * 1.05 if n == wrong else v) for n, v in named)
+
+    monkeypatch.setattr(worker, "make_engine", MisloadingEngine)
+    cfg = small_config(repo_root, small_data, tmp_path / "run")
+    with pytest.raises(WeightSyncError) as err:
+        train_in_process(cfg)
+    message = str(err.value)
+    assert "weight sync check after weight version 1" in message and "weight_sync.transport=object_store" in message
+    assert f"worst tensor {wrong}" in message and "\n" not in message
+    assert read_metrics(tmp_path / "run") == []  # stopped before logging the step trained on other weights

@@ -389,3 +389,41 @@ def test_a_vllm_rollout_keeps_its_own_threads() -> None:
     assert cpu_threads(load_config(None, ["rollout.backend=vllm"]))["rollout"] == 0
     with pytest.raises(ConfigError, match=r"cluster\.cpu_threads\.rollout`: must stay 0 with rollout\.backend=vllm"):
         load_config(None, ["rollout.backend=vllm", "cluster.cpu_threads.rollout=2"])
+
+
+ONE_GPU = CONFIG_DIR / "presets" / "1x1_colocated.yaml"
+COLOCATED_RULES = [
+    (["cluster.nnodes=2", "teacher.autostart=false"], "cluster.colocate"),
+    (["cluster.gpus_per_node=2", "rollout.gpus_per_node=2", "teacher.replicas=2"], "actor.gpus_per_node"),
+    (["cluster.gpus_per_node=2", "actor.gpus_per_node=2", "teacher.replicas=2"], "rollout.gpus_per_node"),
+    (["cluster.gpus_per_node=2", "actor.gpus_per_node=2", "rollout.gpus_per_node=2"], "teacher.replicas"),
+    (["rollout.tp=2"], "rollout.tp"),
+    (["weight_sync.transport=nccl"], "weight_sync.transport"),
+    (["actor.gpu_memory_utilization=0"], "actor.gpu_memory_utilization"),
+    (["actor.gpu_memory_utilization=0.6"], "actor.gpu_memory_utilization"),  # 0.6 + 0.2 + 0.25 > 1
+    (["teacher.max_model_len=1024"], "teacher.max_model_len"),  # < 1024 + 1024 tokens scored
+]
+
+
+@pytest.mark.parametrize(("overrides", "key"), COLOCATED_RULES, ids=[" ".join(o) for o, _ in COLOCATED_RULES])
+def test_each_colocated_rule_names_its_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(ONE_GPU, overrides)
+    assert err.value.key == key, str(err.value)
+
+
+def test_two_gpus_colocated_pair_each_actor_rank_with_an_engine() -> None:
+    from recipe_gkd.placement import build_plan
+
+    two = ["cluster.gpus_per_node=2", "actor.gpus_per_node=2", "rollout.gpus_per_node=2", "teacher.replicas=2"]
+    plan = build_plan(load_config(ONE_GPU, two))
+    assert [(s.role, s.gpu_ids) for s in plan.all_slots()] == [
+        ("actor", (0,)),
+        ("actor", (1,)),
+        ("rollout", (0,)),
+        ("rollout", (1,)),
+        ("teacher", (0,)),
+        ("teacher", (1,)),
+    ]
+    assert plan.ray_gpu_ids(0) == (0, 1) and plan.teacher_only_gpu_ids(0) == ()
+    assert [plan.bundle_index(s) for s in plan.workers] == [0, 1, 0, 1]
