@@ -39,6 +39,12 @@ class TinyModelSpec:
     num_kv_heads: int = 2
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = True
+    # 0: the char tokenizer's; larger: the embedding rows of a real model's vocabulary (e.g. Qwen3's 151936).
+    vocab_size: int = 0
+    # Per-head width of qwen3 (0: hidden_size // num_heads); Qwen3 models use 128.
+    head_dim: int = 0
+    # The dtype the weights are saved in (real checkpoints ship bfloat16).
+    save_dtype: str = "float32"
 
 
 def build_char_tokenizer(out_dir: str | Path):
@@ -109,10 +115,10 @@ def build_tiny_causal_lm(
     extra: dict = {
         "llama3": {"rope_parameters": LLAMA3_ROPE_SHORT_CONTEXT},
         "mistral": {"sliding_window": None},
-        "qwen3": {"head_dim": spec.hidden_size // spec.num_heads},
+        "qwen3": {"head_dim": spec.head_dim or spec.hidden_size // spec.num_heads},
     }.get(family, {})
     config = config_class(
-        vocab_size=len(tokenizer),
+        vocab_size=spec.vocab_size or len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
@@ -123,13 +129,13 @@ def build_tiny_causal_lm(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        torch_dtype=spec.save_dtype,
         **extra,
     )
     torch.manual_seed(seed)
     model = model_class(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(str(out), safe_serialization=True)
+    model.to(getattr(torch, spec.save_dtype)).save_pretrained(str(out), safe_serialization=True)
     return out
 
 
