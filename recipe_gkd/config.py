@@ -72,6 +72,8 @@ PIPELINE_DEPTH = {Schedule.sync: 0, Schedule.one_step_off: 1, Schedule.two_step_
 
 
 class WeightTransport(enum.StrEnum):
+    # nccl on GPUs, object_store on CPU and where roles share a GPU (weight_transport()).
+    auto = "auto"
     object_store = "object_store"
     gloo = "gloo"
     nccl = "nccl"
@@ -130,7 +132,9 @@ class ClusterConfig:
     ray_address: str | None = None
     ray_num_cpus: int | None = None
     cpu_threads: CpuThreadsConfig = field(default_factory=CpuThreadsConfig)
-    ray_object_store_mb: int = bounded(256, ge=1)
+    # Ray's object store on a node this run starts (rollout shards, object-store weight syncs); 0: auto,
+    # twice the student's fp32 export plus 128 MiB, at least 256 (memory_plan.object_store_mib).
+    ray_object_store_mb: int = bounded(0, ge=0, note="0: auto from the student's size")
     # Every wait for Ray resources (placement groups, worker start) is bounded by this.
     placement_timeout_s: float = bounded(120.0, gt=0)
     # Memory of one GPU as torch reports it (an 80 GB H100/A100: ~79 GiB): the budget of the memory plan.
@@ -256,8 +260,10 @@ class AlgorithmConfig:
 
 @dataclass
 class WeightSyncConfig:
-    # object_store (Ray's; CPU default, measured fastest there), gloo, or nccl (GPU: rank 0's GPU to the rollouts').
-    transport: WeightTransport = WeightTransport.object_store
+    # auto: nccl on GPUs (rank 0's GPU straight to the engines' GPUs, in the training dtype), object_store on
+    # CPU (Ray's; measured fastest there) and with cluster.colocate (NCCL cannot join two processes on one GPU);
+    # or object_store, gloo, nccl.
+    transport: WeightTransport = WeightTransport.auto
     bucket_mb: int = bounded(256, ge=1)
     timeout_s: float = bounded(300.0, gt=0)
     # After a sync the engines and the actor score a fixed probe (the first held-out prompts): metrics.jsonl's
@@ -542,7 +548,7 @@ def _validate_colocated(cfg: GKDConfig) -> None:
         )
     # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected").
     require(
-        cfg.weight_sync.transport != WeightTransport.nccl,
+        weight_transport(cfg) != WeightTransport.nccl,
         "weight_sync.transport",
         "nccl cannot join processes on one GPU (NCCL: 'Duplicate GPU detected'); colocated roles use "
         "weight_sync.transport=object_store (or gloo)",
@@ -603,7 +609,7 @@ def _validate_parallelism(cfg: GKDConfig) -> None:
         "cluster.device=cpu needs cluster.fake_gpus=true (Ray places workers by GPU bundles)",
     )
     require(
-        not (cfg.cluster.device == Device.cpu and cfg.weight_sync.transport == WeightTransport.nccl),
+        not (cfg.cluster.device == Device.cpu and weight_transport(cfg) == WeightTransport.nccl),
         "weight_sync.transport",
         "nccl needs GPUs: on cluster.device=cpu use weight_sync.transport=object_store or gloo",
     )
@@ -611,7 +617,7 @@ def _validate_parallelism(cfg: GKDConfig) -> None:
     # stream: each worker receives the broadcast itself.
     require(
         not (
-            r.backend == RolloutBackend.vllm and r.tp > 1 and cfg.weight_sync.transport == WeightTransport.object_store
+            r.backend == RolloutBackend.vllm and r.tp > 1 and weight_transport(cfg) == WeightTransport.object_store
         ),
         "weight_sync.transport",
         f"rollout.tp={r.tp} vLLM engines receive weights in every TP worker: set weight_sync.transport=nccl (or gloo)",
@@ -737,6 +743,16 @@ def actor_data_parallel_size(cfg: GKDConfig) -> int:
 
 def rollout_engines(cfg: GKDConfig) -> int:
     return cfg.rollout.nnodes * cfg.rollout.gpus_per_node // cfg.rollout.tp
+
+
+def weight_transport(cfg: GKDConfig) -> WeightTransport:
+    """weight_sync.transport, with auto resolved: nccl on GPUs, object_store on CPU and for colocated roles."""
+    chosen = cfg.weight_sync.transport
+    if chosen != WeightTransport.auto:
+        return chosen
+    if cfg.cluster.device == Device.cpu or cfg.cluster.colocate:
+        return WeightTransport.object_store
+    return WeightTransport.nccl
 
 
 def weight_group_ranks_per_engine(cfg: GKDConfig) -> int:

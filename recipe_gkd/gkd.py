@@ -31,7 +31,7 @@ import numpy as np
 
 from recipe_gkd import checkpoint, console
 from recipe_gkd.batch import RolloutStats
-from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig
+from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, weight_transport
 from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics
 from recipe_gkd.placement import PlacementPlan
 from recipe_gkd.plots import before_after_table, plot_run
@@ -286,12 +286,11 @@ def sync_check_failure(cfg: GKDConfig, pools: Pools, version: int, diffs: list[f
         if worst
         else "no tensor can be named (a vLLM engine fuses them, or every checksum agrees)"
     )
-    w = cfg.weight_sync
     return (
         f"weight sync check after weight version {version}: rollout engine {engine}'s token logprobs on the probe "
         f"differ from the actor's by {diffs[engine]:.3g} on average (tolerance {tolerance:g}, "
         f"weight_sync.check_tolerance): the engine is not sampling with the trained weights "
-        f"(weight_sync.transport={w.transport.value}, rollout.backend={cfg.rollout.backend.value}); {culprit}"
+        f"(weight_sync.transport={weight_transport(cfg).value}, rollout.backend={cfg.rollout.backend.value}); {culprit}"
     )
 
 
@@ -338,6 +337,9 @@ def step_row(
         "rollout_wait_s": rollout.seconds,
         "train_s": train["train_s"],
         "sync_s": sync["sync_export_s"] + sync["sync_load_s"],
+        # The actor's export (object store: up to every bucket put) and the engines' receive and in-place load.
+        "sync_export_s": sync["sync_export_s"],
+        "sync_load_s": sync["sync_load_s"],
         # Mean |token logprob difference| engine vs actor on the sync probe, on the steps that check it.
         "sync_logprob_diff": sync.get("sync_logprob_diff"),
         "sync_check_s": sync.get("sync_check_s"),

@@ -32,9 +32,11 @@ from recipe_gkd.config import (
     Precision,
     Recompute,
     RolloutBackend,
+    WeightTransport,
     actor_data_parallel_size,
     actor_world_size,
     colocated_shares,
+    weight_transport,
 )
 from teacher_server.config import TeacherBackend, TeacherLocation
 from teacher_server.model_refs import HUB_ID
@@ -496,3 +498,31 @@ def check_memory_plan(plan: MemoryPlan) -> None:
                 role.key,
                 f"{role.role} does not fit: {role.problem} (memory plan above; debug.memory_check=false launches anyway)",
             )
+
+
+# ----------------------------------------------------------------------------- Ray's object store
+
+# The least Ray's object store is given (the CPU demo's tiny models need no more), and the room kept
+# beside the weights for the rollout shards of the steps in flight.
+OBJECT_STORE_MIN_MIB = 256
+OBJECT_STORE_SHARDS_MIB = 128
+
+
+def object_store_mib(cfg: GKDConfig) -> int:
+    """cluster.ray_object_store_mb, or (0) twice the student's fp32 export plus room for the shards.
+
+    An object-store sync puts a whole version (fp32 arrays: the actor exports fp32) before the engines
+    have read it, and the next version may be put before the last reference to the previous one is
+    gone: two versions must fit, or Ray spills them to disk (seconds per step, measured: an 81M
+    student's 325 MB through a 256 MiB store took 3-5.5 s a sync).
+    """
+    if cfg.cluster.ray_object_store_mb:
+        return cfg.cluster.ray_object_store_mb
+    if weight_transport(cfg) != WeightTransport.object_store:
+        return OBJECT_STORE_MIN_MIB  # the weights go over a collective, one bucket at a time
+    skipped: list[str] = []
+    shape = read_shape(cfg.model.student_path, "model.student_path", skipped)
+    if shape is None:
+        return OBJECT_STORE_MIN_MIB
+    export_mib = shape.num_params() * 4 / 2**20
+    return max(OBJECT_STORE_MIN_MIB, math.ceil(2 * export_mib) + OBJECT_STORE_SHARDS_MIB)

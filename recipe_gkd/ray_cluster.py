@@ -74,7 +74,9 @@ def ray_cluster(cfg: GKDConfig, plan: PlacementPlan) -> Iterator[None]:
 
     console.route_ray_logging(cfg.trainer.run_dir)
     fake_cluster: Any = None
-    store = cfg.cluster.ray_object_store_mb * MIB
+    from recipe_gkd.memory_plan import object_store_mib
+
+    store = object_store_mib(cfg) * MIB
     job = {"runtime_env": worker_runtime_env(cfg)}
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address, log_to_driver=True, **job)

@@ -32,6 +32,7 @@ from recipe_gkd.config import (
     WeightTransport,
     actor_data_parallel_size,
     weight_group_ranks_per_engine,
+    weight_transport,
 )
 from recipe_gkd.placement import PlacementPlan, Slot
 from recipe_gkd.pools import Pending, Pools, Produced, RolloutPool
@@ -195,13 +196,17 @@ class RayWeightSync:
     bounded by weight_sync.timeout_s.
     """
 
-    def __init__(self, actors: list[Any], rollouts: list[Any], settings: WeightSyncConfig) -> None:
-        self.actors, self.rollouts, self.settings = actors, rollouts, settings
+    def __init__(
+        self, actors: list[Any], rollouts: list[Any], settings: WeightSyncConfig, transport: WeightTransport
+    ) -> None:
+        if transport == WeightTransport.auto:
+            raise ValueError("RayWeightSync takes a resolved transport (config.weight_transport)")
+        self.actors, self.rollouts, self.settings, self.transport = actors, rollouts, settings, transport
         self._probe: np.ndarray | None = None
 
     def push(self, version: int) -> dict[str, float]:
         bucket_mb, timeout_s = self.settings.bucket_mb, self.settings.timeout_s
-        if self.settings.transport != WeightTransport.object_store:
+        if self.transport != WeightTransport.object_store:
             return self._push_collective(version, bucket_mb, timeout_s)
         start = time.perf_counter()
         exports = [a.export_weight_buckets.remote(bucket_mb) for a in self.actors]
@@ -241,8 +246,8 @@ class RayWeightSync:
 
 
 def sync_weights(actors: list[Any], rollouts: list[Any], version: int, settings: WeightSyncConfig) -> dict[str, float]:
-    """One push of `version` from these actor handles to these rollout handles (tests, benchmarks)."""
-    return RayWeightSync(actors, rollouts, settings).push(version)
+    """One push of `version` from these actor handles to these rollout handles (tests, benchmarks; a set transport)."""
+    return RayWeightSync(actors, rollouts, settings, settings.transport).push(version)
 
 
 def _await(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
@@ -299,13 +304,13 @@ def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[
         names = {f"actor{i}": a for i, a in enumerate(actors)} | {f"rollout{i}": r for i, r in enumerate(rollouts)}
         install_watchdog(names, cfg.trainer.run_dir, cfg.cluster.placement_timeout_s)
         ready = _set_up(actors, rollouts, teacher_address, plan.colocated, timeout)
-        if cfg.weight_sync.transport != "object_store":
+        if weight_transport(cfg) != WeightTransport.object_store:
             _open_weight_group(cfg, actors[0], rollouts, host, sync_port)
         summary = str(ready[0].get("summary", ""))
         yield Pools(
             actor=RayActorPool(cfg, actors, summary),
             rollout=RayRolloutPool(rollouts, actor_data_parallel_size(cfg), timeout),
-            weights=RayWeightSync(actors, rollouts, cfg.weight_sync),
+            weights=RayWeightSync(actors, rollouts, cfg.weight_sync, weight_transport(cfg)),
             setup_s=time.perf_counter() - start,
         )
     finally:
@@ -361,7 +366,7 @@ def _rank0_endpoint(groups: ResourcePoolManager, slot: Slot, timeout_s: float) -
 
 def _open_weight_group(cfg: GKDConfig, actor0: Any, rollouts: list[Any], host: str, port: int) -> None:
     """Actor rank 0 and every rollout worker join the weight-sync process group (all at once)."""
-    backend, timeout = str(cfg.weight_sync.transport), cfg.weight_sync.timeout_s
+    backend, timeout = weight_transport(cfg).value, cfg.weight_sync.timeout_s
     # Rank 0 sends; rollout engine i's workers take ranks 1 + i * per_engine onwards.
     per_engine = weight_group_ranks_per_engine(cfg)
     world = 1 + per_engine * len(rollouts)

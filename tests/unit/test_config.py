@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -427,3 +428,30 @@ def test_two_gpus_colocated_pair_each_actor_rank_with_an_engine() -> None:
     ]
     assert plan.ray_gpu_ids(0) == (0, 1) and plan.teacher_only_gpu_ids(0) == ()
     assert [plan.bundle_index(s) for s in plan.workers] == [0, 1, 0, 1]
+
+
+def test_the_weight_transport_defaults_to_nccl_on_gpus_and_the_object_store_elsewhere() -> None:
+    from recipe_gkd.config import WeightTransport, weight_transport
+
+    gpu = CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"
+    assert weight_transport(load_config(gpu)) == WeightTransport.nccl
+    assert weight_transport(load_config(None)) == WeightTransport.object_store  # the CPU demo
+    assert weight_transport(load_config(ONE_GPU)) == WeightTransport.object_store  # one GPU: no NCCL group
+    assert weight_transport(load_config(gpu, ["weight_sync.transport=gloo"])) == WeightTransport.gloo
+
+
+def test_the_object_store_is_sized_from_the_students_fp32_export(tmp_path: Path) -> None:
+    import json
+
+    from recipe_gkd.memory_plan import OBJECT_STORE_MIN_MIB, object_store_mib
+
+    student = tmp_path / "student"
+    student.mkdir()
+    shape = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 15}
+    shape |= {"num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
+    (student / "config.json").write_text(json.dumps(shape))
+    cfg = load_config(None, [f"model.student_path={student}"])
+    params = 15 * (576 * (9 + 2 * 3) * 64 + 9 * 64 * 576 + 3 * 576 * 1536 + 2 * 576) + 49152 * 576 + 576
+    assert object_store_mib(cfg) == math.ceil(2 * params * 4 / 2**20) + 128  # two fp32 versions + the shards
+    assert object_store_mib(load_config(None)) == OBJECT_STORE_MIN_MIB  # the demo's 195k-parameter student
+    assert object_store_mib(load_config(None, ["cluster.ray_object_store_mb=300"])) == 300
