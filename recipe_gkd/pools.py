@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from recipe_gkd.batch import RolloutStats
+from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 
 # Work launched on a pool and not yet awaited (Ray: object refs; local: results already computed).
 Pending = Any
@@ -62,6 +63,10 @@ class RolloutPool(Protocol):
 
     def set_positions(self, positions: list[int]) -> None:
         """Resume: per worker, prompts of its shard already consumed."""
+        ...
+
+    def teacher_accuracy(self) -> AnswerAccuracy:
+        """The teacher model's greedy accuracy on the held-out records with an answer (worker 0, after training)."""
         ...
 
 

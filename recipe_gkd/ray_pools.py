@@ -33,9 +33,10 @@ from recipe_gkd.config import (
     weight_group_ranks_per_engine,
 )
 from recipe_gkd.placement import PlacementPlan, Slot
-from recipe_gkd.pools import Pending, Pools, Produced, RolloutPool
+from recipe_gkd.pools import Pending, Pools, Produced
 from recipe_gkd.ports import reserve_ports
 from recipe_gkd.ray_cluster import ResourcePoolManager
+from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.watchdog import WorkerProcess, phase_timeout
 from recipe_gkd.weight_sync import MIB, WeightSyncError, iter_buckets
@@ -157,6 +158,11 @@ class RayRolloutPool:
     def set_positions(self, positions: list[int]) -> None:
         calls = [r.set_position.remote(p) for r, p in zip(self.handles, positions, strict=True)]
         wait(calls, self.timeout_s, "checkpoint positions")
+
+    def teacher_accuracy(self) -> AnswerAccuracy:
+        # In rollout worker 0, which has torch and transformers loaded (a Ray task of its own cost a
+        # new process, ~4 s of a core).
+        return wait([self.handles[0].teacher_accuracy.remote()], self.timeout_s, "teacher accuracy")[0]
 
 
 class RayActorPool:
@@ -385,32 +391,3 @@ def _collect_on(node: str, workers: dict[str, WorkerProcess]) -> dict[str, str]:
         ray.cancel(ref, force=True)
         reason = f"stacks of node {node} not collected: {type(err).__name__}: {str(err)[:300]}\n"
         return dict.fromkeys(workers, reason)
-
-
-# ----------------------------------------------------------------------------- side tasks
-
-
-def teacher_accuracy(cfg: GKDConfig, rollout: RolloutPool) -> float | None:
-    """The teacher's own held-out accuracy, for the before/after table (after training).
-
-    Greedy decoding of the teacher model in rollout worker 0's process, which has torch and
-    transformers loaded already (a Ray task of its own cost a new process ~4 s of a core, beside
-    the training). CPU runs with an HF teacher only: on GPU clusters the teacher's GPUs belong
-    to the server.
-    """
-    if not (cfg.trainer.eval_every and cfg.cluster.device.value == "cpu" and cfg.teacher.backend.value == "hf"):
-        return None
-    assert isinstance(rollout, RayRolloutPool), "the Ray run's pools"
-    d = cfg.data
-    args = (cfg.teacher.model_path, d.eval_files[0], d.eval_batch_size, d.answer_match)
-    ref = rollout.handles[0].__ray_call__.remote(_teacher_accuracy, *args, cfg.rollout.sampling.max_new_tokens)
-    return wait([ref], cfg.debug.hang_timeout_s, "teacher accuracy")[0]
-
-
-def _teacher_accuracy(
-    _worker: Any, model_dir: str, eval_file: str, count: int, match: str, max_new_tokens: int
-) -> float:
-    """Inside a rollout worker (via `__ray_call__`): the teacher's greedy accuracy on the first `count` eval records."""
-    from recipe_gkd.demo.evaluate import greedy_accuracy
-
-    return greedy_accuracy(model_dir, eval_file, count, match, max_new_tokens)
