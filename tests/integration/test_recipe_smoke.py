@@ -429,3 +429,46 @@ def test_models_given_as_hub_ids_from_an_offline_cache(tiny_run_inputs: dict[str
     assert [r["weight_version"] for r in read_metrics(run_dir)] == [1, 2]
     resolved = (run_dir / "resolved_config.yaml").read_text()
     assert str(hub / "models--tiny--student" / "snapshots" / ("a" * 40)) in resolved
+
+
+@pytest.mark.slow
+def test_a_chatml_tokenizer_and_eval_records_mostly_without_answers(
+    chatml_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The tokenizer real instruct models ship (byte-level BPE, ChatML with a default system prompt, eos == pad,
+    no BOS) and a held-out set where most records are open-ended: train -> eval -> export -> report, exit 0, and
+    the summary gives the teacher's accuracy over the records that have an answer (the teacher answers "ok")."""
+    from conftest import CHATML_PROMPTS, TEACHER_ANSWER
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CHATML_PROMPTS))
+    answers = {0: TEACHER_ANSWER, 3: TEACHER_ANSWER, 7: "no"}  # 2 of the 3 answers are the teacher's
+    records = [{"prompt": p} | ({"answer": answers[i]} if i in answers else {}) for i, p in enumerate(CHATML_PROMPTS)]
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    inputs = {"student": chatml_models["student"], "teacher": chatml_models["teacher"], "data": train}
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"data.eval_files=[{held_out}]",
+        f"data.eval_batch_size={len(records)}",
+        "data.max_prompt_length=64",
+        "trainer.total_steps=2",
+        "trainer.eval_every=2",
+    ]
+    proc = run_cli(inputs, run_dir, *overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    evals = read_metrics(run_dir, "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2]
+    assert all(e["eval_answered"] == 3 and e["eval_sequences"] == len(records) and e["eval_s"] > 0 for e in evals)
+    summary = (run_dir / "summary.txt").read_text()
+    expected = (
+        f"teacher held-out accuracy: 66.7% over the 3 of {len(records)} held-out records that have an answer "
+        "(data.answer_key=answer)"
+    )
+    assert expected in summary, summary
+    assert "student held-out accuracy: over the 3 of 12 held-out records" in summary, summary
+    assert (run_dir / "final_student" / "model.safetensors").is_file() and (run_dir / "training.png").is_file()
+    from transformers import AutoTokenizer
+
+    exported = AutoTokenizer.from_pretrained(run_dir / "final_student")
+    assert exported.eos_token_id == exported.pad_token_id and exported.bos_token is None
