@@ -29,7 +29,7 @@ from typing import Any
 
 from recipe_gkd import checkpoint, console
 from recipe_gkd.batch import RolloutStats
-from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig
+from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, to_dict
 from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics
 from recipe_gkd.placement import PlacementPlan
 from recipe_gkd.plots import before_after_table, plot_run
@@ -61,7 +61,7 @@ class Rollout:
 def run(cfg: GKDConfig, plan: PlacementPlan) -> Path:
     """Run the configured distillation to the end (from the checkpoint trainer.resume picks); returns the run dir."""
     resume = checkpoint.prepare_resume(cfg)  # before anything starts: a config mismatch exits at once
-    metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.loggers, cfg.trainer.total_steps)
+    metrics = metrics_logger(cfg)
     console.quiet_known_warnings(cfg.trainer.run_dir)  # the workers do the same (ray_cluster)
     try:
         with teacher_service(cfg) as teacher, ray_cluster(cfg, plan), launch_pools(cfg, plan, teacher) as pools:
@@ -71,6 +71,12 @@ def run(cfg: GKDConfig, plan: PlacementPlan) -> Path:
     finally:
         metrics.close()
     return Path(cfg.trainer.run_dir)
+
+
+def metrics_logger(cfg: GKDConfig) -> MetricsLogger:
+    """The configured sinks (trainer.loggers); a W&B run gets the resolved config as its config."""
+    tr = cfg.trainer
+    return MetricsLogger(tr.run_dir, tr.loggers, tr.total_steps, wandb=tr.wandb, run_config=to_dict(cfg))
 
 
 def teacher_accuracy(cfg: GKDConfig, rollout: RolloutPool) -> tuple[AnswerAccuracy | None, str]:

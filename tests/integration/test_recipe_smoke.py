@@ -454,9 +454,12 @@ def test_a_chatml_tokenizer_and_eval_records_mostly_without_answers(
         "data.max_prompt_length=64",
         "trainer.total_steps=2",
         "trainer.eval_every=2",
+        "trainer.loggers=[console,jsonl,wandb]",
     ]
-    proc = run_cli(inputs, run_dir, *overrides)
+    offline = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    proc = run_cli(inputs, run_dir, *overrides, extra_env=offline)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert len(list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == 1, "the W&B run, written offline"
     evals = read_metrics(run_dir, "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 2]
     assert all(e["eval_answered"] == 3 and e["eval_sequences"] == len(records) and e["eval_s"] > 0 for e in evals)
