@@ -34,7 +34,11 @@ KNOWN_HARMLESS = (
     r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
 )
 # Environment of every worker: no library progress bars, vLLM's start-up INFO lines off the console.
-WORKER_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+WORKER_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
 # Ray's warnings that say nothing about this run (loopback cluster, token auth on by default).
 RAY_HARMLESS = (r"Token authentication is enabled", r"Started a local Ray instance")
 

@@ -145,6 +145,16 @@ def teach_to_answer(model_dir: Path, prompts: list[str], answer: str, steps: int
 
 
 @pytest.fixture(scope="session")
+def chatml_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ChatML byte-level BPE tokenizer alone (what real instruct models ship; see recipe_gkd/tiny_models.py)."""
+    from recipe_gkd.tiny_models import build_chatml_bpe_tokenizer
+
+    out = tmp_path_factory.mktemp("chatml_tokenizer")
+    build_chatml_bpe_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def chatml_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """{"student": random tiny Llama, "teacher": one taught to answer TEACHER_ANSWER}, both with the ChatML BPE tokenizer."""
     from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm

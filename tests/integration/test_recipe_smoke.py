@@ -436,20 +436,28 @@ def test_a_chatml_tokenizer_and_eval_records_mostly_without_answers(
     chatml_models: dict[str, Path], tmp_path: Path
 ) -> None:
     """The tokenizer real instruct models ship (byte-level BPE, ChatML with a default system prompt, eos == pad,
-    no BOS) and a held-out set where most records are open-ended: train -> eval -> export -> report, exit 0, and
-    the summary gives the teacher's accuracy over the records that have an answer (the teacher answers "ok")."""
+    no BOS), chat datasets saved with `datasets` (`messages` with roles) and a held-out split where most records
+    are open-ended: train -> eval -> export -> report, exit 0, with W&B offline; the summary gives the teacher's
+    accuracy over the records that have an answer (the teacher answers "ok" to everything)."""
+    import datasets
     from conftest import CHATML_PROMPTS, TEACHER_ANSWER
 
-    train = tmp_path / "train.jsonl"
-    train.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CHATML_PROMPTS))
+    def chat(prompt: str, reply: str | None = None) -> list[dict[str, str]]:
+        return [{"role": "user", "content": prompt}] + ([{"role": "assistant", "content": reply}] if reply else [])
+
+    # Training records hold the reference reply as their last turn: the prompt is the conversation before it.
+    train = tmp_path / "train_ds"
+    datasets.Dataset.from_list([{"messages": chat(p, "ok")} for p in CHATML_PROMPTS]).save_to_disk(str(train))
     answers = {0: TEACHER_ANSWER, 3: TEACHER_ANSWER, 7: "no"}  # 2 of the 3 answers are the teacher's
-    records = [{"prompt": p} | ({"answer": answers[i]} if i in answers else {}) for i, p in enumerate(CHATML_PROMPTS)]
-    held_out = tmp_path / "eval.jsonl"
-    held_out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    records = [{"messages": chat(p), "answer": answers.get(i)} for i, p in enumerate(CHATML_PROMPTS)]
+    splits = tmp_path / "eval_ds"
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(records)}).save_to_disk(str(splits))
+    held_out = f"{splits}:test"
     inputs = {"student": chatml_models["student"], "teacher": chatml_models["teacher"], "data": train}
     run_dir = tmp_path / "run"
     overrides = [
         f"data.eval_files=[{held_out}]",
+        "data.prompt_key=messages",
         f"data.eval_batch_size={len(records)}",
         "data.max_prompt_length=64",
         "trainer.total_steps=2",
