@@ -35,7 +35,7 @@ from recipe_gkd.config import (
 from recipe_gkd.placement import PlacementPlan, Slot
 from recipe_gkd.pools import Pending, Pools, Produced
 from recipe_gkd.ports import reserve_ports
-from recipe_gkd.ray_cluster import ResourcePoolManager
+from recipe_gkd.ray_cluster import ResourcePoolManager, SpillWatch
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.watchdog import WorkerProcess, phase_timeout
@@ -200,13 +200,23 @@ class RayWeightSync:
     bounded by weight_sync.timeout_s.
     """
 
-    def __init__(self, actors: list[Any], rollouts: list[Any], settings: WeightSyncConfig) -> None:
-        self.actors, self.rollouts, self.settings = actors, rollouts, settings
+    def __init__(
+        self, actors: list[Any], rollouts: list[Any], settings: WeightSyncConfig, spills: SpillWatch | None = None
+    ) -> None:
+        self.actors, self.rollouts, self.settings, self.spills = actors, rollouts, settings, spills
 
     def push(self, version: int) -> dict[str, float]:
         bucket_mb, timeout_s = self.settings.bucket_mb, self.settings.timeout_s
         if self.settings.transport != WeightTransport.object_store:
             return self._push_collective(version, bucket_mb, timeout_s)
+        timings = self._push_object_store(version, bucket_mb, timeout_s)
+        if self.spills is not None and (warning := self.spills.check()):
+            from tqdm import tqdm
+
+            tqdm.write(warning)  # above the driver's progress bar, once
+        return timings
+
+    def _push_object_store(self, version: int, bucket_mb: int, timeout_s: float) -> dict[str, float]:
         start = time.perf_counter()
         exports = [a.export_weight_buckets.remote(bucket_mb) for a in self.actors]
         buckets = _await(exports, timeout_s, f"actor export of weight version {version}")[0]
@@ -297,7 +307,7 @@ def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[
         yield Pools(
             actor=RayActorPool(cfg, actors, summary),
             rollout=RayRolloutPool(rollouts, actor_data_parallel_size(cfg), timeout),
-            weights=RayWeightSync(actors, rollouts, cfg.weight_sync),
+            weights=RayWeightSync(actors, rollouts, cfg.weight_sync, SpillWatch(cfg.cluster.ray_object_store_mb)),
             setup_s=time.perf_counter() - start,
         )
     finally:

