@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from recipe_gkd.config import WandbConfig
+from recipe_gkd.config import ConfigError, WandbConfig
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
@@ -136,7 +136,10 @@ def start_wandb_run(run_dir: Path, settings: WandbConfig, run_config: dict[str, 
     WANDB_MODE=offline writes it locally (`wandb sync` uploads it later). A resumed run (same
     run_dir) continues the W&B run whose id is kept in `run_dir`/wandb_run_id.
     """
-    import wandb
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("trainer.loggers", "includes wandb, which is not installed: pip install wandb") from None
 
     id_file = run_dir / WANDB_ID_FILE
     run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
