@@ -301,14 +301,14 @@ def test_spilling_is_said_once_naming_the_key(ray_local: None) -> None:
     import ray
 
     watch = SpillWatch(store_mb=256)
-    before = spilled_bytes()
-    if before == 0:
+    if spilled_bytes() == 0:
         assert watch.check() is None, "nothing spilled yet: nothing to say"
     # The session's object store holds 256 MiB: 320 MiB of live objects must spill.
     refs = [ray.put(np.ones(32 * 1024 * 1024 // 8)) for _ in range(10)]
-    assert spilled_bytes() > before
-    warning = watch.check()
-    assert warning is not None and warning.startswith("warning: Ray's object store is full and has spilled")
-    assert "cluster.ray_object_store_mb=256" in warning and "weight_sync.transport=gloo" in warning
-    assert watch.check() is None, "said once"
+    assert spilled_bytes() > 0
+    # The raylet is asked at calls 1, 2, 4, ...: within the next 3 calls it is asked at least once.
+    warnings = [w for w in (watch.check() for _ in range(3)) if w]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: Ray's object store is full and has spilled")
+    assert "cluster.ray_object_store_mb=256" in warnings[0] and "weight_sync.transport=gloo" in warnings[0]
+    assert all(watch.check() is None for _ in range(8)), "said once"
     del refs
