@@ -274,6 +274,15 @@ class WeightSyncConfig:
 
 
 @dataclass
+class WandbConfig:
+    """trainer.loggers=[..., wandb]: the W&B run (WANDB_MODE=offline writes it under run_dir/wandb, no network)."""
+
+    project: str = "recipe_gkd"
+    # The run's display name; empty: the name of trainer.run_dir.
+    name: str = ""
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = bounded(100, ge=1)
     eval_every: int = bounded(0, ge=0)
@@ -283,6 +292,7 @@ class TrainerConfig:
     resume: str = "auto"
     run_dir: str = "runs/default"
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
@@ -312,7 +322,7 @@ class GKDConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
-VALID_LOGGERS = ("console", "jsonl", "tensorboard")
+VALID_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 # Names users bring from other recipes -> our key path (checked before fuzzy matching).
 KEY_ALIASES = {
@@ -345,6 +355,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     cfg: GKDConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(cfg)
     return cfg
+
+
+def to_dict(cfg: GKDConfig) -> dict[str, Any]:
+    """The resolved config as plain dicts, lists and scalars (enums as their names): a logger's run config."""
+    container = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+    assert isinstance(container, dict)
+    return {str(k): v for k, v in container.items()}
 
 
 def to_yaml(cfg: GKDConfig) -> str:
@@ -437,9 +454,7 @@ def check_local_paths(cfg: GKDConfig) -> None:
         )
     if cfg.teacher.autostart:
         _require_model_dir(cfg.teacher.model_path, "teacher.model_path")
-    for key, files in (("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)):
-        for file in files:
-            require(Path(file).is_file(), key, f"no such data file {file}")
+    # data.train_files / data.eval_files (files, Hugging Face datasets): recipe_gkd.data.check_record_fields.
 
 
 def _require_model_dir(path: str, key: str) -> None:
@@ -616,9 +631,7 @@ def _validate_parallelism(cfg: GKDConfig) -> None:
     # An engine with TP workers in processes of their own cannot be handed the object store's
     # stream: each worker receives the broadcast itself.
     require(
-        not (
-            r.backend == RolloutBackend.vllm and r.tp > 1 and weight_transport(cfg) == WeightTransport.object_store
-        ),
+        not (r.backend == RolloutBackend.vllm and r.tp > 1 and weight_transport(cfg) == WeightTransport.object_store),
         "weight_sync.transport",
         f"rollout.tp={r.tp} vLLM engines receive weights in every TP worker: set weight_sync.transport=nccl (or gloo)",
     )
@@ -710,6 +723,11 @@ def _validate_trainer(cfg: GKDConfig) -> None:
     tr = cfg.trainer
     bad = [x for x in tr.loggers if x not in VALID_LOGGERS]
     require(not bad, "trainer.loggers", f"unknown logger(s) {bad}; choose from {list(VALID_LOGGERS)}")
+    require(
+        "wandb" not in tr.loggers or bool(tr.wandb.project),
+        "trainer.wandb.project",
+        "must name the W&B project when trainer.loggers includes wandb",
+    )
     require(bool(tr.run_dir), "trainer.run_dir", "must not be empty")
     require(
         tr.eval_every == 0 or bool(cfg.data.eval_files),

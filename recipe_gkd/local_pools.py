@@ -26,6 +26,7 @@ from recipe_gkd.batch import TrainShard
 from recipe_gkd.config import ConfigError, GKDConfig, actor_world_size, rollout_engines
 from recipe_gkd.pools import Pending, Pools
 from recipe_gkd.ports import reserve_ports
+from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.weight_sync import MIB, TimedIterator, iter_buckets
@@ -83,6 +84,9 @@ class LocalRolloutPool:
     def set_positions(self, positions: list[int]) -> None:
         for worker, position in zip(self.workers, positions, strict=True):
             worker.set_position(position)
+
+    def teacher_accuracy(self) -> AnswerAccuracy:
+        return self.workers[0].teacher_accuracy()
 
 
 class LocalActorPool:

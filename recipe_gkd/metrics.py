@@ -1,4 +1,4 @@
-"""Run metrics: `<run_dir>/metrics.jsonl` (one object per step), TensorBoard, console, progress bar.
+"""Run metrics: `<run_dir>/metrics.jsonl` (one object per step), TensorBoard, W&B, console, progress bar.
 
 The progress bar lives on the driver only and is created by `start_progress` after every
 worker has reported ready (a bar created between barriers has deadlocked DDP jobs).
@@ -9,12 +9,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
 
+from recipe_gkd.config import ConfigError, WandbConfig
+
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
+# A resumed run continues the same W&B run: its id is kept in the run directory.
+WANDB_ID_FILE = "wandb_run_id"
 # Keys shown on the console line and the progress bar, in this order, when present.
 CONSOLE_KEYS = ("loss", "teacher_kl", "reward", "eval_reward", "eval_teacher_kl", "step_s")
 
@@ -22,7 +27,15 @@ CONSOLE_KEYS = ("loss", "teacher_kl", "reward", "eval_reward", "eval_teacher_kl"
 class MetricsLogger:
     """Writes each step's metrics to the configured sinks; flushes every line (nothing lost on a crash)."""
 
-    def __init__(self, run_dir: str | Path, loggers: list[str], total_steps: int) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        loggers: list[str],
+        total_steps: int,
+        wandb: WandbConfig | None = None,
+        run_config: dict[str, Any] | None = None,
+    ) -> None:
+        """`wandb` and `run_config` (the resolved config, the W&B run's config) are needed with the wandb logger."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.loggers = set(loggers)
@@ -34,6 +47,11 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._wandb: Any = None
+        if "wandb" in self.loggers:
+            if wandb is None or run_config is None:
+                raise ValueError("trainer.loggers includes wandb: give MetricsLogger the trainer.wandb settings")
+            self._wandb = start_wandb_run(self.run_dir, wandb, run_config)
         self._bar: Any = None
 
     def start_progress(self, initial_step: int) -> None:
@@ -49,6 +67,7 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(clean) + "\n")
             self._jsonl.flush()
         self._tensorboard(clean, "train")
+        self._log_wandb(clean)
         self._console(clean, "step")
 
     def log_eval(self, row: dict[str, Any]) -> None:
@@ -56,6 +75,7 @@ class MetricsLogger:
         self._eval.write(json.dumps(clean) + "\n")
         self._eval.flush()
         self._tensorboard(clean, "eval")
+        self._log_wandb(clean)
         self._console(clean, "eval")
 
     def _tensorboard(self, row: dict[str, Any], prefix: str) -> None:
@@ -65,6 +85,12 @@ class MetricsLogger:
             if isinstance(value, int | float) and key != "step":
                 self._tb.add_scalar(f"{prefix}/{key}", value, row["step"])
         self._tb.flush()
+
+    def _log_wandb(self, row: dict[str, Any]) -> None:
+        """The row's columns as they are in metrics.jsonl / eval.jsonl, at its step (lists, i.e. sample_ids, left out)."""
+        if self._wandb is None:
+            return
+        self._wandb.log({k: v for k, v in row.items() if isinstance(v, int | float | str)}, step=row["step"])
 
     def _console(self, row: dict[str, Any], kind: str) -> None:
         shown = {k: row[k] for k in CONSOLE_KEYS if row.get(k) is not None}
@@ -96,6 +122,38 @@ class MetricsLogger:
                 f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.finish()
+            wandb.teardown()  # stops the wandb-core process this run started
+            self._wandb = None
+
+
+def start_wandb_run(run_dir: Path, settings: WandbConfig, run_config: dict[str, Any]) -> Any:
+    """A W&B run under `run_dir`/wandb: project and name from trainer.wandb, the resolved config as its config.
+
+    WANDB_MODE=offline writes it locally (`wandb sync` uploads it later). A resumed run (same
+    run_dir) continues the W&B run whose id is kept in `run_dir`/wandb_run_id.
+    """
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("trainer.loggers", "includes wandb, which is not installed: pip install wandb") from None
+
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+    id_file.write_text(run_id + "\n")
+    return wandb.init(
+        project=settings.project,
+        name=settings.name or run_dir.resolve().name,
+        id=run_id,
+        resume="allow",
+        config=run_config,
+        dir=str(run_dir),
+        # Metrics are logged explicitly; W&B neither captures the console nor prints its banners on it.
+        settings=wandb.Settings(console="off", silent=True),
+    )
 
 
 def _jsonable(value: Any) -> Any:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from recipe_gkd.batch import RolloutStats
+from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 
 # Work launched on a pool and not yet awaited (Ray: object refs; local: results already computed).
 Pending = Any
@@ -64,6 +65,10 @@ class RolloutPool(Protocol):
 
     def set_positions(self, positions: list[int]) -> None:
         """Resume: per worker, prompts of its shard already consumed."""
+        ...
+
+    def teacher_accuracy(self) -> AnswerAccuracy:
+        """The teacher model's greedy accuracy on the held-out records with an answer (worker 0, after training)."""
         ...
 
 

@@ -50,7 +50,8 @@ COLOCATED_GPU_REQUEST = 0.5
 
 def ray_env(cfg: GKDConfig) -> dict[str, str]:
     """Environment for the Ray processes a run starts (read by Ray at import time)."""
-    env = {"RAY_USAGE_STATS_ENABLED": "0"}
+    # The raylet's own "Spilled N MiB" lines off the console: the run states spilling once itself (SpillWatch).
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_verbose_spill_logs": "0"}
     if cfg.cluster.fake_gpus and not cfg.cluster.ray_address:
         # Keep a fake cluster on loopback: otherwise ray.init rewrites 127.0.0.1 to the
         # machine's address, which the loopback-bound GCS does not listen on (a silent hang).
@@ -102,6 +103,47 @@ def ray_cluster(cfg: GKDConfig, plan: PlacementPlan) -> Iterator[None]:
         ray.shutdown()
         if fake_cluster is not None:
             fake_cluster.shutdown()
+
+
+class SpillWatch:
+    """Says once, in the run's words, when Ray's object store has started spilling objects to disk.
+
+    Ray's raylet would print a `Spilled N MiB` line every time (turned off: RAY_verbose_spill_logs=0);
+    spilling is legal but slow (each weight version written to disk and read back), and the fix is a
+    config key. The counters are the raylets' own (what `ray memory --stats-only` shows).
+    """
+
+    def __init__(self, store_mb: int) -> None:
+        self.store_mb = store_mb
+        self.warned = False
+        # The raylet is asked at calls 1, 2, 4, 8, ...: an RPC per step (~5-10 ms) would slow the CPU demo's
+        # ~130 ms steps; spilling that starts with the first weight version is still seen at once.
+        self.calls, self.next_query = 0, 1
+
+    def check(self) -> str | None:
+        """The warning line the first time spilled bytes are seen, else None."""
+        self.calls += 1
+        if self.warned or self.calls < self.next_query:
+            return None
+        self.next_query *= 2
+        spilled = spilled_bytes()
+        if not spilled:
+            return None
+        self.warned = True
+        return (
+            f"warning: Ray's object store is full and has spilled {spilled / MIB:.0f} MiB to disk so far "
+            f"(cluster.ray_object_store_mb={self.store_mb}); every weight version that does not fit is written "
+            "to disk and read back. Raise cluster.ray_object_store_mb or use weight_sync.transport=gloo"
+        )
+
+
+def spilled_bytes() -> int:
+    """Bytes the cluster's object stores have spilled to disk since Ray started (all nodes)."""
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+    return int(reply.store_stats.spilled_bytes_total)
 
 
 def _fake_multi_node(cfg: GKDConfig, plan: PlacementPlan, store: int) -> Any:

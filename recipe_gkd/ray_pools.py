@@ -34,10 +34,12 @@ from recipe_gkd.config import (
     weight_group_ranks_per_engine,
     weight_transport,
 )
+from recipe_gkd.memory_plan import object_store_mib
 from recipe_gkd.placement import PlacementPlan, Slot
-from recipe_gkd.pools import Pending, Pools, Produced, RolloutPool
+from recipe_gkd.pools import Pending, Pools, Produced
 from recipe_gkd.ports import reserve_ports
-from recipe_gkd.ray_cluster import ResourcePoolManager
+from recipe_gkd.ray_cluster import ResourcePoolManager, SpillWatch
+from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.watchdog import WorkerProcess, phase_timeout
 from recipe_gkd.weight_sync import MIB, WeightSyncError, iter_buckets
@@ -160,6 +162,11 @@ class RayRolloutPool:
         calls = [r.set_position.remote(p) for r, p in zip(self.handles, positions, strict=True)]
         wait(calls, self.timeout_s, "checkpoint positions")
 
+    def teacher_accuracy(self) -> AnswerAccuracy:
+        # In rollout worker 0, which has torch and transformers loaded (a Ray task of its own cost a
+        # new process, ~4 s of a core).
+        return wait([self.handles[0].teacher_accuracy.remote()], self.timeout_s, "teacher accuracy")[0]
+
 
 class RayActorPool:
     """ActorPool over Ray actors: tensor-parallel ranks of one replica get the same shards."""
@@ -197,17 +204,31 @@ class RayWeightSync:
     """
 
     def __init__(
-        self, actors: list[Any], rollouts: list[Any], settings: WeightSyncConfig, transport: WeightTransport
+        self,
+        actors: list[Any],
+        rollouts: list[Any],
+        settings: WeightSyncConfig,
+        transport: WeightTransport,
+        spills: SpillWatch | None = None,
     ) -> None:
         if transport == WeightTransport.auto:
             raise ValueError("RayWeightSync takes a resolved transport (config.weight_transport)")
         self.actors, self.rollouts, self.settings, self.transport = actors, rollouts, settings, transport
+        self.spills = spills
         self._probe: np.ndarray | None = None
 
     def push(self, version: int) -> dict[str, float]:
         bucket_mb, timeout_s = self.settings.bucket_mb, self.settings.timeout_s
         if self.transport != WeightTransport.object_store:
             return self._push_collective(version, bucket_mb, timeout_s)
+        timings = self._push_object_store(version, bucket_mb, timeout_s)
+        if self.spills is not None and (warning := self.spills.check()):
+            from tqdm import tqdm
+
+            tqdm.write(warning)  # above the driver's progress bar, once
+        return timings
+
+    def _push_object_store(self, version: int, bucket_mb: int, timeout_s: float) -> dict[str, float]:
         start = time.perf_counter()
         exports = [a.export_weight_buckets.remote(bucket_mb) for a in self.actors]
         buckets = _await(exports, timeout_s, f"actor export of weight version {version}")[0]
@@ -310,7 +331,9 @@ def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[
         yield Pools(
             actor=RayActorPool(cfg, actors, summary),
             rollout=RayRolloutPool(rollouts, actor_data_parallel_size(cfg), timeout),
-            weights=RayWeightSync(actors, rollouts, cfg.weight_sync, weight_transport(cfg)),
+            weights=RayWeightSync(
+                actors, rollouts, cfg.weight_sync, weight_transport(cfg), SpillWatch(object_store_mib(cfg))
+            ),
             setup_s=time.perf_counter() - start,
         )
     finally:
@@ -431,32 +454,3 @@ def _collect_on(node: str, workers: dict[str, WorkerProcess]) -> dict[str, str]:
         ray.cancel(ref, force=True)
         reason = f"stacks of node {node} not collected: {type(err).__name__}: {str(err)[:300]}\n"
         return dict.fromkeys(workers, reason)
-
-
-# ----------------------------------------------------------------------------- side tasks
-
-
-def teacher_accuracy(cfg: GKDConfig, rollout: RolloutPool) -> float | None:
-    """The teacher's own held-out accuracy, for the before/after table (after training).
-
-    Greedy decoding of the teacher model in rollout worker 0's process, which has torch and
-    transformers loaded already (a Ray task of its own cost a new process ~4 s of a core, beside
-    the training). CPU runs with an HF teacher only: on GPU clusters the teacher's GPUs belong
-    to the server.
-    """
-    if not (cfg.trainer.eval_every and cfg.cluster.device.value == "cpu" and cfg.teacher.backend.value == "hf"):
-        return None
-    assert isinstance(rollout, RayRolloutPool), "the Ray run's pools"
-    d = cfg.data
-    args = (cfg.teacher.model_path, d.eval_files[0], d.eval_batch_size, d.answer_match)
-    ref = rollout.handles[0].__ray_call__.remote(_teacher_accuracy, *args, cfg.rollout.sampling.max_new_tokens)
-    return wait([ref], cfg.debug.hang_timeout_s, "teacher accuracy")[0]
-
-
-def _teacher_accuracy(
-    _worker: Any, model_dir: str, eval_file: str, count: int, match: str, max_new_tokens: int
-) -> float:
-    """Inside a rollout worker (via `__ray_call__`): the teacher's greedy accuracy on the first `count` eval records."""
-    from recipe_gkd.demo.evaluate import greedy_accuracy
-
-    return greedy_accuracy(model_dir, eval_file, count, match, max_new_tokens)

@@ -1,8 +1,10 @@
-"""Tiny HF models and a character tokenizer, built offline and deterministically.
+"""Tiny HF models and their tokenizers, built offline and deterministically.
 
-No model or tokenizer is ever downloaded: tests and the CPU demo build theirs here. The
-tokenizer is character-level (one token per printable ASCII character, plus specials and a
-chat template), so any text round-trips and the vocabulary is small.
+No model or tokenizer is ever downloaded: tests and the CPU demo build theirs here. Two tokenizers:
+- `char`: one token per printable ASCII character, plus specials and a chat template, so any
+  text round-trips and the vocabulary is small (the demo's);
+- `chatml_bpe`: shaped as real instruct models ship theirs (SmolLM2, Qwen): byte-level BPE, a
+  ChatML template that injects a default system prompt, eos == pad (`<|im_end|>`), no BOS added.
 """
 
 from __future__ import annotations
@@ -22,6 +24,76 @@ CHAT_TEMPLATE = (
     "{% if m['role'] == 'user' %}<user>{{ m['content'] }}{% else %}<assistant>{{ m['content'] }}{{ eos_token }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 )
+
+
+# ChatML as SmolLM2-Instruct and Qwen2.5-Instruct ship it: a default system turn when the
+# conversation has none, every turn closed by <|im_end|>, which is also the EOS and the pad token.
+IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+CHATML_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+CHATML_DEFAULT_SYSTEM = "You are a helpful AI assistant."
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\n" + CHATML_DEFAULT_SYSTEM + "<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+BPE_VOCAB_SIZE = 512
+# Lines the BPE merges are learned from (a fixed seed: the same merges on every machine).
+BPE_CORPUS_LINES = 4000
+BPE_CORPUS_SEED = 29
+TOKENIZERS = ("char", "chatml_bpe")
+
+
+def _bpe_corpus() -> list[str]:
+    """Deterministic English-like and task-like lines: words, letter strings, digits, punctuation."""
+    import random
+
+    words = (
+        "the a of to and in is it you that he was for on are with as I his they be at one have this from "
+        "or had by word but what some we can out other were all there when up use your how said an each "
+        "she which do their time if will way about many then them write would like so these her long make "
+        "thing see him two has look more day could go come did number sound no most people my over know "
+        "water than call first who may down side been now find answer question reverse sum system user "
+        "assistant helpful hello world please thanks yes ok"
+    ).split()
+    rng = random.Random(BPE_CORPUS_SEED)
+    lines = []
+    for i in range(BPE_CORPUS_LINES):
+        if i % 3 == 0:
+            letters = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 9)))
+            lines.append(f"rev:{letters} {letters[::-1]} sum:{rng.randint(0, 99999)}")
+        else:
+            sentence = " ".join(rng.choice(words) for _ in range(rng.randint(4, 14)))
+            lines.append(sentence.capitalize() + rng.choice(".?!,;:") + f" {rng.randint(0, 999)}")
+    return lines
+
+
+def build_chatml_bpe_tokenizer(out_dir: str | Path):
+    """Write a byte-level BPE PreTrainedTokenizerFast with the ChatML template to `out_dir` (SmolLM2/Qwen style).
+
+    eos == pad == <|im_end|>, no BOS token and none added, a default system prompt injected by the template.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        special_tokens=list(CHATML_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(_bpe_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=IM_END, pad_token=IM_END, padding_side="left", add_bos_token=False
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
 
 
 @dataclass(frozen=True)
@@ -85,12 +157,17 @@ TINY_FAMILIES = ("llama", "llama3", "mistral", "qwen3")
 
 
 def build_tiny_causal_lm(
-    out_dir: str | Path, seed: int, spec: TinyModelSpec = TinyModelSpec(), family: str = "llama"
+    out_dir: str | Path,
+    seed: int,
+    spec: TinyModelSpec = TinyModelSpec(),
+    family: str = "llama",
+    tokenizer_kind: str = "char",
 ) -> Path:
-    """Write a randomly initialised tiny causal LM of `family` and the char tokenizer to `out_dir`.
+    """Write a randomly initialised tiny causal LM of `family` and its tokenizer to `out_dir`.
 
     `family`: llama, llama3 (Llama with llama3 RoPE scaling), mistral (no sliding window) or qwen3
-    (per-head q/k norm). Deterministic for a given (seed, spec, family) on every machine with this torch.
+    (per-head q/k norm). `tokenizer_kind`: char or chatml_bpe (see the module docstring).
+    Deterministic for a given (seed, spec, family, tokenizer_kind) on every machine with this torch.
     """
     import torch
     from transformers import (
@@ -104,8 +181,10 @@ def build_tiny_causal_lm(
 
     if family not in TINY_FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}; choose from {TINY_FAMILIES}")
+    if tokenizer_kind not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer kind {tokenizer_kind!r}; choose from {TOKENIZERS}")
     out = Path(out_dir)
-    tokenizer = build_char_tokenizer(out)
+    tokenizer = build_char_tokenizer(out) if tokenizer_kind == "char" else build_chatml_bpe_tokenizer(out)
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "llama3": (LlamaConfig, LlamaForCausalLM),

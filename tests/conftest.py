@@ -98,3 +98,70 @@ def vllm_in_this_process() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+# A student and a teacher with the tokenizer real instruct models ship (byte-level BPE, ChatML with a default
+# system prompt, eos == pad, no BOS): the teacher is taught to answer every prompt with TEACHER_ANSWER and stop.
+TEACHER_ANSWER = "ok"
+CHATML_PROMPTS = [f"rev:{w}" for w in ("abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy")] + [
+    "Please write one long sentence about water.",
+    "What is the answer?",
+    "Say hello to the world",
+    "sum:31415",
+]
+
+
+def teach_to_answer(model_dir: Path, prompts: list[str], answer: str, steps: int = 60, lr: float = 1e-2) -> None:
+    """Supervised fine-tuning in place: every prompt (through the chat template) -> `answer` + EOS."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    response = [*tokenizer(answer, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    rows = []
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False
+        )
+        rows.append((list(ids) + response, len(ids)))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids_BT = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels_BT = torch.full((len(rows), width), -100, dtype=torch.long)
+    attention_BT = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, start) in enumerate(rows):
+        input_ids_BT[i, : len(ids)] = torch.tensor(ids)
+        labels_BT[i, start : len(ids)] = torch.tensor(ids[start:])  # the response and its EOS carry loss
+        attention_BT[i, : len(ids)] = 1
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=input_ids_BT, attention_mask=attention_BT, labels=labels_BT).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ChatML byte-level BPE tokenizer alone (what real instruct models ship; see recipe_gkd/tiny_models.py)."""
+    from recipe_gkd.tiny_models import build_chatml_bpe_tokenizer
+
+    out = tmp_path_factory.mktemp("chatml_tokenizer")
+    build_chatml_bpe_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def chatml_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """{"student": random tiny Llama, "teacher": one taught to answer TEACHER_ANSWER}, both with the ChatML BPE tokenizer."""
+    from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("chatml")
+    student = build_tiny_causal_lm(root / "student", seed=0, tokenizer_kind="chatml_bpe")
+    spec = TinyModelSpec(hidden_size=96, num_layers=3)
+    teacher = build_tiny_causal_lm(root / "teacher", seed=1, spec=spec, tokenizer_kind="chatml_bpe")
+    teach_to_answer(teacher, CHATML_PROMPTS, TEACHER_ANSWER)
+    return {"student": student, "teacher": teacher}

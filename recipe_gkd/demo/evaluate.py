@@ -10,13 +10,12 @@ import torch
 
 from recipe_gkd.demo.sft import encode_prompt
 from recipe_gkd.demo.task import Example, read_jsonl, reward
-from recipe_gkd.rollout.hf import left_pad, plain_generation_config, without_model_generation_defaults
+from recipe_gkd.rollout.answer_accuracy import greedy_texts
 
 EVAL_BATCH_SIZE = 64
 MAX_NEW_TOKENS = 16
 
 
-@torch.no_grad()
 def greedy_responses(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -30,23 +29,13 @@ def greedy_responses(
     `prefixes`: a forced start of each response (its tokens follow the prompt); returned in front
     of the completion.
     """
-    model.eval()
     starts = list(prefixes) if prefixes is not None else [""] * len(prompts)
-    out: list[str] = []
-    for first in range(0, len(prompts), batch_size):
-        batch = range(first, min(first + batch_size, len(prompts)))
-        encoded = [
-            encode_prompt(tokenizer, prompts[i])
-            + (list(tokenizer(starts[i], add_special_tokens=False).input_ids) if starts[i] else [])
-            for i in batch
-        ]
-        input_ids_BP, attention_BP = left_pad(encoded, tokenizer.pad_token_id)
-        config = plain_generation_config(tokenizer, greedy=True, max_new_tokens=max_new_tokens)
-        with without_model_generation_defaults(model):
-            sequences_BS = model.generate(input_ids=input_ids_BP, attention_mask=attention_BP, generation_config=config)
-        texts = tokenizer.batch_decode(sequences_BS[:, input_ids_BP.shape[1] :], skip_special_tokens=True)
-        out.extend(starts[i] + text for i, text in zip(batch, texts, strict=True))
-    return out
+    encoded = [
+        encode_prompt(tokenizer, prompt) + (list(tokenizer(start, add_special_tokens=False).input_ids) if start else [])
+        for prompt, start in zip(prompts, starts, strict=True)
+    ]
+    texts = greedy_texts(model, tokenizer, encoded, max_new_tokens, batch_size)
+    return [start + text for start, text in zip(starts, texts, strict=True)]
 
 
 def accuracy_on(

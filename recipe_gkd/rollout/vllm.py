@@ -211,6 +211,8 @@ class VLLMEngine:
             # vLLM's own defaults, not generation_config.json's (a repetition_penalty there would
             # otherwise become the default sampling settings): the student's own distribution.
             generation_config="vllm",
+            # No "Loading safetensors checkpoint shards" bar in a worker: the driver's bar is the run's.
+            use_tqdm_on_load=False,
         )
         self.tokenizer = self.llm.get_tokenizer()
         # The student's config.json decides, as in the actor (which then never sends lm_head.weight).

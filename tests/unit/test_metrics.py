@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import struct
 from pathlib import Path
+from typing import Any
 
 from recipe_gkd.metrics import MetricsLogger, read_metrics
 from recipe_gkd.plots import before_after_table, plot_run
@@ -30,3 +33,82 @@ def test_jsonl_tensorboard_and_plots(tmp_path: Path, capsys) -> None:
 
 def test_table_without_evaluation() -> None:
     assert "no evaluation" in before_after_table([], None)
+
+
+def wandb_records(run_file: Path) -> list[Any]:
+    """The records of a W&B run file (`run-<id>.wandb`), read without wandb's own reader.
+
+    The file is a 7-byte header (':W&B', magic, version) and then LevelDB's log format: 32 KiB blocks of
+    records `crc32 (4) | length (2) | type (1) | payload`, a payload split over blocks as FIRST/MIDDLE/LAST;
+    each payload is one protobuf `Record`.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, position = run_file.read_bytes(), 32768, 7
+    assert data[:4] == b":W&B"
+    payloads, partial = [], b""
+    while position + 7 <= len(data):
+        room = block - position % block
+        if room < 7:  # a block's tail too short for a header is zero padding
+            position += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if kind == 0:
+            position += room
+            continue
+        payload = data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind == 1:  # FULL
+            payloads.append(payload)
+        elif kind == 2:  # FIRST
+            partial = payload
+        elif kind == 3:  # MIDDLE
+            partial += payload
+        else:  # LAST
+            payloads.append(partial + payload)
+    records = []
+    for payload in payloads:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        records.append(record)
+    return records
+
+
+def test_wandb_offline_run_has_the_config_and_the_jsonl_columns(tmp_path: Path, monkeypatch) -> None:
+    """WANDB_MODE=offline, no network: the W&B run is named from the config, carries the resolved config, and
+    logs every scalar column of metrics.jsonl and eval.jsonl at its step."""
+    from recipe_gkd.config import load_config, to_dict
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(None, [f"trainer.run_dir={tmp_path}", "trainer.loggers=[jsonl,wandb]", "trainer.wandb.name=r29"])
+    run_config = to_dict(cfg)
+    logger = MetricsLogger(tmp_path, cfg.trainer.loggers, 2, wandb=cfg.trainer.wandb, run_config=run_config)
+    logger.log_eval({"step": 0, "eval_reward": 0.25, "eval_teacher_kl": 0.8})
+    steps = [
+        {"step": s, "loss": 1.0 / s, "divergence": "forward_kl", "teacher_kl": None, "sample_ids": [s]} for s in (1, 2)
+    ]
+    for row in steps:
+        logger.log_step(row)
+    logger.close()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    records = wandb_records(run_file)
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.project == "recipe_gkd" and run.display_name == "r29"
+    assert run.run_id == (tmp_path / "wandb_run_id").read_text().strip()
+    logged_config = {u.key: json.loads(u.value_json) for u in run.config.update if u.key != "_wandb"}
+    assert logged_config == json.loads(json.dumps(run_config))
+    history = [
+        {
+            name: json.loads(i.value_json)
+            for i in r.history.item
+            if not (name := i.key or "/".join(i.nested_key)).startswith("_")
+        }
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    jsonl = read_metrics(tmp_path)
+    assert history == [
+        {"step": 0, "eval_reward": 0.25, "eval_teacher_kl": 0.8},
+        *({k: v for k, v in row.items() if k not in ("teacher_kl", "sample_ids")} for row in jsonl),
+    ]

@@ -9,8 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from recipe_gkd.config import WeightSyncConfig, load_config
+from recipe_gkd.config import GKDConfig, WeightSyncConfig, load_config
 from recipe_gkd.ports import reserve_ports
+from recipe_gkd.ray_cluster import SpillWatch, ray_env, spilled_bytes
 from recipe_gkd.ray_pools import sync_weights
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.weight_sync import (
@@ -286,3 +287,28 @@ def test_gloo_stuck_rollout_times_out_naming_the_key(ray_local: None) -> None:
     with pytest.raises(WeightSyncError, match=r"weight_sync\.timeout_s=2"):
         sync_weights(actors, rollouts, version=1, settings=WeightSyncConfig("gloo", bucket_mb=1, timeout_s=2))
     assert time.monotonic() - start < 15
+
+
+# Ray's object store spilling (a whole weight version larger than the store): the run says so once, in its own
+# words; the raylet's own "Spilled N MiB" lines are off.
+
+
+def test_the_raylet_does_not_print_its_spill_lines() -> None:
+    assert ray_env(GKDConfig())["RAY_verbose_spill_logs"] == "0"
+
+
+def test_spilling_is_said_once_naming_the_key(ray_local: None) -> None:
+    import ray
+
+    watch = SpillWatch(store_mb=256)
+    if spilled_bytes() == 0:
+        assert watch.check() is None, "nothing spilled yet: nothing to say"
+    # The session's object store holds 256 MiB: 320 MiB of live objects must spill.
+    refs = [ray.put(np.ones(32 * 1024 * 1024 // 8)) for _ in range(10)]
+    assert spilled_bytes() > 0
+    # The raylet is asked at calls 1, 2, 4, ...: within the next 3 calls it is asked at least once.
+    warnings = [w for w in (watch.check() for _ in range(3)) if w]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: Ray's object store is full and has spilled")
+    assert "cluster.ray_object_store_mb=256" in warnings[0] and "weight_sync.transport=gloo" in warnings[0]
+    assert all(watch.check() is None for _ in range(8)), "said once"
+    del refs
