@@ -183,14 +183,28 @@ def recipe(assets: TaskAssets = DEMO) -> dict[str, Any]:
         "build_version": BUILD_VERSION,
         "threads": BUILD_THREADS,
         "task": assets.describe(),
-        "teacher": asdict(assets.teacher),
-        "student": asdict(assets.student),
+        "teacher": _model_recipe(assets.teacher),
+        "student": _model_recipe(assets.student),
         "student_warmup_stop": {
             "target_dev_accuracy": assets.student_target,
             "check_from_step": assets.check_from_step,
             "check_every": assets.check_every,
         },
     }
+
+
+# TinyModelSpec fields added after the assets were built, at the values that leave the bytes as they were.
+SPEC_FIELDS_AT_THEIR_DEFAULT = {"vocab_size": 0, "head_dim": 0, "save_dtype": "float32"}
+
+
+def _model_recipe(model: Any) -> dict[str, Any]:
+    """A model's part of the recipe; spec fields that keep their byte-neutral default are left out."""
+    described = asdict(model)
+    spec = described["spec"]
+    for name, default in SPEC_FIELDS_AT_THEIR_DEFAULT.items():
+        if spec.get(name) == default:
+            del spec[name]
+    return described
 
 
 @contextlib.contextmanager
