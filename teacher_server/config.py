@@ -99,7 +99,8 @@ class TeacherConfig:
     model_path: str = ""
     replicas: int = bounded(1, ge=1)
     gpus_per_replica: int = bounded(1, ge=1)
-    top_k: int = bounded(64, ge=1)
+    # 0: only the logprob of the token at each position (algorithm.divergence=sampled_reverse_kl; ~4 bytes/token).
+    top_k: int = bounded(64, ge=0, note="0: the sampled token's logprob only")
     # The largest top_k the server will return; the handshake reports the server's value.
     max_top_k: int = bounded(256, ge=1)
     temperature: float = bounded(1.0, gt=0)
