@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 # HTTP statuses worth a retry: rate limited, or the server (or a proxy before it) failed.
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+UNAUTHORIZED_STATUS = frozenset({401, 403})
 # Tokens per request at most (one JSON body); a batch is split over requests below it.
 MAX_TOKENS_PER_REQUEST = 1 << 16
 # Student token ids spread over the vocabulary for the /tokenize probe, plus plain text.
@@ -246,6 +247,12 @@ class OpenAITeacherClient:
                     return json.loads(response.read())
             except urllib.error.HTTPError as err:
                 message = _error_message(err)
+                if err.code in UNAUTHORIZED_STATUS:
+                    raise TeacherRequestError(
+                        f"http {err.code}",
+                        f"{method} {url}: {message}; give the server's API key (vllm serve --api-key) in "
+                        f"teacher.api_key_file ({'set' if self.api_key else 'not set'})",
+                    ) from None
                 if err.code not in RETRYABLE_STATUS:
                     raise TeacherRequestError(f"http {err.code}", f"{method} {url}: {message}") from None
                 last, timed_out = f"http {err.code}: {message}", False
