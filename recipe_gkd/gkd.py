@@ -4,7 +4,8 @@
    student (a fraction 1 - algorithm.lmbda comes from the dataset instead), and has the
    teacher server score every response token with its top-k logprobs.
 2. Each actor rank trains on its share: the GKD divergence over the teacher's top-k plus a
-   tail bucket, token mean over the whole global batch, one optimizer step.
+   tail bucket (or algorithm.divergence=sampled_reverse_kl: a policy-gradient step with the advantage
+   log t - log s_old of each sampled token), token mean over the whole global batch, one optimizer step.
 3. The new weights go to every rollout worker; the weight version goes up by one.
 4. Metrics every step; evaluation every trainer.eval_every steps; a checkpoint every
    trainer.save_every steps (resumed from by trainer.resume=auto); the student exported at the end.
