@@ -27,7 +27,7 @@ from recipe_gkd.config import REPO_ROOT
 from recipe_gkd.main import EXIT_BAD_CONFIG, exit_code_for
 from recipe_gkd.metrics import read_metrics
 from recipe_gkd.ports import reserve_ports
-from teacher_server.backends import BackendOptions, load_backend, parsed_request
+from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
 from teacher_server.client import TeacherDeadError, TeacherMismatchError, TeacherRequestError
 from teacher_server.config import ConfigError
 from teacher_server.openai_client import OpenAITeacherClient
@@ -142,13 +142,21 @@ def _client(server: Server, top_k: int, **changes: object) -> OpenAITeacherClien
     return OpenAITeacherClient(server.address, **options)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("top_k", [MAX_LOGPROBS, 3, 0])
-def test_logprobs_equal_the_hf_backend(openai_teacher: Server, top_k: int) -> None:
+# One test, not one per K: under pytest-xdist a test stolen by the other worker would start a second server.
+TOP_KS = (MAX_LOGPROBS, 3, 0)
+
+
+def test_logprobs_equal_the_hf_backend(openai_teacher: Server) -> None:
     hf = load_backend("hf", BackendOptions(str(TEACHER), max_top_k=64))
+    for top_k in TOP_KS:
+        check_against_hf(openai_teacher, hf, top_k)
+
+
+def check_against_hf(server: Server, hf: Backend, top_k: int) -> None:
     rng = np.random.default_rng(top_k)
     seqs = [rng.integers(0, hf.info.vocab_size, size=n).astype(np.int32) for n in (12, 40, 3, 25, 7)]
     starts = [5, 1, 3, 24, 2]
-    with _client(openai_teacher, top_k) as client:
+    with _client(server, top_k) as client:
         client.connect()
         got = client.score(seqs, starts)
     want = hf.score(parsed_request(seqs, starts, top_k=top_k)).split()
