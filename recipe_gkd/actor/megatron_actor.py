@@ -438,8 +438,9 @@ class MegatronActor:
         return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().double()}
 
     def _eval_loss(self, micro: MicroBatch, logits_BTv: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        loss_sum = self._sampled_loss_sum(logits_BTv, micro)[0] if self._sampled_objective else None
-        if loss_sum is None:
+        if self._sampled_objective:
+            loss_sum = self._sampled_loss_sum(logits_BTv, micro)[0]
+        else:
             loss_sum, _ = self._loss_sum(logits_BTv, micro)
         kl_sum = torch.zeros((), dtype=loss_sum.dtype, device=self.device)
         if self.cfg.teacher.top_k:
