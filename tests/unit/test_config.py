@@ -113,6 +113,22 @@ BAD_VALUES = [
     (["teacher.top_k=0"], "teacher.top_k"),
     (["teacher.top_k=-1", "algorithm.divergence=sampled_reverse_kl"], "teacher.top_k"),
     (["algorithm.ratio_clip=0.2"], "algorithm.ratio_clip"),
+    # teacher.backend=openai: an http address of a server the user runs, at temperature 1, its key in a file.
+    (["teacher.backend=openai"], "teacher.address"),
+    (
+        ["teacher.backend=openai", "teacher.address=http://127.0.0.1:8000/v1", "teacher.autostart=true"],
+        "teacher.autostart",
+    ),
+    (
+        [
+            "teacher.backend=openai",
+            "teacher.address=http://h:8000/v1",
+            "teacher.temperature=0.5",
+            "algorithm.temperature=0.5",
+        ],
+        "teacher.temperature",
+    ),
+    (["teacher.api_key_file=/run/secrets/key"], "teacher.api_key_file"),
 ]
 
 
