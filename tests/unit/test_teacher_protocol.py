@@ -354,3 +354,11 @@ def test_unknown_teacher_yaml_key_names_it() -> None:
     with pytest.raises(ConfigError) as err:
         load_teacher_file(REPO_ROOT / "configs" / "teacher" / "cpu_demo.yaml", ["server.gpus=[1]"])
     assert err.value.key == "server.gpus"
+
+
+def test_the_teacher_server_refuses_the_openai_backend() -> None:
+    """teacher.backend=openai is a vLLM server the user runs; `python -m teacher_server` does not serve it."""
+    openai = ["teacher.backend=openai", "teacher.address=http://127.0.0.1:8000/v1"]
+    with pytest.raises(ConfigError) as err:
+        load_teacher_file(REPO_ROOT / "configs" / "teacher" / "cpu_demo.yaml", openai)
+    assert err.value.key == "teacher.backend" and "vllm serve" in err.value.message
