@@ -244,7 +244,13 @@ class OpenAITeacherClient:
             request = urllib.request.Request(url, data=data, headers=headers, method=method)
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    return json.loads(response.read())
+                    raw = response.read()
+                try:
+                    return json.loads(raw)
+                except json.JSONDecodeError as err:
+                    raise TeacherRequestError(
+                        "malformed", f"{method} {url} answered no JSON ({err}): {raw[:200]!r}"
+                    ) from None
             except urllib.error.HTTPError as err:
                 message = _error_message(err)
                 if err.code in UNAUTHORIZED_STATUS:
