@@ -1,12 +1,14 @@
 """Teacher server benchmark on a tiny CPU model: the server's overhead and its wire size.
 
     python benchmarks/bench_teacher.py [--quick] [--threads N]
+    python benchmarks/bench_teacher.py --bytes-only     # table 2 alone, K = 0, 8, 64, 256 (no server)
 
 1. Throughput: the same batches scored by the HF backend in-process and through the server
    (one replica, same torch threads), alternating batch by batch so that load from other
    processes hits both alike. Goal: server / in-process >= 0.95.
-2. Wire bytes per scored token of the reply at K=64 and K=256, per encoding (the request adds
-   4 bytes per input token). Goal: <= 1 KiB at K=256 (half of fp32 + int32).
+2. Wire bytes per scored token of the reply at K=0 (teacher.top_k=0: the sampled token's logprob
+   only), 8 (the CPU demo), 64 and 256, per encoding (the request adds 4 bytes per input token).
+   Goal: <= 1 KiB at K=256 (half of fp32 + int32).
 3. Latency p50/p99 of single-sequence requests, in-process and through the server.
 4. Server overhead per request: wall time minus the replica's own compute time (from the
    reply), which unlike the ratios above does not swing with other load on a shared CPU.
@@ -33,6 +35,7 @@ from teacher_server.client import TeacherClient
 from teacher_server.launcher import launch_teacher
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_teacher.json"
+BYTES_RESULTS = Path(__file__).resolve().parent / "results" / "bench_teacher_bytes.json"
 VOCAB = 32000
 HIDDEN = 256
 LAYERS = 4
@@ -42,6 +45,8 @@ PROMPT_LEN = 64
 BATCHES = 6
 LATENCY_REPEATS = 30
 TOP_KS = (64, 256)
+# Reply sizes also at K=0 (sampled_reverse_kl) and K=8 (the CPU demo's teacher.top_k).
+BYTES_TOP_KS = (0, 8, 64, 256)
 # (logprob dtype, id encoding): the default wire, and fp32 + int32 for comparison.
 WIRES = (("float16", "elias_fano"), ("float32", "int32"))
 INFLIGHT = (1, 4)
@@ -198,6 +203,7 @@ def main() -> None:
     # One thread by default: on a shared, oversubscribed CPU two OpenMP threads wait on each
     # other's time slices and the timings swing by 5x.
     parser.add_argument("--threads", type=int, default=1, help="torch threads, in-process and in the replica")
+    parser.add_argument("--bytes-only", action="store_true", help="reply bytes per token only (no server)")
     args = parser.parse_args()
     import torch
 
@@ -206,6 +212,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_teacher_") as tmp:
         model_dir = build_model(Path(tmp) / "model")
         backend = load_backend("hf", BackendOptions(str(model_dir), max_top_k=max(TOP_KS)))
+        if args.bytes_only:
+            report_bytes([r for k in BYTES_TOP_KS for r in reply_bytes(backend, k)], BYTES_RESULTS)
+            return
         yaml_path = Path(tmp) / "teacher.yaml"
         teacher = {
             "address": "tcp://127.0.0.1:0",
@@ -216,7 +225,7 @@ def main() -> None:
         yaml_path.write_text(json.dumps({"teacher": teacher, "server": {"torch_threads": args.threads}}))
         with launch_teacher(yaml_path, ready_timeout_s=300, log_path=Path(tmp) / "server.log") as server:
             rows, overheads, latency = run(backend, server.address, n_batches, repeats)
-        bytes_rows = [r for k in TOP_KS for r in reply_bytes(backend, k)]
+        bytes_rows = [r for k in BYTES_TOP_KS for r in reply_bytes(backend, k)]
     report(rows, overheads, bytes_rows, latency, args.threads)
 
 
@@ -288,11 +297,7 @@ def report(
             for r in overheads
         ],
     )
-    print_table(
-        f"reply bytes per scored token (V={VOCAB}; goal <= {BYTES_GOAL_K256} at K=256)",
-        ["K", "wire", "bytes/token"],
-        [[str(r.top_k), r.wire, f"{r.reply_bytes_per_token:.1f}"] for r in bytes_rows],
-    )
+    print_bytes(bytes_rows)
     print_table(
         f"latency of one {SEQ_LEN}-token sequence, K=64 (ms)",
         ["path", "p50", "p99"],
@@ -312,6 +317,22 @@ def report(
     }
     RESULTS.write_text(json.dumps(payload, indent=2))
     print(f"\nwrote {RESULTS}")
+
+
+def print_bytes(bytes_rows: list[BytesRow]) -> None:
+    print_table(
+        f"reply bytes per scored token (V={VOCAB}; goal <= {BYTES_GOAL_K256} at K=256)",
+        ["K", "wire", "bytes/token"],
+        [[str(r.top_k), r.wire, f"{r.reply_bytes_per_token:.1f}"] for r in bytes_rows],
+    )
+
+
+def report_bytes(bytes_rows: list[BytesRow], path: Path) -> None:
+    print_bytes(bytes_rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"model": {"vocab": VOCAB}, "sequences": SEQS_PER_BATCH, "reply_bytes": [asdict(r) for r in bytes_rows]}
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@ class Divergence(enum.StrEnum):
     forward_kl = "forward_kl"
     reverse_kl = "reverse_kl"
     jsd = "jsd"
+    # One teacher logprob per sampled token, a policy-gradient step (recipe_gkd/losses.py); needs lmbda = 1.
+    sampled_reverse_kl = "sampled_reverse_kl"
 
 
 class Schedule(enum.StrEnum):
@@ -256,6 +258,8 @@ class AlgorithmConfig:
     max_staleness: int = bounded(2, ge=0)
     # Add the "outside the teacher's top-k" bucket so the divergence is exact over K+1 outcomes.
     tail: bool = True
+    # sampled_reverse_kl: PPO's clip of the importance ratio s_theta / s_old to [1 - ratio_clip, 1 + ratio_clip].
+    ratio_clip: float = bounded(0.0, ge=0, le=0.99, note="0: no clipping")
 
 
 @dataclass
@@ -689,12 +693,51 @@ def _validate_algorithm(cfg: GKDConfig) -> None:
         f"is {al.temperature} but teacher.temperature is {cfg.teacher.temperature}: both sides of the divergence "
         "must be at one temperature; set them to the same value",
     )
+    _validate_sampled_reverse_kl(cfg)
     depth = PIPELINE_DEPTH[al.schedule]
     require(
         al.max_staleness >= depth,
         "algorithm.max_staleness",
         f"schedule {al.schedule.value} trains on data {depth} syncs old; set max_staleness >= {depth}",
     )
+
+
+def _validate_sampled_reverse_kl(cfg: GKDConfig) -> None:
+    """The sampled-token objective needs the student's own unscaled samples; top_k=0 needs this objective."""
+    al, s = cfg.algorithm, cfg.rollout.sampling
+    if al.divergence != Divergence.sampled_reverse_kl:
+        require(
+            cfg.teacher.top_k >= 1,
+            "teacher.top_k",
+            f"teacher.top_k=0 sends only the sampled tokens' logprobs, which algorithm.divergence="
+            f"{al.divergence.value} cannot use: set algorithm.divergence=sampled_reverse_kl or teacher.top_k >= 1",
+        )
+        require(
+            al.ratio_clip == 0.0,
+            "algorithm.ratio_clip",
+            "clips the importance ratio of algorithm.divergence=sampled_reverse_kl only; leave it 0",
+        )
+        return
+    require(
+        al.lmbda == 1.0,
+        "algorithm.lmbda",
+        f"is {al.lmbda} but algorithm.divergence=sampled_reverse_kl is a policy gradient on the student's own "
+        "samples (dataset responses have no sampling logprob): set algorithm.lmbda=1",
+    )
+    # The engines report logprobs of the unscaled student (temperature 1): the ratio s_theta / s_old and the
+    # gradient are unbiased only when the tokens were drawn from that distribution.
+    for key, value, plain in (
+        ("rollout.sampling.temperature", s.temperature, 1.0),
+        ("rollout.sampling.top_p", s.top_p, 1.0),
+        ("rollout.sampling.top_k", s.top_k, 0),
+        ("algorithm.temperature", al.temperature, 1.0),
+    ):
+        require(
+            value == plain,
+            key,
+            f"is {value} but algorithm.divergence=sampled_reverse_kl needs samples from the student's own unscaled "
+            f"distribution (its policy gradient uses the engine's temperature-1 logprobs): set {key}={plain}",
+        )
 
 
 def _validate_teacher(cfg: GKDConfig) -> None:

@@ -4,7 +4,8 @@
    student (a fraction 1 - algorithm.lmbda comes from the dataset instead), and has the
    teacher server score every response token with its top-k logprobs.
 2. Each actor rank trains on its share: the GKD divergence over the teacher's top-k plus a
-   tail bucket, token mean over the whole global batch, one optimizer step.
+   tail bucket (or algorithm.divergence=sampled_reverse_kl: a policy-gradient step with the advantage
+   log t - log s_old of each sampled token), token mean over the whole global batch, one optimizer step.
 3. The new weights go to every rollout worker; the weight version goes up by one.
 4. Metrics every step; evaluation every trainer.eval_every steps; a checkpoint every
    trainer.save_every steps (resumed from by trainer.resume=auto); the student exported at the end.
@@ -44,6 +45,8 @@ from recipe_gkd.weight_sync import SYNC_TOLERANCE, WeightSyncError, check_due, l
 FINAL_EXPORT_DIR = "final_student"
 # Teacher failures that survived the client's retries (bounded by teacher.timeout_s): the run stops.
 TEACHER_DOWN_ERRORS = ("TeacherDeadError", "TeacherTimeoutError")
+# The actor's statistics of the sampled-token objective (algorithm.divergence=sampled_reverse_kl).
+POLICY_KEYS = ("advantage_mean", "ratio_mean", "ratio_min", "ratio_max", "ratio_clipped_frac")
 # Per-worker memory keys (debug.log_memory), e.g. actor1_rss_mb, rollout0_gpu_peak_mb.
 MEMORY_SUFFIXES = ("_rss_mb", "_gpu_peak_mb")
 
@@ -379,9 +382,13 @@ def step_row(
         "offpolicy_reward": _ratio(rollout.stats, "offpolicy_reward_sum", "offpolicy_rewarded"),
         "response_tokens": sum(s.num_response_tokens for s in rollout.stats),
         "sequences": sum(s.num_sequences for s in rollout.stats),
-        "teacher_topk_mass": _ratio(rollout.stats, "teacher_topk_mass_sum", "num_response_tokens"),
+        "teacher_topk_mass": (
+            _ratio(rollout.stats, "teacher_topk_mass_sum", "num_response_tokens") if cfg.teacher.top_k else None
+        ),
         "teacher_sampled_logprob": _ratio(rollout.stats, "teacher_sampled_logprob_sum", "onpolicy_tokens"),
         "sampled_reverse_kl": sampled_reverse_kl(cfg, rollout.stats),
+        # algorithm.divergence=sampled_reverse_kl: token means of A = log t - log s_old and of s_theta / s_old.
+        **{key: train.get(key) for key in POLICY_KEYS},
         "teacher_ids_folded": train.get("teacher_ids_folded"),
         "grad_norm": train.get("grad_norm"),
         "lr": train.get("lr"),

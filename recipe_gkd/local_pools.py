@@ -100,8 +100,8 @@ class LocalActorPool:
     def train(self, shards: list[list[TrainShard]]) -> list[dict[str, float]]:
         return [self.actor.train(shards[0])]
 
-    def eval_loss(self, shards: list[list[TrainShard]]) -> dict[str, float]:
-        result: dict[str, float] = self.actor.eval_loss(shards[0])
+    def eval_loss(self, shards: list[list[TrainShard]]) -> dict[str, float | None]:
+        result: dict[str, float | None] = self.actor.eval_loss(shards[0])
         return result
 
     def save_checkpoint(self, path: str) -> None:

@@ -32,6 +32,16 @@ in probability space (computed as a log-sum-exp of log-probabilities). As in TRL
 beta == 0 is forward KL and beta == 1 is reverse KL exactly; these are the limits of
 JSD(beta) / beta and JSD(beta) / (1 - beta), the unnormalised JSD itself tends to 0 there.
 
+Sampled-token reverse KL (``sampled_reverse_kl_loss_sum``, the on-policy distillation of tinker,
+verl, slime): only the teacher's logprob of each token the student sampled is needed. Per
+response token x_t, the advantage A_t = log t(x_t) - log s_old(x_t) (s_old: the rollout
+engine's logprob at sampling time; no gradient) and the loss is -ratio_t * A_t with the
+importance ratio ratio_t = s_theta(x_t) / s_old(x_t), token mean over the global batch. Its
+gradient at theta = old is E_s[(log s - log t) grad log s] = grad KL(s || t): a policy-gradient
+step on the reverse KL, and the ratio corrects batches sampled with older weights (the
+one_step_off / two_step_off schedules). ``ratio_clip`` = eps > 0 takes PPO's clipped surrogate
+max(-ratio A, -clip(ratio, 1 - eps, 1 + eps) A).
+
 Memory: the student's [B, T, V] logits are never copied or upcast as a whole. A custom
 autograd Function walks the loss tokens in chunks (``chunk_size`` tokens, default sized so a
 [chunk, V] fp32 buffer is DEFAULT_CHUNK_BYTES) in forward, and again in backward, where it
@@ -43,7 +53,7 @@ bf16 copy of the chunk's rows); nothing [B, T, V]-sized is saved for backward.
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import torch.distributed as dist
@@ -60,6 +70,8 @@ FP32_BYTES = 4
 TEACHER_TAIL_LOGPROB_FLOOR = -50.0
 # log1mexp(x) = log(1 - e^x) switches formula at x = -ln 2 (Maechler 2012) for accuracy.
 LOG1MEXP_SWITCH = -math.log(2.0)
+# A logprob above 0 by more than this is not rounding: the sampled-token inputs are refused.
+LOGPROB_SLACK = 1e-3
 
 
 # ----------------------------------------------------------------------------- public API
@@ -163,14 +175,7 @@ def vocab_parallel_gkd_loss_sum(
     """
     if group is None and not (dist.is_available() and dist.is_initialized()):
         raise ValueError("vocab_parallel_gkd_loss_sum needs an initialised process group")
-    shard_vocab = student_logits_shard.shape[-1]
-    covered = torch.tensor([shard_vocab], dtype=torch.int64, device=student_logits_shard.device)
-    dist.all_reduce(covered, group=group)
-    if int(covered.item()) != vocab_size:
-        raise ValueError(
-            f"vocab shards cover {int(covered.item())} ids over the group, expected vocab_size="
-            f"{vocab_size}; pass the padded vocabulary size and this rank's shard of the logits"
-        )
+    _check_shards_cover(student_logits_shard, vocab_size, group)
     return _gkd_loss_sum(
         student_logits_shard,
         teacher_topk_logprobs,
@@ -205,6 +210,85 @@ def topk_divergence(
     return beta * _kl(teacher_logprobs_MJ, mixture_logprobs_MJ) + (1.0 - beta) * _kl(
         student_logprobs_MJ, mixture_logprobs_MJ
     )
+
+
+class SampledKLStats(NamedTuple):
+    """Detached sums and extremes over the loss tokens of a sampled-token reverse-KL call (float64)."""
+
+    advantage_sum: Tensor  # sum of A_t = log t(x_t) - log s_old(x_t)
+    ratio_sum: Tensor  # sum of s_theta(x_t) / s_old(x_t)
+    clipped: Tensor  # tokens whose clipped branch is active (zero gradient)
+    ratio_max: Tensor  # -inf without tokens
+    ratio_min: Tensor  # +inf without tokens
+
+
+def sampled_reverse_kl_loss_sum(
+    student_logits: Tensor,
+    target_ids: Tensor,
+    rollout_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    loss_mask: Tensor,
+    *,
+    ratio_clip: float = 0.0,
+    chunk_size: int | None = None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[Tensor, Tensor, SampledKLStats]:
+    """Sum over ``loss_mask`` of the sampled-token reverse-KL surrogate, the token count, and statistics.
+
+    student_logits [B,T,v] (a vocabulary shard [vocab_start, vocab_start + v) of ``group`` under
+    tensor parallelism, else the whole vocabulary), target_ids [B,T] (the token sampled at t + 1),
+    rollout_logprobs [B,T] (log s_old of it: the sampling engine's, at temperature 1), teacher_logprobs
+    [B,T] (log t of it), loss_mask [B,T]. Per token: -ratio * A (PPO-clipped when ratio_clip > 0), see
+    the module doc. The student's distribution is the unscaled one (temperature 1), the one the
+    engines report their logprobs of. Divide the sum by the global token count for the token mean.
+    """
+    vocab_size = student_logits.shape[-1] if vocab_size is None else vocab_size
+    _check_sampled_args(student_logits, target_ids, rollout_logprobs, teacher_logprobs, loss_mask, ratio_clip)
+    if group is not None:
+        _check_shards_cover(student_logits, vocab_size, group)
+    batch, seq, shard_vocab = student_logits.shape
+    compute_dtype = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
+    device = student_logits.device
+    loss_mask_N = loss_mask.reshape(batch * seq)  # [B,T] -> [N]
+    rows_M = (loss_mask_N if loss_mask_N.dtype == torch.bool else loss_mask_N != 0).nonzero().squeeze(-1).to(device)
+    target_M1 = target_ids.reshape(batch * seq)[rows_M.to(target_ids.device)].to(device, torch.int64)[:, None]
+    old_M = rollout_logprobs.reshape(batch * seq)[rows_M.to(rollout_logprobs.device)].to(device, compute_dtype)
+    teacher_M = teacher_logprobs.reshape(batch * seq)[rows_M.to(teacher_logprobs.device)].to(device, compute_dtype)
+    _check_sampled_data(target_M1, old_M, teacher_M, vocab_size)
+    # A teacher logprob of -inf (an fp16 underflow) would give an infinite advantage: floored like the tail.
+    teacher_M = teacher_M.clamp(min=TEACHER_TAIL_LOGPROB_FLOOR)
+    local_M1 = target_M1 - vocab_start
+    owned_M1 = (local_M1 >= 0) & (local_M1 < shard_vocab)
+    safe_M1 = torch.where(owned_M1, local_M1, 0)
+    if chunk_size is None:
+        chunk_size = max(1, DEFAULT_CHUNK_BYTES // (FP32_BYTES * max(shard_vocab, 1)))
+    # The sampled token as a top-1 "support": its logit and the log-sum-exp of every other logit.
+    top_M1, rest_M = _TopKAndTailLogits.apply(
+        student_logits, rows_M // seq, rows_M % seq, safe_M1, owned_M1, 1.0, True, chunk_size
+    )
+    if group is not None:
+        top_M1, rest_M = _combine_shards(top_M1, rest_M, True, group)
+    logprob_M = top_M1[:, 0] - torch.logaddexp(top_M1[:, 0], rest_M)  # log s_theta(x_t)
+    advantage_M = teacher_M - old_M
+    ratio_M = torch.exp(logprob_M - old_M)
+    per_token_M = -ratio_M * advantage_M
+    clipped_M = torch.zeros_like(per_token_M, dtype=torch.bool)
+    if ratio_clip > 0.0:
+        clipped_term_M = -torch.clamp(ratio_M, 1.0 - ratio_clip, 1.0 + ratio_clip) * advantage_M
+        clipped_M = clipped_term_M > per_token_M
+        per_token_M = torch.maximum(per_token_M, clipped_term_M)
+    ratio_d = ratio_M.detach().double()
+    stats = SampledKLStats(
+        advantage_sum=advantage_M.double().sum(),
+        ratio_sum=ratio_d.sum(),
+        clipped=clipped_M.double().sum(),
+        ratio_max=ratio_d.max() if ratio_d.numel() else ratio_d.new_tensor(-math.inf),
+        ratio_min=ratio_d.min() if ratio_d.numel() else ratio_d.new_tensor(math.inf),
+    )
+    token_count = torch.tensor(rows_M.numel(), dtype=torch.int64, device=device)
+    return per_token_M.sum(), token_count, stats
 
 
 # ----------------------------------------------------------------------------- internals
@@ -508,6 +592,69 @@ def _tail_logits(
 
 
 # ----------------------------------------------------------------------------- validation
+
+
+def _check_shards_cover(student_logits_shard: Tensor, vocab_size: int, group: dist.ProcessGroup | None) -> None:
+    """The vocabulary shards of `group` add up to `vocab_size` columns (one all-reduce)."""
+    covered = torch.tensor([student_logits_shard.shape[-1]], dtype=torch.int64, device=student_logits_shard.device)
+    dist.all_reduce(covered, group=group)
+    if int(covered.item()) != vocab_size:
+        raise ValueError(
+            f"vocab shards cover {int(covered.item())} ids over the group, expected vocab_size="
+            f"{vocab_size}; pass the padded vocabulary size and this rank's shard of the logits"
+        )
+
+
+def _check_sampled_args(
+    student_logits_BTv: Tensor,
+    target_ids_BT: Tensor,
+    rollout_logprobs_BT: Tensor,
+    teacher_logprobs_BT: Tensor,
+    loss_mask_BT: Tensor,
+    ratio_clip: float,
+) -> None:
+    if student_logits_BTv.dim() != 3 or not student_logits_BTv.is_floating_point():
+        raise ValueError(
+            f"student_logits must be a float tensor [B,T,V], got {student_logits_BTv.dtype} {tuple(student_logits_BTv.shape)}"
+        )
+    shape = tuple(student_logits_BTv.shape[:2])
+    for name, tensor in (
+        ("target_ids", target_ids_BT),
+        ("rollout_logprobs", rollout_logprobs_BT),
+        ("teacher_logprobs", teacher_logprobs_BT),
+        ("loss_mask", loss_mask_BT),
+    ):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must be [B,T] = {list(shape)} like the student logits, got {tuple(tensor.shape)}")
+    if target_ids_BT.is_floating_point() or target_ids_BT.dtype == torch.bool:
+        raise ValueError(f"target_ids must be an integer tensor, got {target_ids_BT.dtype}")
+    if not (rollout_logprobs_BT.is_floating_point() and teacher_logprobs_BT.is_floating_point()):
+        raise ValueError("rollout_logprobs and teacher_logprobs must be float tensors")
+    if not (math.isfinite(ratio_clip) and 0.0 <= ratio_clip < 1.0):
+        raise ValueError(f"ratio_clip must be in [0, 1) (0: no clipping), got {ratio_clip}")
+
+
+def _check_sampled_data(target_M1: Tensor, old_M: Tensor, teacher_M: Tensor, vocab_size: int) -> None:
+    """Value checks on the loss tokens only, one host sync."""
+    if target_M1.numel() == 0:
+        return
+    flags = torch.stack(
+        [
+            target_M1.min().double(),
+            target_M1.max().double(),
+            (~torch.isfinite(old_M) | (old_M > LOGPROB_SLACK)).any().double(),
+            (torch.isnan(teacher_M) | (teacher_M > LOGPROB_SLACK)).any().double(),
+        ]
+    ).tolist()
+    id_min, id_max, bad_old, bad_teacher = flags
+    if id_min < 0 or id_max >= vocab_size:
+        raise ValueError(
+            f"target_ids hold ids outside [0, {vocab_size}) at loss positions: [{id_min:.0f}, {id_max:.0f}]"
+        )
+    if bad_old:
+        raise ValueError("rollout_logprobs hold a non-finite or positive value at a loss position")
+    if bad_teacher:
+        raise ValueError("teacher_logprobs hold NaN or a positive value at a loss position")
 
 
 def _check_divergence_args(divergence: str, beta: float) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from recipe_gkd.config import ConfigError, GKDConfig, check_local_paths, load_config, to_yaml
 from recipe_gkd.placement import build_plan, format_plan
+from teacher_server.config import TeacherBackend
 
 EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
@@ -138,7 +139,9 @@ def resolve_config_models(cfg: GKDConfig) -> None:
 
     cfg.model.student_path = resolve_model_ref(cfg.model.student_path, "model.student_path")
     cfg.model.tokenizer_path = resolve_model_ref(cfg.model.tokenizer_path, "model.tokenizer_path")
-    cfg.teacher.model_path = resolve_model_ref(cfg.teacher.model_path, "teacher.model_path")
+    if cfg.teacher.backend != TeacherBackend.openai:
+        # teacher.backend=openai: the served model's name (or a local tokenizer directory), never downloaded here.
+        cfg.teacher.model_path = resolve_model_ref(cfg.teacher.model_path, "teacher.model_path")
 
 
 if __name__ == "__main__":

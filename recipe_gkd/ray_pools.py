@@ -180,7 +180,7 @@ class RayActorPool:
         calls = [a.train_refs.remote(shards[data_parallel_rank(self.cfg, r)]) for r, a in enumerate(self.handles)]
         return wait(calls, self.timeout_s, "train")
 
-    def eval_loss(self, shards: list[list[Any]]) -> dict[str, float]:
+    def eval_loss(self, shards: list[list[Any]]) -> dict[str, float | None]:
         calls = [a.eval_refs.remote(shards[data_parallel_rank(self.cfg, r)]) for r, a in enumerate(self.handles)]
         return wait(calls, self.timeout_s, "eval loss")[0]
 

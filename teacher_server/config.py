@@ -69,6 +69,9 @@ def _range_text(m: Any) -> str:
 class TeacherBackend(enum.StrEnum):
     vllm = "vllm"
     hf = "hf"
+    # Not served by this package: the trainer's client talks to a vLLM OpenAI-compatible server at
+    # teacher.address (http://host:port/v1), see teacher_server/openai_client.py.
+    openai = "openai"
 
 
 class TeacherLocation(enum.StrEnum):
@@ -99,7 +102,8 @@ class TeacherConfig:
     model_path: str = ""
     replicas: int = bounded(1, ge=1)
     gpus_per_replica: int = bounded(1, ge=1)
-    top_k: int = bounded(64, ge=1)
+    # 0: only the logprob of the token at each position (algorithm.divergence=sampled_reverse_kl; ~4 bytes/token).
+    top_k: int = bounded(64, ge=0, note="0: the sampled token's logprob only")
     # The largest top_k the server will return; the handshake reports the server's value.
     max_top_k: int = bounded(256, ge=1)
     temperature: float = bounded(1.0, gt=0)
@@ -107,6 +111,8 @@ class TeacherConfig:
     client: TeacherClientConfig = field(default_factory=TeacherClientConfig)
     # File holding a shared secret that clients and replicas present; required for a non-loopback address.
     secret_file: str = ""
+    # backend=openai: file holding the server's API key (vllm serve --api-key), sent as a Bearer token.
+    api_key_file: str = ""
     # The server answers `too_large` to bigger requests; clients split their batches below it.
     max_request_mb: float = bounded(64.0, gt=0)
     # hf backend: padded tokens (rows x longest sequence) per forward pass.
@@ -134,13 +140,32 @@ def validate_teacher_section(t: TeacherConfig) -> None:
     check_fields(t, "teacher")
     require(t.top_k <= t.max_top_k, "teacher.top_k", f"top_k={t.top_k} exceeds teacher.max_top_k={t.max_top_k}")
     require(
-        t.backend != TeacherBackend.vllm or t.temperature == 1.0,
+        t.backend == TeacherBackend.hf or t.temperature == 1.0,
         "teacher.temperature",
-        f"is {t.temperature} but the vllm teacher backend scores at temperature 1 only (vLLM returns the top-k "
-        "of the T=1 distribution, from which another temperature cannot be recovered); use teacher.backend=hf",
+        f"is {t.temperature} but the {t.backend.value} teacher backend scores at temperature 1 only (vLLM returns "
+        "the top-k of the T=1 distribution, from which another temperature cannot be recovered); use teacher.backend=hf",
+    )
+    if t.backend == TeacherBackend.openai:
+        require(
+            t.address.startswith(("http://", "https://")),
+            "teacher.address",
+            f"teacher.backend=openai talks to an OpenAI-compatible server: an address like http://127.0.0.1:8000/v1, "
+            f"got {t.address!r}",
+        )
+        require(
+            not t.autostart,
+            "teacher.autostart",
+            "teacher.backend=openai uses a server you start (vllm serve MODEL --max-logprobs K): set "
+            "teacher.autostart=false",
+        )
+        return
+    require(
+        not t.api_key_file,
+        "teacher.api_key_file",
+        "is for teacher.backend=openai; the ZeroMQ server uses teacher.secret_file",
     )
     require(
         t.address.startswith(("tcp://", "ipc://")),
         "teacher.address",
-        f"must be a ZeroMQ address like tcp://127.0.0.1:5555, got {t.address!r}",
+        f"must be a ZeroMQ address like tcp://127.0.0.1:5555 (or teacher.backend=openai for http://), got {t.address!r}",
     )

@@ -14,8 +14,10 @@ sequence (`score_from`, >= 1: position p is predicted from the logits at p-1), t
 temperature. Its reply carries, per scored position: top-k logprobs (float32 or float16 on
 the wire, float32 after decoding), top-k ids (int32 or Elias-Fano coded, int32 after
 decoding), the logprob of the token actually at that position, and the tail log-mass
-log(sum of p outside the top-k). An ErrorReply answers exactly one request; the server never
-dies on a bad one.
+log(sum of p outside the top-k). With top_k = 0 (the sampled-token objective) only the sampled
+token's logprob travels: the top-k frames are empty and so is the tail frame (the tail is the
+whole distribution, log 1 = 0), 4 bytes per scored token. An ErrorReply answers exactly one
+request; the server never dies on a bad one.
 """
 
 from __future__ import annotations
@@ -497,9 +499,10 @@ def parse_score_request(
 
 
 def _check_scalars(req: ScoreRequest, limits: RequestLimits) -> None:
-    if not 1 <= req.top_k <= min(limits.max_top_k, limits.vocab_size):
+    if not 0 <= req.top_k <= min(limits.max_top_k, limits.vocab_size):
         raise _bad(
-            f"top_k={req.top_k} outside [1, {min(limits.max_top_k, limits.vocab_size)}] (the server's max_top_k)"
+            f"top_k={req.top_k} outside [0, {min(limits.max_top_k, limits.vocab_size)}] (the server's max_top_k; "
+            "0: the sampled token's logprob only)"
         )
     if not (math.isfinite(req.temperature) and req.temperature > 0):
         raise _bad(f"temperature must be finite and > 0, got {req.temperature}")
@@ -527,7 +530,10 @@ def reply_frames(
     replica: str = "",
     compute_s: float = 0.0,
 ) -> list[bytes]:
-    """The frames of a ScoreReply: header, top-k logprobs, top-k ids, sampled logprob, tail log-mass."""
+    """The frames of a ScoreReply: header, top-k logprobs, top-k ids, sampled logprob, tail log-mass.
+
+    With top_k = 0 the tail frame is empty: outside an empty top-k is all the mass (log 1 = 0).
+    """
     top_k = int(batch.topk_ids.shape[1])
     logprobs = batch.topk_logprobs
     ids = batch.topk_ids
@@ -553,7 +559,7 @@ def reply_frames(
         np.ascontiguousarray(logprobs, dtype=LOGPROB_DTYPES[logprob_dtype]).tobytes(),
         ids_bytes,
         np.ascontiguousarray(batch.sampled_logprob, dtype=FLOAT_DTYPE).tobytes(),
-        np.ascontiguousarray(batch.tail_logmass, dtype=FLOAT_DTYPE).tobytes(),
+        np.ascontiguousarray(batch.tail_logmass, dtype=FLOAT_DTYPE).tobytes() if top_k else b"",
     ]
 
 
@@ -572,7 +578,8 @@ def parse_score_reply(header: ScoreReply, frames: Sequence[bytes | memoryview]) 
         else:
             ids = np.frombuffer(frames[1], dtype=TOKEN_DTYPE).reshape(n_rows, top_k)
         sampled = np.frombuffer(frames[2], dtype=FLOAT_DTYPE).reshape(n_rows)
-        tail = np.frombuffer(frames[3], dtype=FLOAT_DTYPE).reshape(n_rows)
+        # top_k = 0: no tail on the wire, it is log 1 = 0 on every row.
+        tail = np.frombuffer(frames[3], dtype=FLOAT_DTYPE).reshape(n_rows) if top_k else np.zeros(n_rows, FLOAT_DTYPE)
     except ValueError as err:
         raise ProtocolError(ErrorCode.MALFORMED, f"score reply arrays do not match its header: {err}") from None
     logprobs = logprobs.astype(np.float32)

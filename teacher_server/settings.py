@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from teacher_server.config import ConfigError, TeacherConfig, TeacherLocation, validate_teacher_section
+from teacher_server.config import ConfigError, TeacherBackend, TeacherConfig, TeacherLocation, validate_teacher_section
 
 STANDALONE_KEYS = frozenset({"teacher", "server"})
 PLACEMENT_COMMAND = "python -m recipe_gkd.placement --config PRESET --node-rank N --print teacher-gpus"
@@ -122,6 +122,12 @@ def _load_standalone(raw: object, overrides: list[str], source: str) -> TeacherF
 
 
 def _validate_server(server: ServerSection, teacher: TeacherConfig) -> None:
+    if teacher.backend == TeacherBackend.openai:
+        raise ConfigError(
+            "teacher.backend",
+            "openai is a server you run yourself (vllm serve MODEL --max-logprobs K) that the trainer talks to "
+            "directly; this server serves teacher.backend=hf or vllm",
+        )
     if server.torch_threads < 0:
         raise ConfigError("server.torch_threads", f"must be >= 0, got {server.torch_threads}")
     if server.ready_timeout_s <= 0:

@@ -29,6 +29,10 @@ class MicroBatch:
     teacher_tail_BT: Tensor  # float32: the server's log tail mass, 0 where loss_mask is False
     loss_mask_BT: Tensor  # bool: position t predicts a response token
     num_tokens: int  # loss_mask.sum()
+    # The sampled-token objective (algorithm.divergence=sampled_reverse_kl), at the loss positions:
+    target_ids_BT: Tensor  # int64: the token at t + 1 (0 elsewhere)
+    rollout_logprobs_BT: Tensor  # float32: the engine's logprob of it at sampling; NaN for dataset responses
+    teacher_sampled_BT: Tensor  # float32: the teacher's logprob of it (0 elsewhere)
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(
@@ -39,6 +43,9 @@ class MicroBatch:
             teacher_tail_BT=self.teacher_tail_BT.to(device),
             loss_mask_BT=self.loss_mask_BT.to(device),
             num_tokens=self.num_tokens,
+            target_ids_BT=self.target_ids_BT.to(device),
+            rollout_logprobs_BT=self.rollout_logprobs_BT.to(device),
+            teacher_sampled_BT=self.teacher_sampled_BT.to(device),
         )
 
 
@@ -56,6 +63,9 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int) -> MicroBatch:
     teacher_ids_BTK = np.zeros((batch, seq_len, top_k), dtype=np.int64)
     teacher_tail_BT = np.zeros((batch, seq_len), dtype=np.float32)
     loss_mask_BT = np.zeros((batch, seq_len), dtype=bool)
+    target_ids_BT = np.zeros((batch, seq_len), dtype=np.int64)
+    rollout_logprobs_BT = np.zeros((batch, seq_len), dtype=np.float32)
+    teacher_sampled_BT = np.zeros((batch, seq_len), dtype=np.float32)
     for row, seq in enumerate(sequences):
         _check_sequence(seq)
         length = len(seq.input_ids)
@@ -66,6 +76,10 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int) -> MicroBatch:
         teacher_ids_BTK[row, predicted] = seq.teacher_topk_ids
         teacher_tail_BT[row, predicted] = seq.teacher_tail_logmass
         loss_mask_BT[row, predicted] = True
+        target_ids_BT[row, predicted] = seq.input_ids[seq.response_start :]
+        teacher_sampled_BT[row, predicted] = seq.teacher_sampled_logprob
+        # A dataset response has no sampling logprob: NaN, which the sampled-token loss refuses loudly.
+        rollout_logprobs_BT[row, predicted] = np.nan if seq.rollout_logprobs is None else seq.rollout_logprobs
     # A fresh writable array (a broadcast view is read-only, which torch.from_numpy warns about).
     position_ids_BT = np.tile(np.arange(seq_len, dtype=np.int64), (batch, 1))
     return MicroBatch(
@@ -76,6 +90,9 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int) -> MicroBatch:
         teacher_tail_BT=torch.from_numpy(teacher_tail_BT),
         loss_mask_BT=torch.from_numpy(loss_mask_BT),
         num_tokens=int(loss_mask_BT.sum()),
+        target_ids_BT=torch.from_numpy(target_ids_BT),
+        rollout_logprobs_BT=torch.from_numpy(rollout_logprobs_BT),
+        teacher_sampled_BT=torch.from_numpy(teacher_sampled_BT),
     )
 
 
@@ -125,9 +142,14 @@ def _check_sequence(seq: Sequence) -> None:
     responses = length - seq.response_start
     if not 1 <= seq.response_start <= length:
         raise ValueError(f"sample {seq.sample_id}: response_start={seq.response_start} outside [1, {length}]")
-    for name in ("teacher_topk_logprobs", "teacher_topk_ids", "teacher_tail_logmass"):
+    for name in ("teacher_topk_logprobs", "teacher_topk_ids", "teacher_tail_logmass", "teacher_sampled_logprob"):
         rows = getattr(seq, name).shape[0]
         if rows != responses:
             raise ValueError(
                 f"sample {seq.sample_id}: {name} has {rows} rows but the sequence has {responses} response tokens"
             )
+    if seq.rollout_logprobs is not None and seq.rollout_logprobs.shape[0] != responses:
+        raise ValueError(
+            f"sample {seq.sample_id}: rollout_logprobs has {seq.rollout_logprobs.shape[0]} rows but the sequence "
+            f"has {responses} response tokens"
+        )

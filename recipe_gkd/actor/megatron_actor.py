@@ -42,8 +42,8 @@ from recipe_gkd.actor import hf_convert
 from recipe_gkd.actor.collate import MicroBatch, collate, split_by_token_budget, split_micro_batches
 from recipe_gkd.actor.layout import rank_layout
 from recipe_gkd.batch import Sequence, TrainShard
-from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, cpu_threads, scaled_lr
-from recipe_gkd.losses import gkd_loss_sum, vocab_parallel_gkd_loss_sum
+from recipe_gkd.config import Device, Divergence, GKDConfig, Precision, actor_world_size, cpu_threads, scaled_lr
+from recipe_gkd.losses import gkd_loss_sum, sampled_reverse_kl_loss_sum, vocab_parallel_gkd_loss_sum
 
 # megatron's RNG tracker needs a seed; nothing random runs (no dropout, weights from HF).
 MEGATRON_SEED = 1234
@@ -344,7 +344,9 @@ class MegatronActor:
         forward_backward_s = time.perf_counter() - start
         grad_norm, stepped = self._optimizer_step()
         dist.all_reduce(loss_sum, group=self.dp_group)
+        policy_stats = self._policy_stats(outputs, global_tokens) if self._sampled_objective else {}
         return {
+            **policy_stats,
             "loss": float(loss_sum.item()) / global_tokens,
             "grad_norm": grad_norm,
             "lr": self._current_lr(),
@@ -357,8 +359,12 @@ class MegatronActor:
             "train_step_s": time.perf_counter() - start,
         }
 
-    def eval_loss(self, shards: SequenceOf[TrainShard]) -> dict[str, float]:
-        """The configured divergence (and forward KL = teacher KL) on `shards`, forward only."""
+    def eval_loss(self, shards: SequenceOf[TrainShard]) -> dict[str, float | None]:
+        """The configured divergence (and forward KL = teacher KL, None with teacher.top_k=0) on `shards`, forward only.
+
+        With sampled_reverse_kl the "divergence" is its surrogate on the greedy responses: the mean of
+        log s - log t over their tokens (greedy tokens are no samples: not an estimate of the KL).
+        """
         self._enter_device()
         start = time.perf_counter()
         sequences = _flatten(shards)
@@ -373,7 +379,8 @@ class MegatronActor:
         denominator = max(global_tokens, 1)
         return {
             "loss": float(sums[0].item()) / denominator,
-            "forward_kl": float(sums[1].item()) / denominator,
+            # teacher.top_k=0: no top-k to compare over.
+            "forward_kl": float(sums[1].item()) / denominator if self.cfg.teacher.top_k else None,
             "num_tokens": float(global_tokens),
             "eval_s": time.perf_counter() - start,
         }
@@ -423,17 +430,66 @@ class MegatronActor:
             collect_non_loss_data=collect_non_loss_data,
         )
 
+    @property
+    def _sampled_objective(self) -> bool:
+        return self.cfg.algorithm.divergence == Divergence.sampled_reverse_kl
+
     def _train_loss(self, micro: MicroBatch, logits_BTv: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         # (loss sum, loss tokens, logged): with calculate_per_token_loss megatron keeps the sum as is.
-        loss_sum, _ = self._loss_sum(logits_BTv, micro)
         num_tokens = torch.tensor(micro.num_tokens, dtype=torch.int, device=self.device)
+        if self._sampled_objective:
+            loss_sum, logged = self._sampled_loss_sum(logits_BTv, micro)
+            return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().double(), **logged}
+        loss_sum, _ = self._loss_sum(logits_BTv, micro)
         return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().double()}
 
     def _eval_loss(self, micro: MicroBatch, logits_BTv: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        loss_sum, _ = self._loss_sum(logits_BTv, micro)
-        kl_sum, _ = self._loss_sum(logits_BTv, micro, divergence="forward_kl")
+        if self._sampled_objective:
+            loss_sum = self._sampled_loss_sum(logits_BTv, micro)[0]
+        else:
+            loss_sum, _ = self._loss_sum(logits_BTv, micro)
+        kl_sum = torch.zeros((), dtype=loss_sum.dtype, device=self.device)
+        if self.cfg.teacher.top_k:
+            kl_sum, _ = self._loss_sum(logits_BTv, micro, divergence="forward_kl")
         num_tokens = torch.tensor(micro.num_tokens, dtype=torch.int, device=self.device)
         return loss_sum, num_tokens, {"sums": torch.stack([loss_sum, kl_sum]).double()}
+
+    def _sampled_loss_sum(self, logits_BTv: Tensor, micro: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        """The sampled-token reverse-KL surrogate's sum over the loss tokens and its logged statistics."""
+        logits_BTv = logits_BTv[..., self._vocab_shard]
+        tp = self.layout.tp_size > 1
+        loss_sum, _, stats = sampled_reverse_kl_loss_sum(
+            logits_BTv,
+            micro.target_ids_BT,
+            micro.rollout_logprobs_BT,
+            micro.teacher_sampled_BT,
+            micro.loss_mask_BT,
+            ratio_clip=self.cfg.algorithm.ratio_clip,
+            vocab_start=self._vocab_start if tp else 0,
+            vocab_size=self.arch.vocab_size if tp else None,
+            group=self.tp_group if tp else None,
+        )
+        sums = torch.stack([stats.advantage_sum, stats.ratio_sum, stats.clipped])
+        return loss_sum, {"policy_sums": sums, "policy_extremes": torch.stack([stats.ratio_max, -stats.ratio_min])}
+
+    def _policy_stats(self, outputs: list[dict[str, Tensor]], global_tokens: int) -> dict[str, float]:
+        """Token means of the advantage and ratio, the clipped fraction, the ratio's range, over the global batch."""
+        sums = self._sum_from_last_stage([out["policy_sums"] for out in outputs], width=3)
+        dist.all_reduce(sums, group=self.dp_group)
+        extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=self.device)
+        for out in outputs:
+            extremes = torch.maximum(extremes, out["policy_extremes"].reshape(2))
+        if self.layout.pp_size > 1:
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.pp_group)  # -inf except on the last stage
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.dp_group)
+        advantage, ratio, clipped = (float(x) / global_tokens for x in sums.tolist())
+        return {
+            "advantage_mean": advantage,
+            "ratio_mean": ratio,
+            "ratio_max": float(extremes[0].item()),
+            "ratio_min": -float(extremes[1].item()),
+            "ratio_clipped_frac": clipped,
+        }
 
     def _sum_from_last_stage(self, values: list[Tensor], width: int) -> Tensor:
         """The sum of the last stage's per-micro-batch values [width], on every stage of the pipeline."""
@@ -802,14 +858,17 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(states["tracker"])
 
 
-def _no_teacher(batch: int, length: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
-    """Empty teacher fields of a MicroBatch that is only run forward for its logits."""
+def _no_teacher(batch: int, length: int, device: torch.device) -> tuple[Any, ...]:
+    """Empty teacher fields of a MicroBatch that is only run forward for its logits (in field order)."""
     return (
         torch.zeros(batch, length, 0, dtype=torch.float32, device=device),
         torch.zeros(batch, length, 0, dtype=torch.int64, device=device),
         torch.zeros(batch, length, dtype=torch.float32, device=device),
         torch.zeros(batch, length, dtype=torch.bool, device=device),
         0,
+        torch.zeros(batch, length, dtype=torch.int64, device=device),
+        torch.zeros(batch, length, dtype=torch.float32, device=device),
+        torch.zeros(batch, length, dtype=torch.float32, device=device),
     )
 
 

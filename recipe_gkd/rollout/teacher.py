@@ -11,23 +11,35 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import GKDConfig, cpu_threads, to_yaml
+from teacher_server.config import TeacherBackend
 from teacher_server.protocol import TeacherTopK
 
 
 class TeacherScorer:
-    """A teacher_server client checked against the student's tokenizer at connect time.
+    """A teacher client (the ZeroMQ server's, or teacher.backend=openai's) checked against the student's tokenizer
+    at connect time.
 
     The vocabularies are compared through the tokenizer hash, not the embedding sizes: models of
     one family often pad their embeddings differently (Qwen2.5 0.5B vs 7B) over one tokenizer.
     """
 
     def __init__(self, cfg: GKDConfig, tokenizer: Any, address: str | None = None) -> None:
-        from teacher_server.client import TeacherClient
         from teacher_server.protocol import tokenizer_fingerprint
 
-        self.client = TeacherClient.from_config(
-            cfg.teacher, tokenizer_hash=tokenizer_fingerprint(tokenizer), address=address
-        )
+        self.client: Any
+        if cfg.teacher.backend == TeacherBackend.openai:
+            # A vLLM OpenAI-compatible server the user runs (teacher.address=http://host:port/v1).
+            from teacher_server.openai_client import OpenAITeacherClient
+
+            self.client = OpenAITeacherClient.from_config(
+                cfg.teacher, student_tokenizer=tokenizer, tokenizer_hash=tokenizer_fingerprint(tokenizer)
+            )
+        else:
+            from teacher_server.client import TeacherClient
+
+            self.client = TeacherClient.from_config(
+                cfg.teacher, tokenizer_hash=tokenizer_fingerprint(tokenizer), address=address
+            )
         self.client.connect()
         self.latency_s = cfg.debug.teacher_latency_s
 

@@ -65,6 +65,11 @@ def load_backend(kind: str, options: BackendOptions) -> Backend:
         from teacher_server.backends.vllm import VLLMBackend
 
         return VLLMBackend(options)
+    if kind == "openai":
+        raise ValueError(
+            "teacher.backend=openai is served by vLLM itself (vllm serve MODEL --max-logprobs K), not by this server: "
+            f"the trainer talks to it directly; this server serves {BACKENDS}"
+        )
     raise ValueError(f"unknown teacher.backend {kind!r}; choose from {BACKENDS}")
 
 

@@ -90,8 +90,13 @@ class HFBackend:
         out: list[tuple[torch.Tensor, ...]] = []
         for lo in range(0, hidden_NH.shape[0], rows_per_chunk):
             logprobs_NV = self._logprobs(hidden_NH[lo : lo + rows_per_chunk], temperature)
-            values_NK, ids_NK = torch.topk(logprobs_NV, top_k, dim=-1)
             sampled_N = logprobs_NV.gather(-1, targets_N[lo : lo + rows_per_chunk, None])[:, 0]
+            if top_k == 0:
+                # The sampled token's logprob only; outside the empty top-k is all the mass: log 1 = 0.
+                empty_NK = logprobs_NV.new_zeros((sampled_N.shape[0], 0))
+                out.append((empty_NK, empty_NK.long(), sampled_N, torch.zeros_like(sampled_N)))
+                continue
+            values_NK, ids_NK = torch.topk(logprobs_NV, top_k, dim=-1)
             # Tail mass precisely: logsumexp over everything outside the top-k, not log(1 - sum p).
             # In place: logprobs_NV is not needed any more and a copy would cost a full pass.
             tail_N = torch.logsumexp(logprobs_NV.scatter_(-1, ids_NK, -math.inf), dim=-1)

@@ -20,12 +20,15 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.batch import Sequence, TrainShard
-from recipe_gkd.config import Attention, Device, GKDConfig, Precision, Recompute
+from recipe_gkd.config import Attention, Device, Divergence, GKDConfig, Precision, Recompute
 from teacher_server.protocol import scores_from_logprobs
 
 GLOBAL_BATCH = 8
 TOP_K = 8
 PROBE_SHAPE = (3, 12)
+SAMPLER_SALT = 0x5A
+# What train_step reports for algorithm.divergence=sampled_reverse_kl (recipe_gkd.gkd.POLICY_KEYS).
+POLICY_KEYS = ("advantage_mean", "ratio_mean", "ratio_min", "ratio_max", "ratio_clipped_frac")
 
 
 # ----------------------------------------------------------------------------- data
@@ -42,6 +45,9 @@ def make_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> lis
         logits = rng.normal(size=(length - response_start, vocab)) * 2.0
         logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         scores = scores_from_logprobs(logprobs, ids[response_start:], top_k)
+        # The sampler's logprobs (sampled_reverse_kl's s_old) near a random model's -log V, from their own
+        # stream so that the other arrays stay what they were.
+        stale = np.random.default_rng([seed, i, SAMPLER_SALT]).normal(size=length - response_start) * 0.3
         sequences.append(
             Sequence(
                 sample_id=i,
@@ -52,6 +58,7 @@ def make_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> lis
                 teacher_topk_ids=scores.topk_ids,
                 teacher_tail_logmass=scores.tail_logmass,
                 teacher_sampled_logprob=scores.sampled_logprob,
+                rollout_logprobs=(stale - np.log(vocab)).astype(np.float32),
             )
         )
     return sequences
@@ -83,6 +90,8 @@ def make_cfg(model_dir: str, world: int, device: str, **actor: Any) -> GKDConfig
     cfg.actor.micro_batch_size = actor.pop("micro_batch_size", 4)
     cfg.actor.precision = Precision(actor.pop("precision", "fp32"))
     cfg.actor.max_tokens_per_micro_batch = actor.pop("max_tokens_per_micro_batch", 0)
+    cfg.algorithm.divergence = Divergence(actor.pop("divergence", "forward_kl"))
+    cfg.algorithm.ratio_clip = actor.pop("ratio_clip", 0.0)
     m = cfg.actor.megatron
     m.distributed_optimizer = actor.pop("distributed_optimizer", False)
     m.recompute = Recompute(actor.pop("recompute", "none"))
@@ -113,8 +122,9 @@ class Job:
 
     def train(self, a: Any, seeds: list[int], vocab: int) -> None:
         stats = [a.train_step(rank_shards(s, vocab, a.layout.dp_rank, a.layout.dp_size)) for s in seeds]
-        for key in ("loss", "grad_norm", "lr", "num_tokens"):
-            self.out[key] = np.array([s[key] for s in stats])
+        for key in ("loss", "grad_norm", "lr", "num_tokens", *POLICY_KEYS):
+            if key in stats[0]:
+                self.out[key] = np.array([s[key] for s in stats])
         self.out["optimizer_state_numel"] = np.array(optimizer_state_numel(a.optimizer))
 
     def save(self) -> None:
@@ -178,6 +188,7 @@ def _save_job(model: str, **actor: Any) -> Callable[[Job], None]:
 
 
 NO_CLIP = {"clip_grad": 0.0, "lr": 1e-3}
+SAMPLED = {"divergence": "sampled_reverse_kl", "ratio_clip": 0.2}
 # eps >> |grad| makes Adam's first step ~ lr * grad / eps: linear in the (clipped) gradient.
 LINEAR_ADAM = {"eps": 1.0e3, "lr": 1.0e3}
 JOBS: dict[str, Callable[[Job], None]] = {
@@ -216,6 +227,10 @@ JOBS: dict[str, Callable[[Job], None]] = {
     "clip": _train_job("llama_tied", [1], clip_grad=1.0e-3, **LINEAR_ADAM),
     "bf16": _train_job("llama_tied", [1], precision="bf16", **NO_CLIP),
     "save_tp2": _save_job("llama_untied_odd", tp=2),
+    # The sampled-token reverse KL (stale s_old, PPO clip) at TP=2 and PP=2 vs one rank.
+    "tp1_sampled": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, **SAMPLED),
+    "tp2_sampled": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, **SAMPLED),
+    "pp2_sampled": _train_job("llama_untied_odd", [1, 2, 3], pp=2, micro_batch_size=3, lr=1e-3, **SAMPLED),
 }
 
 

@@ -131,6 +131,39 @@ def test_every_schedule_trains_every_batch_once_with_its_staleness(
         assert [r["loss"] for r in rows][1:] != [r["loss"] for r in sync_rows][1:], "stale batches train differently"
 
 
+@pytest.mark.slow
+def test_sampled_reverse_kl_at_top_k_zero_through_the_loop(repo_root: Path, small_data: Path, tmp_path: Path) -> None:
+    """The policy-gradient objective on two_step_off batches, with only the sampled tokens' teacher logprobs."""
+    cfg = small_config(
+        repo_root,
+        small_data,
+        tmp_path / "run",
+        "algorithm.schedule=two_step_off",
+        "algorithm.divergence=sampled_reverse_kl",
+        "algorithm.ratio_clip=0.1",
+        "teacher.top_k=0",
+        f"data.eval_files=[{small_data}]",
+        "data.eval_batch_size=8",
+        "trainer.eval_every=3",
+    )
+    rows = train_in_process(cfg)
+    assert [r["staleness"] for r in rows] == STALENESS["two_step_off"]
+    for row in rows:
+        assert row["divergence"] == "sampled_reverse_kl" and row["teacher_topk_mass"] is None
+        # The actor's token means and the rollout workers' sums are over the same tokens and logprobs.
+        assert row["advantage_mean"] == pytest.approx(-row["sampled_reverse_kl"], abs=1e-5)
+        assert 0 <= row["ratio_clipped_frac"] < 1 and row["ratio_min"] <= row["ratio_mean"] <= row["ratio_max"]
+    # Batch 0 was sampled with the weights it is trained on: ratio 1 (the actor's logprobs equal the engine's),
+    # so the loss is the sampled estimate of KL(student || teacher).
+    assert rows[0]["ratio_min"] == pytest.approx(1.0, abs=1e-4) and rows[0]["ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert rows[0]["loss"] == pytest.approx(rows[0]["sampled_reverse_kl"], abs=1e-4)
+    # Two syncs old: the importance ratios are no longer 1.
+    assert max(r["ratio_max"] for r in rows[2:]) > 1.01 and min(r["ratio_min"] for r in rows[2:]) < 0.99
+    evals = read_metrics(Path(cfg.trainer.run_dir), "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 3, 6]
+    assert all(e["eval_teacher_kl"] is None and np.isfinite(e["eval_divergence"]) for e in evals)
+
+
 class ProducesAfterTraining(gkd.RolloutPipeline):
     """Broken one_step_off: batch t+1 is produced only when asked for (it degenerates to sync)."""
 

@@ -40,9 +40,13 @@ WEIGHT_ATOL = 2e-5
 WEIGHT_TIGHT_ATOL = 1e-6
 WEIGHT_TIGHT_FRACTION = 1e-3
 ONE_RANK_JOBS = (
-    "logits,mb8,mb1,tp1_steps,tp1_tied_steps,noclip,clip,bf16,tokens50,recompute_full,recompute_selective,unfused"
+    "logits,mb8,mb1,tp1_steps,tp1_tied_steps,noclip,clip,bf16,tokens50,recompute_full,recompute_selective,unfused,"
+    "tp1_sampled"
 )
-TWO_RANK_JOBS = "logits,tp2_steps,tp2_tied_steps,dp2,dp2_distopt,bf16_dp2,bf16_dp2_distopt,save_tp2,logits_pp,pp2_steps,pp2_tied_steps"
+TWO_RANK_JOBS = (
+    "logits,tp2_steps,tp2_tied_steps,dp2,dp2_distopt,bf16_dp2,bf16_dp2_distopt,save_tp2,logits_pp,pp2_steps,"
+    "pp2_tied_steps,tp2_sampled,pp2_sampled"
+)
 # TP=2 x PP=2 and DP=2 x PP=2: every parallelism together (gathers on a later stage, DP + tied-embedding all-reduces).
 FOUR_RANK_JOBS = "tp2pp2_steps,dp2pp2"
 PORTS_PER_LAUNCH = 32  # one per actor a launch builds (every model twice in the logits jobs)
@@ -292,6 +296,22 @@ def test_model_parallel_gives_the_same_losses_and_weights_as_one_rank(
     for name, weight in prefixed(tp1, "after").items():
         assert not np.array_equal(weight, before[name]), f"{name} did not train"
     assert_same_weights(prefixed(tp1, "after"), prefixed(tp2, "after"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("other", ["tp2_sampled", "pp2_sampled"])
+def test_sampled_reverse_kl_trains_alike_over_model_parallel(runs: dict[str, Path], other: str) -> None:
+    """The sampled-token objective (stale s_old, ratio clip 0.2) at TP=2 / PP=2: losses, statistics, weights as TP=1."""
+    one, two = result(runs, "w1", "tp1_sampled"), result(runs, "w2", other)
+    for key in ("loss", "grad_norm", *scenarios.POLICY_KEYS):
+        assert len(one[key]) == 3, key
+        np.testing.assert_allclose(two[key], one[key], rtol=LOSS_RTOL, err_msg=key)
+    assert np.all(one["ratio_clipped_frac"] > 0) and np.all(one["ratio_clipped_frac"] < 1)
+    assert np.all(one["ratio_min"] < one["ratio_mean"]) and np.all(one["ratio_mean"] < one["ratio_max"])
+    before = prefixed(one, "before")
+    for name, weight in prefixed(one, "after").items():
+        assert not np.array_equal(weight, before[name]), f"{name} did not train"
+    assert_same_weights(prefixed(one, "after"), prefixed(two, "after"))
 
 
 @pytest.mark.slow

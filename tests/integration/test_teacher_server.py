@@ -109,6 +109,17 @@ def test_float16_wire_is_close(server: TeacherProcess, backend: Backend) -> None
         np.testing.assert_allclose(g.topk_logprobs, w.topk_logprobs, rtol=2**-10, atol=1e-6)
 
 
+def test_top_k_zero_sends_the_sampled_tokens_only(server: TeacherProcess, backend: Backend) -> None:
+    seqs, starts = _batch(seed=6)
+    with _client(server.address, max_inflight=2, top_k=0, logprob_dtype="float16", id_encoding="elias_fano") as client:
+        got = client.score(seqs, starts)
+    want = backend.score(parsed_request(seqs, starts, top_k=0)).split()
+    for seq, start, g, w in zip(seqs, starts, got, want, strict=True):
+        assert g.topk_ids.shape == (seq.size - start, 0) and g.topk_logprobs.shape == (seq.size - start, 0)
+        np.testing.assert_allclose(g.sampled_logprob, w.sampled_logprob, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(g.tail_logmass, np.zeros(seq.size - start, np.float32))
+
+
 def test_a_bad_request_fails_alone(server: TeacherProcess) -> None:
     with _client(server.address) as client:
         with pytest.raises(TeacherRequestError, match=r"\[0, 102\)") as err:
@@ -178,7 +189,7 @@ def _malformed_kinds(rng: np.random.Generator) -> dict[str, Callable[[], list[by
         "empty_sequences": lambda: _score([], lengths=[], score_from=[]),
         "zero_length": lambda: _score([1, 2, 3], lengths=[3, 0], score_from=[1, 0]),
         "top_k_too_large": lambda: _score(top_k=int(rng.integers(MAX_TOP_K + 1, 1 << 20))),
-        "top_k_not_positive": lambda: _score(top_k=-int(rng.integers(0, 5))),
+        "top_k_negative": lambda: _score(top_k=-int(rng.integers(1, 5))),  # 0 is valid: the sampled token only
         "bad_temperature": lambda: _score(temperature=float(rng.choice([0.0, -1.0, np.nan, np.inf]))),
         "bad_score_from": lambda: _score(score_from=[[0, 1], [1, 3], [1]][int(rng.integers(0, 3))]),
         "wrong_types": lambda: _score(top_k="four", lengths="3,2"),

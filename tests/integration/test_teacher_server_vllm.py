@@ -71,6 +71,17 @@ def test_vllm_matches_hf_at_temperature_one(vllm_backend: Backend, vllm_model_di
         )
 
 
+def test_vllm_top_k_zero_scores_the_sampled_tokens_only(vllm_backend: Backend, vllm_model_dir: Path) -> None:
+    hf = load_backend("hf", BackendOptions(str(vllm_model_dir), max_top_k=64))
+    seqs, starts = _batch()
+    got = vllm_backend.score(parsed_request(seqs, starts, top_k=0)).split()
+    want = hf.score(parsed_request(seqs, starts, top_k=0)).split()
+    for seq, start, g, w in zip(seqs, starts, got, want, strict=True):
+        assert g.topk_ids.shape == (seq.size - start, 0)
+        np.testing.assert_allclose(g.sampled_logprob, w.sampled_logprob, atol=ATOL)
+        np.testing.assert_array_equal(g.tail_logmass, np.zeros(seq.size - start, np.float32))
+
+
 def test_vllm_refuses_temperatures_other_than_one(vllm_backend: Backend) -> None:
     assert not vllm_backend.info.supports_temperature
     with pytest.raises(ValueError, match=r"teacher\.temperature"):

@@ -106,7 +106,38 @@ BAD_VALUES = [
     (["actor.max_tokens_per_micro_batch=-1"], "actor.max_tokens_per_micro_batch"),
     (["actor.max_tokens_per_micro_batch=100"], "actor.max_tokens_per_micro_batch"),  # < one 512+256 sequence
     (["cluster.gpu_memory_gib=0"], "cluster.gpu_memory_gib"),
+    # The sampled-token objective: the student's own plain samples only; top_k=0 is for it alone.
+    (["algorithm.divergence=sampled_reverse_kl", "algorithm.lmbda=0.5"], "algorithm.lmbda"),
+    (["algorithm.divergence=sampled_reverse_kl", "rollout.sampling.temperature=0.7"], "rollout.sampling.temperature"),
+    (["algorithm.divergence=sampled_reverse_kl", "rollout.sampling.top_p=0.9"], "rollout.sampling.top_p"),
+    (["algorithm.divergence=sampled_reverse_kl", "rollout.sampling.top_k=20"], "rollout.sampling.top_k"),
+    (["algorithm.divergence=sampled_reverse_kl", "algorithm.ratio_clip=1.0"], "algorithm.ratio_clip"),
+    (["teacher.top_k=0"], "teacher.top_k"),
+    (["teacher.top_k=-1", "algorithm.divergence=sampled_reverse_kl"], "teacher.top_k"),
+    (["algorithm.ratio_clip=0.2"], "algorithm.ratio_clip"),
+    # teacher.backend=openai: an http address of a server the user runs, at temperature 1, its key in a file.
+    (["teacher.backend=openai"], "teacher.address"),
+    (
+        ["teacher.backend=openai", "teacher.address=http://127.0.0.1:8000/v1", "teacher.autostart=true"],
+        "teacher.autostart",
+    ),
+    (
+        [
+            "teacher.backend=openai",
+            "teacher.address=http://h:8000/v1",
+            "teacher.temperature=0.5",
+            "algorithm.temperature=0.5",
+        ],
+        "teacher.temperature",
+    ),
+    (["teacher.api_key_file=/run/secrets/key"], "teacher.api_key_file"),
 ]
+
+
+def test_sampled_reverse_kl_with_top_k_zero_validates() -> None:
+    overrides = ["algorithm.divergence=sampled_reverse_kl", "teacher.top_k=0", "algorithm.ratio_clip=0.2"]
+    cfg = load_config(None, overrides)
+    assert cfg.algorithm.divergence.value == "sampled_reverse_kl" and cfg.teacher.top_k == 0
 
 
 @pytest.mark.parametrize(("overrides", "key"), BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])

@@ -1,4 +1,4 @@
-"""vocab_parallel_gkd_loss_sum on gloo with TP=2 equals the TP=1 loss, values and gradients."""
+"""vocab_parallel_gkd_loss_sum (and the sampled-token reverse KL) on gloo with TP=2 equal TP=1, values and gradients."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recipe_gkd.losses import DIVERGENCES, gkd_loss_sum, vocab_parallel_gkd_loss_sum
+from recipe_gkd.losses import DIVERGENCES, gkd_loss_sum, sampled_reverse_kl_loss_sum, vocab_parallel_gkd_loss_sum
 from recipe_gkd.ports import reserve_ports
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -83,6 +83,42 @@ def loss_and_grad(case: dict, logits: torch.Tensor, fn, **extra) -> tuple[torch.
     return loss_sum.detach(), count, logits.grad
 
 
+SAMPLED_RATIO_CLIPS = (0.0, 0.2)
+
+
+def sampled_case(seed: int) -> dict[str, torch.Tensor]:
+    """Stale s_old (weights moved since sampling) and targets on both shards."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, seq = 2, 7
+    logits_BTV = 2 * torch.randn(batch, seq, VOCAB, generator=gen, dtype=torch.float64)
+    targets_BT = torch.randint(0, VOCAB, (batch, seq), generator=gen)
+    old_BTV = (logits_BTV + 0.5 * torch.randn(batch, seq, VOCAB, generator=gen, dtype=torch.float64)).log_softmax(-1)
+    teacher_BTV = (2 * torch.randn(batch, seq, VOCAB, generator=gen, dtype=torch.float64)).log_softmax(-1)
+    return {
+        "logits": logits_BTV,
+        "targets": targets_BT,
+        "old": old_BTV.gather(-1, targets_BT[..., None])[..., 0],
+        "teacher": teacher_BTV.gather(-1, targets_BT[..., None])[..., 0],
+        "mask": torch.rand(batch, seq, generator=gen) > 0.25,
+    }
+
+
+def sampled_loss_and_grad(case: dict, logits: torch.Tensor, ratio_clip: float, **extra) -> tuple[torch.Tensor, ...]:
+    logits = logits.detach().clone().requires_grad_(True)
+    loss_sum, count, stats = sampled_reverse_kl_loss_sum(
+        logits,
+        case["targets"],
+        case["old"],
+        case["teacher"],
+        case["mask"],
+        ratio_clip=ratio_clip,
+        chunk_size=3,
+        **extra,
+    )
+    (loss_sum / count).backward()
+    return loss_sum.detach(), logits.grad, torch.stack([stats.ratio_sum, stats.ratio_max, stats.clipped])
+
+
 def worker(rank: int, port: int, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -117,6 +153,19 @@ def worker(rank: int, port: int, out_dir: str) -> None:
                     "tp_grad_shard": tp_grad,
                 }
             )
+        sampled = []
+        for index, ratio_clip in enumerate(SAMPLED_RATIO_CLIPS):
+            case = sampled_case(100 + index)
+            full = sampled_loss_and_grad(case, case["logits"], ratio_clip)
+            tp = sampled_loss_and_grad(
+                case,
+                case["logits"][..., vocab_start:vocab_end],
+                ratio_clip,
+                vocab_start=vocab_start,
+                vocab_size=VOCAB,
+                group=dist.group.WORLD,
+            )
+            sampled.append({"full": full, "tp": tp, "shard": (vocab_start, vocab_end)})
         wrong_vocab_error = ""
         try:
             spec = CASES[0]
@@ -131,7 +180,10 @@ def worker(rank: int, port: int, out_dir: str) -> None:
             )
         except ValueError as error:
             wrong_vocab_error = str(error)
-        torch.save({"results": results, "wrong_vocab_error": wrong_vocab_error}, Path(out_dir) / f"rank{rank}.pt")
+        torch.save(
+            {"results": results, "sampled": sampled, "wrong_vocab_error": wrong_vocab_error},
+            Path(out_dir) / f"rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -162,3 +214,14 @@ def test_tp2_on_gloo_equals_tp1(tmp_path: Path) -> None:
         full = torch.cat([saved["results"][spec_index]["full_grad_shard"] for saved in per_rank], dim=-1)
         assert joined.shape[-1] == VOCAB
         assert torch.allclose(joined, full, rtol=0.0, atol=TOLERANCE)
+
+    # The sampled-token reverse KL: same loss, statistics and gradient shard as on the whole vocabulary.
+    for saved in per_rank:
+        assert len(saved["sampled"]) == len(SAMPLED_RATIO_CLIPS)
+        for result in saved["sampled"]:
+            (full_loss, full_grad, full_stats), (tp_loss, tp_grad, tp_stats) = result["full"], result["tp"]
+            lo, hi = result["shard"]
+            assert abs(tp_loss - full_loss).item() <= TOLERANCE
+            assert torch.allclose(tp_stats, full_stats, rtol=0.0, atol=TOLERANCE)
+            assert torch.allclose(tp_grad, full_grad[..., lo:hi], rtol=0.0, atol=TOLERANCE)
+            assert tp_grad.abs().sum() > 0

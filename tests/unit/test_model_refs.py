@@ -82,3 +82,17 @@ def test_cli_offline_without_the_model_exits_2_naming_key_and_id(tmp_path: Path)
     last = proc.stderr.strip().splitlines()[-1]
     assert "model.student_path" in last and "Qwen/Qwen3-1.7B is not in the Hugging Face cache" in last, last
     assert "Traceback" not in proc.stderr
+
+
+def test_an_openai_teachers_model_name_is_never_resolved(offline_cache: Path) -> None:
+    """teacher.backend=openai: teacher.model_path names the served model; the trainer downloads nothing for it."""
+    from recipe_gkd.config import load_config
+    from recipe_gkd.main import resolve_config_models
+
+    openai = ["teacher.backend=openai", "teacher.autostart=false", "teacher.address=http://127.0.0.1:8000/v1"]
+    cfg = load_config(None, [*openai, "teacher.model_path=tiny-org/Not-Cached"])
+    resolve_config_models(cfg)
+    assert cfg.teacher.model_path == "tiny-org/Not-Cached"
+    with pytest.raises(ConfigError) as info:
+        resolve_config_models(load_config(None, ["teacher.model_path=tiny-org/Not-Cached"]))
+    assert info.value.key == "teacher.model_path"

@@ -122,6 +122,20 @@ def test_wire_bytes_per_token_meet_the_goal_at_k256() -> None:
     assert sum(len(f) for f in frames[1:]) / 64 <= 1024
 
 
+@pytest.mark.parametrize("id_encoding", ["int32", "elias_fano"])
+def test_top_k_zero_sends_four_bytes_per_token(id_encoding: str) -> None:
+    """teacher.top_k=0: only the sampled token's logprob travels; the tail comes back as log 1 = 0."""
+    batch = _random_batch(np.random.default_rng(2), [40, 0, 24], top_k=0, vocab=32000)
+    frames = P.reply_frames(3, batch, vocab_size=32000, logprob_dtype="float16", id_encoding=id_encoding)
+    assert sum(len(f) for f in frames[1:]) == 4 * 64
+    header = P.decode_server_reply(frames[0])
+    out = P.parse_score_reply(header, frames[1:])
+    assert out.topk_ids.shape == (64, 0) and out.topk_logprobs.shape == (64, 0)
+    np.testing.assert_array_equal(out.sampled_logprob, batch.sampled_logprob)
+    np.testing.assert_array_equal(out.tail_logmass, np.zeros(64, np.float32))
+    assert [p.n_scored for p in out.split()] == [40, 0, 24]
+
+
 def test_tail_from_topk_matches_float64() -> None:
     probs = np.array([[0.5, 0.3], [0.9999, 1e-5], [1.0 - 1e-12, 1e-12]])
     expected = np.log(1.0 - probs[:2].sum(axis=1))
@@ -155,7 +169,7 @@ LIMITS = P.RequestLimits(vocab_size=VOCAB, max_top_k=64, max_request_bytes=1 << 
         ({"ids": [1, 2, 3, 4]}, P.ErrorCode.BAD_REQUEST),
         ({"ids": [1, 2, -3, 4, 5]}, P.ErrorCode.BAD_REQUEST),
         ({"ids": [1, 2, 3, 4, VOCAB]}, P.ErrorCode.BAD_REQUEST),
-        ({"top_k": 0}, P.ErrorCode.BAD_REQUEST),
+        ({"top_k": -1}, P.ErrorCode.BAD_REQUEST),
         ({"top_k": 65}, P.ErrorCode.BAD_REQUEST),
         ({"temperature": 0.0}, P.ErrorCode.BAD_REQUEST),
         ({"temperature": float("nan")}, P.ErrorCode.BAD_REQUEST),
@@ -247,6 +261,27 @@ def test_hf_backend_matches_float64_reference(tiny_model_dir: Path, temperature:
         assert np.all(np.diff(got.topk_logprobs, axis=1) <= 0)
 
 
+def test_hf_backend_top_k_zero_scores_the_sampled_tokens(tiny_model_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from teacher_server.backends import BackendOptions, load_backend, parsed_request
+
+    backend = load_backend("hf", BackendOptions(str(tiny_model_dir), max_top_k=64, max_batch_tokens=64))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    rng = np.random.default_rng(4)
+    seqs = [rng.integers(0, VOCAB, size=n).astype(np.int32) for n in (9, 21, 3)]
+    starts = [4, 1, 3]
+    out = backend.score(parsed_request(seqs, starts, top_k=0)).split()
+    for seq, start, got in zip(seqs, starts, out, strict=True):
+        assert got.topk_ids.shape == (seq.size - start, 0)
+        if got.n_scored == 0:
+            continue
+        ref = _reference(model, seq, start, 1.0)
+        np.testing.assert_allclose(got.sampled_logprob, ref[np.arange(got.n_scored), seq[start:]], atol=1e-5)
+        np.testing.assert_array_equal(got.tail_logmass, np.zeros(got.n_scored, np.float32))
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -319,3 +354,11 @@ def test_unknown_teacher_yaml_key_names_it() -> None:
     with pytest.raises(ConfigError) as err:
         load_teacher_file(REPO_ROOT / "configs" / "teacher" / "cpu_demo.yaml", ["server.gpus=[1]"])
     assert err.value.key == "server.gpus"
+
+
+def test_the_teacher_server_refuses_the_openai_backend() -> None:
+    """teacher.backend=openai is a vLLM server the user runs; `python -m teacher_server` does not serve it."""
+    openai = ["teacher.backend=openai", "teacher.address=http://127.0.0.1:8000/v1"]
+    with pytest.raises(ConfigError) as err:
+        load_teacher_file(REPO_ROOT / "configs" / "teacher" / "cpu_demo.yaml", openai)
+    assert err.value.key == "teacher.backend" and "vllm serve" in err.value.message

@@ -1,0 +1,153 @@
+"""Sampled-token reverse KL (teacher.top_k=0) against forward KL on the CPU demo: held-out accuracy after 150 steps.
+
+    python benchmarks/sampled_rkl_table.py [--seeds 1 2 3] [--only NAME ...]
+
+Each row is the demo CLI (`python -m recipe_gkd.main`, the cpu_demo preset: two_step_off, 150 steps,
+500 held-out prompts) with the row's overrides, once per seed (data.seed: prompt order and sampling).
+A run directory under runs/sampled_rkl_table/ whose resolved config equals the row's and whose
+evaluation reached the last step is reused, not run again. Prints a markdown table and writes
+benchmarks/results/sampled_rkl_table.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from recipe_gkd.config import load_config, to_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RUNS = REPO / "runs" / "sampled_rkl_table"
+RESULTS = REPO / "benchmarks" / "results" / "sampled_rkl_table.json"
+SAMPLED = ("algorithm.divergence=sampled_reverse_kl", "teacher.top_k=0")
+# (row name, overrides, seeds it runs by default): forward KL at the preset's lr and at the sampled objective's,
+# then the sampled objective's lr and clip sweep.
+ROWS: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = [
+    ("forward_kl, top_k=8, lr 3e-3 (preset)", (), (1, 2, 3)),
+    ("forward_kl, top_k=8, lr 3e-4", ("actor.optim.lr=3e-4",), (1, 2, 3)),
+    ("sampled_reverse_kl, lr 3e-3 (preset)", SAMPLED, (1,)),
+    ("sampled_reverse_kl, lr 1e-3", (*SAMPLED, "actor.optim.lr=1e-3"), (1,)),
+    (
+        "sampled_reverse_kl, lr 1e-3, ratio_clip 0.2",
+        (*SAMPLED, "actor.optim.lr=1e-3", "algorithm.ratio_clip=0.2"),
+        (1,),
+    ),
+    ("sampled_reverse_kl, lr 5e-4", (*SAMPLED, "actor.optim.lr=5e-4"), (1,)),
+    (
+        "sampled_reverse_kl, lr 5e-4, ratio_clip 0.2",
+        (*SAMPLED, "actor.optim.lr=5e-4", "algorithm.ratio_clip=0.2"),
+        (1, 3),
+    ),
+    ("sampled_reverse_kl, lr 3e-4", (*SAMPLED, "actor.optim.lr=3e-4"), (1,)),
+    ("sampled_reverse_kl, lr 3e-4, sync", (*SAMPLED, "actor.optim.lr=3e-4", "algorithm.schedule=sync"), (1, 3)),
+    (
+        "sampled_reverse_kl, lr 3e-4, ratio_clip 0.2",
+        (*SAMPLED, "actor.optim.lr=3e-4", "algorithm.ratio_clip=0.2"),
+        (1, 2, 3),
+    ),
+    (
+        "sampled_reverse_kl, lr 3e-4, ratio_clip 0.05",
+        (*SAMPLED, "actor.optim.lr=3e-4", "algorithm.ratio_clip=0.05"),
+        (1, 3),
+    ),
+    (
+        "sampled_reverse_kl, lr 3e-4, ratio_clip 0.1",
+        (*SAMPLED, "actor.optim.lr=3e-4", "algorithm.ratio_clip=0.1"),
+        (1, 2, 3),
+    ),
+    # Appended rows (run directories are named by row index).
+    (
+        "sampled_reverse_kl, lr 1e-3, 20 warmup steps",
+        (*SAMPLED, "actor.optim.lr=1e-3", "actor.optim.warmup_steps=20"),
+        (1,),
+    ),
+    (
+        "sampled_reverse_kl, lr 4e-4, ratio_clip 0.1",
+        (*SAMPLED, "actor.optim.lr=4e-4", "algorithm.ratio_clip=0.1"),
+        (1, 3),
+    ),
+    (
+        "sampled_reverse_kl, lr 3e-4, one_step_off",
+        (*SAMPLED, "actor.optim.lr=3e-4", "algorithm.schedule=one_step_off"),
+        (1,),
+    ),
+    (
+        "sampled_reverse_kl, lr 3e-4, ratio_clip 0.2, no grad clipping",
+        (*SAMPLED, "actor.optim.lr=3e-4", "algorithm.ratio_clip=0.2", "actor.optim.clip_grad=0"),
+        (1,),
+    ),
+]
+
+
+def run_dir(row: int, seed: int) -> Path:
+    return RUNS / f"row{row}_seed{seed}"
+
+
+def accuracy_curve(overrides: tuple[str, ...], out: Path) -> list[tuple[int, float]] | None:
+    """The run's (step, held-out accuracy) when `out` holds a finished run of exactly this config."""
+    cfg = load_config(None, [*overrides, f"trainer.run_dir={out}"])
+    resolved, evals = out / "resolved_config.yaml", out / "eval.jsonl"
+    if not (resolved.is_file() and evals.is_file()) or resolved.read_text() != to_yaml(cfg):
+        return None
+    rows = [json.loads(line) for line in evals.read_text().splitlines()]
+    if not rows or rows[-1]["step"] != cfg.trainer.total_steps:
+        return None
+    return [(r["step"], r["eval_reward"]) for r in rows]
+
+
+def run(overrides: tuple[str, ...], out: Path) -> list[tuple[int, float]]:
+    """One demo CLI run (reused when finished before); its accuracy curve."""
+    curve = accuracy_curve(overrides, out)
+    if curve is not None:
+        return curve
+    if out.exists():
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "recipe_gkd.main", *overrides, f"trainer.run_dir={out}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    start = time.monotonic()
+    with (out.parent / f"{out.name}.log").open("w") as log:
+        subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=1800)
+    print(f"  {out.name}: {time.monotonic() - start:.0f} s", flush=True)
+    curve = accuracy_curve(overrides, out)
+    if curve is None:
+        raise RuntimeError(f"{out} did not finish; see {out.parent / (out.name + '.log')}")
+    return curve
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="*", help="run every row with these seeds (default: each row's)")
+    parser.add_argument("--only", type=int, nargs="*", help="row indices to run")
+    args = parser.parse_args()
+    results = []
+    for index, (name, overrides, seeds) in enumerate(ROWS):
+        if args.only and index not in args.only:
+            continue
+        for seed in args.seeds or seeds:
+            curve = run((*overrides, f"data.seed={seed}"), run_dir(index, seed))
+            results.append({"row": index, "name": name, "overrides": list(overrides), "seed": seed, "curve": curve})
+    start = results[0]["curve"][0][1]
+    print(
+        f"\nheld-out accuracy after 150 steps (%), CPU demo (two_step_off unless noted); step 0: {100 * start:.1f}%\n"
+    )
+    print("| run | seed 1 | seed 2 | seed 3 | mean | gain (points) |\n|---|---|---|---|---|---|")
+    for index, (name, _, _) in enumerate(ROWS):
+        final = {r["seed"]: r["curve"][-1][1] for r in results if r["row"] == index}
+        if not final:
+            continue
+        cells = [f"{100 * final[s]:.1f}" if s in final else "-" for s in (1, 2, 3)]
+        mean = sum(final.values()) / len(final)
+        print(f"| {name} | {' | '.join(cells)} | {100 * mean:.1f} | {100 * (mean - start):+.1f} |")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
