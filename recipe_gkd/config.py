@@ -273,7 +273,7 @@ class WeightSyncConfig:
     # After a sync the engines and the actor score a fixed probe (the first held-out prompts): metrics.jsonl's
     # sync_logprob_diff. Checked after the first two syncs, then every check_every syncs; 0: never.
     check_every: int = bounded(10, ge=0, note="0: never")
-    # Mean |token logprob difference| past which the run stops; 0: by precision (fp32 1e-4, bf16 5e-2).
+    # Mean |token logprob difference| past which the run stops; 0: by precision (fp32 1e-4, bf16 0.1).
     check_tolerance: float = bounded(0.0, ge=0, note="0: by precision")
 
 

@@ -328,7 +328,7 @@ def check_sync(cfg: GKDConfig, pools: Pools, version: int) -> dict[str, float]:
 
 
 def sync_tolerance(cfg: GKDConfig) -> float:
-    """weight_sync.check_tolerance, or the precision's (fp32 actors: 1e-4; bf16: 5e-2)."""
+    """weight_sync.check_tolerance, or the precision's (fp32 actors: 1e-4; bf16: 0.1)."""
     return cfg.weight_sync.check_tolerance or SYNC_TOLERANCE[cfg.actor.precision.value]
 
 

