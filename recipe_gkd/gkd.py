@@ -135,7 +135,7 @@ def student_answers_line(cfg: GKDConfig, evals: list[dict[str, Any]]) -> str:
     key = f"data.answer_key={cfg.data.answer_key}"
     if not answered:
         return f"student held-out accuracy: none of the {records} held-out records has an answer ({key})"
-    return f"student held-out accuracy: over the {answered} of {records} held-out records that have an answer ({key})"
+    return f"student held-out accuracy (table above): over the {answered} of {records} held-out records that have an answer ({key})"
 
 
 def _one_line(err: BaseException) -> str:
