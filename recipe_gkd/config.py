@@ -135,7 +135,7 @@ class ClusterConfig:
     ray_num_cpus: int | None = None
     cpu_threads: CpuThreadsConfig = field(default_factory=CpuThreadsConfig)
     # Ray's object store on a node this run starts (rollout shards, object-store weight syncs); 0: auto,
-    # twice the student's fp32 export plus 128 MiB, at least 256 (memory_plan.object_store_mib).
+    # twice the student's export (training dtype) plus 128 MiB, at least 256 (memory_plan.object_store_mib).
     ray_object_store_mb: int = bounded(0, ge=0, note="0: auto from the student's size")
     # Every wait for Ray resources (placement groups, worker start) is bounded by this.
     placement_timeout_s: float = bounded(120.0, gt=0)

@@ -509,9 +509,9 @@ OBJECT_STORE_SHARDS_MIB = 128
 
 
 def object_store_mib(cfg: GKDConfig) -> int:
-    """cluster.ray_object_store_mb, or (0) twice the student's fp32 export plus room for the shards.
+    """cluster.ray_object_store_mb, or (0) twice the student's export plus room for the shards.
 
-    An object-store sync puts a whole version (fp32 arrays: the actor exports fp32) before the engines
+    An object-store sync puts a whole version (in the training dtype: fp32 or bf16) before the engines
     have read it, and the next version may be put before the last reference to the previous one is
     gone: two versions must fit, or Ray spills them to disk (seconds per step, measured: an 81M
     student's 325 MB through a 256 MiB store took 3-5.5 s a sync).
@@ -524,5 +524,5 @@ def object_store_mib(cfg: GKDConfig) -> int:
     shape = read_shape(cfg.model.student_path, "model.student_path", skipped)
     if shape is None:
         return OBJECT_STORE_MIN_MIB
-    export_mib = shape.num_params() * 4 / 2**20
+    export_mib = shape.num_params() * (2 if cfg.actor.precision == Precision.bf16 else 4) / 2**20
     return max(OBJECT_STORE_MIN_MIB, math.ceil(2 * export_mib) + OBJECT_STORE_SHARDS_MIB)

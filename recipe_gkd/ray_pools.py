@@ -42,7 +42,7 @@ from recipe_gkd.ray_cluster import ResourcePoolManager, SpillWatch
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.watchdog import WorkerProcess, phase_timeout
-from recipe_gkd.weight_sync import MIB, WeightSyncError, iter_buckets
+from recipe_gkd.weight_sync import MIB, WeightSyncError, iter_buckets, to_host_arrays
 
 # ----------------------------------------------------------------------------- bounded waits
 
@@ -121,7 +121,8 @@ def ray_actor_worker_class() -> type:
 
         def export_weight_buckets(self, bucket_mb: int) -> list[Any] | None:
             """Every rank gathers over TP; rank 0 puts the buckets as they fill and returns their refs."""
-            refs = put_buckets(self.iter_hf_weights(), bucket_mb)
+            # In the training dtype (bf16 halves the bytes of an fp32 export); the receivers decode bf16 entries.
+            refs = put_buckets(to_host_arrays(self.iter_hf_tensors(on_device=False)), bucket_mb)
             return refs if self.rank == 0 else None
 
     return RayActorWorker

@@ -105,6 +105,38 @@ def iter_buckets(named: Iterable[tuple[str, np.ndarray]], bucket_bytes: int) -> 
         yield current
 
 
+# Object-store buckets hold numpy arrays (Ray reads them without a copy), and numpy has no bfloat16: a
+# bf16 tensor travels as its int16 bit pattern under its name with this prefix, viewed back on arrival.
+BF16_PREFIX = "bf16:"
+
+
+def to_host_arrays(named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, host torch tensor) -> (wire name, numpy array) for the object store, in the tensor's own dtype."""
+    import torch
+
+    for name, tensor in named:
+        if tensor.dtype == torch.bfloat16:
+            yield BF16_PREFIX + name, tensor.contiguous().view(torch.int16).numpy()
+        else:
+            yield name, np.ascontiguousarray(tensor.numpy())
+
+
+def from_host_arrays(items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The inverse of `to_host_arrays` on the receiving side: bf16 entries as torch bf16 views, the rest as is."""
+    import warnings
+
+    import torch
+
+    for name, value in items:
+        if not name.startswith(BF16_PREFIX):
+            yield name, value
+            continue
+        with warnings.catch_warnings():
+            # Arrays from Ray's object store are read-only views; the loaders only read them.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            yield name.removeprefix(BF16_PREFIX), torch.from_numpy(value).view(torch.bfloat16)
+
+
 class TimedIterator:
     """Wraps an iterator; `seconds` accumulates the time spent producing its items."""
 

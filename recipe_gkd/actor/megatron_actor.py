@@ -732,15 +732,15 @@ class MegatronActor:
         parameter of their stage; a later stage's TP rank 0 sends it to rank 0. Rank 0 holds one
         unit beyond what the consumer keeps, never the whole model.
         """
-        for name, tensor in self.iter_hf_tensors(on_device=False):
+        for name, tensor in self.iter_hf_tensors(on_device=False, fp32=True):
             yield name, np.ascontiguousarray(tensor.numpy())
 
-    def iter_hf_tensors(self, on_device: bool) -> Iterator[tuple[str, Tensor]]:
+    def iter_hf_tensors(self, on_device: bool, fp32: bool = False) -> Iterator[tuple[str, Tensor]]:
         """The current weights as (HF name, torch tensor), unit by unit, on global rank 0 only (every rank calls).
 
         on_device: each tensor stays on this rank's device in the training dtype (bf16 params: bf16), as
-        gathered: a GPU export for an NCCL broadcast never visits host memory. Otherwise an fp32 copy on
-        the host (the object store, checkpoints in HF format).
+        gathered: a GPU export for an NCCL broadcast never visits host memory. Otherwise a copy on the
+        host, in the training dtype (the object store) or, with `fp32`, in fp32 (HF checkpoints).
         """
         self._enter_device()
         if self.layout.dp_rank != 0:
@@ -749,20 +749,20 @@ class MegatronActor:
         # The tied embedding's copy on the last stage is the first stage's embedding: exported once.
         owned = {g: params[local] for local, g in self._global_names.items() if local == g or g != hf_convert.EMBEDDING}
         for unit, names in hf_convert.mcore_units(self.arch).items():
-            full = {name: self._whole_on_rank0(name, owned.get(name), on_device) for name in names}
+            full = {name: self._whole_on_rank0(name, owned.get(name), on_device, fp32) for name in names}
             if self.rank == 0:
                 whole = {name: tensor for name, tensor in full.items() if tensor is not None}
                 yield from hf_convert.mcore_unit_to_hf(unit, whole, self.arch).items()
 
-    def _whole_on_rank0(self, name: str, param: Tensor | None, on_device: bool) -> Tensor | None:
+    def _whole_on_rank0(self, name: str, param: Tensor | None, on_device: bool, fp32: bool) -> Tensor | None:
         """Global parameter `name` unsharded on global rank 0 (None on every other rank): on this rank's
-        device in the parameter's dtype (`on_device`), else an fp32 copy on the host."""
+        device in the parameter's dtype (`on_device`), else a host copy in that dtype or (`fp32`) in fp32."""
         owner = hf_convert.owner_stage(name, self.arch, self.layout.pp_size)
         if self.layout.pp_rank != owner:
             if self.rank != 0:
                 return None
             received = self._recv_tensor(src=self.layout.global_rank(0, 0, owner))
-            return received if on_device else received.to("cpu", torch.float32)
+            return received if on_device else received.to("cpu", torch.float32 if fp32 else received.dtype)
         if param is None:
             raise RuntimeError(f"weight export: {name} is missing from pipeline stage {owner}")
         shards = self._gather_to_tp_rank0(param.detach())
@@ -773,7 +773,7 @@ class MegatronActor:
             self._send_tensor(whole, dst=0)
             return None
         # A copy: at TP=1 the shard is the live parameter, which the next step updates in place.
-        return whole.clone() if on_device else whole.to("cpu", torch.float32, copy=True)
+        return whole.clone() if on_device else whole.to("cpu", torch.float32 if fp32 else whole.dtype, copy=True)
 
     def _send_tensor(self, tensor: Tensor, dst: int) -> None:
         """Point to point (default group): a fixed-size header (dtype code, rank, shape), then the tensor as is."""

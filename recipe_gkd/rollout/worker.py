@@ -23,7 +23,7 @@ from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encod
 from recipe_gkd.metrics import worker_memory_mb
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
-from recipe_gkd.weight_sync import PROBE_ROWS, probe_rows
+from recipe_gkd.weight_sync import PROBE_ROWS, from_host_arrays, probe_rows
 
 # Salt that separates the on/off-policy coin flips from the epoch order's random stream.
 MIX_SALT = 0x6B64
@@ -282,7 +282,7 @@ class RolloutWorker:
         """Load the buckets of weight version `version` (taken one at a time) and switch to it."""
         assert self.engine is not None, "call setup() first"
         engine = self.engine
-        stream = (item for bucket in buckets for item in bucket.items())
+        stream = from_host_arrays(item for bucket in buckets for item in bucket.items())
         return self._switch_weights(version, lambda: engine.update_weights(stream))
 
     def init_weight_group(

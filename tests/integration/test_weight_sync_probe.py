@@ -73,6 +73,8 @@ PROBE_CASES = [
     ("gloo", 2, "hf", "fp32"),
     # bf16 buckets straight from the gathered shards (the GPU path's code), stage 2's layers sent in bf16.
     ("gloo", 2, "hf", "bf16"),
+    # bf16 object-store buckets (int16 bit patterns in numpy, viewed back as bf16 by the rollout worker).
+    ("object_store", 1, "hf", "bf16"),
     pytest.param("object_store", 1, "vllm", "fp32", marks=pytest.mark.vllm),
     pytest.param("gloo", 1, "vllm", "fp32", marks=pytest.mark.vllm),
 ]

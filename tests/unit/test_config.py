@@ -485,5 +485,7 @@ def test_the_object_store_is_sized_from_the_students_fp32_export(tmp_path: Path)
     cfg = load_config(None, [f"model.student_path={student}"])
     params = 15 * (576 * (9 + 2 * 3) * 64 + 9 * 64 * 576 + 3 * 576 * 1536 + 2 * 576) + 49152 * 576 + 576
     assert object_store_mib(cfg) == math.ceil(2 * params * 4 / 2**20) + 128  # two fp32 versions + the shards
+    bf16 = load_config(None, [f"model.student_path={student}", "actor.precision=bf16"])
+    assert object_store_mib(bf16) == math.ceil(2 * params * 2 / 2**20) + 128  # bf16 buckets: half the bytes
     assert object_store_mib(load_config(None)) == OBJECT_STORE_MIN_MIB  # the demo's 195k-parameter student
     assert object_store_mib(load_config(None, ["cluster.ray_object_store_mb=300"])) == 300

@@ -312,3 +312,25 @@ def test_spilling_is_said_once_naming_the_key(ray_local: None) -> None:
     assert "cluster.ray_object_store_mb=256" in warnings[0] and "weight_sync.transport=gloo" in warnings[0]
     assert all(watch.check() is None for _ in range(8)), "said once"
     del refs
+
+
+def test_object_store_arrays_carry_bf16_as_its_bit_pattern() -> None:
+    """numpy has no bfloat16: bf16 tensors cross the object store as int16 and come back bit for bit."""
+    import torch
+
+    from recipe_gkd.weight_sync import from_host_arrays, to_host_arrays
+
+    generator = torch.Generator().manual_seed(0)
+    named = {
+        "model.embed_tokens.weight": torch.randn(7, 5, generator=generator).to(torch.bfloat16),
+        "model.norm.weight": torch.randn(5, generator=generator),
+    }
+    wire = dict(to_host_arrays(named.items()))
+    assert wire["bf16:model.embed_tokens.weight"].dtype == np.int16 and wire["model.norm.weight"].dtype == np.float32
+    for array in wire.values():
+        array.setflags(write=False)  # as Ray's object store hands them out
+    back = dict(from_host_arrays(wire.items()))
+    assert back.keys() == named.keys()
+    assert back["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert torch.equal(back["model.embed_tokens.weight"], named["model.embed_tokens.weight"])
+    assert np.array_equal(back["model.norm.weight"], named["model.norm.weight"].numpy())
