@@ -401,10 +401,6 @@ def _open_weight_group(cfg: GKDConfig, actor0: Any, rollouts: list[Any], host: s
     wait(joins, cfg.debug.hang_timeout_s, f"weight-sync group setup ({backend} on {host}:{port})")
 
 
-# How long the workers get to exit on their own at the end of a run before they are killed.
-GRACEFUL_EXIT_S = 10.0
-
-
 def _stop(handles: list[Any], timeout_s: float) -> None:
     """Ask actors to release their process groups, then kill every worker this run started."""
     import ray
@@ -415,11 +411,6 @@ def _stop(handles: list[Any], timeout_s: float) -> None:
         ray.get(shutdowns, timeout=min(timeout_s, 30.0))
     except (GetTimeoutError, RayError) as err:
         print(f"warning: a worker did not shut down cleanly ({type(err).__name__}); killing it", flush=True)
-    # Each worker exits on its own first, so that its interpreter's exit handlers run: libraries clean
-    # up after themselves (wandb, imported by megatron's timers where it is installed, leaves two
-    # directories in /tmp per process killed outright). Whatever has not exited in time is killed.
-    exits = [h.__ray_terminate__.remote() for h in handles]
-    ray.wait(exits, num_returns=len(exits), timeout=GRACEFUL_EXIT_S, fetch_local=False)
     for h in handles:
         ray.kill(h)
 
