@@ -24,13 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from recipe_gkd.metrics import read_metrics  # noqa: E402
+from recipe_gkd.selfcheck import WORDS  # noqa: E402
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_sync_in_run.json"
 MODELS = ROOT / "runs" / "bench_sync_models"
 # SmolLM2-135M: hidden 576, MLP 1536, 30 layers, 9 heads, 3 KV heads, vocabulary 49152, tied.
 SMOL = {"hidden_size": 576, "intermediate_size": 1536, "num_heads": 9, "num_kv_heads": 3, "vocab_size": 49152}
-WORDS = ("abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd")
 
 
 def models() -> tuple[Path, Path]:

@@ -209,6 +209,7 @@ def end_to_end(repeats: int, bucket_mb: int) -> list[dict[str, Any]]:
     from bench_sync_in_run import models
 
     from recipe_gkd.ray_pools import ray_actor_worker_class
+    from recipe_gkd.selfcheck import export_bytes
 
     student, _ = models()
     rows = []
@@ -233,7 +234,7 @@ def end_to_end(repeats: int, bucket_mb: int) -> list[dict[str, Any]]:
                 loaded = ray.get(rollout.timed_update.remote(version + 1, refs), timeout=600)
                 timings.append({"export_s": exported - start, **loaded, "sync_s": time.perf_counter() - start})
                 del refs
-            size_mb = export_mb(student)
+            size_mb = export_bytes(str(student)) / MIB
         finally:
             for handle in (actor, rollout):
                 ray.kill(handle)
@@ -244,20 +245,6 @@ def end_to_end(repeats: int, bucket_mb: int) -> list[dict[str, Any]]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
-
-
-def export_mb(student: Path) -> float:
-    """MiB of one fp32 export of the student (its HF tensors less a tied head)."""
-    from safetensors import safe_open
-
-    config = json.loads((student / "config.json").read_text())
-    count = 0
-    for file in sorted(student.glob("*.safetensors")):
-        with safe_open(str(file), framework="np") as handle:
-            for name in handle.keys():
-                if not (name == "lm_head.weight" and config.get("tie_word_embeddings")):
-                    count += int(np.prod(handle.get_slice(name).get_shape()))
-    return count * 4 / MIB
 
 
 def main() -> None:

@@ -739,8 +739,9 @@ class MegatronActor:
         """The current weights as (HF name, torch tensor), unit by unit, on global rank 0 only (every rank calls).
 
         on_device: each tensor stays on this rank's device in the training dtype (bf16 params: bf16), as
-        gathered: a GPU export for an NCCL broadcast never visits host memory. Otherwise a copy on the
-        host, in the training dtype (the object store) or, with `fp32`, in fp32 (HF checkpoints).
+        gathered: a GPU export for an NCCL broadcast never visits host memory. Such tensors may be the live
+        parameters (TP=1): consume them before the next optimizer step. Otherwise a copy on the host, in the
+        training dtype (the object store) or, with `fp32`, in fp32 (HF checkpoints).
         """
         self._enter_device()
         if self.layout.dp_rank != 0:
@@ -772,8 +773,12 @@ class MegatronActor:
         if self.rank != 0:
             self._send_tensor(whole, dst=0)
             return None
+        if on_device:
+            # At TP=1 this is the live parameter itself: no copy, the broadcast packs it into its bucket
+            # before the next optimizer step can change it.
+            return whole
         # A copy: at TP=1 the shard is the live parameter, which the next step updates in place.
-        return whole.clone() if on_device else whole.to("cpu", torch.float32 if fp32 else whole.dtype, copy=True)
+        return whole.to("cpu", torch.float32 if fp32 else whole.dtype, copy=True)
 
     def _send_tensor(self, tensor: Tensor, dst: int) -> None:
         """Point to point (default group): a fixed-size header (dtype code, rank, shape), then the tensor as is."""

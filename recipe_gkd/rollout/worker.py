@@ -319,7 +319,7 @@ class RolloutWorker:
 
     def sync_probe(self) -> np.ndarray:
         """The sync check's probe: the first held-out prompts (else training ones) as token ids, one length."""
-        dataset = self.eval_dataset or Dataset(self.cfg.data.train_files, "data.train_files")
+        dataset = self.eval_dataset or self.train_stream.dataset
         count = min(PROBE_ROWS, len(dataset))
         return probe_rows([self._encode(Prompt(i, 0, dataset[i])) for i in range(count)])
 

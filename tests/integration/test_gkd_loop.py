@@ -270,6 +270,14 @@ def test_the_sync_check_is_logged_on_the_first_steps_then_every_check_every(
     assert all(0 <= r["sync_logprob_diff"] < 1e-5 for r in rows if r["step"] in checked)
 
 
+def test_without_held_out_prompts_the_sync_probe_takes_training_ones(
+    repo_root: Path, small_data: Path, tmp_path: Path
+) -> None:
+    cfg = small_config(repo_root, small_data, tmp_path / "run", "data.eval_files=[]", "trainer.total_steps=2")
+    rows = train_in_process(cfg)
+    assert [r["step"] for r in rows if r["sync_logprob_diff"] is not None] == [1, 2]
+
+
 def test_an_engine_with_one_wrong_tensor_stops_the_run_naming_it(
     repo_root: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
