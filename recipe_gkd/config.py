@@ -341,7 +341,7 @@ class TrainerConfig:
     keep_last: int = bounded(2, ge=1)
     """Newest checkpoints kept under run_dir/checkpoints."""
     resume: str = "auto"
-    """auto: resume from the newest complete checkpoint in run_dir; none: start fresh."""
+    """auto: resume from the newest complete checkpoint in run_dir; none: start fresh; or the path of a checkpoint."""
     run_dir: str = "runs/default"
     """Directory of the run: metrics, evaluations, checkpoints, logs and the final student."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])

@@ -31,6 +31,19 @@ COMMAND = "python -m recipe_gkd.config_reference"
 # Allowed values that a rule in validate() checks rather than the field's declaration.
 CHECKED_IN_VALIDATE: dict[str, str] = {"trainer.loggers": "each of " + ", ".join(config.VALID_LOGGERS)}
 
+# The topic pages (docs/) that explain each section, linked under its heading.
+SECTION_PAGES: dict[str, tuple[str, ...]] = {
+    "cluster": ("gpu_splits.md",),
+    "actor": ("gpu_splits.md", "memory_plan.md"),
+    "rollout": ("gpu_splits.md", "memory_plan.md"),
+    "teacher": ("teacher_server.md",),
+    "data": ("data.md",),
+    "algorithm": ("objectives.md", "schedules.md"),
+    "weight_sync": ("weight_sync.md",),
+    "trainer": ("checkpoints_and_failures.md", "metrics.md"),
+    "debug": ("memory_plan.md", "checkpoints_and_failures.md"),
+}
+
 INTRO = f"""# Configuration reference
 
 ```bash
@@ -81,6 +94,15 @@ def field_docstrings(cls: type) -> dict[str, str]:
     raise UndocumentedFieldError(f"{cls.__qualname__}: no class of that name in {source}")
 
 
+def class_docstring(cls: type) -> str:
+    """The class docstring written in `cls`'s source (not the signature dataclasses fill `__doc__` with), one line."""
+    source = inspect.getsourcefile(cls)
+    for node in ast.walk(_module_tree(source or "")):
+        if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
+            return " ".join((ast.get_docstring(node) or "").split())
+    return ""
+
+
 def _docstrings_in(node: ast.ClassDef) -> dict[str, str]:
     docs: dict[str, str] = {}
     for stmt, after in zip(node.body, [*node.body[1:], None], strict=True):
@@ -106,7 +128,8 @@ def walk_schema(cls: type, prefix: str = "") -> Iterator[KeyDoc]:
             )
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
-            yield KeyDoc(key, "section", "", "", docs[f.name])
+            # The section's own class docstring, where it has one, says more than the field's line.
+            yield KeyDoc(key, "section", "", "", class_docstring(hint) or docs[f.name])
             yield from walk_schema(typing.cast(type, hint), key)
             continue
         yield KeyDoc(key, _type_text(hint), _default_text(f), _allowed_text(key, hint, f), docs[f.name])
@@ -183,7 +206,8 @@ def render(schema: type = config.GKDConfig) -> str:
     section_docs = field_docstrings(schema)
     rows = list(walk_schema(schema))
     for f in dataclasses.fields(schema):
-        parts.append(f"## {f.name}\n\n{section_docs[f.name]}\n")
+        see = ", ".join(f"[{name}]({name})" for name in SECTION_PAGES.get(f.name, ()))
+        parts.append(f"## {f.name}\n\n{section_docs[f.name]}" + (f" More: {see}." if see else "") + "\n")
         parts.append("| key | type | default | allowed | meaning |\n|---|---|---|---|---|")
         for row in rows:
             if row.key.startswith(f.name + "."):
