@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist): most tests wait on subprocesses (Ray, servers), so 2 use 2 cores better.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test setup lint clean-venv
+.PHONY: demo test setup lint docs clean-venv
 
 setup: $(STAMP)
 
@@ -43,6 +43,10 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check recipe_gkd teacher_server tests benchmarks
 	$(VENV)/bin/ruff format --check recipe_gkd teacher_server tests benchmarks
+
+# docs/configuration.md from the schema's field docstrings (a unit test fails when it is stale).
+docs: $(STAMP)
+	$(PY) -m recipe_gkd.config_reference
 
 clean-venv:
 	rm -rf $(VENV)

