@@ -9,12 +9,10 @@ exported weights and the loss (HF logits + recipe_gkd.losses, sequence by sequen
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 # pytest's default (prepend) import mode puts this directory on sys.path.
@@ -22,6 +20,7 @@ import megatron_scenarios as scenarios
 import numpy as np
 import pytest
 import torch
+from adam_bounds import assert_same_weights
 
 from recipe_gkd.actor.collate import split_by_token_budget
 from recipe_gkd.actor.megatron_actor import MegatronActor
@@ -35,16 +34,6 @@ SCENARIO_SCRIPT = Path(scenarios.__file__)
 LAUNCH_TIMEOUT_S = 420.0
 LOGITS_ATOL = 1e-5
 LOSS_RTOL = 1e-5
-# Two correct runs sum float32 gradients in another order (TP shards, micro-batches, another CPU's
-# SIMD width: AVX2 vs AVX-512). Where an entry's gradient is a near-cancelling sum of size ~eps,
-# that rounding is a visible part of Adam's step lr * m_hat / (sqrt(v_hat) + eps), and the step's
-# sign can even flip. What the arithmetic does bound: no Adam step moves an entry by more than
-# lr_t * c_t (adam_step_bound), so two runs' weights differ by at most twice the sum. A wrong
-# shard or gather moves whole rows; rounding moves a handful of entries: so all but <= 0.1% (or 2)
-# entries of a tensor must agree within 1e-6, and none may differ by more than the Adam ceiling.
-WEIGHT_TIGHT_ATOL = 1e-6
-WEIGHT_TIGHT_FRACTION = 1e-3
-ADAM_BETAS = (0.9, 0.999)  # actor.optim.beta1/beta2 defaults, which every scenario keeps
 ONE_RANK_JOBS = (
     "logits,mb8,mb1,tp1_steps,tp1_tied_steps,noclip,clip,bf16,tokens50,recompute_full,recompute_selective,unfused,"
     "tp1_sampled"
@@ -326,35 +315,6 @@ def test_lr_warms_up_linearly(runs: dict[str, Path]) -> None:
     np.testing.assert_allclose(result(runs, "w1", "tp1_steps")["lr"], [5e-4, 1e-3, 1e-3])
 
 
-def adam_step_bound(lrs: Sequence[float], betas: tuple[float, float] = ADAM_BETAS) -> float:
-    """The most one entry can move over Adam steps at these learning rates, whatever the gradients.
-
-    With m_t = (1 - b1) sum_i b1^(t-i) g_i and v_t = (1 - b2) sum_i b2^(t-i) g_i^2, Cauchy-Schwarz
-    gives |m_t| <= (1 - b1) sqrt(sum_k (b1^2 / b2)^k / (1 - b2)) sqrt(v_t); with the bias
-    corrections |m_hat_t| / sqrt(v_hat_t) <= c_t below (c_1 = 1, ~1.0 for the first steps), and eps
-    only shrinks the step. Decoupled weight decay shrinks both runs' weights alike.
-    """
-    beta1, beta2 = betas
-    total = 0.0
-    for t, lr in enumerate(lrs, start=1):
-        ratios = sum((beta1 * beta1 / beta2) ** k for k in range(t))
-        c_t = (1 - beta1) / (1 - beta1**t) * math.sqrt((1 - beta2**t) / (1 - beta2) * ratios)
-        total += lr * c_t
-    return total
-
-
-def assert_same_weights(a: dict[str, np.ndarray], b: dict[str, np.ndarray], lrs: Sequence[float]) -> None:
-    """Same weights up to float32 summation order: see WEIGHT_TIGHT_ATOL's comment."""
-    assert a.keys() == b.keys()
-    ceiling = 2 * adam_step_bound(lrs)
-    for name, weight in a.items():
-        diff = np.abs(b[name] - weight)
-        assert diff.max() <= ceiling, f"{name}: max diff {diff.max()} beyond what Adam steps allow ({ceiling})"
-        loose = int((diff > WEIGHT_TIGHT_ATOL).sum())
-        allowed = max(2, WEIGHT_TIGHT_FRACTION * diff.size)
-        assert loose <= allowed, f"{name}: {loose} entries differ by > {WEIGHT_TIGHT_ATOL} (allowed {allowed:g})"
-
-
 def assert_same_update(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
     np.testing.assert_allclose(a["loss"], b["loss"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=LOSS_RTOL)
@@ -581,31 +541,3 @@ def test_actor_on_cuda_matches_hf(models: Path, tmp_path: Path) -> None:
     if "w2" in runs_dir:
         for job in ("tp2_steps", "pp2_steps"):
             np.testing.assert_allclose(result(runs_dir, "w2", job)["loss"], steps["loss"], rtol=1e-4)
-
-
-def test_adam_step_bound_holds_for_torch_adam() -> None:
-    """The ceiling assert_same_weights uses, against torch's Adam on gradients built to push it."""
-    torch.manual_seed(0)
-    lrs = [5e-4, 1e-3, 1e-3, 1e-3]
-    signs = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    cases = {
-        "steady": lambda t: torch.full((64,), 3.0),  # each step moves lr * 1: the bound is reached
-        "tiny_then_huge": lambda t: torch.full((64,), 1e-6 * 1e6**t),
-        "huge_then_tiny": lambda t: torch.full((64,), 1e3 * 1e-4**t),
-        "alternating": lambda t: signs[t] * torch.rand(64),
-        "noise_at_eps": lambda t: 1e-8 * torch.randn(64),
-        "random": lambda t: torch.randn(64) * 10.0 ** torch.randint(-8, 3, (64,)),
-    }
-    moved: dict[str, float] = {}
-    for name, grad_at in cases.items():
-        weight = torch.nn.Parameter(torch.zeros(64, dtype=torch.float64))
-        optimizer = torch.optim.Adam([weight], lr=lrs[0], betas=ADAM_BETAS, eps=1e-8)
-        for t, lr in enumerate(lrs):
-            optimizer.param_groups[0]["lr"] = lr
-            weight.grad = grad_at(t).to(torch.float64)
-            optimizer.step()
-        moved[name] = weight.detach().abs().max().item()
-        assert moved[name] <= adam_step_bound(lrs) * (1 + 1e-9), (name, moved[name], adam_step_bound(lrs))
-    # Steady gradients move every entry by lr per step: the bound is tight (c_t is 1.0034 at t=4).
-    assert moved["steady"] == pytest.approx(sum(lrs), rel=1e-6)
-    assert adam_step_bound(lrs) == pytest.approx(sum(lrs), rel=5e-3)
