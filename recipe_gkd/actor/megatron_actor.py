@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recipe_gkd.actor import hf_convert
+from recipe_gkd.actor import hf_convert, mcore_model
 from recipe_gkd.actor.collate import MicroBatch, collate, split_by_token_budget, split_micro_batches
 from recipe_gkd.actor.layout import rank_layout
 from recipe_gkd.batch import Sequence, TrainShard
@@ -93,7 +93,7 @@ class MegatronActor:
         self._init_distributed()
         m = self.cfg.actor.megatron
         bf16 = self.cfg.actor.precision == Precision.bf16
-        self.tconfig = hf_convert.build_transformer_config(
+        self.tconfig = mcore_model.build_transformer_config(
             self.arch,
             tp_size=m.tp,
             pp_size=m.pp,
@@ -103,7 +103,7 @@ class MegatronActor:
             recompute=m.recompute.value,
             attention=m.attention.value,
         )
-        self.gpt = hf_convert.build_gpt_model(
+        self.gpt = mcore_model.build_gpt_model(
             self.arch,
             self.tconfig,
             pre_process=self.layout.is_first_stage,

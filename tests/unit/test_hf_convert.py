@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from recipe_gkd.actor import hf_convert
+from recipe_gkd.actor import hf_convert, mcore_model
 from recipe_gkd.actor.hf_convert import HFArch, UnsupportedModelError
 from recipe_gkd.actor.layout import rank_layout
 from recipe_gkd.config import GKDConfig
@@ -281,7 +281,7 @@ def test_checkpoint_reader_reads_safetensors(tmp_path: Path) -> None:
 
 def test_importing_the_actor_does_not_import_megatron() -> None:
     code = (
-        "import sys, recipe_gkd, recipe_gkd.actor.megatron_actor, recipe_gkd.actor.hf_convert;"
+        "import sys, recipe_gkd, recipe_gkd.actor.megatron_actor, recipe_gkd.actor.hf_convert, recipe_gkd.actor.mcore_model;"
         "bad = [m for m in sys.modules if m.startswith('megatron')]; assert not bad, bad"
     )
     root = Path(__file__).resolve().parents[2]
@@ -338,7 +338,7 @@ def test_a_rank_reads_only_its_stage_and_gets_its_shards(tmp_path: Path, tied: b
     ],
 )
 def test_recompute_setting_maps_to_megatrons_fields(recompute: str, attention: str, expected: dict) -> None:
-    assert hf_convert.recompute_settings(recompute, attention) == expected
+    assert mcore_model.recompute_settings(recompute, attention) == expected
 
 
 @pytest.mark.parametrize(
