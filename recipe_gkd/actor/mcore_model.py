@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from recipe_gkd.actor.hf_convert import HFArch, check_split, padded_vocab_size, partition_dim
+from recipe_gkd.actor.hf_arch import HFArch, check_split, padded_vocab_size
+from recipe_gkd.actor.hf_convert import partition_dim
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recipe_gkd.actor import checkpointing, hf_convert, mcore_model
+from recipe_gkd.actor import checkpointing, hf_arch, hf_convert, mcore_model
 from recipe_gkd.actor.collate import MicroBatch, collate, split_by_token_budget, split_micro_batches
 from recipe_gkd.actor.layout import rank_layout
 from recipe_gkd.actor.objective import ActorObjective, sum_from_last_stage
@@ -76,7 +76,7 @@ class MegatronActor:
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(self.cfg.model.student_path)
-        self.arch = hf_convert.read_hf_arch(hf_config)
+        self.arch = hf_arch.read_hf_arch(hf_config)
         self.pad_id = int(getattr(hf_config, "pad_token_id", None) or 0)
         self._check_world()  # before anything global changes: a bad layout fails cleanly
         if threads := cpu_threads(self.cfg)["actor"]:
@@ -185,7 +185,7 @@ class MegatronActor:
                 "set actor.gpus_per_node to the number of actor ranks"
             )
         m = self.cfg.actor.megatron
-        hf_convert.check_split(self.arch, m.tp, m.pp, m.cp)
+        hf_arch.check_split(self.arch, m.tp, m.pp, m.cp)
 
     def _check_stage_layers(self) -> None:
         """megatron's layer numbers on this stage must be the ones `hf_convert.stage_layers` loads into it."""

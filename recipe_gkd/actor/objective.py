@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recipe_gkd.actor import hf_convert
+from recipe_gkd.actor import hf_arch
 from recipe_gkd.actor.collate import MicroBatch
 from recipe_gkd.actor.layout import RankLayout
 from recipe_gkd.config import Divergence, GKDConfig
@@ -133,7 +133,7 @@ class ActorObjective:
 
 def local_vocab_slice(vocab_size: int, layout: RankLayout) -> tuple[int, slice]:
     """This rank's first vocabulary id and its real (unpadded) vocabulary columns of its logits shard."""
-    padded = hf_convert.padded_vocab_size(vocab_size, layout.tp_size)
+    padded = hf_arch.padded_vocab_size(vocab_size, layout.tp_size)
     shard = padded // layout.tp_size
     vocab_start = layout.tp_rank * shard
     return vocab_start, slice(0, max(0, min(shard, vocab_size - vocab_start)))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recipe_gkd.actor import hf_convert
+from recipe_gkd.actor import hf_arch, hf_convert
 from recipe_gkd.actor.layout import RankLayout
 
 WEIGHTS_FILE = "model.safetensors"
@@ -35,7 +35,7 @@ class WeightExporter:
     def __init__(
         self,
         gpt: torch.nn.Module,
-        arch: hf_convert.HFArch,
+        arch: hf_arch.HFArch,
         global_names: dict[str, str],
         layout: RankLayout,
         rank: int,
