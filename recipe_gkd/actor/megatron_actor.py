@@ -46,6 +46,7 @@ from recipe_gkd.actor.collate import MicroBatch, collate, split_by_token_budget,
 from recipe_gkd.actor.layout import rank_layout
 from recipe_gkd.actor.objective import ActorObjective, sum_from_last_stage
 from recipe_gkd.actor.optimizer import build_optimizer, clip_grads, wrap_ddp
+from recipe_gkd.actor.probe_rows import forward_only_micro_batch, pack_rows, unpack_token_logprobs
 from recipe_gkd.actor.weight_export import WeightExporter, write_hf_dir
 from recipe_gkd.batch import Sequence, TrainShard
 from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, cpu_threads
@@ -454,19 +455,11 @@ class MegatronActor:
         self._enter_device()
         ids_BL = np.asarray(input_ids, dtype=np.int64)
         mask_BL = np.ones_like(ids_BL, dtype=bool) if attention_mask is None else np.asarray(attention_mask, dtype=bool)
-        starts_B, lengths_B = _contiguous_runs(mask_BL)
-        batch, length = ids_BL.shape
-        packed_BL = np.full((batch, length), self.pad_id, dtype=np.int64)
-        for row in range(batch):
-            packed_BL[row, : lengths_B[row]] = ids_BL[row, starts_B[row] : starts_B[row] + lengths_B[row]]
+        packed_BL, starts_B, lengths_B = pack_rows(ids_BL, mask_BL, self.pad_id)
         packed = torch.from_numpy(packed_BL).to(self.device)
         logprobs_BLV = torch.log_softmax(self._full_logits(packed)[:, :-1], dim=-1)
         packed_logprobs_BL = logprobs_BLV.gather(-1, packed[:, 1:, None]).squeeze(-1).cpu().numpy()
-        out_BL = np.zeros((batch, length - 1), dtype=np.float32)
-        for row in range(batch):
-            scored = max(lengths_B[row] - 1, 0)
-            out_BL[row, starts_B[row] : starts_B[row] + scored] = packed_logprobs_BL[row, :scored]
-        return out_BL
+        return unpack_token_logprobs(packed_logprobs_BL, starts_B, lengths_B)
 
     def forward_logits(self, input_ids: np.ndarray) -> np.ndarray:
         """Full-vocabulary fp32 logits [B, L, V] of unpadded rows (every rank calls it, same input)."""
@@ -478,8 +471,7 @@ class MegatronActor:
     def _full_logits(self, ids_BL: Tensor) -> Tensor:
         """fp32 [B, L, V] on every rank: the last stage's vocabulary shards gathered over TP, padding dropped."""
         batch, length = ids_BL.shape
-        positions_BL = torch.arange(length, device=self.device).expand(batch, length)
-        micro = MicroBatch(ids_BL, positions_BL, *_no_teacher(batch, length, self.device))
+        micro = forward_only_micro_batch(ids_BL, self.device)
         self._model.eval()
         outputs = self._run_schedule([micro], self._gather_logits, forward_only=True, collect_non_loss_data=True)
         if self.layout.pp_size == 1:
@@ -546,27 +538,3 @@ def _flatten(shards: SequenceOf[TrainShard]) -> list[Sequence]:
                 f"train_step takes a list of TrainShard, got {type(shard).__name__}; resolve Ray refs with ray.get first"
             )
     return [seq for shard in shards for seq in shard.sequences]
-
-
-def _no_teacher(batch: int, length: int, device: torch.device) -> tuple[Any, ...]:
-    """Empty teacher fields of a MicroBatch that is only run forward for its logits (in field order)."""
-    return (
-        torch.zeros(batch, length, 0, dtype=torch.float32, device=device),
-        torch.zeros(batch, length, 0, dtype=torch.int64, device=device),
-        torch.zeros(batch, length, dtype=torch.float32, device=device),
-        torch.zeros(batch, length, dtype=torch.bool, device=device),
-        0,
-        torch.zeros(batch, length, dtype=torch.int64, device=device),
-        torch.zeros(batch, length, dtype=torch.float32, device=device),
-        torch.zeros(batch, length, dtype=torch.float32, device=device),
-    )
-
-
-def _contiguous_runs(mask_BL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: start and length of its run of True values (which must be contiguous)."""
-    lengths_B = mask_BL.sum(axis=1)
-    starts_B = np.where(lengths_B > 0, mask_BL.argmax(axis=1), 0)
-    for row, (start, count) in enumerate(zip(starts_B, lengths_B, strict=True)):
-        if not mask_BL[row, start : start + count].all():
-            raise ValueError(f"attention_mask row {row} is not one contiguous run of 1s")
-    return starts_B, lengths_B
