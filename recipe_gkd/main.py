@@ -42,10 +42,10 @@ def write_resolved_config(cfg: GKDConfig) -> Path:
 
 def check_student_split(cfg: GKDConfig) -> None:
     """The student's architecture and the actor's TP x PP split fit together (before Ray starts)."""
-    from recipe_gkd.actor import hf_convert
+    from recipe_gkd.actor import hf_arch
 
     m = cfg.actor.megatron
-    hf_convert.check_split(hf_convert.read_student_arch(cfg.model.student_path), m.tp, m.pp, m.cp)
+    hf_arch.check_split(hf_arch.read_student_arch(cfg.model.student_path), m.tp, m.pp, m.cp)
 
 
 def report_memory_plan(cfg: GKDConfig) -> bool:
@@ -68,7 +68,7 @@ def report_memory_plan(cfg: GKDConfig) -> bool:
 
 def exit_code_for(err: BaseException) -> int | None:
     """The exit code of an error whose message is written for the user (naming what to change), else None."""
-    from recipe_gkd.actor.hf_convert import UnsupportedModelError
+    from recipe_gkd.actor.hf_arch import UnsupportedModelError
     from recipe_gkd.checkpoint import CheckpointError
     from recipe_gkd.weight_sync import WeightSyncError
     from teacher_server.client import TeacherError
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_BAD_CONFIG
         print("dry run: config valid, nothing started")
         return 0
-    from recipe_gkd.actor.hf_convert import UnsupportedModelError
+    from recipe_gkd.actor.hf_arch import UnsupportedModelError
     from recipe_gkd.data import check_record_fields
 
     try:

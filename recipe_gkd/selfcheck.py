@@ -219,7 +219,7 @@ def export_bytes(student: str) -> float:
     """Bytes of one fp32 export of the student (what a sync moves): 4 x its HF tensors' elements."""
     from safetensors import safe_open
 
-    from recipe_gkd.actor.hf_convert import hf_weight_files
+    from recipe_gkd.actor.hf_arch import hf_weight_files
     from teacher_server.model_refs import resolve_model_ref
 
     root = Path(resolve_model_ref(student, "model.student_path"))

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd.actor.hf_convert import MISTRAL_WEIGHT_FILES, SAFETENSORS_INDEX, hf_weight_files
+from recipe_gkd.actor.hf_arch import MISTRAL_WEIGHT_FILES, SAFETENSORS_INDEX, hf_weight_files
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.rollout.engine import Generation
 from teacher_server.vllm_version import check_vllm_version

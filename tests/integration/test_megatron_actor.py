@@ -252,7 +252,7 @@ def reference_loss(model: torch.nn.Module, seed: int) -> float:
 
 @pytest.mark.slow
 def test_train_loss_equals_hf_reference_loss(runs: dict[str, Path], models: Path) -> None:
-    """First-step loss and post-training eval loss vs HF logits + losses.py on the exported weights."""
+    """First-step loss and post-training eval loss vs HF logits + recipe_gkd.losses on the exported weights."""
     path = models / "llama_untied_odd"
     for world, job in (("w1", "tp1_steps"), ("w2", "tp2_steps"), ("w2", "pp2_steps"), ("w4", "tp2pp2_steps")):
         data = result(runs, world, job)

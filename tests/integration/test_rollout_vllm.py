@@ -161,7 +161,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 from recipe_gkd.config import load_config
-from recipe_gkd.actor.hf_convert import hf_weight_files
+from recipe_gkd.actor.hf_arch import hf_weight_files
 from recipe_gkd.ports import reserve_ports
 from recipe_gkd.rollout.vllm import VLLMEngine
 from recipe_gkd.weight_sync import MIB, CollectiveChannel

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from recipe_gkd.actor import hf_convert
-from recipe_gkd.actor.hf_convert import HFArch, UnsupportedModelError
+from recipe_gkd.actor import hf_arch, hf_convert, mcore_model
+from recipe_gkd.actor.hf_arch import HFArch, UnsupportedModelError
 from recipe_gkd.actor.layout import rank_layout
 from recipe_gkd.config import GKDConfig
 
@@ -68,8 +68,8 @@ MODELS = {
 @pytest.mark.parametrize("which", sorted(MODELS))
 def test_round_trip_through_tp_shards_is_bitwise(which: str, tp: int) -> None:
     model = MODELS[which]()
-    arch = hf_convert.read_hf_arch(model.config)
-    hf_convert.check_parallel_layout(arch, tp)
+    arch = hf_arch.read_hf_arch(model.config)
+    hf_arch.check_parallel_layout(arch, tp)
     state = hf_params(model)
     full = hf_convert.hf_to_mcore_full(state, arch, tp)
     assert list(full) == hf_convert.mcore_param_names(arch)
@@ -85,10 +85,10 @@ def test_round_trip_through_tp_shards_is_bitwise(which: str, tp: int) -> None:
 
 
 def test_vocabulary_is_padded_to_a_multiple_of_tp() -> None:
-    arch = hf_convert.read_hf_arch(llama(vocab=101, tied=False).config)
+    arch = hf_arch.read_hf_arch(llama(vocab=101, tied=False).config)
     full = hf_convert.hf_to_mcore_full(hf_params(llama(vocab=101, tied=False)), arch, tp_size=2)
-    assert hf_convert.padded_vocab_size(101, 2) == 102
-    assert hf_convert.padded_vocab_size(102, 2) == 102
+    assert hf_arch.padded_vocab_size(101, 2) == 102
+    assert hf_arch.padded_vocab_size(102, 2) == 102
     assert full[hf_convert.EMBEDDING].shape == (102, 48)
     assert full[hf_convert.OUTPUT_LAYER].shape == (102, 48)
     assert torch.all(full[hf_convert.OUTPUT_LAYER][101:] == 0)
@@ -96,7 +96,7 @@ def test_vocabulary_is_padded_to_a_multiple_of_tp() -> None:
 
 def test_fused_qkv_is_interleaved_per_kv_group() -> None:
     """Rows tagged with their head: group g holds q heads 2g, 2g+1, then k_g, then v_g."""
-    arch = hf_convert.read_hf_arch(llama(kv_heads=2).config)  # 4 q heads, 2 groups, head_dim 12
+    arch = hf_arch.read_hf_arch(llama(kv_heads=2).config)  # 4 q heads, 2 groups, head_dim 12
     dim = arch.head_dim
     q = torch.arange(4).repeat_interleave(dim)[:, None].float().expand(-1, 48)
     k = (10 + torch.arange(2)).repeat_interleave(dim)[:, None].float().expand(-1, 48)
@@ -108,7 +108,7 @@ def test_fused_qkv_is_interleaved_per_kv_group() -> None:
 
 
 def test_tp_shards_follow_megatron_layouts() -> None:
-    arch = hf_convert.read_hf_arch(llama(kv_heads=2).config)
+    arch = hf_arch.read_hf_arch(llama(kv_heads=2).config)
     gate = torch.arange(64.0)[:, None].expand(-1, 48)
     up = 100 + gate
     fc1 = torch.cat([gate, up])
@@ -136,21 +136,21 @@ LLAMA3_ROPE = {
 
 
 def test_llama3_rope_scaling_is_read_whole() -> None:
-    arch = hf_convert.read_hf_arch(LlamaConfig(rope_parameters=LLAMA3_ROPE, **SHAPE))
+    arch = hf_arch.read_hf_arch(LlamaConfig(rope_parameters=LLAMA3_ROPE, **SHAPE))
     assert arch.llama3_rope == (32.0, 1.0, 4.0, 8192) and arch.rope_theta == 5e5
-    assert hf_convert.read_hf_arch(LlamaConfig(**SHAPE)).llama3_rope is None
+    assert hf_arch.read_hf_arch(LlamaConfig(**SHAPE)).llama3_rope is None
 
 
 def test_mistral_with_a_sliding_window_is_refused() -> None:
     from transformers import MistralConfig
 
-    assert hf_convert.read_hf_arch(MistralConfig(sliding_window=None, **SHAPE)).model_type == "mistral"
-    with pytest.raises(hf_convert.UnsupportedModelError, match="sliding_window=4096"):
-        hf_convert.read_hf_arch(MistralConfig(sliding_window=4096, **SHAPE))
+    assert hf_arch.read_hf_arch(MistralConfig(sliding_window=None, **SHAPE)).model_type == "mistral"
+    with pytest.raises(hf_arch.UnsupportedModelError, match="sliding_window=4096"):
+        hf_arch.read_hf_arch(MistralConfig(sliding_window=4096, **SHAPE))
 
 
 def test_read_hf_arch_reads_gqa_rope_and_bias() -> None:
-    arch = hf_convert.read_hf_arch(qwen2().config)
+    arch = hf_arch.read_hf_arch(qwen2().config)
     assert arch == HFArch(
         model_type="qwen2",
         vocab_size=90,
@@ -182,7 +182,7 @@ def test_unsupported_llama_features_are_refused(change: dict, match: str) -> Non
     for key, value in change.items():
         setattr(config, key, value)
     with pytest.raises(UnsupportedModelError, match=match):
-        hf_convert.read_hf_arch(config)
+        hf_arch.read_hf_arch(config)
 
 
 def test_unsupported_model_type_names_the_key() -> None:
@@ -190,32 +190,32 @@ def test_unsupported_model_type_names_the_key() -> None:
         model_type = "gpt2"
 
     with pytest.raises(UnsupportedModelError, match=r"model\.student_path"):
-        hf_convert.read_hf_arch(Gpt2Like())
+        hf_arch.read_hf_arch(Gpt2Like())
 
 
 def test_parallel_layout_errors_name_the_tp_key() -> None:
-    arch = hf_convert.read_hf_arch(llama(kv_heads=2).config)
+    arch = hf_arch.read_hf_arch(llama(kv_heads=2).config)
     with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.tp=3"):
-        hf_convert.check_parallel_layout(arch, 3)
-    hf_convert.check_parallel_layout(hf_convert.read_hf_arch(qwen2(kv_heads=1).config), 4)  # kv=1 < tp is fine
+        hf_arch.check_parallel_layout(arch, 3)
+    hf_arch.check_parallel_layout(hf_arch.read_hf_arch(qwen2(kv_heads=1).config), 4)  # kv=1 < tp is fine
 
 
 def test_pipeline_stages_must_split_the_layers_evenly() -> None:
-    arch = hf_convert.read_hf_arch(llama().config)  # 2 layers
-    hf_convert.check_parallel_layout(arch, 1, 2)
+    arch = hf_arch.read_hf_arch(llama().config)  # 2 layers
+    hf_arch.check_parallel_layout(arch, 1, 2)
     with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.pp=3 must divide .*num_hidden_layers=2"):
-        hf_convert.check_parallel_layout(arch, 1, 3)
+        hf_arch.check_parallel_layout(arch, 1, 3)
 
 
 def test_context_parallel_is_refused_naming_the_key() -> None:
-    hf_convert.check_context_parallel(1)
+    hf_arch.check_context_parallel(1)
     with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.cp"):
-        hf_convert.check_context_parallel(2)
+        hf_arch.check_context_parallel(2)
 
 
 def six_layer_arch(tied: bool) -> HFArch:
     config = LlamaConfig(vocab_size=101, tie_word_embeddings=tied, **{**SHAPE, "num_hidden_layers": 6})
-    return hf_convert.read_hf_arch(config)
+    return hf_arch.read_hf_arch(config)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -281,7 +281,7 @@ def test_checkpoint_reader_reads_safetensors(tmp_path: Path) -> None:
 
 def test_importing_the_actor_does_not_import_megatron() -> None:
     code = (
-        "import sys, recipe_gkd, recipe_gkd.actor.megatron_actor, recipe_gkd.actor.hf_convert;"
+        "import sys, recipe_gkd, recipe_gkd.actor.megatron_actor, recipe_gkd.actor.hf_convert, recipe_gkd.actor.hf_arch, recipe_gkd.actor.mcore_model;"
         "bad = [m for m in sys.modules if m.startswith('megatron')]; assert not bad, bad"
     )
     root = Path(__file__).resolve().parents[2]
@@ -291,7 +291,7 @@ def test_importing_the_actor_does_not_import_megatron() -> None:
 def test_checkpoint_reader_follows_a_sharded_index(tmp_path: Path) -> None:
     model = llama(tied=False)
     model.save_pretrained(tmp_path, max_shard_size="50KB")
-    assert (tmp_path / hf_convert.SAFETENSORS_INDEX).is_file()
+    assert (tmp_path / hf_arch.SAFETENSORS_INDEX).is_file()
     (tmp_path / "adapter_model.safetensors").write_bytes(b"not part of the model")
     state = read_all(tmp_path, list(hf_params(model)))
     for name, tensor in hf_params(model).items():
@@ -303,7 +303,7 @@ def test_a_rank_reads_only_its_stage_and_gets_its_shards(tmp_path: Path, tied: b
     """load_stage_shards == slicing the full conversion, and it reads no tensor of another stage."""
     model = llama(tied=tied)
     model.save_pretrained(tmp_path, max_shard_size="50KB")  # several files behind an index
-    arch = hf_convert.read_hf_arch(model.config)
+    arch = hf_arch.read_hf_arch(model.config)
     full = hf_convert.hf_to_mcore_full(hf_params(model), arch, tp)
     for stage in range(pp):
         names = list(hf_convert.stage_param_names(arch, stage, pp).values())
@@ -338,7 +338,7 @@ def test_a_rank_reads_only_its_stage_and_gets_its_shards(tmp_path: Path, tied: b
     ],
 )
 def test_recompute_setting_maps_to_megatrons_fields(recompute: str, attention: str, expected: dict) -> None:
-    assert hf_convert.recompute_settings(recompute, attention) == expected
+    assert mcore_model.recompute_settings(recompute, attention) == expected
 
 
 @pytest.mark.parametrize(
@@ -356,7 +356,7 @@ def test_the_drivers_json_read_equals_the_actors_autoconfig_read(config, tmp_pat
     from transformers import AutoConfig
 
     config().save_pretrained(tmp_path)
-    assert hf_convert.read_student_arch(tmp_path) == hf_convert.read_hf_arch(AutoConfig.from_pretrained(tmp_path))
+    assert hf_arch.read_student_arch(tmp_path) == hf_arch.read_hf_arch(AutoConfig.from_pretrained(tmp_path))
 
 
 def test_the_drivers_json_read_refuses_what_the_actor_refuses(tmp_path: Path) -> None:
@@ -364,6 +364,6 @@ def test_the_drivers_json_read_refuses_what_the_actor_refuses(tmp_path: Path) ->
 
     MistralConfig(sliding_window=4096, **SHAPE).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
-        hf_convert.read_student_arch(tmp_path)
+        hf_arch.read_student_arch(tmp_path)
     with pytest.raises(UnsupportedModelError, match=r"has no config\.json"):
-        hf_convert.read_student_arch(tmp_path / "missing")
+        hf_arch.read_student_arch(tmp_path / "missing")

@@ -1,0 +1,151 @@
+"""The actor's loss driving: what the last pipeline stage computes from its logits shard per micro-batch.
+
+The configured divergence over the teacher's top-k (vocabulary-parallel over TP), or the
+sampled-token reverse KL with its policy statistics; each micro-batch gives a token *sum*, which
+megatron's schedule backpropagates and `finalize_model_grads` divides by the global token count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from recipe_gkd.actor import hf_arch
+from recipe_gkd.actor.collate import MicroBatch
+from recipe_gkd.actor.layout import RankLayout
+from recipe_gkd.config import Divergence, GKDConfig
+from recipe_gkd.losses import gkd_loss_sum, sampled_reverse_kl_loss_sum, vocab_parallel_gkd_loss_sum
+
+
+class ActorObjective:
+    """The loss of one micro-batch from this rank's logits shard [B, T, V_padded / tp], same on all TP ranks."""
+
+    def __init__(
+        self,
+        cfg: GKDConfig,
+        vocab_size: int,
+        layout: RankLayout,
+        device: torch.device,
+        *,
+        tp_group: dist.ProcessGroup,
+        pp_group: dist.ProcessGroup,
+        dp_group: dist.ProcessGroup,
+    ) -> None:
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.layout = layout
+        self.device = device
+        self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
+        self.vocab_start, self.vocab_shard = local_vocab_slice(vocab_size, layout)
+
+    @property
+    def sampled(self) -> bool:
+        """The sampled-token reverse KL (else a divergence over the teacher's top-k)."""
+        return self.cfg.algorithm.divergence == Divergence.sampled_reverse_kl
+
+    def train_loss(self, micro: MicroBatch, logits_BTv: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """megatron's loss function in training: (loss sum, loss tokens, logged sums)."""
+        # (loss sum, loss tokens, logged): with calculate_per_token_loss megatron keeps the sum as is.
+        num_tokens = torch.tensor(micro.num_tokens, dtype=torch.int, device=self.device)
+        if self.sampled:
+            loss_sum, logged = self.sampled_loss_sum(logits_BTv, micro)
+            return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().double(), **logged}
+        loss_sum, _ = self.loss_sum(logits_BTv, micro)
+        return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().double()}
+
+    def eval_loss(self, micro: MicroBatch, logits_BTv: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """megatron's loss function in evaluation: the objective's sum and the forward KL's (0 with teacher.top_k=0)."""
+        if self.sampled:
+            loss_sum = self.sampled_loss_sum(logits_BTv, micro)[0]
+        else:
+            loss_sum, _ = self.loss_sum(logits_BTv, micro)
+        kl_sum = torch.zeros((), dtype=loss_sum.dtype, device=self.device)
+        if self.cfg.teacher.top_k:
+            kl_sum, _ = self.loss_sum(logits_BTv, micro, divergence="forward_kl")
+        num_tokens = torch.tensor(micro.num_tokens, dtype=torch.int, device=self.device)
+        return loss_sum, num_tokens, {"sums": torch.stack([loss_sum, kl_sum]).double()}
+
+    def sampled_loss_sum(self, logits_BTv: Tensor, micro: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        """The sampled-token reverse-KL surrogate's sum over the loss tokens and its logged statistics."""
+        logits_BTv = logits_BTv[..., self.vocab_shard]
+        tp = self.layout.tp_size > 1
+        loss_sum, _, stats = sampled_reverse_kl_loss_sum(
+            logits_BTv,
+            micro.target_ids_BT,
+            micro.rollout_logprobs_BT,
+            micro.teacher_sampled_BT,
+            micro.loss_mask_BT,
+            ratio_clip=self.cfg.algorithm.ratio_clip,
+            vocab_start=self.vocab_start if tp else 0,
+            vocab_size=self.vocab_size if tp else None,
+            group=self.tp_group if tp else None,
+        )
+        sums = torch.stack([stats.advantage_sum, stats.ratio_sum, stats.clipped])
+        return loss_sum, {"policy_sums": sums, "policy_extremes": torch.stack([stats.ratio_max, -stats.ratio_min])}
+
+    def policy_stats(self, outputs: list[dict[str, Tensor]], global_tokens: int) -> dict[str, float]:
+        """Token means of the advantage and ratio, the clipped fraction, the ratio's range, over the global batch."""
+        sums = sum_from_last_stage([out["policy_sums"] for out in outputs], 3, self.layout, self.pp_group, self.device)
+        dist.all_reduce(sums, group=self.dp_group)
+        extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=self.device)
+        for out in outputs:
+            extremes = torch.maximum(extremes, out["policy_extremes"].reshape(2))
+        if self.layout.pp_size > 1:
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.pp_group)  # -inf except on the last stage
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.dp_group)
+        advantage, ratio, clipped = (float(x) / global_tokens for x in sums.tolist())
+        return {
+            "advantage_mean": advantage,
+            "ratio_mean": ratio,
+            "ratio_max": float(extremes[0].item()),
+            "ratio_min": -float(extremes[1].item()),
+            "ratio_clipped_frac": clipped,
+        }
+
+    def loss_sum(self, logits_BTv: Tensor, micro: MicroBatch, divergence: str | None = None) -> tuple[Tensor, Tensor]:
+        """Sum of per-token divergences over the micro-batch's loss tokens (same on all TP ranks)."""
+        a = self.cfg.algorithm
+        kwargs: dict[str, Any] = {
+            "divergence": divergence or a.divergence.value,
+            "beta": a.beta,
+            "temperature": a.temperature,
+            "tail": a.tail,
+            "teacher_tail_logmass": micro.teacher_tail_BT,
+        }
+        # Padded vocabulary columns are not tokens: they are cut off, never given mass.
+        logits_BTv = logits_BTv[..., self.vocab_shard]
+        batch = (micro.teacher_logprobs_BTK, micro.teacher_ids_BTK, micro.loss_mask_BT)
+        if self.layout.tp_size == 1:
+            return gkd_loss_sum(logits_BTv, *batch, **kwargs)
+        return vocab_parallel_gkd_loss_sum(
+            logits_BTv,
+            *batch,
+            vocab_start=self.vocab_start,
+            vocab_size=self.vocab_size,
+            group=self.tp_group,
+            **kwargs,
+        )
+
+
+def local_vocab_slice(vocab_size: int, layout: RankLayout) -> tuple[int, slice]:
+    """This rank's first vocabulary id and its real (unpadded) vocabulary columns of its logits shard."""
+    padded = hf_arch.padded_vocab_size(vocab_size, layout.tp_size)
+    shard = padded // layout.tp_size
+    vocab_start = layout.tp_rank * shard
+    return vocab_start, slice(0, max(0, min(shard, vocab_size - vocab_start)))
+
+
+def sum_from_last_stage(
+    values: list[Tensor], width: int, layout: RankLayout, pp_group: dist.ProcessGroup, device: torch.device
+) -> Tensor:
+    """The sum of the last stage's per-micro-batch values [width], on every stage of the pipeline."""
+    total = torch.zeros(width, dtype=torch.float64, device=device)
+    for value in values:
+        total += value.reshape(width)
+    if layout.pp_size > 1:
+        dist.all_reduce(total, group=pp_group)  # zeros except on the last stage
+    return total

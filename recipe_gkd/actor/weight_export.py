@@ -1,0 +1,141 @@
+"""The actor's weights in HF form: gathered over TP, sent between pipeline stages, and written as an HF directory.
+
+`WeightExporter.iter_hf_tensors` yields (HF name, tensor) one conversion unit (a decoder layer) at
+a time on global rank 0 (every rank takes part): replica 0's TP ranks gather each parameter of
+their stage, a later stage's TP rank 0 sends it to rank 0 point to point. `write_hf_dir` writes
+what it yields as config, model.safetensors and tokenizer files.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from recipe_gkd.actor import hf_arch, hf_convert
+from recipe_gkd.actor.layout import RankLayout
+
+WEIGHTS_FILE = "model.safetensors"
+# Largest rank of a weight sent between pipeline stages during export (matrices and vectors).
+MAX_EXPORT_NDIM = 4
+# Parameter dtypes a pipeline stage may send to rank 0 in an export (their index travels in the header).
+EXPORT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Files of an HF directory that hold weights or the model config (everything else is copied).
+HF_NON_TOKENIZER_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".pt", ".pth")
+
+
+class WeightExporter:
+    """This rank's part of exporting the whole model's weights to global rank 0."""
+
+    def __init__(
+        self,
+        gpt: torch.nn.Module,
+        arch: hf_arch.HFArch,
+        global_names: dict[str, str],
+        layout: RankLayout,
+        rank: int,
+        device: torch.device,
+        tp_group: dist.ProcessGroup,
+    ) -> None:
+        self.gpt = gpt
+        self.arch = arch
+        # This stage's parameter names -> names in the whole model (layers renumbered per stage).
+        self.global_names = global_names
+        self.layout = layout
+        self.rank = rank
+        self.device = device
+        self.tp_group = tp_group
+
+    def iter_hf_tensors(self, on_device: bool, fp32: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """The current weights as (HF name, torch tensor), unit by unit, on global rank 0 only (every rank calls).
+
+        on_device: each tensor stays on this rank's device in the training dtype (bf16 params: bf16), as
+        gathered: a GPU export for an NCCL broadcast never visits host memory. Such tensors may be the live
+        parameters (TP=1): consume them before the next optimizer step. Otherwise a copy on the host, in the
+        training dtype (the object store) or, with `fp32`, in fp32 (HF checkpoints).
+        """
+        if self.layout.dp_rank != 0:
+            return
+        params = dict(self.gpt.named_parameters())
+        # The tied embedding's copy on the last stage is the first stage's embedding: exported once.
+        owned = {g: params[local] for local, g in self.global_names.items() if local == g or g != hf_convert.EMBEDDING}
+        for unit, names in hf_convert.mcore_units(self.arch).items():
+            full = {name: self._whole_on_rank0(name, owned.get(name), on_device, fp32) for name in names}
+            if self.rank == 0:
+                whole = {name: tensor for name, tensor in full.items() if tensor is not None}
+                yield from hf_convert.mcore_unit_to_hf(unit, whole, self.arch).items()
+
+    def _whole_on_rank0(self, name: str, param: Tensor | None, on_device: bool, fp32: bool) -> Tensor | None:
+        """Global parameter `name` unsharded on global rank 0 (None on every other rank): on this rank's
+        device in the parameter's dtype (`on_device`), else a host copy in that dtype or (`fp32`) in fp32."""
+        owner = hf_convert.owner_stage(name, self.arch, self.layout.pp_size)
+        if self.layout.pp_rank != owner:
+            if self.rank != 0:
+                return None
+            received = self._recv_tensor(src=self.layout.global_rank(0, 0, owner))
+            return received if on_device else received.to("cpu", torch.float32 if fp32 else received.dtype)
+        if param is None:
+            raise RuntimeError(f"weight export: {name} is missing from pipeline stage {owner}")
+        shards = self._gather_to_tp_rank0(param.detach())
+        if shards is None:
+            return None
+        whole = hf_convert.unshard_from_tp(name, shards)
+        if self.rank != 0:
+            self._send_tensor(whole, dst=0)
+            return None
+        if on_device:
+            # At TP=1 this is the live parameter itself: no copy, the broadcast packs it into its bucket
+            # before the next optimizer step can change it.
+            return whole
+        # A copy: at TP=1 the shard is the live parameter, which the next step updates in place.
+        return whole.to("cpu", torch.float32 if fp32 else whole.dtype, copy=True)
+
+    def _send_tensor(self, tensor: Tensor, dst: int) -> None:
+        """Point to point (default group): a fixed-size header (dtype code, rank, shape), then the tensor as is."""
+        header = torch.zeros(2 + MAX_EXPORT_NDIM, dtype=torch.int64, device=self.device)
+        header[0] = EXPORT_DTYPES.index(tensor.dtype)
+        header[1] = tensor.dim()
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        dist.send(header, dst)
+        dist.send(tensor.to(self.device).contiguous(), dst)
+
+    def _recv_tensor(self, src: int) -> Tensor:
+        """The tensor `_send_tensor` sent, on this rank's device, in the sender's dtype."""
+        header = torch.zeros(2 + MAX_EXPORT_NDIM, dtype=torch.int64, device=self.device)
+        dist.recv(header, src)
+        shape = header[2 : 2 + int(header[1])].tolist()
+        tensor = torch.empty(shape, dtype=EXPORT_DTYPES[int(header[0])], device=self.device)
+        dist.recv(tensor, src)
+        return tensor
+
+    def _gather_to_tp_rank0(self, local: Tensor) -> list[Tensor] | None:
+        if self.layout.tp_size == 1:
+            return [local]
+        shards = [torch.empty_like(local) for _ in range(self.layout.tp_size)] if self.layout.tp_rank == 0 else None
+        dst = dist.get_global_rank(self.tp_group, 0)
+        dist.gather(local.contiguous(), gather_list=shards, dst=dst, group=self.tp_group)
+        return shards
+
+
+def write_hf_dir(state: dict[str, np.ndarray], out: Path, student_path: Path, tokenizer_path: Path) -> None:
+    """An HF directory in `out`: the student's config (dtype float32), `state` as model.safetensors, its tokenizer."""
+    from safetensors.numpy import save_file
+    from transformers import AutoConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config = AutoConfig.from_pretrained(student_path)
+    hf_config.dtype = "float32"  # the exported weights are fp32 whatever the training precision
+    hf_config.save_pretrained(out)
+    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    _copy_tokenizer_files(tokenizer_path, out)
+
+
+def _copy_tokenizer_files(source: Path, out: Path) -> None:
+    for path in source.iterdir():
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(HF_NON_TOKENIZER_SUFFIXES):
+            shutil.copy2(path, out / path.name)
