@@ -7,8 +7,9 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from recipe_gkd.config import load_config
+from recipe_gkd.config import GKDConfig, load_config
 from recipe_gkd.divergence_watch import DIVERGENCE_FILE, FLOOR, PATIENCE, RISE, DivergenceWatch
 
 
@@ -100,3 +101,18 @@ def test_a_resumed_run_keeps_its_start_and_what_it_said(tmp_path: Path) -> None:
     assert [step for step, _ in fired] == [8] and "steps 1-3" in fired[0][1]
     # A fresh start (no checkpoint) takes its start from its own first steps.
     assert DivergenceWatch.for_run(cfg, first_step=0).threshold is None
+
+
+def test_a_run_stopped_for_divergence_exits_5(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """main's exit code for gkd.RunDiverged (raised by the loop: tests/integration/test_gkd_loop.py)."""
+    from recipe_gkd import gkd, main
+
+    def diverges(cfg: GKDConfig, plan: object) -> Path:
+        raise gkd.RunDiverged("diverging at step 9: ...; stopped after checkpoint X (trainer.stop_on_divergence=true)")
+
+    monkeypatch.setattr(gkd, "run", diverges)
+    code = main.main([f"trainer.run_dir={tmp_path / 'run'}", "trainer.stop_on_divergence=true"])
+    assert code == main.EXIT_DIVERGED == 5
+    assert "error: diverging at step 9" in capsys.readouterr().err
