@@ -7,8 +7,9 @@
    tail bucket (or algorithm.divergence=sampled_reverse_kl: a policy-gradient step with the advantage
    log t - log s_old of each sampled token), token mean over the whole global batch, one optimizer step.
 3. The new weights go to every rollout worker; the weight version goes up by one.
-4. Metrics every step; evaluation every trainer.eval_every steps; a checkpoint every
-   trainer.save_every steps (resumed from by trainer.resume=auto); the student exported at the end.
+4. Metrics every step (a diverging objective is named in one line: divergence_watch.py); evaluation
+   every trainer.eval_every steps; a checkpoint every trainer.save_every steps (resumed from by
+   trainer.resume=auto); the student exported at the end.
 
     python -m recipe_gkd.main                                            # CPU demo
     python -m recipe_gkd.main --config configs/presets/1x8_a1_r3_t4.yaml  # one 8-GPU node
