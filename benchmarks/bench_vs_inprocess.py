@@ -5,7 +5,7 @@
 
 The in-process loop is benchmarks/bench_demo_distill.py (one process, no Ray, no server: sample
 with the student, teacher forward, student step), the recipe is the CLI on the demo preset;
-same models, data and hyperparameters (batch 64, lr 3e-3, forward KL, lmbda 1, 16 new tokens,
+same models, data and hyperparameters (batch 64, the preset's lr, forward KL, lmbda 1, 16 new tokens,
 evaluation every 25 steps on the 500 held-out prompts). `--baseline-root` adds the CLI of
 another checkout (e.g. the commit before a change) as one more row. The runs alternate round
 by round, so load from other processes on a shared machine hits every row alike; the table
@@ -28,12 +28,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from recipe_gkd.config import load_config
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "vs_inprocess.json"
 WARMUP_STEPS = 3
 GAIN = 0.30
 PHASES = ("generate_s", "teacher_s", "train_s", "sync_s", "step_s")
 EVAL_EVERY = 25
+# The in-process loop trains at the demo preset's learning rate (the recipe's).
+PRESET_LR = load_config(None).actor.optim.lr
 
 
 def in_process(run_dir: Path, steps: int) -> dict[str, Any]:
@@ -44,6 +48,7 @@ def in_process(run_dir: Path, steps: int) -> dict[str, Any]:
         str(ROOT / "benchmarks" / "bench_demo_distill.py"),
         f"--steps={steps}",
         f"--eval-every={EVAL_EVERY}",
+        f"--lr={PRESET_LR}",
         f"--out={out}",
     ]
     start = time.perf_counter()

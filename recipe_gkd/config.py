@@ -348,6 +348,9 @@ class TrainerConfig:
     """Metric sinks: console, jsonl (metrics.jsonl), tensorboard, wandb."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """The W&B run when trainer.loggers has wandb."""
+    stop_on_divergence: bool = False
+    """When the objective diverges (its own figure above 3x its start for 5 steps; docs/divergence.md), checkpoint
+    and stop with exit code 5; false: print the line, keep it in summary.txt and go on."""
 
 
 @dataclass

@@ -7,8 +7,9 @@
    tail bucket (or algorithm.divergence=sampled_reverse_kl: a policy-gradient step with the advantage
    log t - log s_old of each sampled token), token mean over the whole global batch, one optimizer step.
 3. The new weights go to every rollout worker; the weight version goes up by one.
-4. Metrics every step; evaluation every trainer.eval_every steps; a checkpoint every
-   trainer.save_every steps (resumed from by trainer.resume=auto); the student exported at the end.
+4. Metrics every step (a diverging objective is named in one line: divergence_watch.py); evaluation
+   every trainer.eval_every steps; a checkpoint every trainer.save_every steps (resumed from by
+   trainer.resume=auto); the student exported at the end.
 
     python -m recipe_gkd.main                                            # CPU demo
     python -m recipe_gkd.main --config configs/presets/1x8_a1_r3_t4.yaml  # one 8-GPU node
@@ -33,6 +34,7 @@ import numpy as np
 from recipe_gkd import checkpoint, console
 from recipe_gkd.batch import RolloutStats
 from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, to_dict, weight_transport
+from recipe_gkd.divergence_watch import DIVERGENCE_FILE, DivergenceWatch
 from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics
 from recipe_gkd.placement import PlacementPlan
 from recipe_gkd.plots import before_after_table, plot_run
@@ -53,6 +55,10 @@ MEMORY_SUFFIXES = ("_rss_mb", "_gpu_peak_mb")
 
 class RunStopped(RuntimeError):
     """The run stopped on purpose (a teacher that stays down); the message is one line saying what to do."""
+
+
+class RunDiverged(RuntimeError):
+    """trainer.stop_on_divergence: the objective diverged, the run saved a checkpoint and stopped."""
 
 
 @dataclass
@@ -119,8 +125,11 @@ def report(cfg: GKDConfig, teacher: AnswerAccuracy | None = None, teacher_line: 
             lines.append(f"plots: {plot_run(run_dir, accuracy)}")
         except Exception as err:  # noqa: BLE001 -- a plot is not worth failing a trained run for
             lines.append(f"plots: not drawn ({_one_line(err)})")
-        lines += ["", before_after_table(evals, accuracy), student_answers_line(cfg, evals)]
+        table = before_after_table(evals, accuracy, cfg.algorithm.divergence.value)
+        lines += ["", table, student_answers_line(cfg, evals)]
         lines += [teacher_line] if teacher_line else []
+    diverged = run_dir / DIVERGENCE_FILE
+    lines += ["", diverged.read_text().strip()] if diverged.is_file() else []
     text = "\n".join(lines)
     (run_dir / "summary.txt").write_text(text + "\n")
     print("\n" + text, flush=True)
@@ -152,6 +161,7 @@ def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | N
         evaluate(cfg, pools, metrics, step=0)
     metrics.start_progress(first)
     pipeline = RolloutPipeline(cfg, pools, first)
+    watch = DivergenceWatch.for_run(cfg, first)
     for step in range(first, cfg.trainer.total_steps):
         start = time.perf_counter()
         rollout = next_batch(cfg, pools, pipeline, step, version)  # launches the work the schedule overlaps
@@ -165,6 +175,7 @@ def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | N
         if cfg.debug.log_memory:
             row.update(memory_row(rollout, stats))
         metrics.log_step(row)
+        watch_divergence(cfg, pools, watch, row, version)
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
             evaluate(cfg, pools, metrics, step=step + 1)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
@@ -267,6 +278,19 @@ def stop_for_teacher(
         f"teacher server down ({type(cause).__name__}: {reason}); {saved}. Restart the teacher at "
         f"teacher.address={cfg.teacher.address} and rerun the same command to continue"
     )
+
+
+def watch_divergence(cfg: GKDConfig, pools: Pools, watch: DivergenceWatch, row: dict[str, Any], version: int) -> None:
+    """The first time the objective diverges: print the line and keep it for the summary; with
+    trainer.stop_on_divergence, also checkpoint the trained steps and stop (exit 5)."""
+    line = watch.observe(row)
+    if line is None:
+        return
+    print(line, flush=True)
+    (Path(cfg.trainer.run_dir) / DIVERGENCE_FILE).write_text(line + "\n")
+    if cfg.trainer.stop_on_divergence:
+        saved = checkpoint.save(cfg, pools, row["step"], version)
+        raise RunDiverged(f"{line}; stopped after checkpoint {saved} (trainer.stop_on_divergence=true)")
 
 
 def check_staleness(cfg: GKDConfig, rollout: Rollout, version: int) -> None:

@@ -22,6 +22,8 @@ EXIT_BAD_CONFIG = 2
 EXIT_STOPPED = 3
 # A phase exceeded debug.hang_timeout_s: the workers' stacks are in <run_dir>/hang_<phase>_<time>/.
 EXIT_HANG = 4
+# trainer.stop_on_divergence: the objective diverged; the run saved a checkpoint and stopped (docs/divergence.md).
+EXIT_DIVERGED = 5
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if not report_memory_plan(cfg):
         return EXIT_BAD_CONFIG
     write_resolved_config(cfg)
-    from recipe_gkd.gkd import RunStopped, run
+    from recipe_gkd.gkd import RunDiverged, RunStopped, run
     from recipe_gkd.watchdog import PhaseTimeoutError
 
     try:
@@ -120,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_STOPPED
+    except RunDiverged as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_DIVERGED
     except PhaseTimeoutError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_HANG

@@ -44,16 +44,30 @@ def _line(ax: Any, rows: list[dict[str, Any]], key: str, title: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def before_after_table(evals: list[dict[str, Any]], teacher_accuracy: float | None) -> str:
-    """The demo's summary: student accuracy and divergence to the teacher, first vs last evaluation."""
+# The summary's name of each objective's held-out figure (eval.jsonl's eval_divergence, on the greedy responses).
+OBJECTIVE_ROWS = {
+    "reverse_kl": "reverse KL to the teacher",
+    "jsd": "JSD to the teacher",
+    # Greedy tokens are no samples: the mean of log s - log t over them, not a KL estimate.
+    "sampled_reverse_kl": "log s - log t, greedy tokens",
+}
+
+
+def before_after_table(evals: list[dict[str, Any]], teacher_accuracy: float | None, divergence: str) -> str:
+    """The demo's summary, first vs last evaluation: student accuracy, the teacher KL where measured (a top-k),
+    the trained objective's own held-out figure (`divergence`: algorithm.divergence) and the teacher's accuracy."""
     if not evals:
         return "no evaluation was run (trainer.eval_every=0)"
     first, last = evals[0], evals[-1]
-    rows = [
-        ("student held-out accuracy", _pct(first.get("eval_reward")), _pct(last.get("eval_reward"))),
-        ("divergence to the teacher", _num(first.get("eval_teacher_kl")), _num(last.get("eval_teacher_kl"))),
-        ("teacher held-out accuracy", _pct(teacher_accuracy), _pct(teacher_accuracy)),
-    ]
+    rows = [("student held-out accuracy", _pct(first.get("eval_reward")), _pct(last.get("eval_reward")))]
+    kl = (first.get("eval_teacher_kl"), last.get("eval_teacher_kl"))
+    if kl != (None, None):
+        # KL(teacher || student) over the K + 1 outcomes: null with teacher.top_k=0, then left out.
+        rows.append(("divergence to the teacher", _num(kl[0]), _num(kl[1])))
+    if divergence in OBJECTIVE_ROWS:
+        label = OBJECTIVE_ROWS[divergence]
+        rows.append((label, _num(first.get("eval_divergence")), _num(last.get("eval_divergence"))))
+    rows.append(("teacher held-out accuracy", _pct(teacher_accuracy), _pct(teacher_accuracy)))
     header = f"{'':28}{'step ' + str(first['step']):>14}{'step ' + str(last['step']):>14}"
     return "\n".join([header] + [f"{name:28}{a:>14}{b:>14}" for name, a, b in rows])
 

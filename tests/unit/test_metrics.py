@@ -27,12 +27,36 @@ def test_jsonl_tensorboard_and_plots(tmp_path: Path, capsys) -> None:
     assert "[step 2] loss=0.5" in capsys.readouterr().out
     png = plot_run(tmp_path, teacher_accuracy=0.99)
     assert png.stat().st_size > 10_000
-    table = before_after_table(read_metrics(tmp_path, "eval.jsonl"), 0.99)
+    table = before_after_table(read_metrics(tmp_path, "eval.jsonl"), 0.99, "forward_kl")
     assert "25.0%" in table and "75.0%" in table and "99.0%" in table and "0.8000" in table
 
 
 def test_table_without_evaluation() -> None:
-    assert "no evaluation" in before_after_table([], None)
+    assert "no evaluation" in before_after_table([], None, "forward_kl")
+
+
+def table_rows(table: str) -> dict[str, list[str]]:
+    """The table's rows by label: {label: [first, last]} (labels are the 28-character column)."""
+    return {line[:28].strip(): line[28:].split() for line in table.splitlines()[1:]}
+
+
+def test_table_shows_the_objectives_own_held_out_figure() -> None:
+    # The sampled objective with teacher.top_k=0: no teacher KL is measured, its own figure is.
+    evals = [
+        {"step": 0, "eval_reward": 0.30, "eval_teacher_kl": None, "eval_divergence": 8.54},
+        {"step": 16, "eval_reward": 0.41, "eval_teacher_kl": None, "eval_divergence": 2.49},
+    ]
+    rows = table_rows(before_after_table(evals, None, "sampled_reverse_kl"))
+    assert rows["log s - log t, greedy tokens"] == ["8.5400", "2.4900"]
+    assert "divergence to the teacher" not in rows, "a row of '-' for a figure never measured"
+    # With a top-k both are measured: the teacher KL and the trained divergence, each named.
+    for row, kl in zip(evals, (0.9, 0.4), strict=True):
+        row["eval_teacher_kl"] = kl
+    rows = table_rows(before_after_table(evals, None, "reverse_kl"))
+    assert rows["divergence to the teacher"] == ["0.9000", "0.4000"]
+    assert rows["reverse KL to the teacher"] == ["8.5400", "2.4900"]
+    # Forward KL: its own figure is the teacher KL, shown once.
+    assert len(table_rows(before_after_table(evals, None, "forward_kl"))) == 3
 
 
 def wandb_records(run_file: Path) -> list[Any]:
