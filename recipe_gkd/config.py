@@ -27,6 +27,7 @@ from teacher_server.config import (
     TeacherLocation,
     bounded,
     check_fields,
+    min_vllm_model_len,
     one_of,
     require,
     validate_teacher_section,
@@ -749,11 +750,13 @@ def _validate_teacher(cfg: GKDConfig) -> None:
         "the driver can only autostart a local teacher; start a remote one with launch/start_teacher.sh",
     )
     longest = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    least = min_vllm_model_len(longest)
     require(
-        t.max_model_len == 0 or t.max_model_len >= longest,
+        t.max_model_len == 0 or t.max_model_len >= least,
         "teacher.max_model_len",
         f"is {t.max_model_len} but the teacher scores sequences of up to data.max_prompt_length + "
-        f"rollout.sampling.max_new_tokens = {longest} tokens; raise it to >= {longest} (or 0: the model's own)",
+        f"rollout.sampling.max_new_tokens = {longest} tokens and vLLM needs one more (it samples a token "
+        f"after each): raise it to >= {least} (or 0: the model's own)",
     )
     require(
         not (t.autostart and cfg.cluster.nnodes > 1),

@@ -270,7 +270,7 @@ def gpu_checks(out: Path, steps: int) -> dict[str, Callable[[], Check]]:
         return cache["gpu"]
 
     small = ["data.train_batch_size=16", "data.eval_batch_size=16", "rollout.sampling.max_new_tokens=256"]
-    small += ["data.max_prompt_length=256", "teacher.max_model_len=512"]
+    small += ["data.max_prompt_length=256", "teacher.max_model_len=513"]
 
     def colocated(backend: str) -> Check:
         engines = [f"rollout.backend={backend}", f"teacher.backend={backend}"]

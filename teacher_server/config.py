@@ -123,10 +123,22 @@ class TeacherConfig:
     replica_timeout_s: float = bounded(30.0, gt=0)
     # Teacher weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.
     dtype: str = one_of("auto", ("auto", "float32", "bfloat16", "float16"))
-    # vllm backend: fraction of each replica GPU's memory for weights + KV cache, and the longest
-    # sequence (prompt + response) it scores; 0 takes the model's own maximum.
+    # vllm backend: fraction of each replica GPU's memory for weights + KV cache, and vLLM's
+    # max_model_len: the longest sequence (prompt + response) it scores plus VLLM_LEN_MARGIN;
+    # 0 takes the model's own maximum.
     gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
     max_model_len: int = bounded(0, ge=0, note="0: the model's own")
+
+
+# vLLM scores a sequence as a prompt and then samples one token after it, so a sequence must be
+# shorter than max_model_len: vllm/v1/engine/input_processor.py `_validate_prompt_len` (0.24.0,
+# 0.33.0) and the one sampled token's slot. teacher_server/backends/vllm.py refuses it first.
+VLLM_LEN_MARGIN = 1
+
+
+def min_vllm_model_len(longest_sequence: int) -> int:
+    """The smallest vLLM max_model_len that scores sequences of `longest_sequence` tokens."""
+    return longest_sequence + VLLM_LEN_MARGIN
 
 
 def require(ok: bool, key: str, message: str) -> None:

@@ -435,6 +435,8 @@ COLOCATED_RULES = [
     (["actor.gpu_memory_utilization=0"], "actor.gpu_memory_utilization"),
     (["actor.gpu_memory_utilization=0.6"], "actor.gpu_memory_utilization"),  # 0.6 + 0.2 + 0.25 > 1
     (["teacher.max_model_len=1024"], "teacher.max_model_len"),  # < 1024 + 1024 tokens scored
+    # 1024 + 1024 tokens scored need one more: vLLM samples a token after each sequence it scores.
+    (["teacher.max_model_len=2048"], "teacher.max_model_len"),
 ]
 
 
