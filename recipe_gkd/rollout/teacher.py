@@ -61,15 +61,16 @@ def start_local_teacher(cfg: GKDConfig) -> Iterator[Callable[[], str]]:
     resolved config, so it serves exactly what the trainer expects; its log goes to
     <run_dir>/teacher_server.log.
     """
-    from recipe_gkd.placement import build_plan
+    from recipe_gkd.placement import build_plan, gpu_list
     from teacher_server.launcher import start_teacher
 
     run_dir = Path(cfg.trainer.run_dir)
     resolved = run_dir / "resolved_config.yaml"
     if not resolved.is_file():
         resolved.write_text(to_yaml(cfg))
-    # The server reads the teacher section only: its GPUs are what this run's plan leaves over.
-    gpu_ids = ",".join(map(str, build_plan(cfg).teacher_gpu_ids(0)))
+    # The server reads the teacher section only: its GPUs are what this run's plan leaves over,
+    # through a preset CUDA_VISIBLE_DEVICES as Ray maps the actor's and rollout's.
+    gpu_ids = gpu_list(build_plan(cfg).teacher_gpu_ids(0))
     threads = cpu_threads(cfg)["teacher"]
     with start_teacher(
         resolved,
