@@ -140,8 +140,8 @@ class ClusterConfig:
     ray_object_store_mb: int = bounded(0, ge=0, note="0: auto from the student's size")
     # Every wait for Ray resources (placement groups, worker start) is bounded by this.
     placement_timeout_s: float = bounded(120.0, gt=0)
-    # Memory of one GPU as torch reports it (an 80 GB H100/A100: ~79 GiB): the budget of the memory plan.
-    gpu_memory_gib: float = bounded(79.0, gt=0)
+    # Memory of one GPU, the memory plan's budget; 0 reads the device (nvidia-smi, recipe_gkd/gpu_memory.py).
+    gpu_memory_gib: float = bounded(0.0, ge=0, note="0: read the device")
     # Every role on the same GPUs of one node (the first GPU a user meets): actor rank i, rollout
     # engine i and the teacher share GPU i, each within its own memory share (actor.gpu_memory_utilization,
     # rollout.gpu_memory_utilization, teacher.gpu_memory_utilization), set up one after another.

@@ -52,10 +52,14 @@ def report_memory_plan(cfg: GKDConfig) -> bool:
     """Print the per-GPU memory plan (GPU runs); False when a role does not fit and debug.memory_check is on."""
     from recipe_gkd.memory_plan import build_memory_plan, check_memory_plan, format_memory_plan
 
-    memory = build_memory_plan(cfg)
+    try:
+        memory = build_memory_plan(cfg)
+    except ConfigError as err:  # cluster.gpu_memory_gib is not this node's GPU
+        print(f"error: {err}", file=sys.stderr)
+        return False
     if memory is None:
         return True
-    print(format_memory_plan(memory, cfg.cluster.gpu_memory_gib), flush=True)
+    print(format_memory_plan(memory), flush=True)
     try:
         check_memory_plan(memory)
     except ConfigError as err:

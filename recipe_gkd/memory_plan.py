@@ -19,6 +19,7 @@ raises ConfigError naming the key to change (`check_memory_plan`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from recipe_gkd.config import (
     colocated_shares,
     weight_transport,
 )
+from recipe_gkd.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
 from teacher_server.config import TeacherBackend, TeacherLocation
 from teacher_server.model_refs import HUB_ID
 
@@ -115,6 +117,9 @@ class RoleMemory:
 class MemoryPlan:
     roles: list[RoleMemory]
     skipped: list[str]
+    # One GPU's size the plan budgets, and where it came from (recipe_gkd/gpu_memory.py).
+    gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB
+    gpu_memory_source: str = ""
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -408,10 +413,15 @@ def teacher_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
 # ----------------------------------------------------------------------------- plan
 
 
-def build_memory_plan(cfg: GKDConfig) -> MemoryPlan | None:
-    """The plan for a GPU run (None on cluster.device=cpu, where nothing is on a GPU)."""
+def build_memory_plan(cfg: GKDConfig, query: GpuQuery | None = None) -> MemoryPlan | None:
+    """The plan for a GPU run (None on cluster.device=cpu, where nothing is on a GPU).
+
+    Budgets one GPU of cluster.gpu_memory_gib, or (0) of this node's real GPUs (`query`); raises
+    ConfigError naming cluster.gpu_memory_gib when the configured size is not the device's."""
     if cfg.cluster.device == Device.cpu:
         return None
+    gpu = plan_gpu_memory(cfg, query)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, gpu_memory_gib=gpu.gib))
     skipped: list[str] = []
     roles: list[RoleMemory] = []
     student = read_shape(cfg.model.student_path, "model.student_path", skipped)
@@ -432,7 +442,7 @@ def build_memory_plan(cfg: GKDConfig) -> MemoryPlan | None:
             roles.append(teacher_memory(cfg, teacher_shape))
     if cfg.cluster.colocate:
         roles.insert(0, colocated_gpu(cfg, roles))
-    return MemoryPlan(roles=roles, skipped=skipped)
+    return MemoryPlan(roles=roles, skipped=skipped, gpu_memory_gib=gpu.gib, gpu_memory_source=gpu.source)
 
 
 def colocated_gpu(cfg: GKDConfig, roles: list[RoleMemory]) -> RoleMemory:
@@ -476,8 +486,8 @@ def colocated_gpu(cfg: GKDConfig, roles: list[RoleMemory]) -> RoleMemory:
     return gpu
 
 
-def format_memory_plan(plan: MemoryPlan, gpu_memory_gib: float) -> str:
-    lines = [f"memory plan (estimate, GiB per GPU of cluster.gpu_memory_gib={gpu_memory_gib}):"]
+def format_memory_plan(plan: MemoryPlan) -> str:
+    lines = [f"memory plan (estimate, GiB per GPU of {plan.gpu_memory_gib} GiB, from {plan.gpu_memory_source}):"]
     for role in plan.roles:
         verdict = "fits" if role.fits else "DOES NOT FIT"
         lines.append(
