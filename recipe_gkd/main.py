@@ -104,12 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from recipe_gkd.actor.hf_convert import UnsupportedModelError
     from recipe_gkd.data import check_record_fields
+    from recipe_gkd.memory_plan import object_store_mib
+    from recipe_gkd.shm import check_shared_memory
 
     try:
         resolve_config_models(cfg)  # hub ids -> their snapshot directories in the HF cache
         check_local_paths(cfg)
         check_record_fields(cfg)
         check_student_split(cfg)
+        check_shared_memory(cfg, object_store_mib(cfg))
     except (ConfigError, UnsupportedModelError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
