@@ -58,7 +58,7 @@ def plan_gpu_memory(cfg: GKDConfig, query: GpuQuery | None = None) -> GpuMemory:
     if gpus is None:
         if configured:
             return GpuMemory(configured, "cluster.gpu_memory_gib (no GPU here to check it against)")
-        return GpuMemory(DEFAULT_GPU_MEMORY_GIB, f"cluster.gpu_memory_gib=0 and no GPU here: {DEFAULT_GPU_MEMORY_GIB}")
+        return GpuMemory(DEFAULT_GPU_MEMORY_GIB, "cluster.gpu_memory_gib=0 and no GPU here: an 80 GB card")
     by_id = {key: mib for index, uuid, mib in gpus for key in (index, uuid)}
     wanted = physical_gpu_ids(range(cfg.cluster.gpus_per_node))
     missing = [g for g in wanted if g not in by_id]
@@ -75,4 +75,4 @@ def plan_gpu_memory(cfg: GKDConfig, query: GpuQuery | None = None) -> GpuMemory:
             f"is {configured} but GPU {smallest} of this node has {real} GiB (nvidia-smi); the memory shares are "
             f"fractions of the real device: set cluster.gpu_memory_gib=0 (read the device) or {real}",
         )
-    return GpuMemory(configured or real, f"GPU {smallest} of this node (nvidia-smi): {real} GiB")
+    return GpuMemory(configured or real, f"GPU {smallest} of this node (nvidia-smi)")
