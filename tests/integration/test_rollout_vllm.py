@@ -109,6 +109,51 @@ def test_sampled_logprobs_match_the_model(engine_and_dirs) -> None:
             np.testing.assert_allclose(gen.logprobs, reference, atol=1e-4)
 
 
+class ThreadRecorder:
+    """Stands in for the engine's `LLM`: records the thread of every call into it, then makes the call."""
+
+    def __init__(self, llm: object) -> None:
+        self.llm, self.threads = llm, set[int]()
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.llm, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: object, **kwargs: object) -> object:
+            self.threads.add(threading.get_ident())
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def test_every_engine_call_runs_on_the_engines_own_thread(engine_and_dirs) -> None:
+    """The rollout worker serves two calls at once (Ray max_concurrency=2): vLLM still sees one thread."""
+    engine, student, _ = engine_and_dirs
+    llm = engine.llm
+    engine.llm = recorder = ThreadRecorder(llm)
+    errors: list[BaseException] = []
+
+    def calls() -> None:
+        try:
+            engine.generate([[1, 4, 72, 73, 5]], greedy=True)
+            engine.token_logprobs(PROBE)
+            engine.update_weights(iter(_weights(student).items()))
+        except BaseException as err:  # reported below, from the test's thread
+            errors.append(err)
+
+    try:
+        callers = [threading.Thread(target=calls) for _ in range(2)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(timeout=300)
+    finally:
+        engine.llm = llm
+    assert not errors, errors
+    assert recorder.threads == {engine.thread.ident}
+
+
 def test_object_store_update_is_in_memory_and_exact(engine_and_dirs) -> None:
     engine, student, other = engine_and_dirs
     named = _weights(other)
