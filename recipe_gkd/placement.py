@@ -161,8 +161,8 @@ def _colocated_plan(cfg: GKDConfig) -> PlacementPlan:
     return PlacementPlan(1, gpus, workers, teacher, colocated=True)
 
 
-def format_plan(plan: PlacementPlan) -> str:
-    """The placement report: one line per worker and teacher replica."""
+def format_plan(plan: PlacementPlan, env: Mapping[str, str] | None = None) -> str:
+    """The placement report: one line per worker and teacher replica (GPU ids of the plan, see physical_gpu_ids)."""
     rows = [("role", "rank", "node", "bundle", "CUDA_VISIBLE_DEVICES")]
     for s in plan.all_slots():
         bundle = str(plan.bundle_index(s)) if s.role != "teacher" else "-"
@@ -174,6 +174,9 @@ def format_plan(plan: PlacementPlan) -> str:
         lines += [
             f"GPU {g} of node {node} is shared (colocated): {', '.join(r)}" for g, r in plan.shared_gpus(node).items()
         ]
+    mask = visible_devices(env)
+    if mask is not None:  # the ids above are the plan's; this node's devices are the mask's entries
+        lines.append(f"{VISIBLE_DEVICES_VAR}={','.join(mask)} is set here: plan GPU i is its i-th device")
     return "\n".join(lines)
 
 

@@ -123,6 +123,9 @@ def test_plan_ids_are_read_through_a_preset_mask(
     assert teacher_argv_cli(["--config", preset]) == 0
     out = capsys.readouterr().out.split()
     assert out[:2] == ["3,5", "6,7"] and out[out.index("--gpu-ids") + 1] == "6,7"
+    plan = build_plan(load_config(preset))
+    assert "CUDA_VISIBLE_DEVICES=3,5,6,7 is set here: plan GPU i is its i-th device" in format_plan(plan)
+    assert "is set here" not in format_plan(plan, env={})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     assert placement_cli(["--config", preset, "--print", "ray-gpus"]) == 2
     assert "cluster.gpus_per_node" in capsys.readouterr().err
