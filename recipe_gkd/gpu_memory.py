@@ -6,6 +6,9 @@ the actor runs out of memory at step 1. The size is read with `nvidia-smi` (the 
 CUDA context: a context here would hold ~0.5 GiB of the GPU the roles are planned on), for the
 plan's GPUs on this node read through a preset CUDA_VISIBLE_DEVICES (placement.physical_gpu_ids).
 Where no GPU can be read (a login node, a CPU machine) the plan stays on DEFAULT_GPU_MEMORY_GIB.
+nvidia-smi numbers GPUs in PCI bus order, CUDA (and so a CUDA_VISIBLE_DEVICES index) fastest first unless
+CUDA_DEVICE_ORDER=PCI_BUS_ID: on a node of mixed cards an index may name another card (a UUID mask never
+does); the plan takes the smallest of the GPUs it maps the plan onto.
 """
 
 from __future__ import annotations
