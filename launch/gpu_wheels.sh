@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Wheels for a GPU node without registry access, downloaded on a connected machine (any OS, any Python).
 #
-#   launch/gpu_wheels.sh DIR [--python 3.12] [--vllm 0.24.0] [--torch 2.11.0]
+#   launch/gpu_wheels.sh DIR [--python 3.12] [--vllm 0.24.0] [--torch VERSION (default: the one vLLM pins)]
 #
-# The node already has torch (e.g. 2.11.0+cu130, which vLLM 0.24.0 pins) and Python 3.12: every other
+# The node already has the torch the vLLM release pins (0.24.0: 2.11.0, 0.33.0: 2.14.0) and Python 3.12: every other
 # package the GPU stack needs (vllm, ray, megatron-core, pyzmq, msgspec, omegaconf, ... and their
 # dependencies) is resolved for that Python and manylinux x86_64, then downloaded into DIR; torch and
 # the CUDA libraries that come with it (nvidia-*, triton) are left out. On the node, from this checkout:
@@ -16,7 +16,7 @@ set -euo pipefail
 usage() { sed -n '2,13p' "$0"; exit 2; }
 [[ $# -ge 1 && "$1" != -* ]] || usage
 DIR=$1; shift
-PYVER=3.12 VLLM=0.24.0 TORCH=2.11.0
+PYVER=3.12 VLLM=0.24.0 TORCH=""
 while [[ $# -gt 0 ]]; do
   case $1 in
     --python) PYVER=$2; shift 2 ;;
@@ -37,6 +37,17 @@ for tag in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux
   PLATFORMS+=(--platform "${tag}_x86_64")
 done
 TARGET=(--only-binary=:all: --python-version "$PYVER" --implementation cp "${PLATFORMS[@]}")
+
+# The torch this vLLM release pins, read from its wheel's METADATA (launch/torch_pin.py); the wheel is one
+# of those DIR gets anyway. --torch, where given, must be that release: vLLM installs against nothing else.
+$PY -m pip download --quiet --no-deps "${TARGET[@]}" -d "$DIR" "vllm==$VLLM"
+PIN=$($PY "$ROOT/launch/torch_pin.py" "$(ls "$DIR"/vllm-"$VLLM"-*.whl | head -n 1)")
+if [[ -z "$TORCH" ]]; then
+  TORCH=$PIN
+elif [[ "$TORCH" != "$PIN" ]]; then
+  echo "--torch $TORCH: vllm $VLLM pins torch==$PIN (its wheel's METADATA); leave --torch out or pass $PIN" >&2
+  exit 2
+fi
 
 # The project's own dependencies as pyproject.toml declares them, the vLLM release, and the build backend
 # (`pip install -e .` builds with setuptools, from DIR too).

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Start Ray on one node of a preset so that Ray sees only that node's actor + rollout GPUs
 # (never the teacher's) and carries the node label the driver pins bundles with.
+# Where CUDA_VISIBLE_DEVICES is already set (a shared node, SLURM), plan GPU i is its i-th entry
+# (recipe_gkd.placement.physical_gpu_ids): Ray gets those devices, never the first ones of the node.
 #   head:   launch/ray_start.sh --config PRESET --node-rank 0 --head [--port 6379]
 #   worker: launch/ray_start.sh --config PRESET --node-rank N --address HEAD_IP:6379
 set -euo pipefail

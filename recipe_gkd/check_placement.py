@@ -11,24 +11,29 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
 
 from recipe_gkd.config import ConfigError, load_config
-from recipe_gkd.placement import PlacementPlan, build_plan, format_plan
+from recipe_gkd.placement import PlacementPlan, build_plan, format_plan, physical_gpu_ids
 from recipe_gkd.ray_cluster import Observed, observe, ray_cluster
 
 
-def compare(plan: PlacementPlan, observed: list[Observed]) -> list[str]:
-    """Every difference between plan and observation, plus any GPU two workers share."""
+def compare(plan: PlacementPlan, observed: list[Observed], env: Mapping[str, str] | None = None) -> list[str]:
+    """Every difference between plan and observation, plus any GPU two workers share.
+
+    Planned ids are read through the CUDA_VISIBLE_DEVICES in `env` (this process's by default), the
+    mask Ray maps its slots through."""
     problems = []
     for slot, seen in zip(plan.workers, observed, strict=True):
-        if (seen.node, seen.cuda_visible_devices) != (slot.node, slot.cuda_visible_devices):
+        want = physical_gpu_ids(slot.gpu_ids, env)
+        if (seen.node, seen.cuda_visible_devices) != (slot.node, ",".join(want)):
             problems.append(
-                f"{slot.role} rank {slot.rank}: planned node {slot.node} GPUs {slot.cuda_visible_devices}, "
+                f"{slot.role} rank {slot.rank}: planned node {slot.node} GPUs {','.join(want)}, "
                 f"got node {seen.node} CUDA_VISIBLE_DEVICES={seen.cuda_visible_devices!r}"
             )
-        if seen.ray_gpu_ids != slot.gpu_ids:
+        if seen.ray_gpu_ids != want:
             problems.append(f"{slot.role} rank {slot.rank}: ray.get_gpu_ids()={list(seen.ray_gpu_ids)}")
-    owners: dict[tuple[int, int], str] = {}
+    owners: dict[tuple[int, str], str] = {}
     for seen in observed:
         for gpu in seen.ray_gpu_ids:
             key = (seen.node, gpu)
@@ -37,7 +42,7 @@ def compare(plan: PlacementPlan, observed: list[Observed]) -> list[str]:
                     f"node {seen.node} GPU {gpu} is shared by {owners[key]} and {seen.role} rank {seen.rank}"
                 )
             owners[key] = f"{seen.role} rank {seen.rank}"
-    teacher = {(s.node, g) for s in plan.teacher for g in s.gpu_ids}
+    teacher = {(s.node, g) for s in plan.teacher for g in physical_gpu_ids(s.gpu_ids, env)}
     for key in sorted(teacher & owners.keys()):
         problems.append(f"node {key[0]} GPU {key[1]} belongs to the teacher but Ray gave it to {owners[key]}")
     return problems

@@ -27,6 +27,7 @@ from teacher_server.config import (
     TeacherLocation,
     bounded,
     check_fields,
+    min_vllm_model_len,
     one_of,
     require,
     validate_teacher_section,
@@ -146,8 +147,9 @@ class ClusterConfig:
     student's export (training dtype) plus 128 MiB, at least 256 (memory_plan.object_store_mib)."""
     placement_timeout_s: float = bounded(120.0, gt=0)
     """Every wait for Ray resources (placement groups, worker start) is bounded by this."""
-    gpu_memory_gib: float = bounded(79.0, gt=0)
-    """Memory of one GPU as torch reports it (an 80 GB H100/A100: ~79 GiB): the budget of the memory plan."""
+    gpu_memory_gib: float = bounded(0.0, ge=0, note="0: read the device")
+    """Memory of one GPU, the memory plan's budget; 0 reads the device (nvidia-smi, recipe_gkd/gpu_memory.py), a
+    CPU run without GPUs plans on 79 GiB (an 80 GB H100/A100 as torch reports it)."""
     colocate: bool = False
     """Every role on the same GPUs of one node (the first GPU a user meets): actor rank i, rollout engine i and the
     teacher share GPU i, each within its own memory share (actor.gpu_memory_utilization,
@@ -814,11 +816,13 @@ def _validate_teacher(cfg: GKDConfig) -> None:
         "the driver can only autostart a local teacher; start a remote one with launch/start_teacher.sh",
     )
     longest = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    least = min_vllm_model_len(longest)
     require(
-        t.max_model_len == 0 or t.max_model_len >= longest,
+        t.max_model_len == 0 or t.max_model_len >= least,
         "teacher.max_model_len",
         f"is {t.max_model_len} but the teacher scores sequences of up to data.max_prompt_length + "
-        f"rollout.sampling.max_new_tokens = {longest} tokens; raise it to >= {longest} (or 0: the model's own)",
+        f"rollout.sampling.max_new_tokens = {longest} tokens and vLLM needs one more (it samples a token "
+        f"after each): raise it to >= {least} (or 0: the model's own)",
     )
     require(
         not (t.autostart and cfg.cluster.nnodes > 1),

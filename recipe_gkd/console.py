@@ -95,7 +95,11 @@ def _filtered(shown: Any, log: TextIO) -> Any:
 
 
 def worker_setup() -> None:
-    """Ray's worker_process_setup_hook: this worker's known warnings and known vLLM lines to the run's log."""
+    """Ray's worker_process_setup_hook: no wandb in the worker (recipe_gkd/wandb_guard.py), its known warnings
+    and known vLLM lines to the run's log."""
+    from recipe_gkd.wandb_guard import keep_wandb_out
+
+    keep_wandb_out()
     run_dir = os.environ.get(RUN_DIR_VAR)
     if run_dir:
         quiet_known_warnings(run_dir)

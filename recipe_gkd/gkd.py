@@ -274,8 +274,10 @@ def stop_for_teacher(
     if trained_here:
         saved = f"checkpoint {checkpoint.save(cfg, pools, step, version)} saved"
     reason = str(cause).strip().splitlines()[0]
+    # An autostarted server (a colocated one stops when its replica dies) says why in the run's log.
+    why = f" (its log: {Path(cfg.trainer.run_dir) / 'teacher_server.log'})" if cfg.teacher.autostart else ""
     return RunStopped(
-        f"teacher server down ({type(cause).__name__}: {reason}); {saved}. Restart the teacher at "
+        f"teacher server down ({type(cause).__name__}: {reason}){why}; {saved}. Restart the teacher at "
         f"teacher.address={cfg.teacher.address} and rerun the same command to continue"
     )
 

@@ -54,10 +54,14 @@ def report_memory_plan(cfg: GKDConfig) -> bool:
     """Print the per-GPU memory plan (GPU runs); False when a role does not fit and debug.memory_check is on."""
     from recipe_gkd.memory_plan import build_memory_plan, check_memory_plan, format_memory_plan
 
-    memory = build_memory_plan(cfg)
+    try:
+        memory = build_memory_plan(cfg)
+    except ConfigError as err:  # cluster.gpu_memory_gib is not this node's GPU
+        print(f"error: {err}", file=sys.stderr)
+        return False
     if memory is None:
         return True
-    print(format_memory_plan(memory, cfg.cluster.gpu_memory_gib), flush=True)
+    print(format_memory_plan(memory), flush=True)
     try:
         check_memory_plan(memory)
     except ConfigError as err:
@@ -102,12 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from recipe_gkd.actor.hf_arch import UnsupportedModelError
     from recipe_gkd.data import check_record_fields
+    from recipe_gkd.memory_plan import object_store_mib
+    from recipe_gkd.shm import check_shared_memory
 
     try:
         resolve_config_models(cfg)  # hub ids -> their snapshot directories in the HF cache
         check_local_paths(cfg)
         check_record_fields(cfg)
         check_student_split(cfg)
+        check_shared_memory(cfg, object_store_mib(cfg))
     except (ConfigError, UnsupportedModelError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG

@@ -19,6 +19,7 @@ raises ConfigError naming the key to change (`check_memory_plan`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from recipe_gkd.config import (
     colocated_shares,
     weight_transport,
 )
+from recipe_gkd.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
 from teacher_server.config import TeacherBackend, TeacherLocation
 from teacher_server.model_refs import HUB_ID
 
@@ -48,6 +50,12 @@ ACTOR_RESERVE_GIB = 2.5
 VLLM_RESERVE_GIB = 2.0
 # vLLM's default max_num_batched_tokens for the offline LLM class on H100/H200 (vllm/engine/arg_utils.py).
 VLLM_BATCHED_TOKENS = 16384
+# Each vLLM engine process's CUDA context (~0.5 GiB on H100 with lazy module loading) and, with tensor
+# parallelism, NCCL's buffers (channels x peers x NCCL_BUFFSIZE 4 MiB over its protocols): both exist before
+# vLLM's init snapshot (vllm/v1/worker/gpu_worker.py Worker.init_device, 0.24.0/0.33.0), so they lie outside
+# the gpu_memory_utilization share, which is a fraction of the device's total (request_memory).
+VLLM_CUDA_CONTEXT_GIB = 0.5
+VLLM_NCCL_GIB = 0.5
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,12 @@ class Shape:
     def num_params(self) -> float:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * self.layer_params() + embeddings + self.hidden_size
+
+    def largest_module_params(self, tp: int) -> float:
+        """The parameters of the largest module on one of `tp` ranks: embedding / lm_head, fused gate_up, qkv."""
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        per_rank = [self.vocab_size, 2 * self.intermediate_size, qkv_rows, self.intermediate_size]
+        return max(rows * self.hidden_size for rows in per_rank) / tp
 
     def kv_bytes_per_token(self, tp: int, dtype_bytes: int) -> float:
         """K and V of every layer for one token on one of `tp` ranks (vLLM keeps >= 1 KV head per rank)."""
@@ -115,6 +129,9 @@ class RoleMemory:
 class MemoryPlan:
     roles: list[RoleMemory]
     skipped: list[str]
+    # One GPU's size the plan budgets, and where it came from (recipe_gkd/gpu_memory.py).
+    gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB
+    gpu_memory_source: str = ""
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -247,6 +264,11 @@ def actor_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
     # Last stage: logits in the compute dtype, their fp32 copy, the loss's fp32 log-softmax and
     # the two gradients of the same size (measured on CPU: benchmarks/bench_actor_memory.py).
     logits = tokens * vocab_shard * (act + 4 * 4)
+    # torch's AdamW (megatron-core 0.16.1's GPU optimizer without Transformer Engine or apex,
+    # megatron/core/optimizer/__init__.py) steps with foreach ops: `_foreach_sqrt` of the second moments
+    # makes one fp32 tensor per parameter of the optimizer's shard. Activations and logits are freed by
+    # then, so only what exceeds them adds to the peak (Fused Adam steps in place: this is the bound).
+    step_temp = params * 4 / (dp if m.distributed_optimizer else 1)
     mode = f"distributed over data parallel {dp}" if m.distributed_optimizer else "replicated"
     role = RoleMemory(
         role="actor rank",
@@ -261,6 +283,11 @@ def actor_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
                 activations,
             ),
             (f"logits and loss buffers ({tokens} tokens x {vocab_shard} vocabulary columns)", logits),
+            (
+                f"optimizer step temporary (fp32 sqrt of the Adam second moments, {step_temp / GIB:.2f} GiB) "
+                "beyond the freed activations and logits",
+                max(0.0, step_temp - activations - logits),
+            ),
             ("CUDA context, NCCL, allocator reserve", ACTOR_RESERVE_GIB * GIB),
         ],
         capacity=cfg.cluster.gpu_memory_gib * GIB,
@@ -312,7 +339,9 @@ def vllm_memory(
     dtype_bytes: int,
     scores: bool,
 ) -> RoleMemory:
-    """One GPU of a vLLM engine with `tp` GPUs: weights, runtime reserve, [prompt log-prob buffer], KV cache.
+    """One GPU of a vLLM engine with `tp` GPUs: weights, runtime reserve, KV cache in its share; outside it the
+    process's CUDA context (+ NCCL with tp > 1) and either the prompt log-prob buffers (`scores`: a teacher)
+    or the layer the in-place weight reload materialises (a rollout engine).
 
     Weights and KV cache are in the engine's dtype (`dtype_bytes`; vLLM's kv_cache_dtype "auto").
     """
@@ -322,7 +351,12 @@ def vllm_memory(
     dtype = {2: "bf16", 4: "fp32"}[dtype_bytes]
     parts = [(f"weights ({dtype}, {shape.num_params() / 1e9:.2f}B params / tp {tp})", weights)]
     parts.append(("vLLM runtime (CUDA graphs, sampler, profile activations)", VLLM_RESERVE_GIB * GIB))
-    outside = [prompt_logprob_buffers(shape, max_len, dtype_bytes)] if scores else []
+    outside = [("CUDA context of the vLLM process", VLLM_CUDA_CONTEXT_GIB * GIB)]
+    if tp > 1:
+        outside.append((f"NCCL buffers (tensor parallel {tp})", VLLM_NCCL_GIB * GIB))
+    outside.append(
+        prompt_logprob_buffers(shape, max_len, dtype_bytes) if scores else reload_layer(shape, tp, dtype_bytes)
+    )
     kv = budget - sum(b for _, b in parts)
     per_token = shape.kv_bytes_per_token(tp, dtype_bytes)
     kv_tokens = int(kv // per_token) if kv > 0 else 0
@@ -356,6 +390,15 @@ def prompt_logprob_buffers(shape: Shape, max_len: int, dtype_bytes: int) -> tupl
     per_entry = dtype_bytes + 4.0 + (4.0 if dtype_bytes != 4 else 0.0)
     name = f"prompt log-prob buffers ({tokens} tokens x {shape.vocab_size} vocabulary: logits, fp32 log-softmax)"
     return name, tokens * shape.vocab_size * per_entry
+
+
+def reload_layer(shape: Shape, tp: int, dtype_bytes: int) -> tuple[str, float]:
+    """The rollout engine's weight sync: vLLM's layer-wise in-place reload materialises each layer's parameters
+    afresh on the device, loads the received weights into them and copies them into the engine's storage
+    (vllm/model_executor/model_loader/reload/layerwise.py `_layerwise_process`, meta.py `materialize_layer`,
+    0.24.0/0.33.0), after the KV cache took the share: the largest module's parameters lie outside it."""
+    params = shape.largest_module_params(tp)
+    return f"in-place reload: one layer materialised ({params / 1e6:.0f}M params, the largest)", params * dtype_bytes
 
 
 def rollout_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
@@ -408,10 +451,15 @@ def teacher_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
 # ----------------------------------------------------------------------------- plan
 
 
-def build_memory_plan(cfg: GKDConfig) -> MemoryPlan | None:
-    """The plan for a GPU run (None on cluster.device=cpu, where nothing is on a GPU)."""
+def build_memory_plan(cfg: GKDConfig, query: GpuQuery | None = None) -> MemoryPlan | None:
+    """The plan for a GPU run (None on cluster.device=cpu, where nothing is on a GPU).
+
+    Budgets one GPU of cluster.gpu_memory_gib, or (0) of this node's real GPUs (`query`); raises
+    ConfigError naming cluster.gpu_memory_gib when the configured size is not the device's."""
     if cfg.cluster.device == Device.cpu:
         return None
+    gpu = plan_gpu_memory(cfg, query)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, gpu_memory_gib=gpu.gib))
     skipped: list[str] = []
     roles: list[RoleMemory] = []
     student = read_shape(cfg.model.student_path, "model.student_path", skipped)
@@ -432,7 +480,7 @@ def build_memory_plan(cfg: GKDConfig) -> MemoryPlan | None:
             roles.append(teacher_memory(cfg, teacher_shape))
     if cfg.cluster.colocate:
         roles.insert(0, colocated_gpu(cfg, roles))
-    return MemoryPlan(roles=roles, skipped=skipped)
+    return MemoryPlan(roles=roles, skipped=skipped, gpu_memory_gib=gpu.gib, gpu_memory_source=gpu.source)
 
 
 def colocated_gpu(cfg: GKDConfig, roles: list[RoleMemory]) -> RoleMemory:
@@ -476,8 +524,8 @@ def colocated_gpu(cfg: GKDConfig, roles: list[RoleMemory]) -> RoleMemory:
     return gpu
 
 
-def format_memory_plan(plan: MemoryPlan, gpu_memory_gib: float) -> str:
-    lines = [f"memory plan (estimate, GiB per GPU of cluster.gpu_memory_gib={gpu_memory_gib}):"]
+def format_memory_plan(plan: MemoryPlan) -> str:
+    lines = [f"memory plan (estimate, GiB per GPU of {plan.gpu_memory_gib} GiB, from {plan.gpu_memory_source}):"]
     for role in plan.roles:
         verdict = "fits" if role.fits else "DOES NOT FIT"
         lines.append(

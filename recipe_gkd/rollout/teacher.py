@@ -52,6 +52,19 @@ class TeacherScorer:
         self.client.close()
 
 
+def colocated_teacher_overrides(cfg: GKDConfig) -> list[str]:
+    """A colocated teacher replica that dies is not restarted: the run stops, its log says why.
+
+    A restarted vLLM replica profiles memory again beside the running actor and rollout engine
+    (vllm/v1/worker/gpu_worker.py `determine_available_memory`, vllm/utils/mem_utils.py
+    `memory_profiling`, 0.24.0/0.33.0): the actor's allocator releasing cache during the profile trips
+    vLLM's "other processes ... release GPU memory" assertion, and anything they grew since the first
+    start comes out of its KV cache. A fixed kv_cache_memory_bytes would need the first start's figure
+    and still race the actor; failing loudly is the honest choice on a GPU that holds every role.
+    """
+    return ["server.max_restarts=0"] if cfg.cluster.colocate else []
+
+
 @contextmanager
 def start_local_teacher(cfg: GKDConfig) -> Iterator[Callable[[], str]]:
     """A local teacher server process for the run (teacher.autostart), started now; yields the call
@@ -61,19 +74,20 @@ def start_local_teacher(cfg: GKDConfig) -> Iterator[Callable[[], str]]:
     resolved config, so it serves exactly what the trainer expects; its log goes to
     <run_dir>/teacher_server.log.
     """
-    from recipe_gkd.placement import build_plan
+    from recipe_gkd.placement import build_plan, gpu_list
     from teacher_server.launcher import start_teacher
 
     run_dir = Path(cfg.trainer.run_dir)
     resolved = run_dir / "resolved_config.yaml"
     if not resolved.is_file():
         resolved.write_text(to_yaml(cfg))
-    # The server reads the teacher section only: its GPUs are what this run's plan leaves over.
-    gpu_ids = ",".join(map(str, build_plan(cfg).teacher_gpu_ids(0)))
+    # The server reads the teacher section only: its GPUs are what this run's plan leaves over,
+    # through a preset CUDA_VISIBLE_DEVICES as Ray maps the actor's and rollout's.
+    gpu_ids = gpu_list(build_plan(cfg).teacher_gpu_ids(0))
     threads = cpu_threads(cfg)["teacher"]
     with start_teacher(
         resolved,
-        [f"server.torch_threads={threads}"] if threads else [],
+        ([f"server.torch_threads={threads}"] if threads else []) + colocated_teacher_overrides(cfg),
         # Replica logs stay with the run.
         extra_args=["--log-dir", str(run_dir.resolve() / "teacher_logs"), *(["--gpu-ids", gpu_ids] if gpu_ids else [])],
         log_path=run_dir / "teacher_server.log",

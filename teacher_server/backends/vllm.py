@@ -39,6 +39,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from teacher_server.backends import BackendOptions, ModelInfo
+from teacher_server.config import VLLM_LEN_MARGIN
 from teacher_server.protocol import (
     ParsedRequest,
     TeacherTopK,
@@ -48,9 +49,6 @@ from teacher_server.protocol import (
     tokenizer_fingerprint,
 )
 from teacher_server.vllm_version import check_vllm_version
-
-# Leaves room for the one sampled token vLLM generates after each prompt.
-MAX_MODEL_LEN_MARGIN = 1
 
 
 class VLLMBackend:
@@ -88,9 +86,12 @@ class VLLMBackend:
                 f"the vllm backend scores at temperature 1 only (teacher.temperature={request.temperature})"
             )
         sequences = request.sequences()
-        too_long = [s.size for s in sequences if s.size + MAX_MODEL_LEN_MARGIN > self.max_model_len]
+        too_long = [s.size for s in sequences if s.size + VLLM_LEN_MARGIN > self.max_model_len]
         if too_long:
-            raise ValueError(f"a sequence of {too_long[0]} tokens exceeds vLLM's max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"a sequence of {too_long[0]} tokens does not fit vLLM's max_model_len={self.max_model_len} "
+                f"(it needs {VLLM_LEN_MARGIN} more for the sampled token): raise teacher.max_model_len"
+            )
         params = SamplingParams(
             prompt_logprobs=request.top_k, max_tokens=1, temperature=1.0, detokenize=False, flat_logprobs=True
         )

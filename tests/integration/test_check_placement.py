@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +21,9 @@ MULTI_GPU = [
 ]
 
 
-def _check(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def _check(path: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "recipe_gkd.check_placement", "--config", str(path), *FAKE, *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False, env=env)
 
 
 def _seen_rows(stdout: str) -> list[tuple[str, int, int, str]]:
@@ -41,6 +42,15 @@ def test_workers_see_the_planned_gpus(path: Path) -> None:
     plan = build_plan(load_config(path, FAKE))
     expected = [(s.role, s.rank, s.node, s.cuda_visible_devices) for s in plan.workers]
     assert _seen_rows(proc.stdout) == expected
+
+
+def test_a_preset_mask_maps_plan_ids_to_its_devices() -> None:
+    """CUDA_VISIBLE_DEVICES=3,5,6,7 (a shared node): Ray hands the actor 3 and the rollout 5, and the
+    plan's check expects exactly those (the teacher's --gpu-ids 6,7: tests/unit/test_placement.py)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "3,5,6,7"}
+    proc = _check(CONFIG_DIR / "presets" / "1x4_a1_r1_t2.yaml", env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [row[3] for row in _seen_rows(proc.stdout)] == ["3", "5"]
 
 
 def test_bad_config_exits_2() -> None:

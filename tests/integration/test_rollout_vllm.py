@@ -7,6 +7,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -107,6 +108,44 @@ def test_sampled_logprobs_match_the_model(engine_and_dirs) -> None:
             full = np.asarray([prompt + gen.response_ids])
             reference = _hf_token_logprobs(student, full)[0, len(prompt) - 1 :]
             np.testing.assert_allclose(gen.logprobs, reference, atol=1e-4)
+
+
+class ThreadRecorder:
+    """Stands in for the engine's `LLM`: records the thread of every call into it, then makes the call."""
+
+    def __init__(self, llm: object) -> None:
+        self.llm, self.threads = llm, set[int]()
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.llm, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: object, **kwargs: object) -> object:
+            self.threads.add(threading.get_ident())
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def test_every_engine_call_runs_on_the_engines_own_thread(engine_and_dirs) -> None:
+    """The rollout worker serves two calls at once (Ray max_concurrency=2): vLLM still sees one thread."""
+    engine, student, _ = engine_and_dirs
+    llm = engine.llm
+    engine.llm = recorder = ThreadRecorder(llm)
+
+    def calls() -> None:
+        engine.generate([[1, 4, 72, 73, 5]], greedy=True)
+        engine.token_logprobs(PROBE)
+        engine.update_weights(iter(_weights(student).items()))
+
+    try:
+        with ThreadPoolExecutor(max_workers=2) as callers:  # as Ray's two threads of the worker
+            for done in [callers.submit(calls) for _ in range(2)]:
+                done.result(timeout=300)  # re-raises a caller's error here
+    finally:
+        engine.llm = llm
+    assert recorder.threads == {engine.thread.ident}
 
 
 def test_object_store_update_is_in_memory_and_exact(engine_and_dirs) -> None:

@@ -121,3 +121,27 @@ def test_a_replica_that_cannot_load_fails_start_up_with_its_log(tmp_path: Path, 
     )
     assert out.returncode == 1 and "READY" not in out.stdout
     assert "replica n0-r0 exited with code 2" in out.stderr and "failed to load" in out.stderr
+
+
+def test_a_server_whose_replicas_are_not_restarted_stops_when_they_die(
+    tiny_model_dir: Path, tmp_path: Path, clean_env: dict[str, str]
+) -> None:
+    """server.max_restarts=0 (a colocated run's teacher: recipe_gkd.rollout.teacher.colocated_teacher_overrides):
+    its one replica killed, the server exits 1 saying why, so the run hears it is gone."""
+    from recipe_gkd.config import CONFIG_DIR, load_config
+    from recipe_gkd.rollout.teacher import colocated_teacher_overrides
+
+    overrides = colocated_teacher_overrides(load_config(CONFIG_DIR / "presets" / "cpu_colocated.yaml"))
+    assert overrides == ["server.max_restarts=0"]
+    assert colocated_teacher_overrides(load_config(None)) == []  # elsewhere a replica is restarted
+    yaml_path = write_teacher_yaml(tmp_path / "teacher.yaml", tiny_model_dir)
+    log = tmp_path / "server.log"
+    with _script(["--config", str(yaml_path), *overrides], log, _env(clean_env)) as proc:
+        address = _wait_line(proc, log, r"^READY (\S+)").group(1)
+        with TeacherClient(address, timeout_s=30.0) as client:
+            (replica,) = client.stats().replicas
+        os.kill(replica.pid, signal.SIGKILL)
+        assert proc.wait(timeout=STOP_TIMEOUT_S) == 1
+    text = log.read_text()
+    assert "replica n0-r0 exited with code -9" in text and "not restarting it (server.max_restarts)" in text
+    assert "every replica has exited and none is restarted (server.max_restarts=0): stopping the server" in text

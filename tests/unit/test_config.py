@@ -105,7 +105,7 @@ BAD_VALUES = [
     (["actor.megatron.distributed_optimizer=maybe"], "actor.megatron.distributed_optimizer"),
     (["actor.max_tokens_per_micro_batch=-1"], "actor.max_tokens_per_micro_batch"),
     (["actor.max_tokens_per_micro_batch=100"], "actor.max_tokens_per_micro_batch"),  # < one 512+256 sequence
-    (["cluster.gpu_memory_gib=0"], "cluster.gpu_memory_gib"),
+    (["cluster.gpu_memory_gib=-1"], "cluster.gpu_memory_gib"),
     # The sampled-token objective: the student's own plain samples only; top_k=0 is for it alone.
     (["algorithm.divergence=sampled_reverse_kl", "algorithm.lmbda=0.5"], "algorithm.lmbda"),
     (["algorithm.divergence=sampled_reverse_kl", "rollout.sampling.temperature=0.7"], "rollout.sampling.temperature"),
@@ -435,6 +435,8 @@ COLOCATED_RULES = [
     (["actor.gpu_memory_utilization=0"], "actor.gpu_memory_utilization"),
     (["actor.gpu_memory_utilization=0.6"], "actor.gpu_memory_utilization"),  # 0.6 + 0.2 + 0.25 > 1
     (["teacher.max_model_len=1024"], "teacher.max_model_len"),  # < 1024 + 1024 tokens scored
+    # 1024 + 1024 tokens scored need one more: vLLM samples a token after each sequence it scores.
+    (["teacher.max_model_len=2048"], "teacher.max_model_len"),
 ]
 
 

@@ -115,6 +115,12 @@ GPU_PRESETS = sorted(p for p in (CONFIG_DIR / "presets").glob("*.yaml") if not p
 REMOTE_PRESET = CONFIG_DIR / "presets" / "1x8_a4_r4_t0_remote.yaml"
 
 
+@pytest.fixture(autouse=True)
+def no_gpu_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans of the presets' own figures on any machine: no GPU to read (tests/unit/test_gpu_memory.py reads one)."""
+    monkeypatch.setattr("recipe_gkd.gpu_memory.query_gpus", lambda: None)
+
+
 @pytest.fixture
 def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A Hugging Face cache holding only config.json of every preset model (huggingface_hub's layout)."""
@@ -150,7 +156,7 @@ def test_a_7b_student_on_one_actor_gpu_exits_2_naming_the_split(
     assert code == 2
     assert "config error at `actor.megatron.tp`: actor rank does not fit" in err
     assert "actor rank (x1)" in out and "DOES NOT FIT" in out
-    assert "GiB per GPU of cluster.gpu_memory_gib=79.0" in out  # the key to set for other GPUs
+    assert "GiB per GPU of 79.0 GiB, from cluster.gpu_memory_gib=0 and no GPU here" in out
 
 
 def test_a_7b_student_at_the_presets_split_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -175,7 +181,7 @@ def test_every_gpu_preset_fits_its_own_plan(preset: Path, hub_cache: Path) -> No
     if load_config(preset).cluster.colocate:  # the GPU holding every role, planned as a whole too
         assert plan.roles[0].role.startswith("GPU (colocated") and "teacher GPU" in planned
     for role in plan.roles:
-        assert role.fits, memory_plan.format_memory_plan(plan, 79.0)
+        assert role.fits, memory_plan.format_memory_plan(plan)
     memory_plan.check_memory_plan(plan)
 
 
@@ -284,11 +290,15 @@ def test_the_one_gpu_preset_prints_every_roles_share_and_the_sum(
     for role, share in shares.items():
         line = next(x for x in gpu if f"{role}.gpu_memory_utilization" in x)
         assert float(line.split()[0]) == pytest.approx(share * 79.0, abs=0.01)
-    outside = [x for x in gpu[1:6] if "outside its share" in x]
+    block = gpu[1 : next(i for i, x in enumerate(gpu) if "note:" in x)]
+    outside = [x for x in block if "outside its share" in x]
     assert any("actor rank: CUDA context" in x for x in outside)
     assert any("teacher GPU: prompt log-prob buffers" in x for x in outside)
+    # Each vLLM process's CUDA context, and the layer the rollout engine's in-place reload materialises.
+    assert any("rollout GPU: CUDA context of the vLLM process" in x for x in outside)
+    assert any("teacher GPU: CUDA context of the vLLM process" in x for x in outside)
+    assert any("rollout GPU: in-place reload: one layer materialised" in x for x in outside)
     total = float(gpu[0].split("): ")[1].split()[0])
-    block = gpu[1 : next(i for i, x in enumerate(gpu) if "note:" in x)]
     assert total == pytest.approx(sum(float(x.split()[0]) for x in block), abs=0.06)  # rounded to 0.1 and 0.01
     assert "shares sum to 0.85 of the GPU" in out
     assert "GPU 0 of node 0 is shared (colocated): actor 0, rollout 0, teacher 0" in out
@@ -323,7 +333,8 @@ def test_the_teachers_prompt_logprob_buffer_lies_outside_its_vllm_share(hub_cach
     cfg = load_config(preset, ["teacher.max_model_len=8192"])
     teacher = next(r for r in memory_plan.build_memory_plan(cfg).roles if r.role == "teacher GPU")  # type: ignore[union-attr]
     assert teacher.total == pytest.approx(cfg.teacher.gpu_memory_utilization * 79.0 * memory_plan.GIB)
-    assert teacher.outside_total == pytest.approx(8192 * 151936 * 10)
+    # Beside the buffers: the replica's CUDA context and its NCCL buffers (2 GPUs a replica), 0.5 GiB each.
+    assert teacher.outside_total == pytest.approx(8192 * 151936 * 10 + 1.0 * memory_plan.GIB)
     # 0.9 x 79 GiB for vLLM + 11.6 GiB beside it > 79 GiB: the share to lower is named.
     with pytest.raises(ConfigError) as err:
         memory_plan.check_memory_plan(memory_plan.build_memory_plan(cfg))  # type: ignore[arg-type]
@@ -339,3 +350,40 @@ def test_fp32_grouped_attention_counts_the_repeated_keys_and_values() -> None:
     fp32 = memory_plan.actor_bytes_per_token_and_layer(shape, 1, 4, 4096, "none", "sdpa")
     # fp32: keys and values repeated to 16 heads (the memory-efficient kernel), no [s, s] term.
     assert fp32 - 2 * bf16 == pytest.approx(4 * (2 * 16 - 2 * 8) * 128)
+
+
+def test_the_optimizer_steps_temporary_counts_where_it_exceeds_the_freed_activations(tmp_path: Path) -> None:
+    """torch's foreach AdamW makes an fp32 sqrt(v) per parameter of the optimizer's shard at the step, when the
+    activations and logits are already freed: 3.81B params on a rank, replicated optimizer -> 14.19 GiB, of
+    which 14.19 - 0.75 (full recompute) - 3.26 (logits) = 10.18 GiB is beyond the backward pass's peak."""
+    student = f"model.student_path={qwen7b_dir(tmp_path)}"
+    lean = [student, "actor.megatron.recompute=full", "actor.max_tokens_per_micro_batch=2560"]
+    lean.append("actor.megatron.distributed_optimizer=false")
+    shape = memory_plan.shape_from_config(QWEN25_7B)
+    parts = dict(memory_plan.actor_memory(load_config(REMOTE_PRESET, lean), shape).parts)
+    (name,) = [n for n in parts if n.startswith("optimizer step temporary")]
+    params = next(b for n, b in parts.items() if n.startswith("weights")) / 2  # bf16 weights
+    activations = next(b for n, b in parts.items() if n.startswith("activations"))
+    logits = next(b for n, b in parts.items() if n.startswith("logits"))
+    assert parts[name] == pytest.approx(params * 4 - activations - logits)
+    assert parts[name] / memory_plan.GIB == pytest.approx(10.18, abs=0.01) and "14.19 GiB" in name
+    # The preset's own step (distributed over 2, no recompute): the temporary fits in the freed activations.
+    parts = dict(memory_plan.actor_memory(load_config(REMOTE_PRESET, [student]), shape).parts)
+    assert next(b for n, b in parts.items() if n.startswith("optimizer step temporary")) == 0.0
+
+
+def test_each_vllm_process_has_its_context_and_the_rollout_its_reload_layer_outside_its_share() -> None:
+    """Outside a vLLM share: the process's CUDA context (0.5 GiB), NCCL with tensor parallelism (0.5 GiB), and
+    for a rollout engine the largest layer its in-place reload materialises (Qwen2.5-7B: the 152064 x 3584
+    embedding, 1.09 GB in bf16 at TP 1, half at TP 2)."""
+    shape = memory_plan.shape_from_config(QWEN25_7B)
+    cfg = load_config(REMOTE_PRESET)
+    for tp, nccl in ((1, 0.0), (2, 0.5)):
+        role = memory_plan.vllm_memory("rollout GPU", 4, shape, tp, 0.5, 4096, cfg, dtype_bytes=2, scores=False)
+        outside = dict(role.outside)
+        assert outside["CUDA context of the vLLM process"] == 0.5 * memory_plan.GIB
+        assert outside.get(f"NCCL buffers (tensor parallel {tp})", 0.0) == nccl * memory_plan.GIB
+        (reload,) = [b for n, b in outside.items() if n.startswith("in-place reload")]
+        assert reload == 152064 * 3584 * 2 / tp
+    teacher = memory_plan.vllm_memory("teacher GPU", 4, shape, 1, 0.5, 4096, cfg, dtype_bytes=2, scores=True)
+    assert not any(n.startswith("in-place reload") for n, _ in teacher.outside)  # a teacher is never reloaded

@@ -136,3 +136,22 @@ def test_wandb_offline_run_has_the_config_and_the_jsonl_columns(tmp_path: Path, 
         {"step": 0, "eval_reward": 0.25, "eval_teacher_kl": 0.8},
         *({k: v for k, v in row.items() if k not in ("teacher_kl", "sample_ids")} for row in jsonl),
     ]
+
+
+def test_wandb_dir_holds_the_wandb_files_when_set(tmp_path: Path, monkeypatch) -> None:
+    """wandb's own convention: WANDB_DIR, where set, takes the W&B files instead of the run directory."""
+    from recipe_gkd.config import load_config, to_dict
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wandb_dir = tmp_path / "wandb_home"
+    wandb_dir.mkdir()
+    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = load_config(None, [f"trainer.run_dir={run_dir}", "trainer.loggers=[jsonl,wandb]"])
+    logger = MetricsLogger(run_dir, cfg.trainer.loggers, 1, wandb=cfg.trainer.wandb, run_config=to_dict(cfg))
+    logger.log_step({"step": 1, "loss": 0.5})
+    logger.close()
+    assert len(list((wandb_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+    assert not (run_dir / "wandb").exists()

@@ -82,13 +82,17 @@ def test_multi_node_needs_node_labels() -> None:
 
 def test_compare_reports_every_mismatch() -> None:
     plan = build_plan(load_config(CONFIG_DIR / "presets" / "1x4_a1_r1_t2.yaml"))
-    good = [Observed("actor", 0, 0, "0", (0,)), Observed("rollout", 0, 0, "1", (1,))]
-    assert compare(plan, good) == []
-    swapped = [Observed("actor", 0, 0, "1", (1,)), Observed("rollout", 0, 0, "1", (1,))]
-    problems = compare(plan, swapped)
+    good = [Observed("actor", 0, 0, "0", ("0",)), Observed("rollout", 0, 0, "1", ("1",))]
+    assert compare(plan, good, env={}) == []
+    swapped = [Observed("actor", 0, 0, "1", ("1",)), Observed("rollout", 0, 0, "1", ("1",))]
+    problems = compare(plan, swapped, env={})
     assert any("shared" in p for p in problems) and any("planned node 0 GPUs 0" in p for p in problems)
-    on_teacher = [Observed("actor", 0, 0, "0", (0,)), Observed("rollout", 0, 0, "2", (2,))]
-    assert any("belongs to the teacher" in p for p in compare(plan, on_teacher))
+    on_teacher = [Observed("actor", 0, 0, "0", ("0",)), Observed("rollout", 0, 0, "2", ("2",))]
+    assert any("belongs to the teacher" in p for p in compare(plan, on_teacher, env={}))
+    # A preset mask: Ray maps slot i to its i-th entry, and so does the plan.
+    mask = {"CUDA_VISIBLE_DEVICES": "3,5,6,7"}
+    assert compare(plan, [Observed("actor", 0, 0, "3", ("3",)), Observed("rollout", 0, 0, "5", ("5",))], mask) == []
+    assert compare(plan, good, mask)
 
 
 def test_placement_cli_for_launch_scripts(capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,3 +101,31 @@ def test_placement_cli_for_launch_scripts(capsys: pytest.CaptureFixture[str]) ->
     assert placement_cli(["--config", preset, "--node-rank", "1", "--print", "teacher-gpus"]) == 0
     assert capsys.readouterr().out.split() == ["0,1,2,3", "4,5,6,7"]
     assert placement_cli(["--config", preset, "--node-rank", "2", "--print", "ray-gpus"]) == 2
+
+
+def test_plan_ids_are_read_through_a_preset_mask(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A shared node gives the job CUDA_VISIBLE_DEVICES=3,5,6,7: every consumer names those devices."""
+    from recipe_gkd.placement import physical_gpu_ids
+    from recipe_gkd.placement import teacher_argv as teacher_argv_cli
+
+    assert physical_gpu_ids((0, 2), {}) == ("0", "2")
+    assert physical_gpu_ids((0, 2), {"CUDA_VISIBLE_DEVICES": "3,5,6,7"}) == ("3", "6")
+    assert physical_gpu_ids((1,), {"CUDA_VISIBLE_DEVICES": "GPU-a, GPU-b"}) == ("GPU-b",)
+    with pytest.raises(ConfigError) as err:
+        physical_gpu_ids((0, 1), {"CUDA_VISIBLE_DEVICES": "3"})
+    assert err.value.key == "cluster.gpus_per_node"
+    preset = str(CONFIG_DIR / "presets" / "1x4_a1_r1_t2.yaml")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    assert placement_cli(["--config", preset, "--print", "ray-gpus"]) == 0
+    assert placement_cli(["--config", preset, "--print", "teacher-gpus"]) == 0
+    assert teacher_argv_cli(["--config", preset]) == 0
+    out = capsys.readouterr().out.split()
+    assert out[:2] == ["3,5", "6,7"] and out[out.index("--gpu-ids") + 1] == "6,7"
+    plan = build_plan(load_config(preset))
+    assert "CUDA_VISIBLE_DEVICES=3,5,6,7 is set here: plan GPU i is its i-th device" in format_plan(plan)
+    assert "is set here" not in format_plan(plan, env={})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert placement_cli(["--config", preset, "--print", "ray-gpus"]) == 2
+    assert "cluster.gpus_per_node" in capsys.readouterr().err

@@ -53,6 +53,26 @@ def test_run_figures_from_a_run_directory(tmp_path: Path) -> None:
     assert figures["vllm_kv_cache_reported"] == ["GPU KV cache size: 118,805 tokens"]
 
 
+@pytest.mark.parametrize(("measured", "fits"), [(0.012, True), (0.06, False)])
+def test_the_bf16_sync_difference_is_recorded_against_the_default_tolerance(
+    tmp_path: Path, measured: float, fits: bool
+) -> None:
+    """The self-check says whether weight_sync.check_tolerance's bf16 default (0.1) fits the device: a measured
+    difference must stay 2x below it, or the record names the key and the value to set."""
+    from recipe_gkd.config import load_config, to_yaml
+
+    row = {"generate_s": 1.0, "teacher_s": 1.0, "train_s": 1.0, "sync_s": 1.0, "step_s": 4.0, "response_tokens": 9}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(row | {"sync_logprob_diff": measured}) + "\n")
+    (tmp_path / "resolved_config.yaml").write_text(to_yaml(load_config(None, ["actor.precision=bf16"])))
+    figures = selfcheck.run_figures(tmp_path, student_bytes=1e9)
+    assert figures["sync_precision"] == "bf16" and figures["sync_tolerance_default"] == 0.1
+    assert figures["sync_tolerance_default_fits"] is fits
+    if fits:
+        assert figures["sync_tolerance_verdict"].startswith("fits: the largest difference measured, 0.012, is 8x below")
+    else:
+        assert "set weight_sync.check_tolerance >= 0.12" in figures["sync_tolerance_verdict"]
+
+
 def test_the_gpu_wheel_script_states_its_usage(repo_root: Path) -> None:
     """launch/gpu_wheels.sh needs the registry (run by hand, measured in docs/gpu_splits.md); without a directory it
     exits 2 with its usage, which names the install line for the node."""
@@ -63,3 +83,50 @@ def test_the_gpu_wheel_script_states_its_usage(repo_root: Path) -> None:
     )
     assert done.returncode == 2
     assert "pip install --no-index --find-links DIR -e '.[vllm]'" in done.stdout
+
+
+def fake_vllm_wheel(directory: Path, version: str, torch_pin: str) -> Path:
+    """A wheel shaped as vLLM's (its METADATA pins torch exactly, as 0.24.0's `torch==2.11.0` and 0.33.0's
+    `torch==2.14.0` do), holding nothing else."""
+    import zipfile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    wheel = directory / f"vllm-{version}-py3-none-any.whl"
+    info = f"vllm-{version}.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\nRequires-Dist: torch=={torch_pin}\n"
+    metadata += "Requires-Dist: torchaudio==2.11.0\n"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"{info}/METADATA", metadata)
+        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
+def test_the_gpu_wheel_script_takes_the_torch_its_vllm_release_pins(repo_root: Path, tmp_path: Path) -> None:
+    """--vllm 0.33.0 resolves against torch 2.14.0 (its wheel's pin), not a fixed 2.11.0; a --torch that is not
+    the pin exits 2 naming it. Offline: pip reads a local directory holding a vLLM-shaped wheel only."""
+    import os
+    import subprocess
+    import sys
+
+    links = tmp_path / "index"
+    fake_vllm_wheel(links, "0.33.0", "2.14.0")
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(links), "PYTHON": sys.executable}
+    script = [str(repo_root / "launch" / "gpu_wheels.sh"), str(tmp_path / "out"), "--vllm", "0.33.0"]
+    done = subprocess.run(["bash", *script], capture_output=True, text=True, timeout=120, env=env)
+    # The resolution that follows needs the registry (ray, megatron-core, ...): it fails here, after the pin.
+    assert "resolving for Python 3.12, vllm 0.33.0, torch 2.14.0" in done.stdout, done.stdout + done.stderr
+    done = subprocess.run(["bash", *script, "--torch", "2.11.0"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and "vllm 0.33.0 pins torch==2.14.0" in done.stderr
+
+
+def test_torch_pin_reads_the_wheels_metadata(repo_root: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    for version, pin in (("0.24.0", "2.11.0"), ("0.33.0", "2.14.0")):  # as their PyPI wheels' METADATA say
+        wheel = fake_vllm_wheel(tmp_path, version, pin)
+        done = subprocess.run(
+            [sys.executable, str(repo_root / "launch" / "torch_pin.py"), str(wheel)], capture_output=True, text=True
+        )
+        assert done.stdout.strip() == pin
