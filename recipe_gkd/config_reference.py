@@ -51,7 +51,7 @@ python -m recipe_gkd.main [--config PATH] [--dry-run] [key=value ...]
 python -m recipe_gkd.main --config configs/presets/1x8_a1_r3_t4.yaml --dry-run actor.megatron.tp=2
 ```
 
-The schema (`recipe_gkd/config.py`) <- the yaml <- the overrides. A misspelled key fails with
+The schema (`recipe_gkd/config/schema.py`) <- the yaml <- the overrides. A misspelled key fails with
 "did you mean"; a bad value or an impossible split exits 2 with one line naming the key.
 The resolved config is saved as `<run_dir>/resolved_config.yaml`.
 

