@@ -245,7 +245,8 @@ class TeacherClient:
             raise TeacherMismatchError(
                 f"rollout.student_top_k={named_k} ids per position, but the {server.backend} teacher server scores "
                 f"at most {server.max_named_ids} named ids (0: a server without the feature, or a backend that "
-                "cannot): lower rollout.student_top_k, or set algorithm.support=teacher_topk"
+                "cannot; a vllm backend needs vLLM's V2 model runner, see teacher_server/backends/vllm.py): lower "
+                "rollout.student_top_k, or set algorithm.support=teacher_topk"
             )
         return named_k
 
