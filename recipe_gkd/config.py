@@ -23,6 +23,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 # The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.
 from teacher_server.config import (
     ConfigError,
+    TeacherBackend,
     TeacherConfig,
     TeacherLocation,
     bounded,
@@ -61,6 +62,13 @@ class Divergence(enum.StrEnum):
     jsd = "jsd"
     # One teacher logprob per sampled token, a policy-gradient step (recipe_gkd/losses.py); needs lmbda = 1.
     sampled_reverse_kl = "sampled_reverse_kl"
+
+
+class Support(enum.StrEnum):
+    # The teacher's top-k ids plus one tail bucket.
+    teacher_topk = "teacher_topk"
+    # The teacher's top-k and the student's top-k (rollout.student_top_k) ids, plus the exact rest.
+    union = "union"
 
 
 class Schedule(enum.StrEnum):
@@ -244,6 +252,9 @@ class RolloutConfig:
     """vLLM's share of each rollout GPU's memory (weights, runtime, KV cache)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How the student samples its responses (evaluation is greedy)."""
+    student_top_k: int = bounded(0, ge=0, note="0: off")
+    """The student's own top-k ids the engine returns at every sampled position (vLLM logprobs=k, HF from its
+    logits); the teacher scores them in the same request. Needed by (and only by) algorithm.support=union."""
 
 
 @dataclass
@@ -299,6 +310,11 @@ class AlgorithmConfig:
     """Refuse to train on a batch sampled with weights older than this many syncs."""
     tail: bool = True
     """Add the "outside the teacher's top-k" bucket so the divergence is exact over K+1 outcomes."""
+    support: Support = Support.teacher_topk
+    """The outcomes the divergence is computed over at each position. teacher_topk: the teacher's top-k ids plus one
+    bucket for the rest. union: the teacher's top-k together with the student's top rollout.student_top_k ids (the
+    teacher scores them in the same request), plus the exact rest on each side: reverse KL and JSD then see where the
+    student puts its own mass (docs/objectives.md). Needs the zeromq teacher (hf or vllm backend)."""
     ratio_clip: float = bounded(0.0, ge=0, le=0.99, note="0: no clipping")
     """sampled_reverse_kl: PPO's clip of the importance ratio s_theta / s_old to [1 - ratio_clip, 1 + ratio_clip]."""
 
@@ -756,6 +772,7 @@ def _validate_algorithm(cfg: GKDConfig) -> None:
         "must be at one temperature; set them to the same value",
     )
     _validate_sampled_reverse_kl(cfg)
+    _validate_support(cfg)
     depth = PIPELINE_DEPTH[al.schedule]
     require(
         al.max_staleness >= depth,
@@ -800,6 +817,50 @@ def _validate_sampled_reverse_kl(cfg: GKDConfig) -> None:
             f"is {value} but algorithm.divergence=sampled_reverse_kl needs samples from the student's own unscaled "
             f"distribution (its policy gradient uses the engine's temperature-1 logprobs): set {key}={plain}",
         )
+
+
+def _validate_support(cfg: GKDConfig) -> None:
+    """algorithm.support=union needs the student's ids on every sequence and a server that scores named ids."""
+    al, k_s = cfg.algorithm, cfg.rollout.student_top_k
+    if al.support == Support.teacher_topk:
+        require(
+            k_s == 0,
+            "rollout.student_top_k",
+            f"is {k_s} but only algorithm.support=union uses the student's top-k ids: set algorithm.support=union "
+            "or rollout.student_top_k=0",
+        )
+        return
+    require(
+        k_s >= 1,
+        "rollout.student_top_k",
+        "is 0 but algorithm.support=union compares over the student's top-k ids too: set rollout.student_top_k >= 1",
+    )
+    require(
+        cfg.teacher.backend != TeacherBackend.openai,
+        "algorithm.support",
+        "union needs the teacher's logprobs at the student's ids, which an OpenAI-compatible server cannot return: "
+        "set algorithm.support=teacher_topk or teacher.backend=hf|vllm",
+    )
+    require(
+        al.divergence != Divergence.sampled_reverse_kl,
+        "algorithm.support",
+        "union is a support for forward_kl, reverse_kl and jsd; sampled_reverse_kl uses one token per position: "
+        "set algorithm.support=teacher_topk",
+    )
+    require(
+        al.tail, "algorithm.tail", "algorithm.support=union partitions the vocabulary with the rest bucket: set it true"
+    )
+    require(
+        al.lmbda == 1.0,
+        "algorithm.lmbda",
+        f"is {al.lmbda} but algorithm.support=union needs the student's top-k at every position, which dataset "
+        "responses do not have: set algorithm.lmbda=1",
+    )
+    require(
+        k_s <= cfg.teacher.max_top_k,
+        "rollout.student_top_k",
+        f"is {k_s} but the teacher server scores at most teacher.max_top_k={cfg.teacher.max_top_k} named ids",
+    )
 
 
 def _validate_teacher(cfg: GKDConfig) -> None:
