@@ -15,7 +15,7 @@ import zmq
 
 from teacher_server import protocol as P
 from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
-from teacher_server.client import TeacherClient, TeacherRequestError, split_balanced
+from teacher_server.client import TeacherClient, TeacherMismatchError, TeacherRequestError, split_balanced
 from teacher_server.launcher import TeacherLaunchError, TeacherProcess, launch_teacher, start_teacher
 
 VOCAB = 102
@@ -160,6 +160,12 @@ def test_named_ids_equal_the_full_distribution(server: TeacherProcess, tiny_mode
         np.testing.assert_allclose(g.tail_logmass, np.logaddexp.reduce(rest, axis=1), atol=1e-5)
         np.put_along_axis(rest, ids.astype(int), -np.inf, axis=1)
         np.testing.assert_allclose(g.other_logmass, np.logaddexp.reduce(rest, axis=1), atol=1e-5)
+
+
+def test_more_named_ids_than_the_server_scores_are_refused_before_sending(server: TeacherProcess) -> None:
+    named = [np.zeros((2, MAX_TOP_K + 1), np.int32)]
+    with _client(server.address) as client, pytest.raises(TeacherMismatchError, match=r"rollout\.student_top_k=65"):
+        client.score([[1, 2, 3]], [1], named_ids=named)
 
 
 def _named_request(request_id: int, named: np.ndarray, named_k: int) -> list[bytes]:

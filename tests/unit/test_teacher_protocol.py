@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -169,6 +170,17 @@ def test_named_ids_roundtrip_and_cost_per_scored_token(id_encoding: str) -> None
     # The vllm backend's rest from values alone equals the exact one (each id counted once).
     other = P.other_from_union(ref.topk_logprobs, ref.topk_ids, ref.named_logprobs, named)
     np.testing.assert_allclose(other, ref.other_logmass, atol=1e-5)
+
+
+def test_a_hello_reply_of_an_older_server_offers_no_named_ids() -> None:
+    """Named ids are optional fields of protocol 1: a handshake without max_named_ids reads as 0."""
+    fields = {
+        f: getattr(P.HelloReply(1, 1, "s", "m", 10, "h", 8, [], [], 1, 1, "hf", True), f)
+        for f in P.HelloReply.__struct_fields__
+        if f != "max_named_ids"
+    }
+    reply = P.decode_server_reply(msgspec.msgpack.encode({"type": "hello_reply", **fields}))
+    assert isinstance(reply, P.HelloReply) and reply.max_named_ids == 0
 
 
 def test_tail_from_topk_matches_float64() -> None:
