@@ -139,16 +139,20 @@ def tail_from_topk(logprobs_NK: np.ndarray) -> np.ndarray:
     return log1mexp_of_logsumexp(logprobs_NK)
 
 
+def repeated_named(topk_ids_NK: np.ndarray, named_ids_NS: np.ndarray) -> np.ndarray:
+    """[N, k_s] bool: the named id is in the row's top-k or repeats an earlier named column (count it once)."""
+    repeated_NS = (named_ids_NS[:, :, None] == topk_ids_NK[:, None, :]).any(-1)
+    k_s = named_ids_NS.shape[1]
+    # [N, k_s, k_s]: column j equals an earlier column i < j.
+    earlier_NSS = (named_ids_NS[:, :, None] == named_ids_NS[:, None, :]) & np.tri(k_s, k_s, -1, dtype=bool)[None]
+    return repeated_NS | earlier_NSS.any(-1)
+
+
 def other_from_union(
     topk_logprobs_NK: np.ndarray, topk_ids_NK: np.ndarray, named_logprobs_NS: np.ndarray, named_ids_NS: np.ndarray
 ) -> np.ndarray:
     """log of the mass outside the top-k and the named ids, from their values alone (each id counted once)."""
-    repeated_NS = (named_ids_NS[:, :, None] == topk_ids_NK[:, None, :]).any(-1)
-    # A named id may also repeat an earlier named id: count its first occurrence only.
-    ns = named_ids_NS.shape[1]
-    earlier_NSS = (named_ids_NS[:, :, None] == named_ids_NS[:, None, :]) & np.tri(ns, ns, -1, dtype=bool)[None]
-    repeated_NS |= earlier_NSS.any(-1)
-    unique_named_NS = np.where(repeated_NS, -np.inf, named_logprobs_NS)
+    unique_named_NS = np.where(repeated_named(topk_ids_NK, named_ids_NS), -np.inf, named_logprobs_NS)
     return log1mexp_of_logsumexp(np.concatenate([topk_logprobs_NK, unique_named_NS], axis=1))
 
 

@@ -24,6 +24,7 @@ from recipe_gkd.batch import EXCLUDED_ID
 from recipe_gkd.config import GKDConfig, Support
 from recipe_gkd.rollout.engine import Scorer
 from teacher_server.protocol import TeacherTopK
+from teacher_server.scores import repeated_named
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,8 @@ def union_scores(reply: TeacherTopK, named_ids_NS: np.ndarray) -> TeacherTopK:
     """
     if reply.named_logprobs is None or reply.other_logmass is None:
         raise ValueError("the teacher's reply carries no logprobs at the named ids (a server without the feature?)")
-    topk_ids_NK = reply.topk_ids.astype(np.int64)
     named_NS = named_ids_NS.astype(np.int64)
-    repeated_NS = (named_NS[:, :, None] == topk_ids_NK[:, None, :]).any(-1)
-    k_s = named_NS.shape[1]
-    # [N, k_s, k_s]: column j repeats an earlier column i < j.
-    earlier_NSS = (named_NS[:, :, None] == named_NS[:, None, :]) & np.tri(k_s, k_s, -1, dtype=bool)[None]
-    repeated_NS |= earlier_NSS.any(-1)
+    repeated_NS = repeated_named(reply.topk_ids.astype(np.int64), named_NS)
     ids = np.concatenate([reply.topk_ids, np.where(repeated_NS, EXCLUDED_ID, named_NS).astype(np.int32)], axis=1)
     logprobs = np.concatenate(
         [reply.topk_logprobs, np.where(repeated_NS, -np.inf, reply.named_logprobs).astype(reply.named_logprobs.dtype)],
