@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# A teacher column that is no outcome (algorithm.support=union: a student id the teacher's top-k
+# already holds): its logprob is -inf and the loss gives it zero mass on both sides.
+EXCLUDED_ID = -1
+
 
 @dataclass
 class Sequence:
@@ -24,9 +28,11 @@ class Sequence:
     input_ids: np.ndarray  # int32 [L]: prompt + response (ends with EOS unless truncated)
     response_start: int  # index of the first response token, >= 1
     on_policy: bool  # sampled from the student (True) or taken from the dataset (False)
+    # K columns; with algorithm.support=union K + k_s: the teacher's top-k, then the student's top-k_s
+    # ids (EXCLUDED_ID where the teacher's top-k holds them already) with the teacher's logprobs there.
     teacher_topk_logprobs: np.ndarray  # float32 [L - response_start, K]
     teacher_topk_ids: np.ndarray  # int32 [L - response_start, K]
-    # log of the teacher's mass outside its top-k, computed by the server from its full distribution.
+    # log of the teacher's mass outside those columns, computed by the server from its full distribution.
     teacher_tail_logmass: np.ndarray  # float32 [L - response_start]
     # The teacher's logprob of the token actually at each response position.
     teacher_sampled_logprob: np.ndarray  # float32 [L - response_start]

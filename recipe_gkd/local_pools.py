@@ -155,10 +155,14 @@ class InProcessTeacher:
         self.backend = load_backend("hf", options)
         self.top_k, self.temperature = t.top_k, t.temperature
 
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
+    def score(
+        self, sequences: list[np.ndarray], score_from: list[int], named_ids: list[np.ndarray] | None = None
+    ) -> list[TeacherTopK]:
         from teacher_server.backends import parsed_request
 
-        request = parsed_request(sequences, score_from, top_k=self.top_k, temperature=self.temperature)
+        request = parsed_request(
+            sequences, score_from, top_k=self.top_k, temperature=self.temperature, named_ids=named_ids
+        )
         return self.backend.score(request).split()
 
 

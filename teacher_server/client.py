@@ -159,23 +159,29 @@ class TeacherClient:
         top_k: int | None = None,
         temperature: float | None = None,
         replica: str = "",
+        named_ids: Sequence[np.ndarray] | None = None,
     ) -> list[P.TeacherTopK]:
         """The teacher's top-k for positions score_from[i] .. len(sequences[i]) - 1 of every sequence.
 
         score_from[i] >= 1 (the first response token). `replica` pins the request to one
-        replica by name (readiness probes). Raises a TeacherError subclass; never drops a sequence.
+        replica by name (readiness probes). `named_ids` (per sequence [len - score_from, k_s]):
+        ids whose logprobs the teacher also returns at each scored position (the student's top-k).
+        Raises a TeacherError subclass; never drops a sequence.
         """
         if len(sequences) != len(score_from):
             raise ValueError(f"{len(sequences)} sequences but {len(score_from)} score_from values")
         if not sequences:
             return []
         server = self.server or self.connect()
+        named_k = self._check_named(server, named_ids, len(sequences))
         arrays = [np.asarray(s, dtype=P.TOKEN_DTYPE).reshape(-1) for s in sequences]
-        max_tokens = max(1, (server.max_request_bytes - HEADER_ALLOWANCE) // P.TOKEN_DTYPE.itemsize)
+        # A scored token's named ids travel with it: budget a token at (1 + named_k) int32s.
+        token_bytes = P.TOKEN_DTYPE.itemsize * (1 + named_k)
+        max_tokens = max(1, (server.max_request_bytes - HEADER_ALLOWANCE) // token_bytes)
         chunks = split_balanced([a.size for a in arrays], self.max_inflight, max_tokens)
         k = self.top_k if top_k is None else top_k
         temp = self.temperature if temperature is None else temperature
-        requests = [self._chunk_frames(arrays, score_from, lo, hi, k, temp, replica) for lo, hi in chunks]
+        requests = [self._chunk_frames(arrays, score_from, lo, hi, k, temp, replica, named_ids) for lo, hi in chunks]
         batches = self._run(requests, P.TopKBatch)
         return [part for batch in batches for part in batch.split()]
 
@@ -227,6 +233,23 @@ class TeacherClient:
             if value not in offered:
                 raise TeacherMismatchError(f"{name}={value!r} is not offered by the server ({offered})")
 
+    @staticmethod
+    def _check_named(server: P.HelloReply, named_ids: Sequence[np.ndarray] | None, n_seq: int) -> int:
+        """named_k of this call (0 without named ids), checked against the server's handshake."""
+        if named_ids is None:
+            return 0
+        if len(named_ids) != n_seq:
+            raise ValueError(f"{len(named_ids)} named-id arrays for {n_seq} sequences")
+        named_k = int(np.asarray(named_ids[0]).shape[-1])
+        if named_k > server.max_named_ids:
+            raise TeacherMismatchError(
+                f"rollout.student_top_k={named_k} ids per position, but the {server.backend} teacher server scores "
+                f"at most {server.max_named_ids} named ids (0: a server without the feature, or a backend that "
+                "cannot; a vllm backend needs vLLM's V2 model runner, see teacher_server/backends/vllm.py): lower "
+                "rollout.student_top_k, or set algorithm.support=teacher_topk"
+            )
+        return named_k
+
     # ------------------------------------------------------------------ requests
 
     def _chunk_frames(
@@ -238,6 +261,7 @@ class TeacherClient:
         top_k: int,
         temperature: float,
         replica: str,
+        named_ids: Sequence[np.ndarray] | None,
     ) -> list[bytes]:
         return P.request_frames(
             0,  # the real request id is set at each send
@@ -249,6 +273,7 @@ class TeacherClient:
             id_encoding=self.id_encoding,
             replica=replica,
             auth=self._auth,
+            named_ids=None if named_ids is None else named_ids[lo:hi],
         )
 
     def _socket(self) -> zmq.Socket:

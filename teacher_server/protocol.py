@@ -4,8 +4,8 @@ Every ZeroMQ message is one msgspec-encoded header frame, then zero or more raw 
 array frames. Clients talk to the frontend's ROUTER through a DEALER; replicas talk to the
 frontend's second ROUTER through their own DEALER.
 
-    client -> frontend   Hello | ScoreRequest [+ ids int32] | StatsRequest | Ping
-    frontend -> client   HelloReply | ScoreReply [+ 4 array frames] | StatsReply | Pong | ErrorReply
+    client -> frontend   Hello | ScoreRequest [+ ids int32 (+ named ids)] | StatsRequest | Ping
+    frontend -> client   HelloReply | ScoreReply [+ 4 (or 6) array frames] | StatsReply | Pong | ErrorReply
     replica -> frontend  Register (also the heartbeat) | ScoreReply [+ frames] | ErrorReply
     frontend -> replica  RegisterAck | ScoreRequest [+ ids] (request_id rewritten) | ErrorReply
 
@@ -18,6 +18,12 @@ log(sum of p outside the top-k). With top_k = 0 (the sampled-token objective) on
 token's logprob travels: the top-k frames are empty and so is the tail frame (the tail is the
 whole distribution, log 1 = 0), 4 bytes per scored token. An ErrorReply answers exactly one
 request; the server never dies on a bad one.
+
+Named ids (`named_k` > 0, protocol version 1, optional fields an older peer ignores or reads as 0):
+the request adds an int32 frame of named_k ids per scored position (the student's own top-k),
+the reply two float32 frames: the teacher's logprobs at those ids and the log of its mass outside
+the top-k and the named ids together, from the same forward. The handshake's `max_named_ids`
+says how many a server takes (0 for a server without the feature: the client refuses before sending).
 """
 
 from __future__ import annotations
@@ -34,6 +40,14 @@ import msgspec
 import numpy as np
 
 from teacher_server import idcodec
+from teacher_server.scores import (  # noqa: F401 - re-exported: the wire's result types
+    TeacherTopK,
+    TopKBatch,
+    canonical_order,
+    other_from_union,
+    scores_from_logprobs,
+    tail_from_topk,
+)
 
 PROTOCOL_VERSION = 1
 # Wire dtypes of the top-k logprobs; decoded values are always float32.
@@ -104,6 +118,9 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     backend: str
     # False for the vllm backend: its prompt logprobs ignore temperature (see backends/vllm.py).
     supports_temperature: bool
+    # Most ids a request may name per scored position (0: the server scores no named ids; an
+    # older server does not send the field and reads as 0).
+    max_named_ids: int = 0
 
 
 class ScoreRequest(msgspec.Struct, tag="score"):
@@ -118,6 +135,8 @@ class ScoreRequest(msgspec.Struct, tag="score"):
     # Pin to a named replica (readiness probes); empty = the least-loaded one.
     replica: str = ""
     auth: bytes = b""
+    # Ids named per scored position (a second int32 frame [sum(length - score_from), named_k]).
+    named_k: int = 0
 
 
 class ScoreReply(msgspec.Struct, tag="score_reply"):
@@ -129,6 +148,8 @@ class ScoreReply(msgspec.Struct, tag="score_reply"):
     id_encoding: str
     replica: str = ""
     compute_s: float = 0.0
+    # > 0: two more frames, the logprobs at the named ids and the mass outside top-k + named ids.
+    named_k: int = 0
 
 
 class ErrorReply(msgspec.Struct, tag="error"):
@@ -194,6 +215,7 @@ class Register(msgspec.Struct, tag="register"):
     backend: str
     supports_temperature: bool
     auth: bytes = b""
+    max_named_ids: int = 0
 
 
 class RegisterAck(msgspec.Struct, tag="register_ack"):
@@ -287,123 +309,6 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-# ----------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True)
-class TeacherTopK:
-    """The teacher's scores for one sequence, from its first response position to its end.
-
-    Row j is position p = score_from + j of the sequence and holds the teacher's distribution
-    of the token at p given the tokens before it (the logits at p-1), at the request's
-    temperature. Rows are sorted by logprob, descending; equal logprobs by ascending id.
-
-    topk_logprobs    [n_scored, K] float32  log p of the K most likely tokens
-    topk_ids         [n_scored, K] int32    their token ids
-    sampled_logprob  [n_scored]    float32  log p of the token actually at p
-    tail_logmass     [n_scored]    float32  log of the mass outside the top-k (-inf when K = V)
-    """
-
-    topk_logprobs: np.ndarray
-    topk_ids: np.ndarray
-    sampled_logprob: np.ndarray
-    tail_logmass: np.ndarray
-
-    @property
-    def n_scored(self) -> int:
-        return int(self.topk_ids.shape[0])
-
-    @property
-    def top_k(self) -> int:
-        return int(self.topk_ids.shape[1])
-
-
-@dataclass(frozen=True)
-class TopKBatch:
-    """Scores of several sequences, concatenated along positions (the wire and backend layout).
-
-    n_scored [B] int64; the other arrays are TeacherTopK's with N = n_scored.sum() rows.
-    """
-
-    n_scored: np.ndarray
-    topk_logprobs: np.ndarray
-    topk_ids: np.ndarray
-    sampled_logprob: np.ndarray
-    tail_logmass: np.ndarray
-
-    def split(self) -> list[TeacherTopK]:
-        """One TeacherTopK per sequence (views, no copies)."""
-        bounds = np.cumsum(self.n_scored)[:-1]
-        parts = zip(
-            np.split(self.topk_logprobs, bounds),
-            np.split(self.topk_ids, bounds),
-            np.split(self.sampled_logprob, bounds),
-            np.split(self.tail_logmass, bounds),
-            strict=True,
-        )
-        return [TeacherTopK(*p) for p in parts]
-
-    @staticmethod
-    def from_sequences(parts: Sequence[TeacherTopK]) -> TopKBatch:
-        """Pack per-sequence scores (the inverse of split)."""
-        return TopKBatch(
-            np.asarray([p.n_scored for p in parts], dtype=np.int64),
-            np.concatenate([p.topk_logprobs for p in parts]),
-            np.concatenate([p.topk_ids for p in parts]),
-            np.concatenate([p.sampled_logprob for p in parts]),
-            np.concatenate([p.tail_logmass for p in parts]),
-        )
-
-    @staticmethod
-    def concat(batches: Sequence[TopKBatch]) -> TopKBatch:
-        return TopKBatch(
-            np.concatenate([b.n_scored for b in batches]),
-            np.concatenate([b.topk_logprobs for b in batches]),
-            np.concatenate([b.topk_ids for b in batches]),
-            np.concatenate([b.sampled_logprob for b in batches]),
-            np.concatenate([b.tail_logmass for b in batches]),
-        )
-
-
-def canonical_order(logprobs_NK: np.ndarray, ids_NK: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows sorted by logprob descending, ties by ascending id: one order on both ends of the wire."""
-    order_NK = np.lexsort((ids_NK, -logprobs_NK), axis=-1)
-    return np.take_along_axis(logprobs_NK, order_NK, axis=1), np.take_along_axis(ids_NK, order_NK, axis=1)
-
-
-def tail_from_topk(logprobs_NK: np.ndarray) -> np.ndarray:
-    """log(1 - sum exp(top-k)) per row from the top-k alone, as log1mexp(logsumexp) in float64.
-
-    For backends that do not expose the full distribution (vllm); -inf when the top-k holds
-    all the mass. log1mexp(x) = log(-expm1(x)) for x > -ln 2, else log1p(-exp(x)) (Maechler 2012).
-    """
-    if logprobs_NK.shape[1] == 0:
-        return np.zeros(logprobs_NK.shape[0], dtype=np.float32)
-    lse_N = np.minimum(np.logaddexp.reduce(logprobs_NK.astype(np.float64), axis=1), 0.0)
-    with np.errstate(divide="ignore"):
-        near_one = np.log(-np.expm1(lse_N))
-        far = np.log1p(-np.exp(lse_N))
-    return np.where(lse_N > -math.log(2), near_one, far).astype(np.float32)
-
-
-def scores_from_logprobs(logprobs_NV: np.ndarray, next_ids_N: np.ndarray, top_k: int) -> TeacherTopK:
-    """Exact TeacherTopK of N positions from their full-vocabulary log-probs (a reference scorer).
-
-    Row n is the distribution of token next_ids_N[n]; the tail is computed in float64 from
-    the whole distribution, as a backend that sees every logit does.
-    """
-    logprobs_NV = np.asarray(logprobs_NV, dtype=np.float64)
-    top_NK = np.argsort(-logprobs_NV, axis=-1, kind="stable")[:, :top_k]
-    values_NK = np.take_along_axis(logprobs_NV, top_NK, axis=-1)
-    rest_NV = logprobs_NV.copy()
-    np.put_along_axis(rest_NV, top_NK, -np.inf, axis=-1)
-    with np.errstate(divide="ignore"):
-        tail_N = np.logaddexp.reduce(rest_NV, axis=-1)
-    sampled_N = np.take_along_axis(logprobs_NV, np.asarray(next_ids_N, dtype=np.int64)[:, None], axis=-1)[:, 0]
-    logprobs, ids = canonical_order(values_NK.astype(np.float32), top_NK.astype(np.int32))
-    return TeacherTopK(logprobs, ids, sampled_N.astype(np.float32), tail_N.astype(np.float32))
-
-
 # ----------------------------------------------------------------------------- requests
 
 
@@ -415,6 +320,7 @@ class RequestLimits:
     max_top_k: int
     max_request_bytes: int
     supports_temperature: bool = True
+    max_named_ids: int = 0
 
 
 @dataclass(frozen=True)
@@ -426,6 +332,8 @@ class ParsedRequest:
     score_from: np.ndarray
     top_k: int
     temperature: float
+    # [sum(lengths - score_from), named_k] int32: ids whose logprobs each scored position asks for.
+    named_ids: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -433,6 +341,12 @@ class ParsedRequest:
 
     def sequences(self) -> list[np.ndarray]:
         return np.split(self.ids, np.cumsum(self.lengths)[:-1])
+
+    def named_per_sequence(self) -> list[np.ndarray | None]:
+        """Each sequence's named ids [length - score_from, named_k] (None without named ids)."""
+        if self.named_ids is None:
+            return [None] * len(self.lengths)
+        return np.split(self.named_ids, np.cumsum(self.lengths - self.score_from)[:-1])
 
 
 def request_frames(
@@ -446,9 +360,14 @@ def request_frames(
     id_encoding: str = "int32",
     replica: str = "",
     auth: bytes = b"",
+    named_ids: Sequence[np.ndarray] | None = None,
 ) -> list[bytes]:
-    """The frames of a ScoreRequest: header, then all token ids as one int32 frame."""
+    """The frames of a ScoreRequest: header, all token ids as one int32 frame, then the named ids.
+
+    named_ids: per sequence [len - score_from, named_k] ids to score at each scored position.
+    """
     arrays = [np.asarray(s, dtype=TOKEN_DTYPE).reshape(-1) for s in sequences]
+    named_k = 0 if named_ids is None or not len(named_ids) else int(np.asarray(named_ids[0]).shape[-1])
     header = ScoreRequest(
         version=PROTOCOL_VERSION,
         request_id=request_id,
@@ -460,9 +379,13 @@ def request_frames(
         id_encoding=id_encoding,
         replica=replica,
         auth=auth,
+        named_k=named_k,
     )
     ids = np.concatenate(arrays) if arrays else np.zeros(0, TOKEN_DTYPE)
-    return [encode(header), ids.tobytes()]
+    if not named_k:
+        return [encode(header), ids.tobytes()]
+    named = np.concatenate([np.asarray(n, dtype=TOKEN_DTYPE).reshape(-1, named_k) for n in named_ids or []])
+    return [encode(header), ids.tobytes(), named.tobytes()]
 
 
 def _bad(message: str) -> ProtocolError:
@@ -475,8 +398,12 @@ def parse_score_request(
     """Validate a ScoreRequest and its array frame against `limits`. Raises ProtocolError."""
     if req.version != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.VERSION, f"protocol version {req.version}, server speaks {PROTOCOL_VERSION}")
-    if len(frames) != 1:
-        raise _bad(f"a score request has exactly 1 array frame (token ids), got {len(frames)}")
+    expected_frames = 2 if req.named_k else 1
+    if len(frames) != expected_frames:
+        raise _bad(
+            f"a score request with named_k={req.named_k} has {expected_frames} array frame(s) (token ids"
+            f"{', named ids' if req.named_k else ''}), got {len(frames)}"
+        )
     _check_scalars(req, limits)
     n_seq = len(req.lengths)
     if n_seq == 0:
@@ -495,7 +422,21 @@ def parse_score_request(
     ids = np.frombuffer(ids_frame, dtype=TOKEN_DTYPE)
     if ids.min() < 0 or ids.max() >= limits.vocab_size:
         raise _bad(f"token ids must lie in [0, {limits.vocab_size}); got [{ids.min()}, {ids.max()}]")
-    return ParsedRequest(ids, lengths, score_from, req.top_k, req.temperature)
+    named = _parse_named_ids(req.named_k, frames[1], int((lengths - score_from).sum()), limits) if req.named_k else None
+    return ParsedRequest(ids, lengths, score_from, req.top_k, req.temperature, named)
+
+
+def _parse_named_ids(named_k: int, frame: bytes | memoryview, n_scored: int, limits: RequestLimits) -> np.ndarray:
+    """The named-id frame as [n_scored, named_k] int32, each id in [0, vocab_size)."""
+    if len(frame) != TOKEN_DTYPE.itemsize * n_scored * named_k:
+        raise _bad(
+            f"named-id frame has {len(frame)} bytes, the request scores {n_scored} positions x named_k={named_k} "
+            "int32 ids"
+        )
+    named = np.frombuffer(frame, dtype=TOKEN_DTYPE).reshape(n_scored, named_k)
+    if named.size and (named.min() < 0 or named.max() >= limits.vocab_size):
+        raise _bad(f"named ids must lie in [0, {limits.vocab_size}); got [{named.min()}, {named.max()}]")
+    return named
 
 
 def _check_scalars(req: ScoreRequest, limits: RequestLimits) -> None:
@@ -510,6 +451,11 @@ def _check_scalars(req: ScoreRequest, limits: RequestLimits) -> None:
         raise ProtocolError(
             ErrorCode.UNSUPPORTED,
             f"this backend scores at temperature 1 only (got {req.temperature}); set teacher.temperature=1 or teacher.backend=hf",
+        )
+    if not 0 <= req.named_k <= limits.max_named_ids:
+        raise _bad(
+            f"named_k={req.named_k} outside [0, {limits.max_named_ids}] (the ids this server scores per position; "
+            "rollout.student_top_k)"
         )
     if req.logprob_dtype not in LOGPROB_DTYPES:
         raise _bad(f"logprob_dtype {req.logprob_dtype!r} not in {sorted(LOGPROB_DTYPES)}")
@@ -533,6 +479,8 @@ def reply_frames(
     """The frames of a ScoreReply: header, top-k logprobs, top-k ids, sampled logprob, tail log-mass.
 
     With top_k = 0 the tail frame is empty: outside an empty top-k is all the mass (log 1 = 0).
+    With named ids, two float32 frames follow: their logprobs [N, named_k] and the log-mass outside
+    the top-k and the named ids [N].
     """
     top_k = int(batch.topk_ids.shape[1])
     logprobs = batch.topk_logprobs
@@ -553,20 +501,29 @@ def reply_frames(
         id_encoding=id_encoding,
         replica=replica,
         compute_s=compute_s,
+        named_k=0 if batch.named_logprobs is None else int(batch.named_logprobs.shape[1]),
     )
-    return [
+    frames = [
         encode(header),
         np.ascontiguousarray(logprobs, dtype=LOGPROB_DTYPES[logprob_dtype]).tobytes(),
         ids_bytes,
         np.ascontiguousarray(batch.sampled_logprob, dtype=FLOAT_DTYPE).tobytes(),
         np.ascontiguousarray(batch.tail_logmass, dtype=FLOAT_DTYPE).tobytes() if top_k else b"",
     ]
+    if batch.named_logprobs is not None and batch.other_logmass is not None:
+        frames.append(np.ascontiguousarray(batch.named_logprobs, dtype=FLOAT_DTYPE).tobytes())
+        frames.append(np.ascontiguousarray(batch.other_logmass, dtype=FLOAT_DTYPE).tobytes())
+    return frames
 
 
 def parse_score_reply(header: ScoreReply, frames: Sequence[bytes | memoryview]) -> TopKBatch:
     """Decode a ScoreReply's frames into float32/int32 arrays in canonical order. Raises ProtocolError."""
-    if len(frames) != 4:
-        raise ProtocolError(ErrorCode.MALFORMED, f"a score reply has 4 array frames, got {len(frames)}")
+    expected_frames = 6 if header.named_k else 4
+    if len(frames) != expected_frames:
+        raise ProtocolError(
+            ErrorCode.MALFORMED,
+            f"a score reply with named_k={header.named_k} has {expected_frames} array frames, got {len(frames)}",
+        )
     if header.logprob_dtype not in LOGPROB_DTYPES or header.id_encoding not in ID_ENCODINGS:
         raise ProtocolError(ErrorCode.MALFORMED, f"unknown reply encoding {header.logprob_dtype}/{header.id_encoding}")
     n_scored = np.asarray(header.n_scored, dtype=np.int64)
@@ -580,6 +537,10 @@ def parse_score_reply(header: ScoreReply, frames: Sequence[bytes | memoryview]) 
         sampled = np.frombuffer(frames[2], dtype=FLOAT_DTYPE).reshape(n_rows)
         # top_k = 0: no tail on the wire, it is log 1 = 0 on every row.
         tail = np.frombuffer(frames[3], dtype=FLOAT_DTYPE).reshape(n_rows) if top_k else np.zeros(n_rows, FLOAT_DTYPE)
+        named = other = None
+        if header.named_k:
+            named = np.frombuffer(frames[4], dtype=FLOAT_DTYPE).reshape(n_rows, header.named_k).copy()
+            other = np.frombuffer(frames[5], dtype=FLOAT_DTYPE).reshape(n_rows).copy()
     except ValueError as err:
         raise ProtocolError(ErrorCode.MALFORMED, f"score reply arrays do not match its header: {err}") from None
     logprobs = logprobs.astype(np.float32)
@@ -587,4 +548,4 @@ def parse_score_reply(header: ScoreReply, frames: Sequence[bytes | memoryview]) 
     if header.id_encoding == "elias_fano" or header.logprob_dtype != "float32":
         # Elias-Fano sends rows by id; float16 rounding can create ties: restore the one order.
         logprobs, ids = canonical_order(logprobs, ids)
-    return TopKBatch(n_scored, logprobs, ids, sampled.astype(np.float32), tail.astype(np.float32))
+    return TopKBatch(n_scored, logprobs, ids, sampled.astype(np.float32), tail.astype(np.float32), named, other)

@@ -54,7 +54,7 @@ class ReplicaSpec(msgspec.Struct):
 @dataclass
 class _Work:
     header: P.ScoreRequest
-    ids: bytes
+    arrays: list[bytes]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,9 +93,12 @@ class ReplicaLoop:
             max_top_k=info.max_top_k,
             backend=info.backend,
             supports_temperature=info.supports_temperature,
+            max_named_ids=info.max_named_ids,
             auth=P.auth_token(P.read_secret(spec.secret_file)),
         )
-        self.limits = P.RequestLimits(info.vocab_size, info.max_top_k, UNLIMITED_BYTES, info.supports_temperature)
+        self.limits = P.RequestLimits(
+            info.vocab_size, info.max_top_k, UNLIMITED_BYTES, info.supports_temperature, info.max_named_ids
+        )
         self.ctx = zmq.Context()
         self.work: queue.Queue[_Work | None] = queue.Queue()
         self.results: queue.Queue[list[bytes]] = queue.Queue()
@@ -156,7 +159,7 @@ class ReplicaLoop:
             log.error("replica %s refused by the frontend: %s", self.spec.name, message.message)
             return EXIT_REFUSED
         else:
-            self.work.put(_Work(message, frames[1].bytes if len(frames) > 1 else b""))
+            self.work.put(_Work(message, [f.bytes for f in frames[1:]]))
         return None
 
     def _worker(self) -> None:
@@ -174,7 +177,7 @@ class ReplicaLoop:
         header = item.header
         start = time.perf_counter()
         try:
-            request = P.parse_score_request(header, [item.ids], self.limits)
+            request = P.parse_score_request(header, item.arrays, self.limits)
             batch = self.backend.score(request)
         except P.ProtocolError as err:
             return [P.error_reply(header.request_id, err.code, err.message)]

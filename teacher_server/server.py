@@ -81,9 +81,9 @@ class _Inflight:
     client_request_id: int
     replica: bytes
     tokens: int
-    # What the replica was sent (header without the internal id, ids frame): re-sent if it is lost.
+    # What the replica was sent (header without the internal id, array frames): re-sent if it is lost.
     request: P.ScoreRequest
-    ids: zmq.Frame
+    arrays: tuple[zmq.Frame, ...]
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,11 @@ class Frontend:
     def _limits(self) -> P.RequestLimits:
         model = self._require_model()
         return P.RequestLimits(
-            model.vocab_size, model.max_top_k, self.options.max_request_bytes, model.supports_temperature
+            model.vocab_size,
+            model.max_top_k,
+            self.options.max_request_bytes,
+            model.supports_temperature,
+            model.max_named_ids,
         )
 
     def _require_model(self) -> P.Register:
@@ -261,6 +265,7 @@ class Frontend:
             replicas=len(self._replicas),
             backend=model.backend,
             supports_temperature=model.supports_temperature,
+            max_named_ids=model.max_named_ids,
         )
 
     def _dispatch(self, identity: bytes, request: P.ScoreRequest, arrays: list[zmq.Frame]) -> None:
@@ -268,7 +273,7 @@ class Frontend:
         replica = self._pick(request.replica)
         self._counts["requests"] += 1
         stripped = msgspec.structs.replace(request, auth=b"")
-        inflight = _Inflight(identity, request.request_id, replica.identity, parsed.n_tokens, stripped, arrays[0])
+        inflight = _Inflight(identity, request.request_id, replica.identity, parsed.n_tokens, stripped, tuple(arrays))
         self._send_to(replica, inflight)
 
     def _send_to(self, replica: _Replica, inflight: _Inflight) -> None:
@@ -278,7 +283,7 @@ class Frontend:
         replica.outstanding += 1
         replica.outstanding_tokens += inflight.tokens
         forwarded = P.encode(msgspec.structs.replace(inflight.request, request_id=internal_id))
-        self._send(self._replicas_sock, replica.identity, [forwarded, inflight.ids])
+        self._send(self._replicas_sock, replica.identity, [forwarded, *inflight.arrays])
 
     def _pick(self, name: str) -> _Replica:
         candidates = [r for r in self._replicas.values() if not name or r.info.name == name]

@@ -22,11 +22,13 @@ from recipe_gkd.config.schema import (
     Divergence,
     GKDConfig,
     RolloutBackend,
+    Support,
     WeightTransport,
 )
 
 # The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.
 from teacher_server.config import (
+    TeacherBackend,
     TeacherLocation,
     check_fields,
     min_vllm_model_len,
@@ -293,6 +295,7 @@ def _validate_algorithm(cfg: GKDConfig) -> None:
         "must be at one temperature; set them to the same value",
     )
     _validate_sampled_reverse_kl(cfg)
+    _validate_support(cfg)
     depth = PIPELINE_DEPTH[al.schedule]
     require(
         al.max_staleness >= depth,
@@ -337,6 +340,50 @@ def _validate_sampled_reverse_kl(cfg: GKDConfig) -> None:
             f"is {value} but algorithm.divergence=sampled_reverse_kl needs samples from the student's own unscaled "
             f"distribution (its policy gradient uses the engine's temperature-1 logprobs): set {key}={plain}",
         )
+
+
+def _validate_support(cfg: GKDConfig) -> None:
+    """algorithm.support=union needs the student's ids on every sequence and a server that scores named ids."""
+    al, k_s = cfg.algorithm, cfg.rollout.student_top_k
+    if al.support == Support.teacher_topk:
+        require(
+            k_s == 0,
+            "rollout.student_top_k",
+            f"is {k_s} but only algorithm.support=union uses the student's top-k ids: set algorithm.support=union "
+            "or rollout.student_top_k=0",
+        )
+        return
+    require(
+        k_s >= 1,
+        "rollout.student_top_k",
+        "is 0 but algorithm.support=union compares over the student's top-k ids too: set rollout.student_top_k >= 1",
+    )
+    require(
+        cfg.teacher.backend != TeacherBackend.openai,
+        "algorithm.support",
+        "union needs the teacher's logprobs at the student's ids, which an OpenAI-compatible server cannot return: "
+        "set algorithm.support=teacher_topk or teacher.backend=hf|vllm",
+    )
+    require(
+        al.divergence != Divergence.sampled_reverse_kl,
+        "algorithm.support",
+        "union is a support for forward_kl, reverse_kl and jsd; sampled_reverse_kl uses one token per position: "
+        "set algorithm.support=teacher_topk",
+    )
+    require(
+        al.tail, "algorithm.tail", "algorithm.support=union partitions the vocabulary with the rest bucket: set it true"
+    )
+    require(
+        al.lmbda == 1.0,
+        "algorithm.lmbda",
+        f"is {al.lmbda} but algorithm.support=union needs the student's top-k at every position, which dataset "
+        "responses do not have: set algorithm.lmbda=1",
+    )
+    require(
+        k_s <= cfg.teacher.max_top_k,
+        "rollout.student_top_k",
+        f"is {k_s} but the teacher server scores at most teacher.max_top_k={cfg.teacher.max_top_k} named ids",
+    )
 
 
 def _validate_teacher(cfg: GKDConfig) -> None:

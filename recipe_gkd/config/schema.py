@@ -48,6 +48,13 @@ class Divergence(enum.StrEnum):
     sampled_reverse_kl = "sampled_reverse_kl"
 
 
+class Support(enum.StrEnum):
+    # The teacher's top-k ids plus one tail bucket.
+    teacher_topk = "teacher_topk"
+    # The teacher's top-k and the student's top-k (rollout.student_top_k) ids, plus the exact rest.
+    union = "union"
+
+
 class Schedule(enum.StrEnum):
     sync = "sync"
     one_step_off = "one_step_off"
@@ -230,6 +237,9 @@ class RolloutConfig:
     """vLLM's share of each rollout GPU's memory (weights, runtime, KV cache)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How the student samples its responses (evaluation is greedy)."""
+    student_top_k: int = bounded(0, ge=0, note="0: off")
+    """The student's own top-k ids the engine returns at every sampled position (vLLM logprobs=k, HF from its
+    logits); the teacher scores them in the same request. Needed by (and only by) algorithm.support=union."""
 
 
 @dataclass
@@ -285,6 +295,11 @@ class AlgorithmConfig:
     """Refuse to train on a batch sampled with weights older than this many syncs."""
     tail: bool = True
     """Add the "outside the teacher's top-k" bucket so the divergence is exact over K+1 outcomes."""
+    support: Support = Support.teacher_topk
+    """The outcomes the divergence is computed over at each position. teacher_topk: the teacher's top-k ids plus one
+    bucket for the rest. union: the teacher's top-k together with the student's top rollout.student_top_k ids (the
+    teacher scores them in the same request), plus the exact rest on each side: reverse KL and JSD then see where the
+    student puts its own mass (docs/objectives.md). Needs the zeromq teacher (hf or vllm backend)."""
     ratio_clip: float = bounded(0.0, ge=0, le=0.99, note="0: no clipping")
     """sampled_reverse_kl: PPO's clip of the importance ratio s_theta / s_old to [1 - ratio_clip, 1 + ratio_clip]."""
 

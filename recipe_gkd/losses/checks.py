@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from recipe_gkd.batch import EXCLUDED_ID
+
 Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 DIVERGENCES: tuple[str, ...] = get_args(Divergence)
 # A logprob above 0 by more than this is not rounding: the sampled-token inputs are refused.
@@ -134,8 +136,9 @@ def check_static_args(
             f"{teacher_tail_BT.dtype} {tuple(teacher_tail_BT.shape)}"
         )
     top_k = teacher_ids_BTK.shape[-1]
-    if not (1 <= top_k <= vocab_size):
-        raise ValueError(f"top-k K={top_k} must be in [1, V={vocab_size}]")
+    # Union support may send up to K + k_s > V columns (the repeated ones excluded).
+    if top_k < 1:
+        raise ValueError(f"top-k K={top_k} must be >= 1")
     if not (0 <= vocab_start and vocab_start + shard_vocab <= vocab_size):
         raise ValueError(
             f"vocab shard [{vocab_start}, {vocab_start + shard_vocab}) is outside [0, vocab_size={vocab_size})"
@@ -151,7 +154,8 @@ def check_data(
 ) -> bool:
     """Value checks on the loss tokens only (masked rows may hold padding), one host sync.
 
-    Returns whether any teacher id lies beyond the student's vocabulary (to be folded).
+    Returns whether any column is not a student outcome: an id beyond the student's vocabulary
+    (to be folded into the tail) or an EXCLUDED_ID column.
     """
     if loss_mask_N.dtype == torch.bool:
         bad_mask = torch.zeros((), dtype=torch.bool, device=loss_mask_N.device)
@@ -163,20 +167,25 @@ def check_data(
         return False
     ids_MK = teacher_ids_MK.detach().to(torch.int64)
     sorted_MK = ids_MK.sort(dim=-1).values
+    excluded_MK = ids_MK == EXCLUDED_ID
+    # An excluded column carries no teacher mass (its id is counted in another column).
+    bad_excluded = (excluded_MK & (teacher_logprobs_MK.detach().to(ids_MK.device) > -math.inf)).any()
     bad_tail = torch.zeros((), dtype=torch.bool, device=ids_MK.device)
     if teacher_tail_M is not None:
         bad_tail = (torch.isnan(teacher_tail_M) | (teacher_tail_M == math.inf)).any().to(ids_MK.device)
     flags = torch.stack(
         [
             bad_mask.to(ids_MK.device, torch.int64),
-            ids_MK.min(),
+            torch.where(excluded_MK, 0, ids_MK).min(),
             ids_MK.max(),
-            (sorted_MK[:, 1:] == sorted_MK[:, :-1]).any().to(torch.int64),
+            ((sorted_MK[:, 1:] == sorted_MK[:, :-1]) & (sorted_MK[:, 1:] != EXCLUDED_ID)).any().to(torch.int64),
             (torch.isnan(teacher_logprobs_MK) | (teacher_logprobs_MK == math.inf)).any().to(ids_MK.device, torch.int64),
             bad_tail.to(torch.int64),
+            bad_excluded.to(torch.int64),
+            excluded_MK.any().to(torch.int64),
         ]
     ).tolist()
-    bad_mask_flag, id_min, id_max, has_duplicates, has_nan, has_bad_tail = flags
+    bad_mask_flag, id_min, id_max, has_duplicates, has_nan, has_bad_tail, bad_excl, has_excluded = flags
     if bad_mask_flag:
         raise ValueError("loss_mask must be bool or hold only 0 and 1")
     if id_min < 0:
@@ -187,4 +196,6 @@ def check_data(
         raise ValueError("teacher_topk_logprobs hold NaN or +inf at loss positions")
     if has_bad_tail:
         raise ValueError("teacher_tail_logmass holds NaN or +inf at loss positions")
-    return bool(id_max >= vocab_size)
+    if bad_excl:
+        raise ValueError(f"a teacher column with id {EXCLUDED_ID} (excluded) must have logprob -inf")
+    return bool(id_max >= vocab_size or has_excluded)

@@ -18,6 +18,12 @@ Teacher ids at or beyond the student's vocabulary (families pad their embedding 
 differently over one tokenizer: Qwen2.5-7B has 152064 rows, Qwen2.5-0.5B 151936) are not
 tokens the student can produce: their teacher mass is folded into the tail bucket.
 
+Union support (algorithm.support=union): the columns are the teacher's top-k followed by the
+student's own top-k_s ids with the teacher's logprobs at them, and the tail is the teacher's
+mass outside both (the server's). A student id already in the teacher's top-k is sent as
+``EXCLUDED_ID`` with logprob -inf: a zero-mass outcome on both sides, like a folded id, so the
+K + k_s + 1 outcomes partition the vocabulary and each divergence is exact over that partition.
+
 - ``tail=True`` (default): K + 1 outcomes as above. When K == V the tail is empty and is
   dropped, which makes it identical to ``tail=False``.
 - ``tail=False``: both distributions are restricted to the teacher's top-k ids and
@@ -245,7 +251,8 @@ def _gkd_loss_sum(
         teacher_tail_M = teacher_tail_M.to(device=device, dtype=compute_dtype)
 
     # Ids the student has no row for are folded into the tail (below): they count as "other tokens".
-    in_vocab_MK = teacher_ids_MK < vocab_size
+    # Excluded columns (-1) are no outcome at all: zero mass on both sides.
+    in_vocab_MK = (teacher_ids_MK >= 0) & (teacher_ids_MK < vocab_size)
     if has_folded and not tail:
         raise ValueError(
             "teacher_topk_ids hold ids beyond the student's vocabulary, which only the tail bucket can take: "
@@ -278,7 +285,9 @@ def _gkd_loss_sum(
             student_top_MK = torch.where(in_vocab_MK, student_top_MK, -math.inf)
         # [M,K] + [M,1] -> [M,K+1]; the tail logit is the log-sum-exp of all other logits.
         student_logprobs_MJ = torch.log_softmax(torch.cat([student_top_MK, student_tail_M[:, None]], dim=-1), dim=-1)
-        teacher_logprobs_MJ = _teacher_with_tail(teacher_logprobs_MK, in_vocab_MK, teacher_tail_M, top_k < vocab_size)
+        # Rows whose outcomes cover the whole vocabulary have an empty tail (-inf on both sides).
+        tail_nonempty_M = in_vocab_MK.sum(dim=-1) < vocab_size
+        teacher_logprobs_MJ = _teacher_with_tail(teacher_logprobs_MK, in_vocab_MK, teacher_tail_M, tail_nonempty_M)
     else:
         # The same op renormalises both sides: equal inputs give bitwise-equal log-probs.
         student_logprobs_MJ = torch.log_softmax(student_top_MK, dim=-1)
@@ -320,7 +329,7 @@ def _log1mexp(x: Tensor) -> Tensor:
 
 
 def _teacher_with_tail(
-    teacher_logprobs_MK: Tensor, in_vocab_MK: Tensor, sent_tail_M: Tensor | None, tail_nonempty: bool
+    teacher_logprobs_MK: Tensor, in_vocab_MK: Tensor, sent_tail_M: Tensor | None, tail_nonempty_M: Tensor
 ) -> Tensor:
     """Teacher log-probs over K + 1 outcomes [M,K+1]: the in-vocabulary top-k, then the tail.
 
@@ -338,7 +347,6 @@ def _teacher_with_tail(
     else:
         folded_MK = torch.where(in_vocab_MK, -math.inf, teacher_logprobs_MK)
         tail_M1 = torch.logaddexp(sent_tail_M[:, None], torch.logsumexp(folded_MK, dim=-1, keepdim=True))
-    if tail_nonempty:
-        # The server's fp32 tail can underflow to -inf: a tiny floor keeps reverse KL / JSD finite.
-        tail_M1 = tail_M1.clamp(min=TEACHER_TAIL_LOGPROB_FLOOR)
+    # The server's fp32 tail can underflow to -inf: a tiny floor keeps reverse KL / JSD finite.
+    tail_M1 = torch.where(tail_nonempty_M[:, None], tail_M1.clamp(min=TEACHER_TAIL_LOGPROB_FLOOR), tail_M1)
     return torch.log_softmax(torch.cat([top_MK, tail_M1], dim=-1), dim=-1)  # [M,K+1]

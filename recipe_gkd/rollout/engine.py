@@ -21,6 +21,8 @@ class Generation:
 
     response_ids: list[int]
     logprobs: np.ndarray  # float32 [len(response_ids)], under the unscaled student distribution
+    # rollout.student_top_k > 0: the student's top ids at each response position, most likely first.
+    topk_ids: np.ndarray | None = None  # int32 [len(response_ids), student_top_k]
 
 
 class Engine(Protocol):
@@ -54,6 +56,12 @@ class Engine(Protocol):
 class Scorer(Protocol):
     """The teacher as the rollout worker sees it."""
 
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
-        """Per sequence: the teacher's top-k, tail and sampled-token logprob for positions score_from.."""
+    def score(
+        self, sequences: list[np.ndarray], score_from: list[int], named_ids: list[np.ndarray] | None = None
+    ) -> list[TeacherTopK]:
+        """Per sequence: the teacher's top-k, tail and sampled-token logprob for positions score_from..
+
+        named_ids (per sequence [n_scored, k_s]): also the teacher's logprobs at those ids and its mass
+        outside the top-k and them (TeacherTopK.named_logprobs, other_logmass).
+        """
         ...

@@ -114,14 +114,20 @@ class HFEngine:
         # Raw (unprocessed) logits -> logprob of each sampled token under the student itself.
         logits_BNV = torch.stack(result.logits, dim=1).float().cpu()
         logprobs_BN = torch.log_softmax(logits_BNV, dim=-1).gather(-1, new_BN.unsqueeze(-1)).squeeze(-1)
-        return [self._cut(new_BN[i], logprobs_BN[i]) for i in range(len(prompts))]
+        # rollout.student_top_k: the student's own top ids (of the raw logits; a temperature keeps the order).
+        k_s = self.cfg.rollout.student_top_k
+        topk_BNS = logits_BNV.topk(k_s, dim=-1).indices if k_s else None
+        return [
+            self._cut(new_BN[i], logprobs_BN[i], None if topk_BNS is None else topk_BNS[i]) for i in range(len(prompts))
+        ]
 
-    def _cut(self, new_N: torch.Tensor, logprobs_N: torch.Tensor) -> Generation:
+    def _cut(self, new_N: torch.Tensor, logprobs_N: torch.Tensor, topk_NS: torch.Tensor | None) -> Generation:
         """Keep the response up to and including its first EOS."""
         ids = new_N.tolist()
         eos = self.tokenizer.eos_token_id
         length = ids.index(eos) + 1 if eos in ids else len(ids)
-        return Generation(ids[:length], logprobs_N[:length].numpy().astype(np.float32))
+        topk = None if topk_NS is None else topk_NS[:length].numpy().astype(np.int32)
+        return Generation(ids[:length], logprobs_N[:length].numpy().astype(np.float32), topk)
 
     @torch.no_grad()
     def update_weights(self, named: Iterator[tuple[str, Any]]) -> set[str]:

@@ -43,10 +43,15 @@ class TeacherScorer:
         self.client.connect()
         self.latency_s = cfg.debug.teacher_latency_s
 
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
+    def score(
+        self, sequences: list[np.ndarray], score_from: list[int], named_ids: list[np.ndarray] | None = None
+    ) -> list[TeacherTopK]:
         if self.latency_s:
             time.sleep(self.latency_s)  # debug.teacher_latency_s: an emulated remote teacher
-        return self.client.score(sequences, score_from)
+        if named_ids is None:
+            return self.client.score(sequences, score_from)
+        # Only the zeromq client names ids (config.validate refuses union with teacher.backend=openai).
+        return self.client.score(sequences, score_from, named_ids=named_ids)
 
     def close(self) -> None:
         self.client.close()

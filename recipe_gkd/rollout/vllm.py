@@ -178,6 +178,10 @@ def load_format(model_dir: str) -> str:
     return "safetensors"
 
 
+# vLLM's own default of ModelConfig.max_logprobs (vllm/config/model.py).
+VLLM_DEFAULT_MAX_LOGPROBS = 20
+
+
 class VLLMEngine:
     """The student served by a vLLM `LLM`; sampling through explicit SamplingParams.
 
@@ -216,6 +220,8 @@ class VLLMEngine:
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens,
             enforce_eager=on_cpu,
             seed=cfg.data.seed,
+            # rollout.student_top_k ids per sampled position (vLLM refuses more than max_logprobs).
+            max_logprobs=max(VLLM_DEFAULT_MAX_LOGPROBS, cfg.rollout.student_top_k),
             # vLLM's own defaults, not generation_config.json's (a repetition_penalty there would
             # otherwise become the default sampling settings): the student's own distribution.
             generation_config="vllm",
@@ -251,8 +257,9 @@ class VLLMEngine:
             frequency_penalty=0.0,
             min_tokens=0,
             max_tokens=s.max_new_tokens,
-            # logprobs=0: only the sampled token's logprob (vLLM's default mode: raw model logprobs).
-            logprobs=0,
+            # logprobs=0: only the sampled token's logprob (vLLM's default mode: raw model logprobs);
+            # rollout.student_top_k = k: also the k most likely tokens at each position.
+            logprobs=self.cfg.rollout.student_top_k,
             flat_logprobs=True,
             detokenize=False,
         )
@@ -262,18 +269,27 @@ class VLLMEngine:
             for i, p in enumerate(per_prompt):
                 p.seed = seed + i
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
-        return [self._generation(o.outputs[0]) for o in outputs]
+        return [self._generation(o.outputs[0], self.cfg.rollout.student_top_k) for o in outputs]
 
     @staticmethod
-    def _generation(completion: Any) -> Generation:
-        """Token ids and their logprobs; with logprobs=0 each position's first flat entry is the sampled token."""
+    def _generation(completion: Any, top_k: int) -> Generation:
+        """Token ids and their logprobs: each position's first flat entry is the sampled token, then its top-k
+        by rank (vllm/v1/engine/logprobs.py, LogprobsProcessor._update_sample_logprobs: k + 1 entries each)."""
         ids = list(completion.token_ids)
         flat = completion.logprobs
         starts = np.asarray(flat.start_indices, dtype=np.int64)
+        ends = np.asarray(flat.end_indices, dtype=np.int64)
+        token_ids = np.asarray(flat.token_ids, dtype=np.int64)
         logprobs = np.asarray(flat.logprobs, dtype=np.float32)[starts]
-        if not np.array_equal(np.asarray(flat.token_ids, dtype=np.int64)[starts], np.asarray(ids, dtype=np.int64)):
+        if not np.array_equal(token_ids[starts], np.asarray(ids, dtype=np.int64)):
             raise RuntimeError("vLLM's logprobs do not line up with the sampled tokens")
-        return Generation(ids, logprobs)
+        if not top_k:
+            return Generation(ids, logprobs)
+        if np.any(ends - starts != top_k + 1):
+            raise RuntimeError(f"vLLM returned sample logprobs of an unexpected layout (expected {top_k + 1} each)")
+        # [n, k]: entries 1..k of each position, the top-k by rank.
+        topk = token_ids[starts[:, None] + np.arange(1, top_k + 1)[None, :]].astype(np.int32)
+        return Generation(ids, logprobs, topk)
 
     def update_weights(self, named: Iterator[tuple[str, Any]]) -> set[str]:
         """Object-store path: stream (name, array) pairs into the worker in place (TP=1, same process)."""

@@ -23,6 +23,7 @@ from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encod
 from recipe_gkd.metrics import worker_memory_mb
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
+from recipe_gkd.rollout.scoring import ScoringPlan
 from recipe_gkd.weight_sync import PROBE_ROWS, from_host_arrays, probe_rows
 
 # Salt that separates the on/off-policy coin flips from the epoch order's random stream.
@@ -43,6 +44,8 @@ class Generated:
     responses: list[tuple[list[int], np.ndarray | None]]
     weight_version: int  # the weights these were sampled with
     seconds: float
+    # rollout.student_top_k: per response the engine's [n, k_s] top ids (None: not sampled, or k_s = 0).
+    student_topk: list[np.ndarray | None]
 
 
 def make_engine(cfg: GKDConfig) -> Engine:
@@ -66,6 +69,8 @@ class RolloutWorker:
         self.weight_version = 0
         self.engine: Engine | None = None
         self.scorer: Scorer | None = None
+        # What each teacher request asks for (algorithm.support), chosen once.
+        self.plan = ScoringPlan.from_config(cfg)
         # two_step_off runs score(t+1) beside generate(t+2) in two threads of this worker:
         # the engine (generate, weight loads) and the teacher client each take one at a time.
         self._engine_lock = threading.Lock()
@@ -192,13 +197,17 @@ class RolloutWorker:
         seed = None if mix_from is None else self._sampling_seed(mix_from)
         sampled = iter(self.engine.generate(to_sample, greedy=greedy, seed=seed))
         responses: list[tuple[list[int], np.ndarray | None]] = []
+        student_topk: list[np.ndarray | None] = []
         for prompt, on in zip(prompts, on_policy, strict=True):
             if on:
                 gen = next(sampled)
                 responses.append((gen.response_ids, gen.logprobs))
+                student_topk.append(gen.topk_ids)
             else:
                 responses.append((encode_response(tokenizer, prompt.record, self.cfg.data.response_key), None))
-        return Generated(prompts, prompt_ids, on_policy, responses, self.weight_version, time.perf_counter() - start)
+                student_topk.append(None)
+        seconds = time.perf_counter() - start
+        return Generated(prompts, prompt_ids, on_policy, responses, self.weight_version, seconds, student_topk)
 
     def _score(self, generated: Generated) -> tuple[list[Sequence], float]:
         """The teacher's top-k for every response token of `generated`; returns the sequences and seconds."""
@@ -210,7 +219,7 @@ class RolloutWorker:
         starts = [len(p) for p in generated.prompt_ids]
         start = time.perf_counter()
         with self._teacher_lock:
-            scores = self.scorer.score(ids, starts)
+            scores = self.plan.score(self.scorer, ids, starts, generated.student_topk)
         teacher_s = time.perf_counter() - start
         sequences = [
             Sequence(

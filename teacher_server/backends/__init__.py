@@ -28,6 +28,8 @@ class ModelInfo:
     max_top_k: int
     backend: str
     supports_temperature: bool
+    # Most ids a request may name per scored position (the student's top-k); 0: none.
+    max_named_ids: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,16 +76,28 @@ def load_backend(kind: str, options: BackendOptions) -> Backend:
 
 
 def parsed_request(
-    sequences: Sequence[np.ndarray | Sequence[int]], score_from: Sequence[int], *, top_k: int, temperature: float = 1.0
+    sequences: Sequence[np.ndarray | Sequence[int]],
+    score_from: Sequence[int],
+    *,
+    top_k: int,
+    temperature: float = 1.0,
+    named_ids: Sequence[np.ndarray] | None = None,
 ) -> ParsedRequest:
-    """Build a ParsedRequest in-process (tests, benchmarks): the same input the server hands a backend."""
+    """Build a ParsedRequest in-process (tests, benchmarks): the same input the server hands a backend.
+
+    named_ids: per sequence [length - score_from, named_k] ids to score at each scored position.
+    """
     arrays = [np.asarray(s, dtype=TOKEN_DTYPE).reshape(-1) for s in sequences]
+    named = None
+    if named_ids is not None:
+        named = np.concatenate([np.asarray(n, dtype=TOKEN_DTYPE) for n in named_ids])
     return ParsedRequest(
         ids=np.concatenate(arrays),
         lengths=np.asarray([a.size for a in arrays], dtype=np.int64),
         score_from=np.asarray(score_from, dtype=np.int64),
         top_k=top_k,
         temperature=temperature,
+        named_ids=named,
     )
 
 

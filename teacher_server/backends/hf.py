@@ -1,7 +1,8 @@
 """The transformers backend: the only module of teacher_server that imports transformers.
 
 Temperature: logits / T, then log_softmax over the full vocabulary, so every returned value
-(top-k, sampled-token logprob, tail) is of the temperature-T distribution. The decoder runs
+(top-k, sampled-token logprob, tail, named ids' logprobs and the mass outside top-k + named ids)
+is of the temperature-T distribution, all from the one forward. The decoder runs
 on right-padded batches of at most `max_batch_tokens` (rows x longest), and the LM head and
 log-softmax run only on the scored positions, in chunks of LOGITS_CHUNK_ELEMENTS.
 """
@@ -48,21 +49,31 @@ class HFBackend:
             max_top_k=min(options.max_top_k, vocab_size),
             backend="hf",
             supports_temperature=True,
+            max_named_ids=min(options.max_top_k, vocab_size),
         )
 
     @torch.inference_mode()
     def score(self, request: ParsedRequest) -> TopKBatch:
         """Top-k scores of every position p >= score_from of every sequence, in request order."""
         sequences = request.sequences()
+        named = request.named_per_sequence()
         per_sequence: list[TeacherTopK] = [None] * len(sequences)  # type: ignore[list-item]
         for group in token_budget_groups(request.lengths, self.max_batch_tokens):
             seqs = [sequences[i] for i in group]
-            batch = self._score_group(seqs, request.score_from[group], request.top_k, request.temperature)
+            group_named = None if request.named_ids is None else np.concatenate([named[i] for i in group])
+            batch = self._score_group(seqs, request.score_from[group], request.top_k, request.temperature, group_named)
             for i, part in zip(group.tolist(), batch.split(), strict=True):
                 per_sequence[i] = part
         return TopKBatch.from_sequences(per_sequence)
 
-    def _score_group(self, seqs: list[np.ndarray], score_from: np.ndarray, top_k: int, temperature: float) -> TopKBatch:
+    def _score_group(
+        self,
+        seqs: list[np.ndarray],
+        score_from: np.ndarray,
+        top_k: int,
+        temperature: float,
+        named_NS: np.ndarray | None,
+    ) -> TopKBatch:
         longest = max(s.size for s in seqs)
         input_ids_BT = torch.zeros((len(seqs), longest), dtype=torch.long)
         mask_BT = torch.zeros((len(seqs), longest), dtype=torch.long)
@@ -80,33 +91,49 @@ class HFBackend:
         hidden_NH = hidden_BTH[idx_b, idx_t]  # [N, H]: only the scored positions
         targets_N = input_ids_BT[idx_b, idx_t + 1]
         n_scored = np.asarray([s.size - int(f) for s, f in zip(seqs, score_from, strict=True)], dtype=np.int64)
-        return self._topk(hidden_NH, targets_N, n_scored, top_k, temperature)
+        named = None if named_NS is None else torch.from_numpy(named_NS.astype(np.int64)).to(self.device)
+        return self._topk(hidden_NH, targets_N, n_scored, top_k, temperature, named)
 
     def _topk(
-        self, hidden_NH: torch.Tensor, targets_N: torch.Tensor, n_scored: np.ndarray, top_k: int, temperature: float
+        self,
+        hidden_NH: torch.Tensor,
+        targets_N: torch.Tensor,
+        n_scored: np.ndarray,
+        top_k: int,
+        temperature: float,
+        named_NS: torch.Tensor | None,
     ) -> TopKBatch:
         vocab = self.info.vocab_size
         rows_per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
         out: list[tuple[torch.Tensor, ...]] = []
         for lo in range(0, hidden_NH.shape[0], rows_per_chunk):
-            logprobs_NV = self._logprobs(hidden_NH[lo : lo + rows_per_chunk], temperature)
-            sampled_N = logprobs_NV.gather(-1, targets_N[lo : lo + rows_per_chunk, None])[:, 0]
-            if top_k == 0:
-                # The sampled token's logprob only; outside the empty top-k is all the mass: log 1 = 0.
-                empty_NK = logprobs_NV.new_zeros((sampled_N.shape[0], 0))
-                out.append((empty_NK, empty_NK.long(), sampled_N, torch.zeros_like(sampled_N)))
-                continue
+            rows = slice(lo, lo + rows_per_chunk)
+            logprobs_NV = self._logprobs(hidden_NH[rows], temperature)
+            sampled_N = logprobs_NV.gather(-1, targets_N[rows, None])[:, 0]
+            # top_k = 0: the sampled token's logprob only; outside the empty top-k is all the mass (log 1 = 0).
             values_NK, ids_NK = torch.topk(logprobs_NV, top_k, dim=-1)
+            named_values_NS = None if named_NS is None else logprobs_NV.gather(-1, named_NS[rows])
             # Tail mass precisely: logsumexp over everything outside the top-k, not log(1 - sum p).
             # In place: logprobs_NV is not needed any more and a copy would cost a full pass.
-            tail_N = torch.logsumexp(logprobs_NV.scatter_(-1, ids_NK, -math.inf), dim=-1)
-            out.append((values_NK, ids_NK, sampled_N, tail_N))
+            logprobs_NV.scatter_(-1, ids_NK, -math.inf)
+            tail_N = torch.logsumexp(logprobs_NV, dim=-1) if top_k else torch.zeros_like(sampled_N)
+            chunk = (values_NK, ids_NK, sampled_N, tail_N)
+            if named_NS is not None and named_values_NS is not None:
+                # The mass outside the top-k and the named ids together, from the same distribution.
+                other_N = torch.logsumexp(logprobs_NV.scatter_(-1, named_NS[rows], -math.inf), dim=-1)
+                chunk += (named_values_NS, other_N)
+            out.append(chunk)
         if not out:
             empty = np.zeros((0, top_k), np.float32)
-            return TopKBatch(n_scored, empty, empty.astype(np.int32), np.zeros(0, np.float32), np.zeros(0, np.float32))
-        values, ids, sampled, tail = (torch.cat(x).cpu().numpy() for x in zip(*out, strict=True))
-        values, ids = canonical_order(values.astype(np.float32), ids.astype(np.int32))
-        return TopKBatch(n_scored, values, ids, sampled.astype(np.float32), tail.astype(np.float32))
+            no_rows = np.zeros(0, np.float32)
+            named_k = 0 if named_NS is None else named_NS.shape[1]
+            named = None if named_NS is None else np.zeros((0, named_k), np.float32)
+            other = None if named_NS is None else no_rows
+            return TopKBatch(n_scored, empty, empty.astype(np.int32), no_rows, no_rows, named, other)
+        arrays = [torch.cat(x).cpu().numpy() for x in zip(*out, strict=True)]
+        values, ids = canonical_order(arrays[0].astype(np.float32), arrays[1].astype(np.int32))
+        extra = [a.astype(np.float32) for a in arrays[4:]]
+        return TopKBatch(n_scored, values, ids, arrays[2].astype(np.float32), arrays[3].astype(np.float32), *extra)
 
     def _logprobs(self, hidden_NH: torch.Tensor, temperature: float) -> torch.Tensor:
         logits_NV = self.head(hidden_NH).float() * self.logit_scale

@@ -26,6 +26,16 @@ position p >= 1 holds K + 1 entries, the token actually at p first, then the top
 Only the rows from score_from on are taken, as numpy slices. vLLM computes prompt logprobs for
 every position of the prompt (0.24 has no start offset), so the prompt rows still cost GPU
 time, not Python objects.
+
+Named ids (the student's top-k, algorithm.support=union): `SamplingParams.prompt_logprob_token_ids`
+(rows of ids per causal prompt row, from `prompt_logprob_start`) returns the logprobs at those ids in
+`RequestOutput.prompt_token_id_logprobs` [rows, ids], from the same prefill (vllm/outputs.py;
+computed by vllm/v1/worker/gpu/sample/prompt_logprob.py, PromptLogprobsWorker.
+compute_prompt_token_id_logprobs). It exists in the releases that have the field (0.32 has it) and
+needs the V2 model runner (vllm/v1/engine/input_processor.py refuses it otherwise): the default on
+GPUs with Triton; on CPU set VLLM_USE_V2_MODEL_RUNNER=1. Without both the handshake says
+max_named_ids=0 and the client refuses union before sending. The mass outside the top-k and the
+named ids is computed from their values like the tail (each id counted once).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from teacher_server.protocol import (
     TeacherTopK,
     TopKBatch,
     canonical_order,
+    other_from_union,
     tail_from_topk,
     tokenizer_fingerprint,
 )
@@ -70,6 +81,7 @@ class VLLMBackend:
             seed=0,
         )
         vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self.scores_named_ids = named_ids_supported(self.llm)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.info = ModelInfo(
             model_id=str(Path(options.model_path).resolve()),
@@ -78,6 +90,7 @@ class VLLMBackend:
             max_top_k=min(options.max_top_k, vocab_size),
             backend="vllm",
             supports_temperature=False,
+            max_named_ids=min(options.max_top_k, vocab_size) if self.scores_named_ids else 0,
         )
 
     def score(self, request: ParsedRequest) -> TopKBatch:
@@ -92,14 +105,16 @@ class VLLMBackend:
                 f"a sequence of {too_long[0]} tokens does not fit vLLM's max_model_len={self.max_model_len} "
                 f"(it needs {VLLM_LEN_MARGIN} more for the sampled token): raise teacher.max_model_len"
             )
-        params = SamplingParams(
-            prompt_logprobs=request.top_k, max_tokens=1, temperature=1.0, detokenize=False, flat_logprobs=True
-        )
+        named = request.named_per_sequence()
+        per_sequence = [
+            _params(request.top_k, ids, int(start))
+            for ids, start in zip(named, request.score_from.tolist(), strict=True)
+        ]
         prompts = [TokensPrompt(prompt_token_ids=s.tolist()) for s in sequences]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, per_sequence, use_tqdm=False)
         parts = [
-            self._sequence(out.prompt_logprobs, seq, int(start), request.top_k)
-            for out, seq, start in zip(outputs, sequences, request.score_from.tolist(), strict=True)
+            _add_named(self._sequence(out.prompt_logprobs, seq, int(start), request.top_k), out, ids)
+            for out, seq, start, ids in zip(outputs, sequences, request.score_from.tolist(), named, strict=True)
         ]
         return TopKBatch.from_sequences(parts)
 
@@ -124,3 +139,38 @@ class VLLMBackend:
             raise RuntimeError("vLLM's prompt logprobs do not line up with the scored tokens")
         values, ids = canonical_order(logprobs_NJ[:, 1:], ids_NJ[:, 1:].astype(np.int32))
         return TeacherTopK(values, ids, logprobs_NJ[:, 0].copy(), tail_from_topk(values))
+
+
+def named_ids_supported(llm: LLM) -> bool:
+    """Whether this vLLM scores named ids: SamplingParams has prompt_logprob_token_ids and the V2 runner runs."""
+    has_field = "prompt_logprob_token_ids" in getattr(SamplingParams, "__struct_fields__", ())
+    return has_field and bool(getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False))
+
+
+def _params(top_k: int, named_NS: np.ndarray | None, start: int) -> SamplingParams:
+    """Prompt logprobs at top_k, and with named ids their logprobs at each scored position (from prompt row start-1:
+    row i of prompt_logprob_token_ids predicts prompt token prompt_logprob_start + i + 1 = start + i)."""
+    named: dict[str, Any] = {}
+    if named_NS is not None and named_NS.shape[0]:
+        named = {
+            "prompt_logprob_token_ids": np.ascontiguousarray(named_NS, dtype=np.int64),
+            "prompt_logprob_start": start - 1,
+        }
+    return SamplingParams(
+        prompt_logprobs=top_k, max_tokens=1, temperature=1.0, detokenize=False, flat_logprobs=True, **named
+    )
+
+
+def _add_named(part: TeacherTopK, output: Any, named_NS: np.ndarray | None) -> TeacherTopK:
+    """`part` with the logprobs at the named ids and the mass outside top-k + named ids."""
+    if named_NS is None:
+        return part
+    n, k_s = named_NS.shape
+    if n == 0:
+        values = np.zeros((0, k_s), np.float32)
+    else:
+        values = np.asarray(output.prompt_token_id_logprobs, dtype=np.float32)
+        if values.shape != (n, k_s):
+            raise RuntimeError(f"vLLM returned named-id logprobs of shape {values.shape}, expected {(n, k_s)}")
+    other = other_from_union(part.topk_logprobs, part.topk_ids, values, named_NS)
+    return TeacherTopK(part.topk_logprobs, part.topk_ids, part.sampled_logprob, part.tail_logmass, values, other)

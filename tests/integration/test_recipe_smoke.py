@@ -423,6 +423,27 @@ def test_vllm_rollout_for_two_steps(
         assert noise not in console, f"{noise!r} reached the console:\n{console[-6000:]}"
 
 
+@pytest.mark.slow
+def test_union_support_reverse_kl_runs_through_the_cli(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    """algorithm.support=union: the student's top-8 ids travel with the score request; the loss trains on them."""
+    run_dir = tmp_path / "run"
+    overrides = ["algorithm.divergence=reverse_kl", "algorithm.support=union", "rollout.student_top_k=8"]
+    proc = run_cli(tiny_run_inputs, run_dir, *overrides, "trainer.total_steps=2", "trainer.eval_every=0")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = read_metrics(run_dir)
+    assert [r["weight_version"] for r in rows] == [1, 2]
+    # The columns' teacher mass (its top-8 and the student's top-8) is the server's exact 1 - rest.
+    assert all(np.isfinite(r["loss"]) and r["loss"] > 0 and 0 < r["teacher_topk_mass"] <= 1 for r in rows)
+
+
+def test_union_support_with_an_openai_teacher_exits_2(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    overrides = ["teacher.backend=openai", "teacher.address=http://127.0.0.1:9/v1", "teacher.autostart=false"]
+    union = ["algorithm.support=union", "rollout.student_top_k=8"]
+    proc = run_cli(tiny_run_inputs, tmp_path / "run", *overrides, *union, timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: config error at `algorithm.support`")
+
+
 def test_an_unsupported_vllm_is_one_line_exit_1(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
     """A vllm package of a release outside the supported range (faked on PYTHONPATH) stops the run at set-up."""
     fake = tmp_path / "fake_site"

@@ -22,17 +22,23 @@ from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm, write_hu
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # vLLM's CPU attention has kernels for head sizes >= 32 only.
 VLLM_SPEC = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+STUDENT_TOP_K = 4
 PROBE = np.asarray([[1, 4, 72, 73, 74, 5, 80, 81, 2], [1, 4, 90, 91, 92, 93, 5, 70, 71]])
 
 
-def _hf_token_logprobs(model_dir: Path, ids_BL: np.ndarray) -> np.ndarray:
+def _hf_logprobs(model_dir: Path, ids_BL: np.ndarray) -> torch.Tensor:
+    """[B, L-1, V]: the distribution of token t+1 at every position."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.as_tensor(ids_BL, dtype=torch.long)
     with torch.no_grad():
-        logprobs = torch.log_softmax(model(input_ids=ids).logits.float()[:, :-1], -1)
-    return logprobs.gather(-1, ids[:, 1:, None])[..., 0].numpy()
+        return torch.log_softmax(model(input_ids=ids).logits.float()[:, :-1], -1)
+
+
+def _hf_token_logprobs(model_dir: Path, ids_BL: np.ndarray) -> np.ndarray:
+    ids = torch.as_tensor(ids_BL, dtype=torch.long)
+    return _hf_logprobs(model_dir, ids_BL).gather(-1, ids[:, 1:, None])[..., 0].numpy()
 
 
 def _weights(model_dir: Path) -> dict[str, np.ndarray]:
@@ -57,6 +63,9 @@ def engine_and_dirs(tmp_path_factory: pytest.TempPathFactory, vllm_in_this_proce
             "rollout.backend=vllm",
             "rollout.sampling.max_new_tokens=8",
             "data.max_prompt_length=64",
+            # The student's top-4 ids come back with every sample (vLLM logprobs=4).
+            "algorithm.support=union",
+            f"rollout.student_top_k={STUDENT_TOP_K}",
         ],
     )
     from recipe_gkd.rollout.vllm import VLLMEngine
@@ -108,6 +117,12 @@ def test_sampled_logprobs_match_the_model(engine_and_dirs) -> None:
             full = np.asarray([prompt + gen.response_ids])
             reference = _hf_token_logprobs(student, full)[0, len(prompt) - 1 :]
             np.testing.assert_allclose(gen.logprobs, reference, atol=1e-4)
+            # The student's top-k ids (rollout.student_top_k), most likely first, wherever the order is resolvable.
+            rows = _hf_logprobs(student, full)[0, len(prompt) - 1 :]
+            values, ids = rows.topk(STUDENT_TOP_K + 1, dim=-1)
+            clear = (values[:, :-1] - values[:, 1:] > 1e-4).all(-1).numpy()
+            assert gen.topk_ids is not None and gen.topk_ids.shape == (len(gen.response_ids), STUDENT_TOP_K)
+            np.testing.assert_array_equal(gen.topk_ids[clear], ids[:, :STUDENT_TOP_K].numpy()[clear])
 
 
 class ThreadRecorder:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import zmq
 
 from teacher_server import protocol as P
 from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
-from teacher_server.client import TeacherClient, TeacherRequestError, split_balanced
+from teacher_server.client import TeacherClient, TeacherMismatchError, TeacherRequestError, split_balanced
 from teacher_server.launcher import TeacherLaunchError, TeacherProcess, launch_teacher, start_teacher
 
 VOCAB = 102
@@ -126,6 +127,91 @@ def test_a_bad_request_fails_alone(server: TeacherProcess) -> None:
             client.score([[1, 2, VOCAB]], [1])
         assert err.value.code == P.ErrorCode.BAD_REQUEST
         assert client.score([[1, 2, 3]], [1])[0].n_scored == 2
+
+
+def _full_logprobs(model_dir: Path, seq: np.ndarray, start: int) -> np.ndarray:
+    """float64 log-softmax of the teacher's logits predicting positions start.. of `seq` (the reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(seq.astype(np.int64))[None]).logits[0]
+    return torch.log_softmax(logits[start - 1 : -1], dim=-1).numpy()
+
+
+def test_named_ids_equal_the_full_distribution(server: TeacherProcess, tiny_model_dir: Path) -> None:
+    """The teacher's logprobs at the ids a request names, and its mass outside top-k + named, from one forward."""
+    seqs, starts = _batch(seed=11, n=4)
+    rng = np.random.default_rng(11)
+    named = [rng.integers(0, VOCAB, size=(s.size - f, 5)).astype(np.int32) for s, f in zip(seqs, starts, strict=True)]
+    with _client(server.address, max_inflight=2) as client:
+        assert client.connect().max_named_ids == MAX_TOP_K
+        got = client.score(seqs, starts, named_ids=named)
+    for seq, start, ids, g in zip(seqs, starts, named, got, strict=True):
+        assert g.named_logprobs is not None and g.other_logmass is not None
+        assert g.named_logprobs.shape == (seq.size - start, 5)
+        if g.n_scored == 0:
+            continue
+        ref_NV = _full_logprobs(tiny_model_dir, seq, start)
+        np.testing.assert_allclose(g.named_logprobs, np.take_along_axis(ref_NV, ids.astype(int), 1), atol=1e-5)
+        rest = ref_NV.copy()
+        np.put_along_axis(rest, g.topk_ids.astype(int), -np.inf, axis=1)
+        np.testing.assert_allclose(g.tail_logmass, np.logaddexp.reduce(rest, axis=1), atol=1e-5)
+        np.put_along_axis(rest, ids.astype(int), -np.inf, axis=1)
+        np.testing.assert_allclose(g.other_logmass, np.logaddexp.reduce(rest, axis=1), atol=1e-5)
+
+
+def test_more_named_ids_than_the_server_scores_are_refused_before_sending(server: TeacherProcess) -> None:
+    named = [np.zeros((2, MAX_TOP_K + 1), np.int32)]
+    with _client(server.address) as client, pytest.raises(TeacherMismatchError, match=r"rollout\.student_top_k=65"):
+        client.score([[1, 2, 3]], [1], named_ids=named)
+
+
+def _named_request(request_id: int, named: np.ndarray, named_k: int) -> list[bytes]:
+    """A score request of one 5-token sequence scored from 2 (3 positions) with a raw named-id frame."""
+    header = _header(request_id=request_id, lengths=[5], score_from=[2], named_k=named_k)
+    return [msgspec.msgpack.encode(header), np.arange(1, 6, dtype=np.int32).tobytes(), named.astype(np.int32).tobytes()]
+
+
+BAD_NAMED = {
+    "out of range": (np.full((3, 2), VOCAB), 2, r"named ids must lie in \[0, 102\)"),
+    "negative": (np.full((3, 2), -1), 2, "named ids must lie"),
+    "too many": (np.zeros((3, MAX_TOP_K + 1)), MAX_TOP_K + 1, "named_k=65 outside"),
+    "ragged mismatch": (np.zeros((2, 2)), 2, "named-id frame has 16 bytes"),
+}
+
+
+def test_bad_named_ids_fail_alone(server: TeacherProcess) -> None:
+    """Each bad named-id request gets its own error reply; the good request between them is answered."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    try:
+        for request_id, (named, named_k, _) in enumerate(BAD_NAMED.values()):
+            sock.send_multipart(_named_request(request_id, named, named_k))
+        sock.send_multipart(_named_request(99, np.zeros((3, 2)), 2))
+        # The named-id frame is missing: a request with named_k = 2 and the token frame only.
+        sock.send_multipart(_named_request(100, np.zeros((3, 2)), 2)[:2])
+        replies = {}
+        for _ in range(len(BAD_NAMED) + 2):
+            assert sock.poll(REPLY_TIMEOUT_MS), "the server stopped answering"
+            frames = sock.recv_multipart()
+            reply = P.decode_server_reply(frames[0])
+            replies[reply.request_id] = (reply, frames[1:])
+    finally:
+        sock.close()
+    for request_id, (name, (_, _, match)) in enumerate(BAD_NAMED.items()):
+        reply, _ = replies[request_id]
+        assert isinstance(reply, P.ErrorReply) and reply.code == P.ErrorCode.BAD_REQUEST, name
+        assert re.search(match, reply.message), (name, reply.message)
+    missing, _ = replies[100]
+    assert isinstance(missing, P.ErrorReply) and "2 array frame(s)" in missing.message
+    good, frames = replies[99]
+    assert isinstance(good, P.ScoreReply) and good.named_k == 2
+    batch = P.parse_score_reply(good, frames)
+    assert batch.named_logprobs is not None and batch.named_logprobs.shape == (3, 2)
 
 
 def test_stats_report_each_replica(server: TeacherProcess) -> None:

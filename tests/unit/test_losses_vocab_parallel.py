@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from recipe_gkd.batch import EXCLUDED_ID
 from recipe_gkd.losses import DIVERGENCES, gkd_loss_sum, sampled_reverse_kl_loss_sum, vocab_parallel_gkd_loss_sum
 from recipe_gkd.ports import reserve_ports
 
@@ -23,7 +24,9 @@ VOCAB_SPLIT = 9  # uneven shards: rank 0 holds [0, 9), rank 1 holds [9, 23)
 PROCESS_GROUP_TIMEOUT_S = 60
 
 
-def make_case(seed: int, top_k: int, dtype: torch.dtype, folded: bool = False) -> dict[str, torch.Tensor]:
+def make_case(
+    seed: int, top_k: int, dtype: torch.dtype, folded: bool = False, union: bool = False
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     batch, seq = 2, 7
     teacher_full_BTV = (2 * torch.randn(batch, seq, VOCAB, generator=gen, dtype=torch.float64)).log_softmax(-1)
@@ -46,6 +49,20 @@ def make_case(seed: int, top_k: int, dtype: torch.dtype, folded: bool = False) -
         case["teacher_tail_logmass"] = teacher_full_BTV.scatter(-1, teacher_ids_BTK, -float("inf")).logsumexp(-1)
         case["teacher_topk_ids"] = teacher_ids_BTK.clone()
         case["teacher_topk_ids"][..., 0] = VOCAB + 2
+    if union:
+        # algorithm.support=union: 3 more ids (the student's) with the teacher's logprobs, one column repeating a
+        # teacher id (sent as EXCLUDED_ID at -inf), the tail outside all of them.
+        rest_BTV = torch.rand(batch, seq, VOCAB, generator=gen).scatter(-1, teacher_ids_BTK, -1.0)
+        student_ids_BTS = rest_BTV.argsort(-1, descending=True)[..., :3]
+        union_BTJ = torch.cat([teacher_ids_BTK, student_ids_BTS], -1)
+        excluded_BT1 = torch.full((batch, seq, 1), EXCLUDED_ID, dtype=torch.int64)
+        case["teacher_topk_ids"] = torch.cat([union_BTJ, excluded_BT1], -1)
+        logprobs_BTJ = teacher_full_BTV.gather(-1, union_BTJ)
+        case["teacher_topk_logprobs"] = torch.cat(
+            [logprobs_BTJ, torch.full_like(logprobs_BTJ[..., :1], -torch.inf)], -1
+        )
+        case["teacher_topk_logprobs"] = case["teacher_topk_logprobs"].to(dtype)
+        case["teacher_tail_logmass"] = teacher_full_BTV.scatter(-1, union_BTJ, -float("inf")).logsumexp(-1)
     return case
 
 
@@ -60,6 +77,12 @@ CASES = [
 CASES += [
     {"divergence": divergence, "tail": True, "beta": 0.3, "temperature": 0.8, "top_k": 5, "dtype": torch.float64}
     | {"folded": True}
+    for divergence in DIVERGENCES
+]
+# Union support: the student's ids appended, a repeated one excluded.
+CASES += [
+    {"divergence": divergence, "tail": True, "beta": 0.3, "temperature": 0.8, "top_k": 5, "dtype": torch.float64}
+    | {"union": True}
     for divergence in DIVERGENCES
 ]
 
@@ -133,7 +156,10 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         vocab_start, vocab_end = (0, VOCAB_SPLIT) if rank == 0 else (VOCAB_SPLIT, VOCAB)
         results = []
         for index, spec in enumerate(CASES):
-            case = dict(spec, **make_case(index, spec["top_k"], spec["dtype"], spec.get("folded", False)))
+            case = dict(
+                spec,
+                **make_case(index, spec["top_k"], spec["dtype"], spec.get("folded", False), spec.get("union", False)),
+            )
             full_loss, full_count, full_grad = loss_and_grad(case, case["student_logits"], gkd_loss_sum)
             tp_loss, tp_count, tp_grad = loss_and_grad(
                 case,

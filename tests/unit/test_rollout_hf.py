@@ -191,3 +191,36 @@ def test_generation_config_json_does_not_change_sampling_or_eval(
     bare = model.generate(input_ids=ids, do_sample=False, max_new_tokens=12, pad_token_id=0)
     ours = plain.generate([prompts[0]], greedy=True)[0].response_ids
     assert bare[0, ids.shape[1] :].tolist()[: len(ours)] != ours
+
+
+def test_worker_union_plan_names_the_students_top_ids(tiny_model_dir: Path, data_dir: Path) -> None:
+    """algorithm.support=union: the engine's top-k_s ids (of a fresh forward) go out with the score request;
+    each Sequence holds the teacher's top-k and those ids (repeats excluded) and the teacher's exact rest."""
+    from recipe_gkd.batch import EXCLUDED_ID
+    from recipe_gkd.local_pools import InProcessTeacher
+
+    union = ["algorithm.support=union", "rollout.student_top_k=4", f"teacher.model_path={tiny_model_dir}"]
+    cfg = _cfg(tiny_model_dir, data_dir, *union, "teacher.top_k=3")
+    worker = RolloutWorker(cfg, rank=0, world=1)
+    worker.setup(scorer=InProcessTeacher(cfg))
+    _, shards = worker.produce(step=0, dp_size=1)
+    assert worker.engine is not None
+    for q in shards[0].sequences:
+        n = q.num_response_tokens
+        assert q.teacher_topk_ids.shape == (n, 3 + 4)
+        with torch.no_grad():
+            logits = worker.engine.model(input_ids=torch.tensor(q.input_ids[None], dtype=torch.long)).logits[0]
+        rows = torch.log_softmax(logits[q.response_start - 1 : -1].double(), -1)  # the teacher is the same model
+        student_top = rows.topk(4, dim=-1).indices.numpy()
+        named = q.teacher_topk_ids[:, 3:]
+        kept = named != EXCLUDED_ID
+        np.testing.assert_array_equal(named[kept], student_top[kept])
+        # A student id is excluded exactly where the teacher's top-3 holds it.
+        in_teacher = (student_top[:, :, None] == q.teacher_topk_ids[:, None, :3]).any(-1)
+        np.testing.assert_array_equal(~kept, in_teacher)
+        np.testing.assert_allclose(
+            q.teacher_topk_logprobs[:, 3:][kept], rows.gather(-1, torch.tensor(student_top)).numpy()[kept], atol=1e-5
+        )
+        rest = rows.scatter(-1, torch.tensor(student_top), -torch.inf)
+        rest = rest.scatter(-1, torch.tensor(q.teacher_topk_ids[:, :3]).long(), -torch.inf)
+        np.testing.assert_allclose(q.teacher_tail_logmass, torch.logsumexp(rest, -1).numpy(), atol=1e-5)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -134,6 +135,52 @@ def test_top_k_zero_sends_four_bytes_per_token(id_encoding: str) -> None:
     np.testing.assert_array_equal(out.sampled_logprob, batch.sampled_logprob)
     np.testing.assert_array_equal(out.tail_logmass, np.zeros(64, np.float32))
     assert [p.n_scored for p in out.split()] == [40, 0, 24]
+
+
+@pytest.mark.parametrize("id_encoding", ["int32", "elias_fano"])
+def test_named_ids_roundtrip_and_cost_per_scored_token(id_encoding: str) -> None:
+    """Named ids: 4 bytes per id up, 4 per id + 4 (the rest's log-mass) down, per scored token."""
+    rng = np.random.default_rng(5)
+    n_scored, top_k, k_s, vocab = [6, 0, 9], 8, 8, 300
+    full = np.log(rng.dirichlet(np.ones(vocab), size=sum(n_scored)))
+    named = rng.integers(0, vocab, size=(sum(n_scored), k_s)).astype(np.int32)
+    ref = P.scores_from_logprobs(full, np.zeros(sum(n_scored), np.int64), top_k, named_ids_NS=named)
+    batch = P.TopKBatch(np.asarray(n_scored), *[getattr(ref, f) for f in P.TeacherTopK.__dataclass_fields__])
+    plain = P.TopKBatch(
+        *[getattr(batch, f) for f in ("n_scored", "topk_logprobs", "topk_ids")],
+        batch.sampled_logprob,
+        batch.tail_logmass,
+    )
+    kwargs = dict(vocab_size=vocab, logprob_dtype="float16", id_encoding=id_encoding)
+    frames = P.reply_frames(4, batch, **kwargs)
+    extra = sum(map(len, frames[1:])) - sum(map(len, P.reply_frames(4, plain, **kwargs)[1:]))
+    assert extra == (4 * k_s + 4) * sum(n_scored)
+    out = P.parse_score_reply(P.decode_server_reply(frames[0]), frames[1:])
+    np.testing.assert_array_equal(out.named_logprobs, batch.named_logprobs)
+    np.testing.assert_array_equal(out.other_logmass, batch.other_logmass)
+    assert [p.named_logprobs.shape for p in out.split()] == [(6, k_s), (0, k_s), (9, k_s)]
+    # The request: the named ids as one int32 frame after the tokens, parsed back per position.
+    seqs = [np.arange(1, n + 3) for n in n_scored]
+    per_seq = np.split(named, np.cumsum(n_scored)[:-1])
+    req = P.request_frames(1, seqs, [2] * 3, top_k=top_k, temperature=1.0, named_ids=per_seq)
+    assert len(req[2]) == 4 * k_s * sum(n_scored)
+    limits = P.RequestLimits(vocab, 64, 1 << 20, max_named_ids=k_s)
+    parsed = P.parse_score_request(P.decode_client_message(req[0]), req[1:], limits)
+    np.testing.assert_array_equal(parsed.named_ids, named)
+    # The vllm backend's rest from values alone equals the exact one (each id counted once).
+    other = P.other_from_union(ref.topk_logprobs, ref.topk_ids, ref.named_logprobs, named)
+    np.testing.assert_allclose(other, ref.other_logmass, atol=1e-5)
+
+
+def test_a_hello_reply_of_an_older_server_offers_no_named_ids() -> None:
+    """Named ids are optional fields of protocol 1: a handshake without max_named_ids reads as 0."""
+    fields = {
+        f: getattr(P.HelloReply(1, 1, "s", "m", 10, "h", 8, [], [], 1, 1, "hf", True), f)
+        for f in P.HelloReply.__struct_fields__
+        if f != "max_named_ids"
+    }
+    reply = P.decode_server_reply(msgspec.msgpack.encode({"type": "hello_reply", **fields}))
+    assert isinstance(reply, P.HelloReply) and reply.max_named_ids == 0
 
 
 def test_tail_from_topk_matches_float64() -> None:
