@@ -33,6 +33,7 @@ class Sequence:
     # The student's logprob of each sampled response token at sampling time (on-policy only).
     rollout_logprobs: np.ndarray | None = None  # float32 [L - response_start]
     reward: float | None = None  # task reward when the dataset defines an answer
+    teacher: str = "default"  # the teacher that scored it (data.teacher_key; docs/teachers.md)
 
     @property
     def num_response_tokens(self) -> int:
@@ -60,6 +61,10 @@ class RolloutStats:
     num_response_tokens: int
     sample_ids: list[int]
     timings: dict[str, float]
+    # The teacher of each of sample_ids, in the same order.
+    sample_teachers: list[str] = field(default_factory=list)
+    # Per teacher: sequences, response_tokens, teacher_topk_mass_sum, reward_sum, rewarded (on-policy rewards).
+    per_teacher: dict[str, dict[str, float]] = field(default_factory=dict)
     # Task reward (when the dataset has answers), split by where the response came from:
     # sampled by the student (on-policy) or the dataset's own (off-policy, algorithm.lmbda < 1).
     onpolicy_reward_sum: float = 0.0

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 # The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.
+from recipe_gkd import teachers_config
 from teacher_server.config import (
     ConfigError,
     TeacherConfig,
@@ -281,6 +282,11 @@ class DataConfig:
     """The longest prompt in tokens; a longer one is an error naming this key."""
     seed: int = 1
     """Seed of the data order and of sampling (a resumed run repeats them)."""
+    teacher_key: str = "teacher"
+    """Record field naming the record's teacher (a name under `teachers:`; docs/teachers.md). A record naming no
+    configured teacher stops the run."""
+    default_teacher: str = ""
+    """The teacher of a record without data.teacher_key; empty: the first teacher (`default` with only `teacher:`)."""
 
 
 @dataclass
@@ -376,6 +382,9 @@ class GKDConfig:
     """The rollout engines that sample the student's responses: their GPUs, backend and sampling."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     """The teacher server (or OpenAI-compatible server) that scores every generated token with its top-k."""
+    teachers: dict[str, TeacherConfig] = field(default_factory=dict)
+    """Several teachers: name -> a section with the keys of `teacher` above; each record is scored by the one
+    data.teacher_key names. Leave `teacher:` out then: it is filled from the first teacher."""
     data: DataConfig = field(default_factory=DataConfig)
     """Training and held-out prompts: sources, record fields and batch sizes."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -419,6 +428,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     merged = _merge(schema, OmegaConf.load(yaml_path), str(yaml_path))
     merged = _merge(merged, _parse_overrides(overrides), "command line")
     cfg: GKDConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    teachers_config.resolve_teachers(cfg)
     validate(cfg)
     return cfg
 
@@ -506,7 +516,10 @@ def validate(cfg: GKDConfig) -> None:
     _validate_parallelism(cfg)
     _validate_batches(cfg)
     _validate_algorithm(cfg)
-    _validate_teacher(cfg)
+    teachers_config.validate_teachers(cfg)
+    for name, view in teachers_config.teacher_views(cfg).items():
+        with teachers_config.keys_of(cfg, name):
+            _validate_teacher(view)
     _validate_trainer(cfg)
 
 
@@ -518,8 +531,9 @@ def check_local_paths(cfg: GKDConfig) -> None:
         require(
             Path(cfg.model.tokenizer_path).is_dir(), "model.tokenizer_path", f"no directory {cfg.model.tokenizer_path}"
         )
-    if cfg.teacher.autostart:
-        _require_model_dir(cfg.teacher.model_path, "teacher.model_path")
+    for name, section in teachers_config.teacher_sections(cfg).items():
+        if section.autostart:
+            _require_model_dir(section.model_path, teachers_config.teacher_key(cfg, name, "model_path"))
     # data.train_files / data.eval_files (files, Hugging Face datasets): recipe_gkd.data.check_record_fields.
 
 
@@ -537,7 +551,8 @@ def _require_model_dir(path: str, key: str) -> None:
 def _validate_fields(cfg: GKDConfig) -> None:
     """The bounds and choices declared on the fields (`bounded`, `one_of`), section by section."""
     for section in dataclasses.fields(cfg):
-        check_fields(getattr(cfg, section.name), section.name)
+        if section.name != "teachers":  # each teacher's section: per teacher, in _validate_teacher
+            check_fields(getattr(cfg, section.name), section.name)
 
 
 def _validate_cpu_threads(cfg: GKDConfig) -> None:
@@ -578,6 +593,17 @@ def _validate_gpu_split(cfg: GKDConfig) -> None:
             f"GPUs but cluster.gpus_per_node={c.gpus_per_node}; lower actor.gpus_per_node or rollout.gpus_per_node",
         )
     leftover = [c.gpus_per_node - node_gpus(cfg, "actor", n) - node_gpus(cfg, "rollout", n) for n in range(c.nnodes)]
+    if cfg.teachers:
+        total_teacher = sum(leftover)
+        # Several teachers: they split the leftover GPUs in config order (recipe_gkd/placement.py).
+        want = teachers_config.local_teacher_gpus(cfg)
+        require(
+            total_teacher == want,
+            "teachers",
+            f"the split leaves {total_teacher} GPUs for the teachers (per node {leftover}) but their replicas x "
+            f"gpus_per_replica add up to {want}; make them equal",
+        )
+        return
     if t.location == TeacherLocation.remote:
         idle = {n: g for n, g in enumerate(leftover) if g}
         require(
@@ -905,7 +931,7 @@ def cpu_threads(cfg: GKDConfig) -> dict[str, int]:
     if cfg.cluster.device != Device.cpu:
         return chosen
     cores = cfg.cluster.ray_num_cpus or os.cpu_count() or 1
-    teacher = cfg.teacher.replicas if cfg.teacher.autostart else 0
+    teacher = teachers_config.autostarted_replicas(cfg)
     processes = actor_world_size(cfg) + rollout_engines(cfg) + teacher
     share = max(1, cores // processes)
     threads = {role: n or share for role, n in chosen.items()}

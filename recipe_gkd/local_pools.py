@@ -29,6 +29,7 @@ from recipe_gkd.ports import reserve_ports
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.rollout.worker import RolloutWorker
+from recipe_gkd.teachers_config import teacher_views
 from recipe_gkd.weight_sync import MIB, TimedIterator, iter_buckets
 from teacher_server.protocol import TeacherTopK
 
@@ -178,7 +179,7 @@ def local_pools(cfg: GKDConfig, scorer: Scorer | None = None) -> Iterator[Pools]
         actor = actor_worker_class()(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0])
         stack.callback(actor.shutdown)
         summary = str(actor.setup().get("summary", ""))
-        teacher = scorer if scorer is not None else InProcessTeacher(cfg)
+        teacher = scorer if scorer is not None else {n: InProcessTeacher(v) for n, v in teacher_views(cfg).items()}
         workers = [RolloutWorker(cfg, rank, rollout_engines(cfg)) for rank in range(rollout_engines(cfg))]
         for worker in workers:
             worker.setup(scorer=teacher)

@@ -99,12 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         print("dry run: config valid, nothing started")
         return 0
     from recipe_gkd.actor.hf_arch import UnsupportedModelError
-    from recipe_gkd.data import check_record_fields
+    from recipe_gkd.data import check_record_fields, check_record_teachers
 
     try:
         resolve_config_models(cfg)  # hub ids -> their snapshot directories in the HF cache
         check_local_paths(cfg)
         check_record_fields(cfg)
+        check_record_teachers(cfg)
         check_student_split(cfg)
     except (ConfigError, UnsupportedModelError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -291,11 +291,11 @@ def _await(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
 
 
 @contextmanager
-def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[[], str]) -> Iterator[Pools]:
+def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[[], dict[str, str]]) -> Iterator[Pools]:
     """Placement groups, then every actor rank and rollout worker set up; all stopped on exit (Ray must be up).
 
     `teacher_address` is called once the actor ranks are setting up (an autostarted teacher may
-    still be loading until then): the rollout workers connect to what it returns.
+    still be loading until then): the rollout workers connect to what it returns (teacher name -> address).
     """
     import ray
 
@@ -344,7 +344,11 @@ def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[
 
 
 def _set_up(
-    actors: list[Any], rollouts: list[Any], teacher_address: Callable[[], str], colocated: bool, timeout_s: float
+    actors: list[Any],
+    rollouts: list[Any],
+    teacher_address: Callable[[], dict[str, str]],
+    colocated: bool,
+    timeout_s: float,
 ) -> list[dict[str, Any]]:
     """Every worker's setup(); the results, actors first.
 
