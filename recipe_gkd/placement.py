@@ -295,9 +295,20 @@ def teacher_argv(argv: list[str]) -> int:
     if not 0 <= node < plan.nnodes:
         print(f"error: --node-rank {node} outside cluster.nnodes={plan.nnodes} of {config}", file=sys.stderr)
         return 2
-    ids = plan.teacher_gpu_ids(node)
-    if cfg.teacher.location == TeacherLocation.local and not ids:
-        print(f"error: {config} gives node {node} no teacher GPUs; pick a --node-rank that has some", file=sys.stderr)
+    name = _flag(flags, "--teacher")
+    sections = teacher_sections(cfg)
+    if cfg.teachers and name not in sections:
+        # The server says the same; the plan below needs the name first.
+        print(f"error: {config} has several teachers {list(sections)}: pass --teacher NAME", file=sys.stderr)
+        return 2
+    section = sections[name] if cfg.teachers else cfg.teacher
+    ids = plan.teacher_gpu_ids(node, name if cfg.teachers else None)
+    if section.location == TeacherLocation.local and not ids:
+        which = f" for teacher {name!r}" if cfg.teachers else ""
+        print(
+            f"error: {config} gives node {node} no teacher GPUs{which}; pick a --node-rank that has some",
+            file=sys.stderr,
+        )
         return 2
     extra = ["--gpu-ids", ",".join(map(str, ids))] if ids else []
     return _print_argv(flags + extra + server_overrides)

@@ -124,6 +124,17 @@ def validate_teachers(cfg: GKDConfig) -> None:
                 f"is {getattr(section, field)} but teachers.{first_name}.{field} is {getattr(first, field)}: the "
                 "student trains on one top-k size at one temperature, so every teacher must use the same",
             )
+    bound: dict[str, str] = {}
+    for name, section in sections.items():
+        # Each local teacher is its own server: two cannot bind one address (port 0: each binds a free one).
+        if section.location == TeacherLocation.local and not section.address.endswith(":0"):
+            require(
+                section.address not in bound,
+                f"teachers.{name}.address",
+                f"is {section.address}, the address of teacher {bound.get(section.address)!r} too: give each "
+                "teacher its own port",
+            )
+            bound[section.address] = name
     if len(sections) > 1:
         require(
             not cfg.cluster.colocate,
