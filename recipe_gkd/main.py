@@ -140,9 +140,14 @@ def resolve_config_models(cfg: GKDConfig) -> None:
 
     cfg.model.student_path = resolve_model_ref(cfg.model.student_path, "model.student_path")
     cfg.model.tokenizer_path = resolve_model_ref(cfg.model.tokenizer_path, "model.tokenizer_path")
-    if cfg.teacher.backend != TeacherBackend.openai:
-        # teacher.backend=openai: the served model's name (or a local tokenizer directory), never downloaded here.
-        cfg.teacher.model_path = resolve_model_ref(cfg.teacher.model_path, "teacher.model_path")
+    from recipe_gkd.teachers_config import teacher_key
+
+    sections = [("default", cfg.teacher), *cfg.teachers.items()]  # with teachers:, teacher: is the first one's copy
+    for name, section in sections:
+        if section.backend != TeacherBackend.openai:
+            # backend=openai: the served model's name (or a local tokenizer directory), never downloaded here.
+            key = teacher_key(cfg, name, "model_path") if name in cfg.teachers else "teacher.model_path"
+            section.model_path = resolve_model_ref(section.model_path, key)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Build the two-teacher CPU demo's mixed data set offline (configs/presets/cpu_two_teachers.yaml).
 
     python -m recipe_gkd.demo.two_teachers [--out assets/two_teachers/data]
+    python -m recipe_gkd.demo.two_teachers --evaluate MODEL_DIR [MODEL_DIR ...]
+
+--evaluate prints each model's greedy held-out accuracy per task on the records the preset evaluates
+(the first data.eval_batch_size of the mixed eval file), as the README's table reports it.
 
 Interleaves the string-reversal demo's records (assets/demo/data, teacher `reverse`) with the
 running-sum task's (assets/paper/data, teacher `sum`), one of each in turn, and writes the record's
@@ -42,10 +46,31 @@ def mixed(split: str, per_task: int) -> list[dict[str, object]]:
     return [record for group in zip(*by_task, strict=True) for record in group]
 
 
+def task_accuracy(model_dir: str) -> dict[str, float | None]:
+    """Greedy accuracy of `model_dir` per task on the preset's held-out records (its data settings)."""
+    from recipe_gkd.config import CONFIG_DIR, load_config
+    from recipe_gkd.rollout.answer_accuracy import model_answer_accuracy
+
+    cfg = load_config(CONFIG_DIR / "presets" / "cpu_two_teachers.yaml")
+    records = read_records(Path(cfg.data.eval_files[0]), cfg.data.eval_batch_size)
+    return {
+        name: model_answer_accuracy(
+            model_dir, [r for r in records if r["teacher"] == name], cfg.data, cfg.rollout.sampling.max_new_tokens
+        ).accuracy
+        for name in TASKS
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe_gkd.demo.two_teachers", description=__doc__)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--evaluate", nargs="+", metavar="MODEL_DIR", help="print per-task accuracy of these models")
     args = parser.parse_args(argv)
+    if args.evaluate:
+        for model_dir in args.evaluate:
+            figures = task_accuracy(model_dir)
+            print(model_dir, " ".join(f"{n}={'-' if a is None else f'{100 * a:.1f}%'}" for n, a in figures.items()))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     for split, per_task in (("train", TRAIN_PER_TASK), ("eval", EVAL_PER_TASK)):
         records = mixed(split, per_task)

@@ -24,7 +24,7 @@ from recipe_gkd.metrics import worker_memory_mb
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
 from recipe_gkd.rollout.teacher_set import TeacherSet
-from recipe_gkd.teachers_config import DEFAULT_TEACHER
+from recipe_gkd.teachers_config import DEFAULT_TEACHER, record_teacher, teacher_sections
 from recipe_gkd.weight_sync import PROBE_ROWS, from_host_arrays, probe_rows
 
 # Salt that separates the on/off-policy coin flips from the epoch order's random stream.
@@ -179,9 +179,17 @@ class RolloutWorker:
         from recipe_gkd.rollout.answer_accuracy import model_answer_accuracy
 
         cfg = self.cfg
-        return model_answer_accuracy(
-            cfg.teacher.model_path, self.eval_records(), cfg.data, cfg.rollout.sampling.max_new_tokens
-        )
+        # Several teachers: each record's own teacher answers it (docs/teachers.md).
+        by_teacher: dict[str, list[dict[str, Any]]] = {}
+        for i, record in enumerate(self.eval_records()):
+            by_teacher.setdefault(record_teacher(cfg, record, f"record {i} of data.eval_files"), []).append(record)
+        parts = [
+            model_answer_accuracy(
+                teacher_sections(cfg)[name].model_path, records, cfg.data, cfg.rollout.sampling.max_new_tokens
+            )
+            for name, records in by_teacher.items()
+        ]
+        return AnswerAccuracy(*(sum(getattr(p, f) for p in parts) for f in ("correct", "answered", "records")))
 
     def _remember_position(self, batch: int) -> None:
         self._position_after[batch] = self.train_stream.position
