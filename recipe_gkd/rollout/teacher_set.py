@@ -40,12 +40,16 @@ class TeacherSet:
         """
         from recipe_gkd.rollout.teacher import TeacherScorer
 
-        scorers: dict[str, Scorer] = {}
-        for name, view in teacher_views(cfg).items():
-            address = (addresses or {}).get(name)
-            scorers[name] = _named(
-                name, len(teacher_views(cfg)) > 1, lambda v=view, a=address: TeacherScorer(v, tokenizer, a)
-            )
+        views = teacher_views(cfg)
+        scorers: dict[str, TeacherScorer] = {}
+        try:
+            for name, view in views.items():
+                address = (addresses or {}).get(name)
+                scorers[name] = _named(name, len(views) > 1, lambda v=view, a=address: TeacherScorer(v, tokenizer, a))
+        except BaseException:
+            for connected in scorers.values():  # the teachers checked before the one that failed
+                connected.close()
+            raise
         return cls(cfg, scorers)
 
     def route(self, records: list[dict[str, Any]], where: list[str]) -> list[str]:

@@ -204,3 +204,28 @@ def test_start_teacher_serves_the_named_teacher_on_its_gpus(capsys: pytest.Captu
             load_settings(TWO, ["server.gpu_ids=[3]"], teacher=name)
         assert info.value.key == "--teacher"
     assert load_settings(DEMO, ["server.gpu_ids=[2]"]).teacher.model_path == "assets/demo/teacher"  # one teacher
+
+
+def test_connect_checks_every_teacher_and_names_the_one_that_does_not_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    from recipe_gkd.rollout import teacher as teacher_module
+    from teacher_server.client import TeacherMismatchError
+
+    connected: list[tuple[str, str | None]] = []
+
+    class Scorer:
+        def __init__(self, cfg: object, tokenizer: object, address: str | None) -> None:
+            connected.append((cfg.teacher.model_path, address))  # type: ignore[attr-defined]
+            if cfg.teacher.model_path == "assets/paper/teacher":  # type: ignore[attr-defined]
+                raise TeacherMismatchError("the teacher's tokenizer (hash abc) differs from the student's (def)")
+
+        def close(self) -> None:
+            closed.append(True)
+
+    closed: list[bool] = []
+    monkeypatch.setattr(teacher_module, "TeacherScorer", Scorer)
+    cfg = load_config(TWO)
+    with pytest.raises(TeacherMismatchError) as info:
+        TeacherSet.connect(cfg, tokenizer=None, addresses={"reverse": "tcp://a:1", "sum": "tcp://b:2"})
+    assert str(info.value).startswith("teacher 'sum': the teacher's tokenizer") and info.value.teacher == "sum"
+    assert connected == [("assets/demo/teacher", "tcp://a:1"), ("assets/paper/teacher", "tcp://b:2")]
+    assert closed == [True], "the teacher connected before the failing one is closed"
