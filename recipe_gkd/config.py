@@ -284,7 +284,7 @@ class DataConfig:
     """Seed of the data order and of sampling (a resumed run repeats them)."""
     teacher_key: str = "teacher"
     """Record field naming the record's teacher (a name under `teachers:`; docs/teachers.md). A record naming no
-    configured teacher stops the run."""
+    configured teacher stops the run. Not read in a run with only `teacher:`."""
     default_teacher: str = ""
     """The teacher of a record without data.teacher_key; empty: the first teacher (`default` with only `teacher:`)."""
 

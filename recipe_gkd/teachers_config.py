@@ -46,10 +46,6 @@ def teacher_names(cfg: GKDConfig) -> list[str]:
     return list(teacher_sections(cfg))
 
 
-def several_teachers(cfg: GKDConfig) -> bool:
-    return len(cfg.teachers) > 1
-
-
 def default_teacher(cfg: GKDConfig) -> str:
     """The teacher of a record without data.teacher_key."""
     return cfg.data.default_teacher or teacher_names(cfg)[0]
@@ -160,7 +156,12 @@ def autostarted_replicas(cfg: GKDConfig) -> int:
 
 
 def record_teacher(cfg: GKDConfig, record: dict[str, Any], where: str) -> str:
-    """The teacher of `record` (`where`: the file and record, for the error)."""
+    """The teacher of `record` (`where`: the file and record, for the error).
+
+    Without `teachers:` every record goes to the one teacher and data.teacher_key is not read (a
+    dataset that happens to have such a field trains as before)."""
+    if not cfg.teachers:
+        return DEFAULT_TEACHER
     value = record.get(cfg.data.teacher_key)
     if value is None:
         return default_teacher(cfg)

@@ -36,6 +36,8 @@ def test_only_teacher_is_the_teacher_named_default() -> None:
     cfg = load_config(DEMO)
     assert cfg.teachers == {} and teacher_sections(cfg) == {"default": cfg.teacher}
     assert record_teacher(cfg, {"prompt": "x"}, "record 0") == "default"
+    # Without teachers: the field is not read: a dataset that happens to have it trains as before.
+    assert record_teacher(cfg, {"prompt": "x", "teacher": "Ms. Lee"}, "record 0") == "default"
 
 
 def test_teachers_fill_teacher_from_the_first_and_round_trip(tmp_path: Path) -> None:
