@@ -1,6 +1,7 @@
 """Two teachers in one run through the CLI (issue 37): configs/presets/cpu_two_teachers.yaml trains a few
 steps with each record scored by the teacher it names; one teacher going down for good stops the run with
-a checkpoint, exit 3 and a last line naming that teacher and its address."""
+a checkpoint, exit 3 and a last line naming that teacher and its address; a resumed run keeps every
+record's teacher and trains each prompt once."""
 
 from __future__ import annotations
 
@@ -98,3 +99,24 @@ def test_one_teacher_down_for_good_stops_naming_it(tmp_path: Path) -> None:
     assert last.startswith("error: teacher server down") and "teacher 'sum'" in last, last
     assert f"teachers.sum.address={address}" in last, last
     assert list_checkpoints(run_dir), "no checkpoint written when the teacher went down"
+
+
+@pytest.mark.slow
+def test_a_resumed_two_teacher_run_keeps_every_records_teacher_and_trains_it_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    for steps in (3, 6):  # the second command resumes from the first one's checkpoint at step 3
+        tag = uuid.uuid4().hex
+        cmd = _cmd(run_dir, f"trainer.total_steps={steps}", "trainer.eval_every=0", "trainer.save_every=3")
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env_with(tag), check=False
+        )
+        assert not wait_gone(tag), "the run left processes behind"
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "resuming from checkpoint" in proc.stdout
+    expected = _record_teachers()
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    for row in rows:
+        assert row["sample_teachers"] == [expected[i] for i in row["sample_ids"]]
+    trained = [i for row in rows for i in row["sample_ids"]]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice across the resume"
