@@ -11,7 +11,7 @@ for that position, computed from the logits at the position before it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -49,6 +49,17 @@ class TrainShard:
     sequences: list[Sequence] = field(default_factory=list)
     # Seconds spent by the producing rollout worker (generate, teacher) for this step.
     timings: dict[str, float] = field(default_factory=dict)
+
+
+def only_teacher(shard: TrainShard, teacher: str | None) -> TrainShard:
+    """`shard` with only the sequences teacher `teacher` scored (all of them for None)."""
+    return shard if teacher is None else replace(shard, sequences=[s for s in shard.sequences if s.teacher == teacher])
+
+
+def actor_rank_of(worker: int, worker_sequences: int, index: int, dp_size: int) -> int:
+    """The actor data-parallel rank that sequence `index` of rollout worker `worker` goes to (of `worker_sequences`):
+    global index modulo dp, so every rank gets the same count when the global batch divides by dp."""
+    return (worker * worker_sequences + index) % dp_size
 
 
 @dataclass

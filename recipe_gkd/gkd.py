@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd import checkpoint, console
-from recipe_gkd.batch import RolloutStats
+from recipe_gkd.batch import RolloutStats, actor_rank_of
 from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, to_dict, weight_transport
 from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics, teacher_columns
 from recipe_gkd.placement import PlacementPlan
@@ -312,10 +312,30 @@ def evaluate(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, step: int) ->
             # Per evaluation: greedy generation by the rollout engine, teacher scoring (slowest worker), all of it.
             "eval_generate_s": max(s.timings["generate_s"] for s in rollout_stats),
             "eval_teacher_s": max(s.timings["teacher_s"] for s in rollout_stats),
-            "eval_s": time.perf_counter() - start,
             **teacher_columns(rollout_stats, "eval_"),
+            **eval_teacher_kls(cfg, pools, results),
+            "eval_s": time.perf_counter() - start,
         }
     )
+
+
+def eval_teacher_kls(cfg: GKDConfig, pools: Pools, results: list[Any]) -> dict[str, float | None]:
+    """Several teachers: eval_teacher_NAME_kl, KL(teacher || student) over the held-out sequences teacher NAME
+    scored (one more forward pass per teacher). None where some actor rank holds none of them."""
+    if len(cfg.teachers) < 2 or not cfg.teacher.top_k:
+        return {}
+    dp = pools.actor.dp_size
+    held: dict[str, set[int]] = {}  # teacher -> the actor ranks holding some of its sequences
+    for worker, (stats, _) in enumerate(results):
+        for j, name in enumerate(stats.sample_teachers):
+            held.setdefault(name, set()).add(actor_rank_of(worker, len(stats.sample_teachers), j, dp))
+    shards = by_rank(results, dp)
+    return {
+        f"eval_teacher_{name}_kl": pools.actor.eval_loss(shards, name)["forward_kl"]
+        if len(held.get(name, ())) == dp
+        else None
+        for name in cfg.teachers
+    }
 
 
 def check_sync(cfg: GKDConfig, pools: Pools, version: int) -> dict[str, float]:

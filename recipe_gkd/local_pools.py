@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd.batch import TrainShard
+from recipe_gkd.batch import TrainShard, only_teacher
 from recipe_gkd.config import ConfigError, GKDConfig, actor_world_size, rollout_engines
 from recipe_gkd.pools import Pending, Pools
 from recipe_gkd.ports import reserve_ports
@@ -101,8 +101,8 @@ class LocalActorPool:
     def train(self, shards: list[list[TrainShard]]) -> list[dict[str, float]]:
         return [self.actor.train(shards[0])]
 
-    def eval_loss(self, shards: list[list[TrainShard]]) -> dict[str, float | None]:
-        result: dict[str, float | None] = self.actor.eval_loss(shards[0])
+    def eval_loss(self, shards: list[list[TrainShard]], teacher: str | None = None) -> dict[str, float | None]:
+        result: dict[str, float | None] = self.actor.eval_loss([only_teacher(s, teacher) for s in shards[0]])
         return result
 
     def save_checkpoint(self, path: str) -> None:

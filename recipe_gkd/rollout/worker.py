@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd.batch import RolloutStats, Sequence, TrainShard
+from recipe_gkd.batch import RolloutStats, Sequence, TrainShard, actor_rank_of
 from recipe_gkd.config import GKDConfig, cpu_threads, rollout_engines
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encode_prompt, encode_response
 from recipe_gkd.metrics import worker_memory_mb
@@ -286,10 +286,9 @@ class RolloutWorker:
     ) -> tuple[RolloutStats, list[TrainShard]]:
         # Sequence j of this worker goes to actor rank (global index) % dp: every rank gets
         # the same count when the global batch divides by dp (config.validate checks that).
-        offset = self.rank * len(sequences)
         shards = [TrainShard(step, weight_version, timings=timings) for _ in range(dp_size)]
         for j, seq in enumerate(sequences):
-            shards[(offset + j) % dp_size].sequences.append(seq)
+            shards[actor_rank_of(self.rank, len(sequences), j, dp_size)].sequences.append(seq)
         stats = summarize(step, weight_version, sequences, timings)
         if self.cfg.debug.log_memory:
             stats.memory_mb = worker_memory_mb(f"rollout{self.rank}")

@@ -42,7 +42,7 @@ def _record_teachers() -> list[str]:
 def test_two_teacher_preset_scores_each_record_by_its_teacher(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     tag = uuid.uuid4().hex
-    cmd = _cmd(run_dir, f"trainer.total_steps={STEPS}", "trainer.eval_every=0")
+    cmd = _cmd(run_dir, f"trainer.total_steps={STEPS}", f"trainer.eval_every={STEPS}", "data.eval_batch_size=20")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env_with(tag), check=False)
     assert not wait_gone(tag), "the run left processes behind"
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -58,6 +58,13 @@ def test_two_teacher_preset_scores_each_record_by_its_teacher(tmp_path: Path) ->
             assert row[f"teacher_{name}_sequences"] == row["sample_teachers"].count(name)
         seen |= set(row["sample_teachers"])
     assert seen == {"reverse", "sum"}
+    # Held-out KL per teacher: over each teacher's own sequences; weighted by their tokens, the whole figure.
+    for row in read_metrics(run_dir, "eval.jsonl"):
+        tokens = {n: row[f"eval_teacher_{n}_response_tokens"] for n in ("reverse", "sum")}
+        assert row["eval_teacher_reverse_sequences"] == row["eval_teacher_sum_sequences"] == 10
+        mixed = sum(row[f"eval_teacher_{n}_kl"] * t for n, t in tokens.items()) / sum(tokens.values())
+        assert mixed == pytest.approx(row["eval_teacher_kl"], rel=1e-5)
+        assert row["eval_teacher_reverse_kl"] != pytest.approx(row["eval_teacher_sum_kl"], rel=1e-2)
 
 
 @pytest.mark.slow
