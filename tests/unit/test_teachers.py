@@ -231,3 +231,22 @@ def test_connect_checks_every_teacher_and_names_the_one_that_does_not_match(monk
     assert str(info.value).startswith("teacher 'sum': the teacher's tokenizer") and info.value.teacher == "sum"
     assert connected == [("assets/demo/teacher", "tcp://a:1"), ("assets/paper/teacher", "tcp://b:2")]
     assert closed == [True], "the teacher connected before the failing one is closed"
+
+
+def test_summary_table_has_a_row_pair_per_teacher() -> None:
+    from recipe_gkd.plots import before_after_table
+
+    first = {"step": 0, "eval_reward": 0.1, "eval_teacher_kl": 6.0}
+    first |= {"eval_teacher_reverse_reward": 0.2, "eval_teacher_reverse_kl": 0.5}
+    first |= {"eval_teacher_sum_reward": 0.0, "eval_teacher_sum_kl": 11.0}
+    last = {**first, "step": 150, "eval_teacher_sum_reward": 0.25, "eval_teacher_sum_kl": 2.0}
+    lines = before_after_table([first, last], 0.975).splitlines()
+    assert [line.split()[:3] for line in lines[4:]] == [
+        ["reverse:", "student", "accuracy"],
+        ["reverse:", "divergence", "0.5000"],
+        ["sum:", "student", "accuracy"],
+        ["sum:", "divergence", "11.0000"],
+    ]
+    assert lines[6].split()[-2:] == ["0.0%", "25.0%"]
+    single = before_after_table([{"step": 0, "eval_reward": 0.1, "eval_teacher_kl": 6.0}], None)
+    assert len(single.splitlines()) == 4  # one teacher: the table as before
