@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start the teacher server on this node's teacher GPUs, or add this node's replicas to one.
-#   launch/start_teacher.sh --config PRESET [--node-rank N] [key=value ...]
+#   launch/start_teacher.sh --config PRESET [--node-rank N] [--teacher NAME] [key=value ...]   # NAME: of `teachers:`
 #   launch/start_teacher.sh --config configs/teacher/X.yaml [--gpu-ids 4,5,6,7] [--model-path DIR] [--port 5555]
 #   launch/start_teacher.sh --config PRESET --node-rank 1 --join tcp://HEAD:5556   # add replicas from another node
 # Prints `READY <address> replica_address=<addr>` (`JOINED <addr>` with --join) once every replica has loaded and

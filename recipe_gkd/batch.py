@@ -11,7 +11,7 @@ for that position, computed from the logits at the position before it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -39,6 +39,7 @@ class Sequence:
     # The student's logprob of each sampled response token at sampling time (on-policy only).
     rollout_logprobs: np.ndarray | None = None  # float32 [L - response_start]
     reward: float | None = None  # task reward when the dataset defines an answer
+    teacher: str = "default"  # the teacher that scored it (data.teacher_key; docs/teachers.md)
 
     @property
     def num_response_tokens(self) -> int:
@@ -56,6 +57,17 @@ class TrainShard:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def only_teacher(shard: TrainShard, teacher: str | None) -> TrainShard:
+    """`shard` with only the sequences teacher `teacher` scored (all of them for None)."""
+    return shard if teacher is None else replace(shard, sequences=[s for s in shard.sequences if s.teacher == teacher])
+
+
+def actor_rank_of(worker: int, worker_sequences: int, index: int, dp_size: int) -> int:
+    """The actor data-parallel rank that sequence `index` of rollout worker `worker` goes to (of `worker_sequences`):
+    global index modulo dp, so every rank gets the same count when the global batch divides by dp."""
+    return (worker * worker_sequences + index) % dp_size
+
+
 @dataclass
 class RolloutStats:
     """What a rollout worker tells the driver about a step (small: no per-token data)."""
@@ -66,6 +78,10 @@ class RolloutStats:
     num_response_tokens: int
     sample_ids: list[int]
     timings: dict[str, float]
+    # The teacher of each of sample_ids, in the same order.
+    sample_teachers: list[str] = field(default_factory=list)
+    # Per teacher: sequences, response_tokens, teacher_topk_mass_sum, reward_sum, rewarded (on-policy rewards).
+    per_teacher: dict[str, dict[str, float]] = field(default_factory=dict)
     # Task reward (when the dataset has answers), split by where the response came from:
     # sampled by the student (on-policy) or the dataset's own (off-policy, algorithm.lmbda < 1).
     onpolicy_reward_sum: float = 0.0

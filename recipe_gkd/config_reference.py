@@ -37,6 +37,7 @@ SECTION_PAGES: dict[str, tuple[str, ...]] = {
     "actor": ("gpu_splits.md", "memory_plan.md"),
     "rollout": ("gpu_splits.md", "memory_plan.md"),
     "teacher": ("teacher_server.md",),
+    "teachers": ("teachers.md",),
     "data": ("data.md",),
     "algorithm": ("objectives.md", "schedules.md"),
     "weight_sync": ("weight_sync.md",),
@@ -210,7 +211,7 @@ def render(schema: type = config.GKDConfig) -> str:
         parts.append(f"## {f.name}\n\n{section_docs[f.name]}" + (f" More: {see}." if see else "") + "\n")
         parts.append("| key | type | default | allowed | meaning |\n|---|---|---|---|---|")
         for row in rows:
-            if row.key.startswith(f.name + "."):
+            if row.key.startswith(f.name + ".") or (row.key == f.name and row.type != "section"):  # a top-level map
                 cells = [f"`{row.key}`", row.type, f"`{row.default}`" if row.default else "", row.allowed, row.meaning]
                 parts.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         parts.append("")

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import ANSWER_MATCHES, ConfigError, GKDConfig
+from recipe_gkd.teachers_config import record_teacher
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
 # A hub dataset: ORG/NAME:SPLIT or ORG/NAME/CONFIG:SPLIT (NAME:SPLIT for the few without an org).
@@ -252,6 +253,33 @@ def check_record_fields(cfg: GKDConfig) -> None:
             for key, field_name in needed.items():
                 if field_name not in fields:
                     raise ConfigError(key, f"{file}: records have no field {field_name!r} (fields: {sorted(fields)})")
+
+
+def check_record_teachers(cfg: GKDConfig) -> None:
+    """Every record of the local data files names a configured teacher in data.teacher_key, or none
+    (driver side, before training; docs/teachers.md). Hugging Face datasets are checked as the rollout
+    workers read them. Raises ConfigError naming data.teacher_key, the value and the file."""
+    if not cfg.teachers:
+        return  # one teacher: data.teacher_key is not read
+    for file in [*cfg.data.train_files, *cfg.data.eval_files]:
+        path = Path(file)
+        if not path.is_file():
+            continue
+        for index, value in enumerate(_field_values(path, cfg.data.teacher_key)):
+            if value is not None:
+                record_teacher(cfg, {cfg.data.teacher_key: value}, f"record {index} of {path}")
+
+
+def _field_values(path: Path, field_name: str) -> list[Any]:
+    """The value of `field_name` in every record of a local .jsonl / .parquet file (None where absent)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        if field_name not in pq.read_schema(path).names:
+            return []
+        return pq.read_table(path, columns=[field_name]).column(field_name).to_pylist()
+    with path.open("rb") as f:
+        return [json.loads(line).get(field_name) for line in f if line.strip()]
 
 
 def first_record_fields(source: str, key: str) -> set[str]:

@@ -32,16 +32,17 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd import checkpoint, console
-from recipe_gkd.batch import RolloutStats
+from recipe_gkd.batch import RolloutStats, actor_rank_of
 from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, to_dict, weight_transport
 from recipe_gkd.divergence_watch import DIVERGENCE_FILE, DivergenceWatch
-from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics
+from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics, teacher_columns
 from recipe_gkd.placement import PlacementPlan
 from recipe_gkd.plots import before_after_table, plot_run
 from recipe_gkd.pools import Pending, Pools, RolloutPool, ShardHandle
 from recipe_gkd.ray_cluster import ray_cluster
 from recipe_gkd.ray_pools import launch_pools
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
+from recipe_gkd.teachers_config import teacher_key, teacher_names, teacher_sections
 from recipe_gkd.weight_sync import SYNC_TOLERANCE, WeightSyncError, check_due, logprob_diffs, worst_tensor
 
 FINAL_EXPORT_DIR = "final_student"
@@ -274,11 +275,16 @@ def stop_for_teacher(
     if trained_here:
         saved = f"checkpoint {checkpoint.save(cfg, pools, step, version)} saved"
     reason = str(cause).strip().splitlines()[0]
+    name = getattr(cause, "teacher", None) or teacher_names(cfg)[0]
+    where = f"{teacher_key(cfg, name, 'address')}={teacher_sections(cfg)[name].address}"
+    who = f"teacher {name!r}" if cfg.teachers else "the teacher"
     # An autostarted server (a colocated one stops when its replica dies) says why in the run's log.
-    why = f" (its log: {Path(cfg.trainer.run_dir) / 'teacher_server.log'})" if cfg.teacher.autostart else ""
+    section = teacher_sections(cfg)[name]
+    log = f"teacher_server.{name}.log" if cfg.teachers else "teacher_server.log"
+    why = f" (its log: {Path(cfg.trainer.run_dir) / log})" if section.autostart else ""
     return RunStopped(
-        f"teacher server down ({type(cause).__name__}: {reason}){why}; {saved}. Restart the teacher at "
-        f"teacher.address={cfg.teacher.address} and rerun the same command to continue"
+        f"teacher server down ({type(cause).__name__}: {reason}){why}; {saved}. Restart {who} at "
+        f"{where} and rerun the same command to continue"
     )
 
 
@@ -334,9 +340,30 @@ def evaluate(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, step: int) ->
             # Per evaluation: greedy generation by the rollout engine, teacher scoring (slowest worker), all of it.
             "eval_generate_s": max(s.timings["generate_s"] for s in rollout_stats),
             "eval_teacher_s": max(s.timings["teacher_s"] for s in rollout_stats),
+            **teacher_columns(rollout_stats, "eval_"),
+            **eval_teacher_kls(cfg, pools, results),
             "eval_s": time.perf_counter() - start,
         }
     )
+
+
+def eval_teacher_kls(cfg: GKDConfig, pools: Pools, results: list[Any]) -> dict[str, float | None]:
+    """Several teachers: eval_teacher_NAME_kl, KL(teacher || student) over the held-out sequences teacher NAME
+    scored (one more forward pass per teacher). None where some actor rank holds none of them."""
+    if len(cfg.teachers) < 2 or not cfg.teacher.top_k:
+        return {}
+    dp = pools.actor.dp_size
+    held: dict[str, set[int]] = {}  # teacher -> the actor ranks holding some of its sequences
+    for worker, (stats, _) in enumerate(results):
+        for j, name in enumerate(stats.sample_teachers):
+            held.setdefault(name, set()).add(actor_rank_of(worker, len(stats.sample_teachers), j, dp))
+    shards = by_rank(results, dp)
+    return {
+        f"eval_teacher_{name}_kl": pools.actor.eval_loss(shards, name)["forward_kl"]
+        if len(held.get(name, ())) == dp
+        else None
+        for name in cfg.teachers
+    }
 
 
 def check_sync(cfg: GKDConfig, pools: Pools, version: int) -> dict[str, float]:
@@ -430,8 +457,19 @@ def step_row(
         "sync_logprob_diff": sync.get("sync_logprob_diff"),
         "sync_check_s": sync.get("sync_check_s"),
         "step_s": step_s,
+        **teacher_columns(rollout.stats, ""),
         "sample_ids": sorted(i for s in rollout.stats for i in s.sample_ids),
+        # Several teachers: the teacher that scored each of sample_ids (same order).
+        **sample_teachers(rollout.stats),
     }
+
+
+def sample_teachers(stats: list[RolloutStats]) -> dict[str, list[str]]:
+    """{"sample_teachers": the teacher of each sorted sample id} when the run has several teachers, else {}."""
+    pairs = sorted((i, t) for s in stats for i, t in zip(s.sample_ids, s.sample_teachers, strict=True))
+    if {t for _, t in pairs} <= {"default"}:
+        return {}
+    return {"sample_teachers": [t for _, t in pairs]}
 
 
 def memory_row(rollout: Rollout, train: dict[str, float]) -> dict[str, float]:
@@ -465,23 +503,31 @@ def _ratio(stats: list[RolloutStats], numerator: str, denominator: str) -> float
 
 
 @contextmanager
-def teacher_service(cfg: GKDConfig) -> Iterator[Callable[[], str]]:
-    """The call that returns the teacher's address. With teacher.autostart the local server starts
-    here and the call waits until it is READY: Ray and the actor workers start meanwhile."""
-    if not cfg.teacher.autostart:
-        yield lambda: cfg.teacher.address
-        return
+def teacher_service(cfg: GKDConfig) -> Iterator[Callable[[], dict[str, str]]]:
+    """The call that returns every teacher's address (name -> address). With autostart a teacher's
+    local server starts here and the call waits until it is READY: Ray and the actor workers start meanwhile."""
     from recipe_gkd.rollout.teacher import start_local_teacher
 
+    sections = teacher_sections(cfg)
     with ExitStack() as stack:
         # Colocated roles: the teacher starts only when asked for, after the actor set up on the shared GPU.
-        starting = None if cfg.cluster.colocate else stack.enter_context(start_local_teacher(cfg))
+        starting = {
+            name: stack.enter_context(start_local_teacher(cfg, name))
+            for name, section in sections.items()
+            if section.autostart and not cfg.cluster.colocate
+        }
 
         @functools.cache
-        def address() -> str:
-            ready = starting or stack.enter_context(start_local_teacher(cfg))
-            bound = ready()
-            print(f"teacher server autostarted at {bound}", flush=True)
+        def addresses() -> dict[str, str]:
+            bound = {}
+            for name, section in sections.items():
+                if not section.autostart:
+                    bound[name] = section.address
+                    continue
+                ready = starting.get(name) or stack.enter_context(start_local_teacher(cfg, name))
+                bound[name] = ready()
+                who = f"teacher {name!r} server" if cfg.teachers else "teacher server"
+                print(f"{who} autostarted at {bound[name]}", flush=True)
             return bound
 
-        yield address
+        yield addresses

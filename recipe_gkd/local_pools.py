@@ -22,13 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd.batch import TrainShard
+from recipe_gkd.batch import TrainShard, only_teacher
 from recipe_gkd.config import ConfigError, GKDConfig, actor_world_size, rollout_engines
 from recipe_gkd.pools import Pending, Pools
 from recipe_gkd.ports import reserve_ports
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.rollout.worker import RolloutWorker
+from recipe_gkd.teachers_config import teacher_views
 from recipe_gkd.weight_sync import MIB, TimedIterator, iter_buckets
 from teacher_server.protocol import TeacherTopK
 
@@ -100,8 +101,8 @@ class LocalActorPool:
     def train(self, shards: list[list[TrainShard]]) -> list[dict[str, float]]:
         return [self.actor.train(shards[0])]
 
-    def eval_loss(self, shards: list[list[TrainShard]]) -> dict[str, float | None]:
-        result: dict[str, float | None] = self.actor.eval_loss(shards[0])
+    def eval_loss(self, shards: list[list[TrainShard]], teacher: str | None = None) -> dict[str, float | None]:
+        result: dict[str, float | None] = self.actor.eval_loss([only_teacher(s, teacher) for s in shards[0]])
         return result
 
     def save_checkpoint(self, path: str) -> None:
@@ -182,7 +183,7 @@ def local_pools(cfg: GKDConfig, scorer: Scorer | None = None) -> Iterator[Pools]
         actor = actor_worker_class()(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0])
         stack.callback(actor.shutdown)
         summary = str(actor.setup().get("summary", ""))
-        teacher = scorer if scorer is not None else InProcessTeacher(cfg)
+        teacher = scorer if scorer is not None else {n: InProcessTeacher(v) for n, v in teacher_views(cfg).items()}
         workers = [RolloutWorker(cfg, rank, rollout_engines(cfg)) for rank in range(rollout_engines(cfg))]
         for worker in workers:
             worker.setup(scorer=teacher)

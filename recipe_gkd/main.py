@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print("dry run: config valid, nothing started")
         return 0
     from recipe_gkd.actor.hf_arch import UnsupportedModelError
-    from recipe_gkd.data import check_record_fields
+    from recipe_gkd.data import check_record_fields, check_record_teachers
     from recipe_gkd.memory_plan import object_store_mib
     from recipe_gkd.shm import check_shared_memory
 
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         resolve_config_models(cfg)  # hub ids -> their snapshot directories in the HF cache
         check_local_paths(cfg)
         check_record_fields(cfg)
+        check_record_teachers(cfg)
         check_student_split(cfg)
         check_shared_memory(cfg, object_store_mib(cfg))
     except (ConfigError, UnsupportedModelError) as err:
@@ -151,9 +152,14 @@ def resolve_config_models(cfg: GKDConfig) -> None:
 
     cfg.model.student_path = resolve_model_ref(cfg.model.student_path, "model.student_path")
     cfg.model.tokenizer_path = resolve_model_ref(cfg.model.tokenizer_path, "model.tokenizer_path")
-    if cfg.teacher.backend != TeacherBackend.openai:
-        # teacher.backend=openai: the served model's name (or a local tokenizer directory), never downloaded here.
-        cfg.teacher.model_path = resolve_model_ref(cfg.teacher.model_path, "teacher.model_path")
+    from recipe_gkd.teachers_config import teacher_key
+
+    sections = [("default", cfg.teacher), *cfg.teachers.items()]  # with teachers:, teacher: is the first one's copy
+    for name, section in sections:
+        if section.backend != TeacherBackend.openai:
+            # backend=openai: the served model's name (or a local tokenizer directory), never downloaded here.
+            key = teacher_key(cfg, name, "model_path") if name in cfg.teachers else "teacher.model_path"
+            section.model_path = resolve_model_ref(section.model_path, key)
 
 
 if __name__ == "__main__":

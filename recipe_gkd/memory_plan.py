@@ -40,6 +40,7 @@ from recipe_gkd.config import (
     weight_transport,
 )
 from recipe_gkd.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
+from recipe_gkd.teachers_config import teacher_key, teacher_views
 from teacher_server.config import TeacherBackend, TeacherLocation
 from teacher_server.model_refs import HUB_ID
 
@@ -422,14 +423,15 @@ def rollout_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
     return memory
 
 
-def teacher_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
+def teacher_memory(cfg: GKDConfig, shape: Shape, name: str = "") -> RoleMemory:
+    """A teacher replica's GPU (`cfg`: a teacher's view; `name`: of a run with several teachers, else "")."""
     t = cfg.teacher
     max_len = t.max_model_len or shape.max_position_embeddings
     # teacher.dtype auto: vLLM keeps a 16-bit checkpoint's dtype and casts an fp32 one to fp16
     # (vllm/config/model.py, ModelConfig.dtype).
     dtype_bytes = 4 if t.dtype == "float32" else 2
     memory = vllm_memory(
-        "teacher GPU",
+        f"teacher {name} GPU" if name else "teacher GPU",
         t.replicas * t.gpus_per_replica,
         shape,
         t.gpus_per_replica,
@@ -445,6 +447,9 @@ def teacher_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
         else:
             memory.key = "teacher.gpu_memory_utilization"
             memory.problem += ": lower teacher.gpu_memory_utilization (or teacher.max_model_len)"
+        if name:
+            memory.key = memory.key.replace("teacher.", f"teachers.{name}.")
+            memory.problem = memory.problem.replace("teacher.", f"teachers.{name}.")
     return memory
 
 
@@ -469,15 +474,18 @@ def build_memory_plan(cfg: GKDConfig, query: GpuQuery | None = None) -> MemoryPl
             roles.append(rollout_memory(cfg, student))
         else:
             skipped.append("rollout: rollout.backend=hf is not planned (vllm is the GPU backend)")
-    teacher_shape = None
-    if cfg.teacher.location == TeacherLocation.remote:
-        skipped.append("teacher: teacher.location=remote, planned where it runs")
-    elif cfg.teacher.backend != TeacherBackend.vllm:
-        skipped.append("teacher: teacher.backend=hf is not planned (vllm is the GPU backend)")
-    else:
-        teacher_shape = read_shape(cfg.teacher.model_path, "teacher.model_path", skipped)
-        if teacher_shape is not None:
-            roles.append(teacher_memory(cfg, teacher_shape))
+    # Every teacher on its own replicas (several teachers: each named, its keys under teachers.NAME).
+    for name, view in teacher_views(cfg).items():
+        label = f"teacher {name}" if cfg.teachers else "teacher"
+        t = view.teacher
+        if t.location == TeacherLocation.remote:
+            skipped.append(f"{label}: {teacher_key(cfg, name, 'location')}=remote, planned where it runs")
+        elif t.backend != TeacherBackend.vllm:
+            skipped.append(f"{label}: {teacher_key(cfg, name, 'backend')}=hf is not planned (vllm is the GPU backend)")
+        else:
+            teacher_shape = read_shape(t.model_path, teacher_key(cfg, name, "model_path"), skipped)
+            if teacher_shape is not None:
+                roles.append(teacher_memory(view, teacher_shape, name if cfg.teachers else ""))
     if cfg.cluster.colocate:
         roles.insert(0, colocated_gpu(cfg, roles))
     return MemoryPlan(roles=roles, skipped=skipped, gpu_memory_gib=gpu.gib, gpu_memory_source=gpu.source)

@@ -190,3 +190,26 @@ def worker_memory_mb(worker: str) -> dict[str, float]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         memory[f"{worker}_gpu_peak_mb"] = torch.cuda.max_memory_allocated() / (1024 * 1024)
     return memory
+
+
+def teacher_columns(stats: list[Any], prefix: str) -> dict[str, float | None]:
+    """Per-teacher columns of a step's (or an evaluation's) RolloutStats, for runs with several teachers:
+    `{prefix}teacher_<name>_sequences`, `_response_tokens`, `_topk_mass` and `_reward` (docs/teachers.md)."""
+    sums: dict[str, dict[str, float]] = {}
+    for s in stats:
+        for name, figures in s.per_teacher.items():
+            into = sums.setdefault(name, dict.fromkeys(figures, 0.0))
+            for key, value in figures.items():
+                into[key] += value
+    if len(sums) < 2 and all(name == "default" for name in sums):
+        return {}
+    columns: dict[str, float | None] = {}
+    for name, f in sorted(sums.items()):
+        head = f"{prefix}teacher_{name}_"
+        columns[head + "sequences"] = f["sequences"]
+        columns[head + "response_tokens"] = f["response_tokens"]
+        columns[head + "topk_mass"] = (
+            f["teacher_topk_mass_sum"] / f["response_tokens"] if f["response_tokens"] else None
+        )
+        columns[head + "reward"] = f["reward_sum"] / f["rewarded"] if f["rewarded"] else None
+    return columns

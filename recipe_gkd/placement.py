@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from recipe_gkd.config import ConfigError, GKDConfig, TeacherLocation, node_gpus
+from recipe_gkd.teachers_config import teacher_key, teacher_sections
 
 # Ray resource that pins a bundle to a node of the plan; `launch/ray_start.sh --node-rank i`
 # (and the fake multi-node cluster in tests) gives node i `{NODE_RESOURCE_PREFIX}i: 1`.
@@ -70,6 +71,8 @@ class Slot:
     rank: int
     node: int
     gpu_ids: tuple[int, ...]
+    # A teacher replica's teacher (its name under `teachers:`, `default` with only `teacher:`).
+    teacher: str = ""
 
     @property
     def cuda_visible_devices(self) -> str:
@@ -97,8 +100,9 @@ class PlacementPlan:
         """How many GPUs Ray may see on `node`."""
         return len(self.ray_gpu_ids(node))
 
-    def teacher_gpu_ids(self, node: int) -> tuple[int, ...]:
-        return tuple(g for s in self.teacher if s.node == node for g in s.gpu_ids)
+    def teacher_gpu_ids(self, node: int, name: str | None = None) -> tuple[int, ...]:
+        """The teacher GPUs of `node`: all teachers', or teacher `name`'s."""
+        return tuple(g for s in self.teacher if s.node == node and name in (None, s.teacher) for g in s.gpu_ids)
 
     def teacher_only_gpu_ids(self, node: int) -> tuple[int, ...]:
         """The teacher's GPUs on `node` that Ray must not see (none when the roles are colocated)."""
@@ -132,7 +136,8 @@ def build_plan(cfg: GKDConfig) -> PlacementPlan:
         return _colocated_plan(cfg)
     workers: list[Slot] = []
     teacher: list[Slot] = []
-    ranks = {"actor": 0, "rollout": 0, "teacher": 0}
+    ranks = {"actor": 0, "rollout": 0}
+    leftover: list[list[int]] = []
     per_worker = {"actor": 1, "rollout": cfg.rollout.tp}
     for node in range(cfg.cluster.nnodes):
         next_gpu = 0
@@ -142,12 +147,33 @@ def build_plan(cfg: GKDConfig) -> PlacementPlan:
                 workers.append(Slot(role, ranks[role], node, tuple(range(first, first + per_worker[role]))))
                 ranks[role] += 1
             next_gpu += count
-        if cfg.teacher.location == TeacherLocation.local:
-            step = cfg.teacher.gpus_per_replica
-            for first in range(next_gpu, cfg.cluster.gpus_per_node, step):
-                teacher.append(Slot("teacher", ranks["teacher"], node, tuple(range(first, first + step))))
-                ranks["teacher"] += 1
-    return PlacementPlan(cfg.cluster.nnodes, cfg.cluster.gpus_per_node, tuple(workers), tuple(teacher))
+        leftover.append(list(range(next_gpu, cfg.cluster.gpus_per_node)))
+    teacher = _teacher_slots(cfg, leftover)
+    return PlacementPlan(cfg.cluster.nnodes, cfg.cluster.gpus_per_node, tuple(workers), teacher)
+
+
+def _teacher_slots(cfg: GKDConfig, leftover: list[list[int]]) -> tuple[Slot, ...]:
+    """The teachers' replicas on the GPUs left on each node, teacher after teacher in config order
+    (a replica never spans nodes). Ranks count the replicas of each teacher."""
+    slots: list[Slot] = []
+    node = 0
+    free = [list(ids) for ids in leftover]
+    for name, section in teacher_sections(cfg).items():
+        if section.location != TeacherLocation.local:
+            continue
+        step = section.gpus_per_replica
+        for rank in range(section.replicas):
+            while node < len(free) and len(free[node]) < step:
+                node += 1
+            if node == len(free):
+                raise ConfigError(
+                    teacher_key(cfg, name, "replicas"),
+                    f"teacher {name!r}'s replica {rank} finds no {step} GPUs left on one node (GPUs left per node "
+                    f"after the actor and rollout pools: {[len(ids) for ids in leftover]})",
+                )
+            slots.append(Slot("teacher", rank, node, tuple(free[node][:step]), name))
+            del free[node][:step]
+    return tuple(slots)
 
 
 def _colocated_plan(cfg: GKDConfig) -> PlacementPlan:
@@ -157,19 +183,29 @@ def _colocated_plan(cfg: GKDConfig) -> PlacementPlan:
     teacher: tuple[Slot, ...] = ()
     if cfg.teacher.location == TeacherLocation.local:
         step = cfg.teacher.gpus_per_replica
-        teacher = tuple(Slot("teacher", n, 0, tuple(range(g, g + step))) for n, g in enumerate(range(0, gpus, step)))
+        name = next(iter(teacher_sections(cfg)))
+        teacher = tuple(
+            Slot("teacher", n, 0, tuple(range(g, g + step)), name) for n, g in enumerate(range(0, gpus, step))
+        )
     return PlacementPlan(1, gpus, workers, teacher, colocated=True)
 
 
 def format_plan(plan: PlacementPlan, env: Mapping[str, str] | None = None) -> str:
     """The placement report: one line per worker and teacher replica (GPU ids of the plan, see physical_gpu_ids)."""
     rows = [("role", "rank", "node", "bundle", "CUDA_VISIBLE_DEVICES")]
+    names = list(dict.fromkeys(s.teacher for s in plan.teacher))
+    several = len(names) > 1
     for s in plan.all_slots():
         bundle = str(plan.bundle_index(s)) if s.role != "teacher" else "-"
-        rows.append((s.role, str(s.rank), str(s.node), bundle, s.cuda_visible_devices))
-    lines = [_row(r) for r in rows]
+        role = f"teacher {s.teacher}" if s.role == "teacher" and several else s.role
+        rows.append((role, str(s.rank), str(s.node), bundle, s.cuda_visible_devices))
+    role_width = max(8, *(len(r[0]) for r in rows))
+    lines = [_row(r, role_width) for r in rows]
     for node in range(plan.nnodes):
         teacher_ids = ",".join(map(str, plan.teacher_gpu_ids(node))) or "-"
+        if several:
+            each = [f"{n} {','.join(map(str, plan.teacher_gpu_ids(node, n))) or '-'}" for n in names]
+            teacher_ids += f" ({'; '.join(each)})"
         lines.append(f"node {node}: Ray sees {plan.ray_gpus(node)} GPUs; teacher GPUs {teacher_ids}")
         lines += [
             f"GPU {g} of node {node} is shared (colocated): {', '.join(r)}" for g, r in plan.shared_gpus(node).items()
@@ -180,8 +216,8 @@ def format_plan(plan: PlacementPlan, env: Mapping[str, str] | None = None) -> st
     return "\n".join(lines)
 
 
-def _row(cells: tuple[str, ...]) -> str:
-    widths = (8, 5, 5, 7, 20)
+def _row(cells: tuple[str, ...], role_width: int = 8) -> str:
+    widths = (role_width, 5, 5, 7, 20)
     return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
 
@@ -304,9 +340,20 @@ def teacher_argv(argv: list[str]) -> int:
     if not 0 <= node < plan.nnodes:
         print(f"error: --node-rank {node} outside cluster.nnodes={plan.nnodes} of {config}", file=sys.stderr)
         return 2
-    ids = plan.teacher_gpu_ids(node)
-    if cfg.teacher.location == TeacherLocation.local and not ids:
-        print(f"error: {config} gives node {node} no teacher GPUs; pick a --node-rank that has some", file=sys.stderr)
+    name = _flag(flags, "--teacher")
+    sections = teacher_sections(cfg)
+    if cfg.teachers and name not in sections:
+        # The server says the same; the plan below needs the name first.
+        print(f"error: {config} has several teachers {list(sections)}: pass --teacher NAME", file=sys.stderr)
+        return 2
+    section = sections[name] if cfg.teachers else cfg.teacher
+    ids = plan.teacher_gpu_ids(node, name if cfg.teachers else None)
+    if section.location == TeacherLocation.local and not ids:
+        which = f" for teacher {name!r}" if cfg.teachers else ""
+        print(
+            f"error: {config} gives node {node} no teacher GPUs{which}; pick a --node-rank that has some",
+            file=sys.stderr,
+        )
         return 2
     try:
         extra = ["--gpu-ids", gpu_list(ids)] if ids else []

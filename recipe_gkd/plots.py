@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ def _line(ax: Any, rows: list[dict[str, Any]], key: str, title: str) -> None:
     ax.grid(alpha=0.3)
 
 
+PER_TEACHER_REWARD = re.compile(r"eval_teacher_.+_reward")
 # The summary's name of each objective's held-out figure (eval.jsonl's eval_divergence, on the greedy responses).
 OBJECTIVE_ROWS = {
     "reverse_kl": "reverse KL to the teacher",
@@ -68,6 +70,11 @@ def before_after_table(evals: list[dict[str, Any]], teacher_accuracy: float | No
         label = OBJECTIVE_ROWS[divergence]
         rows.append((label, _num(first.get("eval_divergence")), _num(last.get("eval_divergence"))))
     rows.append(("teacher held-out accuracy", _pct(teacher_accuracy), _pct(teacher_accuracy)))
+    # Several teachers (docs/teachers.md): each teacher's held-out records, its accuracy and divergence.
+    for name in [k[len("eval_teacher_") : -len("_reward")] for k in first if PER_TEACHER_REWARD.fullmatch(k)]:
+        reward, kl = f"eval_teacher_{name}_reward", f"eval_teacher_{name}_kl"
+        rows.append((f"  {name}: student accuracy", _pct(first.get(reward)), _pct(last.get(reward))))
+        rows.append((f"  {name}: divergence", _num(first.get(kl)), _num(last.get(kl))))
     header = f"{'':28}{'step ' + str(first['step']):>14}{'step ' + str(last['step']):>14}"
     return "\n".join([header] + [f"{name:28}{a:>14}{b:>14}" for name, a, b in rows])
 

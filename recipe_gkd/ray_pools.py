@@ -26,6 +26,7 @@ import numpy as np
 
 from recipe_gkd import watchdog
 from recipe_gkd.actor.layout import data_parallel_rank
+from recipe_gkd.batch import only_teacher
 from recipe_gkd.config import (
     GKDConfig,
     WeightSyncConfig,
@@ -114,10 +115,10 @@ def ray_actor_worker_class() -> type:
 
             return self.train(ray.get(shard_refs))
 
-        def eval_refs(self, shard_refs: list[Any]) -> dict[str, float]:
+        def eval_refs(self, shard_refs: list[Any], teacher: str | None = None) -> dict[str, float]:
             import ray
 
-            return self.eval_loss(ray.get(shard_refs))
+            return self.eval_loss([only_teacher(s, teacher) for s in ray.get(shard_refs)])
 
         def export_weight_buckets(self, bucket_mb: int) -> list[Any] | None:
             """Every rank gathers over TP; rank 0 puts the buckets as they fill and returns their refs."""
@@ -181,8 +182,10 @@ class RayActorPool:
         calls = [a.train_refs.remote(shards[data_parallel_rank(self.cfg, r)]) for r, a in enumerate(self.handles)]
         return wait(calls, self.timeout_s, "train")
 
-    def eval_loss(self, shards: list[list[Any]]) -> dict[str, float | None]:
-        calls = [a.eval_refs.remote(shards[data_parallel_rank(self.cfg, r)]) for r, a in enumerate(self.handles)]
+    def eval_loss(self, shards: list[list[Any]], teacher: str | None = None) -> dict[str, float | None]:
+        calls = [
+            a.eval_refs.remote(shards[data_parallel_rank(self.cfg, r)], teacher) for r, a in enumerate(self.handles)
+        ]
         return wait(calls, self.timeout_s, "eval loss")[0]
 
     def save_checkpoint(self, path: str) -> None:
@@ -291,11 +294,11 @@ def _await(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
 
 
 @contextmanager
-def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[[], str]) -> Iterator[Pools]:
+def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[[], dict[str, str]]) -> Iterator[Pools]:
     """Placement groups, then every actor rank and rollout worker set up; all stopped on exit (Ray must be up).
 
     `teacher_address` is called once the actor ranks are setting up (an autostarted teacher may
-    still be loading until then): the rollout workers connect to what it returns.
+    still be loading until then): the rollout workers connect to what it returns (teacher name -> address).
     """
     import ray
 
@@ -344,7 +347,11 @@ def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[
 
 
 def _set_up(
-    actors: list[Any], rollouts: list[Any], teacher_address: Callable[[], str], colocated: bool, timeout_s: float
+    actors: list[Any],
+    rollouts: list[Any],
+    teacher_address: Callable[[], dict[str, str]],
+    colocated: bool,
+    timeout_s: float,
 ) -> list[dict[str, Any]]:
     """Every worker's setup(); the results, actors first.
 

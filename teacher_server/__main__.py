@@ -25,6 +25,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--node-rank", type=int, default=0, help="which node of the preset this is (its teacher GPUs)")
     parser.add_argument(
+        "--teacher", default="", metavar="NAME", help="a run preset with `teachers:`: serve the teacher NAME"
+    )
+    parser.add_argument(
         "--gpu-ids", default="", help="explicit GPU ids, e.g. 4,5,6,7 (split by teacher.gpus_per_replica)"
     )
     parser.add_argument("--model-path", default="", help="sets teacher.model_path")
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
-        settings = load_settings(args.config, flag_overrides(args), node_rank=args.node_rank)
+        settings = load_settings(args.config, flag_overrides(args), node_rank=args.node_rank, teacher=args.teacher)
         if args.port is not None:
             settings.teacher.address = with_port(settings.teacher.address, args.port)
             validate_teacher_section(settings.teacher)

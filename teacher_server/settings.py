@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -70,8 +71,13 @@ class ServerSettings:
         return self.server.replica_address or derive_replica_address(self.teacher.address)
 
 
-def load_settings(path: str | Path, overrides: Sequence[str] = (), *, node_rank: int = 0) -> ServerSettings:
-    """Load a preset or standalone teacher yaml plus overrides. Raises ConfigError naming the key."""
+def load_settings(
+    path: str | Path, overrides: Sequence[str] = (), *, node_rank: int = 0, teacher: str = ""
+) -> ServerSettings:
+    """Load a preset or standalone teacher yaml plus overrides. Raises ConfigError naming the key.
+
+    `teacher`: of a run preset with `teachers:` (several teachers), the one to serve (--teacher NAME).
+    """
     yaml_path = Path(path)
     if not yaml_path.is_file():
         raise ConfigError("--config", f"no such file {yaml_path}")
@@ -83,8 +89,10 @@ def load_settings(path: str | Path, overrides: Sequence[str] = (), *, node_rank:
         if key.split(".")[0] not in STANDALONE_KEYS:
             raise ConfigError(key, "the teacher server takes teacher.* and server.* keys only")
     if preset:
-        # A run preset: its teacher section; the rest is the trainer's.
-        raw = OmegaConf.create({"teacher": raw.get("teacher") or {}})
+        # A run preset: its teacher section (or teacher `teacher`'s of `teachers:`); the rest is the trainer's.
+        raw = OmegaConf.create({"teacher": _preset_teacher(raw, teacher, yaml_path)})
+    elif teacher:
+        raise ConfigError("--teacher", f"{yaml_path} is a teacher yaml (one teacher): leave --teacher out")
     loaded = _load_standalone(raw, list(overrides), str(yaml_path))
     teacher, server = loaded.teacher, loaded.server
     _validate_server(server, teacher)
@@ -95,6 +103,22 @@ def load_settings(path: str | Path, overrides: Sequence[str] = (), *, node_rank:
             f"it with launch/start_teacher.sh (which asks `{PLACEMENT_COMMAND}`) or pass those ids as --gpu-ids",
         )
     return ServerSettings(teacher, server, node_rank, _slots(teacher, server, node_rank))
+
+
+def _preset_teacher(raw: Any, name: str, path: Path) -> Any:
+    """The section a run preset's server serves: `teacher:`, or `teachers: NAME:` (--teacher NAME)."""
+    teachers = raw.get("teachers") or {}
+    if not teachers:
+        if name and name != "default":
+            raise ConfigError("--teacher", f"{path} has one teacher (`teacher:`, named default), not {name!r}")
+        return raw.get("teacher") or {}
+    if name not in teachers:
+        raise ConfigError(
+            "--teacher",
+            f"{path} has several teachers {list(teachers)}: start each with --teacher NAME"
+            + (f" ({name!r} is not one of them)" if name else ""),
+        )
+    return teachers[name]
 
 
 def load_teacher_file(path: str | Path, overrides: Sequence[str] = ()) -> TeacherFile:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from recipe_gkd import teachers_config
 from recipe_gkd.config.schema import Device, GKDConfig, LrScaling, RolloutBackend, WeightTransport
 
 # The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.
@@ -65,7 +66,7 @@ def cpu_threads(cfg: GKDConfig) -> dict[str, int]:
     if cfg.cluster.device != Device.cpu:
         return chosen
     cores = cfg.cluster.ray_num_cpus or os.cpu_count() or 1
-    teacher = cfg.teacher.replicas if cfg.teacher.autostart else 0
+    teacher = teachers_config.autostarted_replicas(cfg)
     processes = actor_world_size(cfg) + rollout_engines(cfg) + teacher
     share = max(1, cores // processes)
     threads = {role: n or share for role, n in chosen.items()}

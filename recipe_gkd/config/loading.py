@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from recipe_gkd import teachers_config
 from recipe_gkd.config.rules import validate
 from recipe_gkd.config.schema import DEFAULT_CONFIG, KEY_ALIASES, GKDConfig
 
@@ -34,6 +35,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     merged = _merge(schema, OmegaConf.load(yaml_path), str(yaml_path))
     merged = _merge(merged, _parse_overrides(overrides), "command line")
     cfg: GKDConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    teachers_config.resolve_teachers(cfg)
     validate(cfg)
     return cfg
 

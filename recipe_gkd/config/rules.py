@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from recipe_gkd import teachers_config
 from recipe_gkd.config.derived import (
     actor_data_parallel_size,
     actor_world_size,
@@ -45,7 +46,10 @@ def validate(cfg: GKDConfig) -> None:
     _validate_parallelism(cfg)
     _validate_batches(cfg)
     _validate_algorithm(cfg)
-    _validate_teacher(cfg)
+    teachers_config.validate_teachers(cfg)
+    for name, view in teachers_config.teacher_views(cfg).items():
+        with teachers_config.keys_of(cfg, name):
+            _validate_teacher(view)
     _validate_trainer(cfg)
 
 
@@ -57,8 +61,9 @@ def check_local_paths(cfg: GKDConfig) -> None:
         require(
             Path(cfg.model.tokenizer_path).is_dir(), "model.tokenizer_path", f"no directory {cfg.model.tokenizer_path}"
         )
-    if cfg.teacher.autostart:
-        _require_model_dir(cfg.teacher.model_path, "teacher.model_path")
+    for name, section in teachers_config.teacher_sections(cfg).items():
+        if section.autostart:
+            _require_model_dir(section.model_path, teachers_config.teacher_key(cfg, name, "model_path"))
     # data.train_files / data.eval_files (files, Hugging Face datasets): recipe_gkd.data.check_record_fields.
 
 
@@ -76,7 +81,8 @@ def _require_model_dir(path: str, key: str) -> None:
 def _validate_fields(cfg: GKDConfig) -> None:
     """The bounds and choices declared on the fields (`bounded`, `one_of`), section by section."""
     for section in dataclasses.fields(cfg):
-        check_fields(getattr(cfg, section.name), section.name)
+        if section.name != "teachers":  # each teacher's section: per teacher, in _validate_teacher
+            check_fields(getattr(cfg, section.name), section.name)
 
 
 def _validate_cpu_threads(cfg: GKDConfig) -> None:
@@ -117,6 +123,17 @@ def _validate_gpu_split(cfg: GKDConfig) -> None:
             f"GPUs but cluster.gpus_per_node={c.gpus_per_node}; lower actor.gpus_per_node or rollout.gpus_per_node",
         )
     leftover = [c.gpus_per_node - node_gpus(cfg, "actor", n) - node_gpus(cfg, "rollout", n) for n in range(c.nnodes)]
+    if cfg.teachers:
+        total_teacher = sum(leftover)
+        # Several teachers: they split the leftover GPUs in config order (recipe_gkd/placement.py).
+        want = teachers_config.local_teacher_gpus(cfg)
+        require(
+            total_teacher == want,
+            "teachers",
+            f"the split leaves {total_teacher} GPUs for the teachers (per node {leftover}) but their replicas x "
+            f"gpus_per_replica add up to {want}; make them equal",
+        )
+        return
     if t.location == TeacherLocation.remote:
         idle = {n: g for n, g in enumerate(leftover) if g}
         require(

@@ -277,6 +277,11 @@ class DataConfig:
     """The longest prompt in tokens; a longer one is an error naming this key."""
     seed: int = 1
     """Seed of the data order and of sampling (a resumed run repeats them)."""
+    teacher_key: str = "teacher"
+    """Record field naming the record's teacher (a name under `teachers:`; docs/teachers.md). A record naming no
+    configured teacher stops the run. Not read in a run with only `teacher:`."""
+    default_teacher: str = ""
+    """The teacher of a record without data.teacher_key; empty: the first teacher (`default` with only `teacher:`)."""
 
 
 @dataclass
@@ -380,6 +385,9 @@ class GKDConfig:
     """The rollout engines that sample the student's responses: their GPUs, backend and sampling."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     """The teacher server (or OpenAI-compatible server) that scores every generated token with its top-k."""
+    teachers: dict[str, TeacherConfig] = field(default_factory=dict)
+    """Several teachers: name -> a section with the keys of `teacher` above; each record is scored by the one
+    data.teacher_key names. Leave `teacher:` out then: it is filled from the first teacher."""
     data: DataConfig = field(default_factory=DataConfig)
     """Training and held-out prompts: sources, record fields and batch sizes."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import GKDConfig, cpu_threads, to_yaml
+from recipe_gkd.teachers_config import DEFAULT_TEACHER, teacher_views
 from teacher_server.config import TeacherBackend
 from teacher_server.protocol import TeacherTopK
 
@@ -71,32 +72,37 @@ def colocated_teacher_overrides(cfg: GKDConfig) -> list[str]:
 
 
 @contextmanager
-def start_local_teacher(cfg: GKDConfig) -> Iterator[Callable[[], str]]:
-    """A local teacher server process for the run (teacher.autostart), started now; yields the call
+def start_local_teacher(cfg: GKDConfig, name: str = DEFAULT_TEACHER) -> Iterator[Callable[[], str]]:
+    """A local server process for the run's teacher `name` (its autostart), started now; yields the call
     that waits for it to be READY and returns its bound address.
 
     The run starts Ray and its actor workers while the server loads. The server reads the run's
     resolved config, so it serves exactly what the trainer expects; its log goes to
-    <run_dir>/teacher_server.log.
+    <run_dir>/teacher_server.log (several teachers: one resolved config and log per teacher, named after it).
     """
     from recipe_gkd.placement import build_plan, gpu_list
     from teacher_server.launcher import start_teacher
 
     run_dir = Path(cfg.trainer.run_dir)
-    resolved = run_dir / "resolved_config.yaml"
-    if not resolved.is_file():
+    view = teacher_views(cfg)[name]
+    suffix = f".{name}" if cfg.teachers else ""
+    resolved = run_dir / f"resolved_config{suffix}.yaml"
+    if cfg.teachers:
+        resolved.write_text(to_yaml(view))  # its `teacher:` is teacher `name`'s section
+    elif not resolved.is_file():
         resolved.write_text(to_yaml(cfg))
-    # The server reads the teacher section only: its GPUs are what this run's plan leaves over,
+    # The server reads the teacher section only: its GPUs are what this run's plan leaves to this teacher,
     # through a preset CUDA_VISIBLE_DEVICES as Ray maps the actor's and rollout's.
-    gpu_ids = gpu_list(build_plan(cfg).teacher_gpu_ids(0))
+    gpu_ids = gpu_list(build_plan(cfg).teacher_gpu_ids(0, name))
     threads = cpu_threads(cfg)["teacher"]
+    logs = run_dir.resolve() / (f"teacher_logs/{name}" if cfg.teachers else "teacher_logs")
     with start_teacher(
         resolved,
         ([f"server.torch_threads={threads}"] if threads else []) + colocated_teacher_overrides(cfg),
         # Replica logs stay with the run.
-        extra_args=["--log-dir", str(run_dir.resolve() / "teacher_logs"), *(["--gpu-ids", gpu_ids] if gpu_ids else [])],
-        log_path=run_dir / "teacher_server.log",
-        ready_timeout_s=cfg.teacher.timeout_s,
+        extra_args=["--log-dir", str(logs), *(["--gpu-ids", gpu_ids] if gpu_ids else [])],
+        log_path=run_dir / f"teacher_server{suffix}.log",
+        ready_timeout_s=view.teacher.timeout_s,
     ) as server:
         yield lambda: server.ready().address
 

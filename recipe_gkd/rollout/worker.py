@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from recipe_gkd.batch import RolloutStats, Sequence, TrainShard
+from recipe_gkd.batch import RolloutStats, Sequence, TrainShard, actor_rank_of
 from recipe_gkd.config import GKDConfig, cpu_threads, rollout_engines
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encode_prompt, encode_response
 from recipe_gkd.metrics import worker_memory_mb
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
-from recipe_gkd.rollout.scoring import ScoringPlan
+from recipe_gkd.rollout.teacher_set import TeacherSet
+from recipe_gkd.teachers_config import DEFAULT_TEACHER, record_teacher, teacher_sections
 from recipe_gkd.weight_sync import PROBE_ROWS, from_host_arrays, probe_rows
 
 # Salt that separates the on/off-policy coin flips from the epoch order's random stream.
@@ -68,9 +69,7 @@ class RolloutWorker:
         self.world = world
         self.weight_version = 0
         self.engine: Engine | None = None
-        self.scorer: Scorer | None = None
-        # What each teacher request asks for (algorithm.support), chosen once.
-        self.plan = ScoringPlan.from_config(cfg)
+        self.teachers: TeacherSet | None = None
         # two_step_off runs score(t+1) beside generate(t+2) in two threads of this worker:
         # the engine (generate, weight loads) and the teacher client each take one at a time.
         self._engine_lock = threading.Lock()
@@ -80,10 +79,13 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ set-up
 
-    def setup(self, scorer: Scorer | None = None, teacher_address: str | None = None) -> dict[str, Any]:
-        """Load the engine, open the data shards, connect to the teacher. Returns small info.
+    def setup(
+        self, scorer: Scorer | Mapping[str, Scorer] | None = None, teacher_addresses: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
+        """Load the engine, open the data shards, connect to the teachers. Returns small info.
 
-        `teacher_address` overrides teacher.address (an autostarted server's bound address).
+        `scorer`: the teacher(s) in this process (one, or teacher name -> scorer); else one client per
+        configured teacher, `teacher_addresses` (name -> address) overriding their addresses (autostarted servers).
         """
         cfg = self.cfg
         if threads := cpu_threads(cfg)["rollout"]:
@@ -91,7 +93,10 @@ class RolloutWorker:
 
             torch.set_num_threads(threads)
         self.engine = make_engine(cfg)
-        self.scorer = scorer if scorer is not None else connect_teacher(cfg, self.engine.tokenizer, teacher_address)
+        if scorer is None:
+            self.teachers = TeacherSet.connect(cfg, self.engine.tokenizer, teacher_addresses)
+        else:
+            self.teachers = TeacherSet(cfg, scorer if isinstance(scorer, Mapping) else {DEFAULT_TEACHER: scorer})
         train = Dataset(cfg.data.train_files, "data.train_files")
         self.train_stream = ShardedStream(train, cfg.data.seed, self.rank, self.world)
         self.eval_dataset = Dataset(cfg.data.eval_files, "data.eval_files") if cfg.data.eval_files else None
@@ -141,7 +146,7 @@ class RolloutWorker:
 
     def _score_generated(self, step: int, dp_size: int) -> tuple[RolloutStats, list[TrainShard]]:
         generated = self._pending.pop(step)
-        sequences, teacher_s = self._score(generated)
+        sequences, teacher_s = self._score(generated, "data.train_files")
         return self._publish(
             step,
             sequences,
@@ -156,7 +161,7 @@ class RolloutWorker:
         prompts = [Prompt(i, 0, records[i]) for i in range(self.rank, len(records), self.world)]
         with self._engine_lock:
             generated = self._generate(prompts, greedy=True, mix_from=None)
-        sequences, teacher_s = self._score(generated)
+        sequences, teacher_s = self._score(generated, "data.eval_files")
         return self._publish(
             -1, sequences, {"generate_s": generated.seconds, "teacher_s": teacher_s}, dp_size, generated.weight_version
         )
@@ -176,9 +181,17 @@ class RolloutWorker:
         from recipe_gkd.rollout.answer_accuracy import model_answer_accuracy
 
         cfg = self.cfg
-        return model_answer_accuracy(
-            cfg.teacher.model_path, self.eval_records(), cfg.data, cfg.rollout.sampling.max_new_tokens
-        )
+        # Several teachers: each record's own teacher answers it (docs/teachers.md).
+        by_teacher: dict[str, list[dict[str, Any]]] = {}
+        for i, record in enumerate(self.eval_records()):
+            by_teacher.setdefault(record_teacher(cfg, record, f"record {i} of data.eval_files"), []).append(record)
+        parts = [
+            model_answer_accuracy(
+                teacher_sections(cfg)[name].model_path, records, cfg.data, cfg.rollout.sampling.max_new_tokens
+            )
+            for name, records in by_teacher.items()
+        ]
+        return AnswerAccuracy(*(sum(getattr(p, f) for p in parts) for f in ("correct", "answered", "records")))
 
     def _remember_position(self, batch: int) -> None:
         self._position_after[batch] = self.train_stream.position
@@ -209,9 +222,11 @@ class RolloutWorker:
         seconds = time.perf_counter() - start
         return Generated(prompts, prompt_ids, on_policy, responses, self.weight_version, seconds, student_topk)
 
-    def _score(self, generated: Generated) -> tuple[list[Sequence], float]:
-        """The teacher's top-k for every response token of `generated`; returns the sequences and seconds."""
-        assert self.scorer is not None, "call setup() first"
+    def _score(self, generated: Generated, source: str) -> tuple[list[Sequence], float]:
+        """Each record's teacher's top-k for every response token of `generated`; returns the sequences and seconds."""
+        assert self.teachers is not None, "call setup() first"
+        where = [f"record {p.sample_id} of {source}" for p in generated.prompts]
+        teachers = self.teachers.route([p.record for p in generated.prompts], where)
         ids = [
             np.asarray(p + r, dtype=np.int32)
             for p, (r, _) in zip(generated.prompt_ids, generated.responses, strict=True)
@@ -219,7 +234,7 @@ class RolloutWorker:
         starts = [len(p) for p in generated.prompt_ids]
         start = time.perf_counter()
         with self._teacher_lock:
-            scores = self.plan.score(self.scorer, ids, starts, generated.student_topk)
+            scores = self.teachers.score(teachers, ids, starts, generated.student_topk)
         teacher_s = time.perf_counter() - start
         sequences = [
             Sequence(
@@ -233,9 +248,10 @@ class RolloutWorker:
                 teacher_sampled_logprob=scored.sampled_logprob,
                 rollout_logprobs=rollout_lp,
                 reward=self._reward(prompt, response),
+                teacher=teacher,
             )
-            for prompt, seq, first, on, (response, rollout_lp), scored in zip(
-                generated.prompts, ids, starts, generated.on_policy, generated.responses, scores, strict=True
+            for prompt, seq, first, on, (response, rollout_lp), scored, teacher in zip(
+                generated.prompts, ids, starts, generated.on_policy, generated.responses, scores, teachers, strict=True
             )
         ]
         return sequences, teacher_s
@@ -276,10 +292,9 @@ class RolloutWorker:
     ) -> tuple[RolloutStats, list[TrainShard]]:
         # Sequence j of this worker goes to actor rank (global index) % dp: every rank gets
         # the same count when the global batch divides by dp (config.validate checks that).
-        offset = self.rank * len(sequences)
         shards = [TrainShard(step, weight_version, timings=timings) for _ in range(dp_size)]
         for j, seq in enumerate(sequences):
-            shards[(offset + j) % dp_size].sequences.append(seq)
+            shards[actor_rank_of(self.rank, len(sequences), j, dp_size)].sequences.append(seq)
         stats = summarize(step, weight_version, sequences, timings)
         if self.cfg.debug.log_memory:
             stats.memory_mb = worker_memory_mb(f"rollout{self.rank}")
@@ -315,10 +330,9 @@ class RolloutWorker:
         return {"load_s": time.perf_counter() - start, "tensors": float(len(loaded))}
 
     def shutdown(self) -> None:
-        """Close the teacher connection (the driver kills the process afterwards)."""
-        close = getattr(self.scorer, "close", None)
-        if close is not None:
-            close()
+        """Close the teacher connections (the driver kills the process afterwards)."""
+        if self.teachers is not None:
+            self.teachers.close()
 
     def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray:
         """Logprob of token t+1 at every position under the current weights (weight-sync probe)."""
@@ -338,6 +352,20 @@ class RolloutWorker:
             return self.engine.weight_checksums()
 
 
+def add_teacher_stats(per_teacher: dict[str, dict[str, float]], seq: Sequence, topk_mass: float) -> None:
+    """Add `seq` to its teacher's sums (metrics per teacher, recipe_gkd.gkd.teacher_columns)."""
+    sums = per_teacher.setdefault(
+        seq.teacher,
+        {"sequences": 0.0, "response_tokens": 0.0, "teacher_topk_mass_sum": 0.0, "reward_sum": 0.0, "rewarded": 0.0},
+    )
+    sums["sequences"] += 1
+    sums["response_tokens"] += seq.num_response_tokens
+    sums["teacher_topk_mass_sum"] += topk_mass
+    if seq.reward is not None and seq.on_policy:
+        sums["reward_sum"] += seq.reward
+        sums["rewarded"] += 1
+
+
 def summarize(step: int, weight_version: int, sequences: list[Sequence], timings: dict[str, float]) -> RolloutStats:
     """The driver's view of a step's sequences: counts and sums, no per-token data."""
     stats = RolloutStats(
@@ -347,10 +375,13 @@ def summarize(step: int, weight_version: int, sequences: list[Sequence], timings
         num_response_tokens=sum(s.num_response_tokens for s in sequences),
         sample_ids=[s.sample_id for s in sequences],
         timings=timings,
+        sample_teachers=[s.teacher for s in sequences],
     )
     for seq in sequences:
         # The server's exact tail, not 1 - sum(rounded top-k): float64 sums over tokens.
-        stats.teacher_topk_mass_sum += float((-np.expm1(seq.teacher_tail_logmass.astype(np.float64))).sum())
+        mass = float((-np.expm1(seq.teacher_tail_logmass.astype(np.float64))).sum())
+        stats.teacher_topk_mass_sum += mass
+        add_teacher_stats(stats.per_teacher, seq, mass)
         if seq.reward is not None and seq.on_policy:
             stats.onpolicy_reward_sum += seq.reward
             stats.onpolicy_rewarded += 1
@@ -362,10 +393,3 @@ def summarize(step: int, weight_version: int, sequences: list[Sequence], timings
             stats.rollout_logprob_sum += float(seq.rollout_logprobs.astype(np.float64).sum())
             stats.teacher_sampled_logprob_sum += float(seq.teacher_sampled_logprob.astype(np.float64).sum())
     return stats
-
-
-def connect_teacher(cfg: GKDConfig, tokenizer: Any, address: str | None) -> Scorer:
-    """A client for the configured teacher server, checked against the student's tokenizer."""
-    from recipe_gkd.rollout.teacher import TeacherScorer
-
-    return TeacherScorer(cfg, tokenizer, address)

@@ -30,6 +30,9 @@ QWEN25_7B = {
 # Published shapes of every model the GPU presets name (the teachers of remote presets are not planned).
 HUB_MODELS = {
     "Qwen/Qwen2.5-7B-Instruct": QWEN25_7B,
+    # The two teachers of 1x8_two_teachers.yaml: Qwen2.5-7B's shape; the math model's context is 4096.
+    "Qwen/Qwen2.5-Math-7B-Instruct": {**QWEN25_7B, "max_position_embeddings": 4096},
+    "Qwen/Qwen2.5-Coder-7B-Instruct": QWEN25_7B,
     "Qwen/Qwen2.5-1.5B-Instruct": {
         **QWEN25_7B,
         "hidden_size": 1536,
@@ -178,7 +181,10 @@ def test_every_gpu_preset_fits_its_own_plan(preset: Path, hub_cache: Path) -> No
     assert all("teacher.location=remote" in reason for reason in plan.skipped), plan.skipped
     planned = {role.role for role in plan.roles}
     assert {"actor rank", "rollout GPU"} <= planned
-    if load_config(preset).cluster.colocate:  # the GPU holding every role, planned as a whole too
+    cfg = load_config(preset)
+    # Every teacher planned, each on its own replicas (several teachers: `teacher NAME GPU`).
+    assert {f"teacher {n} GPU" for n in cfg.teachers} <= planned
+    if cfg.cluster.colocate:  # the GPU holding every role, planned as a whole too
         assert plan.roles[0].role.startswith("GPU (colocated") and "teacher GPU" in planned
     for role in plan.roles:
         assert role.fits, memory_plan.format_memory_plan(plan)

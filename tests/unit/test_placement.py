@@ -11,6 +11,7 @@ from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
 from recipe_gkd.placement import build_plan, check_ray_gpus, format_plan, node_resource
 from recipe_gkd.placement import main as placement_cli
 from recipe_gkd.ray_cluster import Observed
+from recipe_gkd.teachers_config import teacher_sections
 
 PRESETS = sorted((CONFIG_DIR / "presets").glob("*.yaml"))
 
@@ -29,7 +30,9 @@ def test_plan_is_disjoint_and_covers_every_gpu(path: Path) -> None:
         assert len(used) == len(set(used)), f"node {node} GPUs shared: {used}"
         if cfg.teacher.location.value == "local":
             assert sorted(used) == list(range(cfg.cluster.gpus_per_node))
-    assert len(plan.teacher) == (cfg.teacher.replicas if cfg.teacher.location.value == "local" else 0)
+    # Every teacher's replicas (one teacher, `default`, unless the preset has `teachers:`).
+    sections = teacher_sections(cfg).values()
+    assert len(plan.teacher) == sum(t.replicas for t in sections if t.location.value == "local")
 
 
 def test_1x8_a1_r3_t4_split() -> None:

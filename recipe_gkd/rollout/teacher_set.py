@@ -1,0 +1,118 @@
+"""The run's teachers as one rollout worker uses them: one client per teacher, a step's sequences
+routed by their record's teacher, the groups scored concurrently and put back in order.
+
+A run with only `teacher:` has one teacher (`default`) and every sequence goes to it. A teacher's
+failure (down, timeout, a refused request, a tokenizer that does not match the student's) is
+re-raised as the same error type, tagged with the teacher's name (`err.teacher`) and, with several
+teachers, named in its message, so the driver's stop and exit 3 say which teacher to restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+
+from recipe_gkd.config import GKDConfig
+from recipe_gkd.rollout.engine import Scorer
+from recipe_gkd.rollout.scoring import ScoringPlan
+from recipe_gkd.teachers_config import record_teacher, teacher_views
+from teacher_server.protocol import TeacherTopK
+
+T = TypeVar("T")
+
+
+class TeacherSet:
+    """Teacher name -> its scorer; routes records, scores groups concurrently, reassembles in order."""
+
+    def __init__(self, cfg: GKDConfig, scorers: Mapping[str, Scorer]) -> None:
+        self.cfg = cfg
+        self.scorers = dict(scorers)
+        # What each request asks for (algorithm.support), the same for every teacher: chosen once.
+        self.plan = ScoringPlan.from_config(cfg)
+        # One thread per teacher: each client is used by one thread at a time (the worker holds its teacher lock).
+        self._pool = ThreadPoolExecutor(len(self.scorers), "teacher") if len(self.scorers) > 1 else None
+
+    @classmethod
+    def connect(cls, cfg: GKDConfig, tokenizer: Any, addresses: Mapping[str, str] | None) -> TeacherSet:
+        """A client per configured teacher, each checked against the student's tokenizer at connect time.
+
+        `addresses` overrides a teacher's own address (an autostarted server's bound one).
+        """
+        from recipe_gkd.rollout.teacher import TeacherScorer
+
+        views = teacher_views(cfg)
+        scorers: dict[str, TeacherScorer] = {}
+        try:
+            for name, view in views.items():
+                address = (addresses or {}).get(name)
+                scorers[name] = _named(name, len(views) > 1, lambda v=view, a=address: TeacherScorer(v, tokenizer, a))
+        except BaseException:
+            for connected in scorers.values():  # the teachers checked before the one that failed
+                connected.close()
+            raise
+        return cls(cfg, scorers)
+
+    def route(self, records: list[dict[str, Any]], where: list[str]) -> list[str]:
+        """The teacher of every record (`where[i]`: record i's file and index, for the error on an unknown one)."""
+        return [record_teacher(self.cfg, r, w) for r, w in zip(records, where, strict=True)]
+
+    def score(
+        self,
+        teachers: list[str],
+        sequences: list[np.ndarray],
+        score_from: list[int],
+        student_topk: list[np.ndarray | None],
+    ) -> list[TeacherTopK]:
+        """Sequence i scored by teacher `teachers[i]` as the plan asks (student_topk[i]: the engine's top ids
+        of sequence i, for algorithm.support=union); the results in the order of `sequences`."""
+        groups: dict[str, list[int]] = {}
+        for i, name in enumerate(teachers):
+            groups.setdefault(name, []).append(i)
+        several = len(self.scorers) > 1
+
+        def run(name: str, rows: list[int]) -> list[TeacherTopK]:
+            scorer = self.scorers[name]
+            return _named(
+                name,
+                several,
+                lambda: self.plan.score(
+                    scorer,
+                    [sequences[i] for i in rows],
+                    [score_from[i] for i in rows],
+                    [student_topk[i] for i in rows],
+                ),
+            )
+
+        if self._pool is None or len(groups) == 1:
+            results = {name: run(name, rows) for name, rows in groups.items()}
+        else:
+            futures = {name: self._pool.submit(run, name, rows) for name, rows in groups.items()}
+            results = {name: future.result() for name, future in futures.items()}
+        out: list[TeacherTopK | None] = [None] * len(sequences)
+        for name, rows in groups.items():
+            for i, scored in zip(rows, results[name], strict=True):
+                out[i] = scored
+        assert all(s is not None for s in out)
+        return out  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for scorer in self.scorers.values():
+            close = getattr(scorer, "close", None)
+            if close is not None:
+                close()
+
+
+def _named(name: str, in_message: bool, call: Callable[[], T]) -> T:
+    """`call()`, its error tagged with the teacher `name` (and, when `in_message`, named in its text)."""
+    try:
+        return call()
+    except Exception as err:
+        err.teacher = name  # type: ignore[attr-defined]  # survives pickling (BaseException keeps __dict__)
+        if in_message and err.args and isinstance(err.args[0], str):
+            err.args = (f"teacher {name!r}: {err.args[0]}", *err.args[1:])
+        raise

@@ -1,0 +1,174 @@
+"""Several teachers in one run: the `teachers:` map, its rules and each record's teacher (docs/teachers.md).
+
+A config with only `teacher:` has one teacher, named `default`. With `teachers:` (name -> a teacher
+section, everything `teacher:` holds), the loader fills `teacher:` from the first teacher: the trainer's
+side reads only what every teacher must share there (top_k, temperature), while the servers, the
+clients and the placement use each teacher's own section through `teacher_views`.
+
+A record names its teacher in the field `data.teacher_key`; a record without it goes to
+`data.default_teacher` (empty: the first teacher). A record naming no configured teacher stops the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol, TypeVar
+
+from teacher_server.config import ConfigError, TeacherConfig, TeacherLocation, require
+
+
+class GKDConfig(Protocol):
+    """What this module reads of recipe_gkd.config.GKDConfig (which imports this module, so not imported here)."""
+
+    teacher: TeacherConfig
+    teachers: dict[str, TeacherConfig]
+    data: Any
+    cluster: Any
+
+
+C = TypeVar("C", bound=GKDConfig)
+
+DEFAULT_TEACHER = "default"
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
+# What the trainer reads from `teacher:`: every teacher must agree on these.
+SHARED_FIELDS = ("top_k", "temperature")
+
+
+def teacher_sections(cfg: GKDConfig) -> dict[str, TeacherConfig]:
+    """Teacher name -> its section, in config order (`default` -> `teacher:` without `teachers:`)."""
+    return dict(cfg.teachers) if cfg.teachers else {DEFAULT_TEACHER: cfg.teacher}
+
+
+def teacher_names(cfg: GKDConfig) -> list[str]:
+    return list(teacher_sections(cfg))
+
+
+def default_teacher(cfg: GKDConfig) -> str:
+    """The teacher of a record without data.teacher_key."""
+    return cfg.data.default_teacher or teacher_names(cfg)[0]
+
+
+def teacher_views(cfg: C) -> dict[str, C]:
+    """Teacher name -> the run's config with `teacher:` set to that teacher's section (and no `teachers:`):
+    what a single-teacher client or autostarted server reads."""
+    if not cfg.teachers:
+        return {DEFAULT_TEACHER: cfg}
+    return {
+        name: dataclasses.replace(cfg, teacher=section, teachers={})  # type: ignore[type-var]
+        for name, section in cfg.teachers.items()
+    }
+
+
+def teacher_key(cfg: GKDConfig, name: str, field: str) -> str:
+    """The dotted config key of `field` of teacher `name`, as the user wrote it."""
+    return f"teachers.{name}.{field}" if cfg.teachers else f"teacher.{field}"
+
+
+@contextmanager
+def keys_of(cfg: GKDConfig, name: str) -> Iterator[None]:
+    """Re-raise a ConfigError about `teacher.X` (a single-teacher rule run on a view) as `teachers.NAME.X`."""
+    try:
+        yield
+    except ConfigError as err:
+        if not cfg.teachers or not err.key.startswith("teacher."):
+            raise
+        field = err.key.removeprefix("teacher.")
+        raise ConfigError(teacher_key(cfg, name, field), err.message.replace("teacher.", f"teachers.{name}.")) from None
+
+
+def resolve_teachers(cfg: GKDConfig) -> None:
+    """With `teachers:`, fill `teacher:` from the first teacher (before validation).
+
+    `teacher:` must then be left out (a resolved config, where it equals the first teacher, reloads too).
+    """
+    if not cfg.teachers:
+        return
+    first = next(iter(cfg.teachers.values()))
+    require(
+        cfg.teacher in (TeacherConfig(), first),
+        "teacher",
+        "is set beside `teachers:`: move it into `teachers:` under a name (a run has `teacher:` or `teachers:`)",
+    )
+    cfg.teacher = dataclasses.replace(first)
+
+
+def validate_teachers(cfg: GKDConfig) -> None:
+    """The rules of the teacher set (each section's own rules run per view in config._validate_teacher)."""
+    names = teacher_names(cfg)
+    for name in names:
+        require(
+            bool(NAME_PATTERN.fullmatch(name)),
+            f"teachers.{name}",
+            "a teacher name is 1-32 letters, digits, '_' or '-', starting with a letter or digit",
+        )
+    require(bool(cfg.data.teacher_key), "data.teacher_key", "is empty: name the record field that holds its teacher")
+    require(
+        not cfg.data.default_teacher or cfg.data.default_teacher in names,
+        "data.default_teacher",
+        f"is {cfg.data.default_teacher!r}, not one of the configured teachers {names}",
+    )
+    sections = teacher_sections(cfg)
+    first_name, first = names[0], sections[names[0]]
+    for name, section in sections.items():
+        for field in SHARED_FIELDS:
+            require(
+                getattr(section, field) == getattr(first, field),
+                f"teachers.{name}.{field}",
+                f"is {getattr(section, field)} but teachers.{first_name}.{field} is {getattr(first, field)}: the "
+                "student trains on one top-k size at one temperature, so every teacher must use the same",
+            )
+    bound: dict[str, str] = {}
+    for name, section in sections.items():
+        # Each local teacher is its own server: two cannot bind one address (port 0: each binds a free one).
+        if section.location == TeacherLocation.local and not section.address.endswith(":0"):
+            require(
+                section.address not in bound,
+                f"teachers.{name}.address",
+                f"is {section.address}, the address of teacher {bound.get(section.address)!r} too: give each "
+                "teacher its own port",
+            )
+            bound[section.address] = name
+    if len(sections) > 1:
+        require(
+            not cfg.cluster.colocate,
+            "cluster.colocate",
+            "shares every GPU between one actor rank, one rollout engine and one teacher; with several teachers "
+            "give each its own GPUs (cluster.colocate=false)",
+        )
+
+
+def teacher_gpu_count(section: TeacherConfig) -> int:
+    """GPUs a local teacher takes from the cluster (0 for a remote one)."""
+    return section.replicas * section.gpus_per_replica if section.location == TeacherLocation.local else 0
+
+
+def local_teacher_gpus(cfg: GKDConfig) -> int:
+    """GPUs all local teachers take together."""
+    return sum(teacher_gpu_count(s) for s in teacher_sections(cfg).values())
+
+
+def autostarted_replicas(cfg: GKDConfig) -> int:
+    """Teacher server replicas the driver starts (processes on a CPU run)."""
+    return sum(s.replicas for s in teacher_sections(cfg).values() if s.autostart)
+
+
+def record_teacher(cfg: GKDConfig, record: dict[str, Any], where: str) -> str:
+    """The teacher of `record` (`where`: the file and record, for the error).
+
+    Without `teachers:` every record goes to the one teacher and data.teacher_key is not read (a
+    dataset that happens to have such a field trains as before)."""
+    if not cfg.teachers:
+        return DEFAULT_TEACHER
+    value = record.get(cfg.data.teacher_key)
+    if value is None:
+        return default_teacher(cfg)
+    if not isinstance(value, str) or value not in teacher_sections(cfg):
+        raise ConfigError(
+            "data.teacher_key",
+            f"{where} names teacher {value!r} in field {cfg.data.teacher_key!r}, not one of the configured "
+            f"teachers {teacher_names(cfg)}: fix the record or add that teacher under `teachers:`",
+        )
+    return value
