@@ -39,6 +39,8 @@ class Sequence:
     # The student's logprob of each sampled response token at sampling time (on-policy only).
     rollout_logprobs: np.ndarray | None = None  # float32 [L - response_start]
     reward: float | None = None  # task reward when the dataset defines an answer
+    # teacher.output=hidden: the teacher's final hidden state predicting each response token (bf16/fp16 values).
+    teacher_hidden: np.ndarray | None = None  # float32 [L - response_start, H]
 
     @property
     def num_response_tokens(self) -> int:

@@ -40,12 +40,16 @@ from recipe_gkd.config import (
     weight_transport,
 )
 from recipe_gkd.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
-from teacher_server.config import TeacherBackend, TeacherLocation
+from teacher_server.config import TeacherBackend, TeacherLocation, TeacherOutput
 from teacher_server.model_refs import HUB_ID
 
 GIB = 1024**3
 # CUDA context, cuBLAS workspaces, NCCL buffers and allocator slack on every actor GPU.
 ACTOR_RESERVE_GIB = 2.5
+# teacher.output=hidden: the loss's HIDDEN_CHUNK_BUFFERS fp32 [chunk, v] buffers take DEFAULT_CHUNK_BYTES
+# in all (recipe_gkd/losses/hidden.py; the same numbers, kept here so a dry run imports no torch).
+HIDDEN_LOSS_CHUNK_BYTES = 256 * 2**20
+HIDDEN_CHUNK_BUFFERS = 5
 # vLLM outside weights and KV cache: CUDA graphs, sampler, activations of its profile run.
 VLLM_RESERVE_GIB = 2.0
 # vLLM's default max_num_batched_tokens for the offline LLM class on H100/H200 (vllm/engine/arg_utils.py).
@@ -230,8 +234,8 @@ def actor_bytes_per_token_and_layer(
     return act_bytes * (norms + attn + probs + mlp)
 
 
-def actor_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
-    """The heaviest actor rank, bounded from above.
+def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> RoleMemory:
+    """The heaviest actor rank, bounded from above (`teacher`: its shape with teacher.output=hidden).
 
     With pp > 1 the first stage holds the embedding and the most micro-batches in flight, the
     last one the output layer and the logits; the estimate takes the larger of the two end
@@ -288,6 +292,7 @@ def actor_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
                 "beyond the freed activations and logits",
                 max(0.0, step_temp - activations - logits),
             ),
+            *_teacher_head_parts(teacher, vocab_shard, tokens, act),
             ("CUDA context, NCCL, allocator reserve", ACTOR_RESERVE_GIB * GIB),
         ],
         capacity=cfg.cluster.gpu_memory_gib * GIB,
@@ -300,6 +305,20 @@ def actor_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
     if role.total > role.capacity:
         role.key, role.problem = _actor_remedy(cfg, role)
     return role
+
+
+def _teacher_head_parts(teacher: Shape | None, vocab_shard: int, tokens: int, act: int) -> list[tuple[str, float]]:
+    """teacher.output=hidden, on the last stage: the teacher's head rows, its hidden states, the loss's chunks."""
+    if teacher is None:
+        return []
+    return [
+        (f"teacher output head ({vocab_shard} rows x {teacher.hidden_size})", vocab_shard * teacher.hidden_size * act),
+        (f"teacher hidden states ({tokens} tokens x {teacher.hidden_size}, fp32)", tokens * teacher.hidden_size * 4),
+        (
+            "hidden-state loss chunk buffers (fp32)",
+            min(HIDDEN_LOSS_CHUNK_BYTES, tokens * vocab_shard * 4 * HIDDEN_CHUNK_BUFFERS),
+        ),
+    ]
 
 
 def _actor_remedy(cfg: GKDConfig, role: RoleMemory) -> tuple[str, str]:
@@ -464,7 +483,9 @@ def build_memory_plan(cfg: GKDConfig, query: GpuQuery | None = None) -> MemoryPl
     roles: list[RoleMemory] = []
     student = read_shape(cfg.model.student_path, "model.student_path", skipped)
     if student is not None:
-        roles.append(actor_memory(cfg, student))
+        hidden = cfg.teacher.output == TeacherOutput.hidden
+        teacher = read_shape(cfg.teacher.model_path, "teacher.model_path", skipped) if hidden else None
+        roles.append(actor_memory(cfg, student, teacher))
         if cfg.rollout.backend == RolloutBackend.vllm:
             roles.append(rollout_memory(cfg, student))
         else:

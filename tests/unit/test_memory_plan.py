@@ -387,3 +387,26 @@ def test_each_vllm_process_has_its_context_and_the_rollout_its_reload_layer_outs
         assert reload == 152064 * 3584 * 2 / tp
     teacher = memory_plan.vllm_memory("teacher GPU", 4, shape, 1, 0.5, 4096, cfg, dtype_bytes=2, scores=True)
     assert not any(n.startswith("in-place reload") for n, _ in teacher.outside)  # a teacher is never reloaded
+
+
+def test_teacher_output_hidden_counts_the_teacher_head_its_hidden_states_and_the_loss_chunks(tmp_path: Path) -> None:
+    """teacher.output=hidden on a Qwen2.5-7B-shaped actor at TP 2 with a teacher of the same shape: the head's
+    rows of this rank (152064 / 2 x 3584 in bf16 = 545 MB), the micro-batch's fp32 hidden states, and the loss's
+    chunk buffers (DEFAULT_CHUNK_BYTES in all, the numbers recipe_gkd/losses/hidden.py uses)."""
+    from recipe_gkd.losses import hidden as hidden_loss
+    from recipe_gkd.losses import student_logits
+
+    assert memory_plan.HIDDEN_LOSS_CHUNK_BYTES == student_logits.DEFAULT_CHUNK_BYTES
+    assert memory_plan.HIDDEN_CHUNK_BUFFERS == hidden_loss.HIDDEN_CHUNK_BUFFERS
+    shape = memory_plan.shape_from_config(QWEN25_7B)
+    cfg = load_config(REMOTE_PRESET, [f"model.student_path={qwen7b_dir(tmp_path)}"])
+    without = dict(memory_plan.actor_memory(cfg, shape).parts)
+    parts = dict(memory_plan.actor_memory(cfg, shape, teacher=shape).parts)
+    added = {name: size for name, size in parts.items() if name not in without}
+    tp = cfg.actor.megatron.tp
+    tokens = cfg.actor.max_tokens_per_micro_batch or cfg.actor.micro_batch_size * (
+        cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    )
+    assert sorted(added.values()) == sorted(
+        [152064 // tp * 3584 * 2, tokens * 3584 * 4, float(memory_plan.HIDDEN_LOSS_CHUNK_BYTES)]
+    )
