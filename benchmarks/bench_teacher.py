@@ -1,7 +1,7 @@
 """Teacher server benchmark on a tiny CPU model: the server's overhead and its wire size.
 
     python benchmarks/bench_teacher.py [--quick] [--threads N]
-    python benchmarks/bench_teacher.py --bytes-only     # table 2 alone, K = 0, 8, 64, 256 (no server)
+    python benchmarks/bench_teacher.py --bytes-only     # table 2 alone, K = 0, 8, 64, 256 and the hidden states (no server)
 
 1. Throughput: the same batches scored by the HF backend in-process and through the server
    (one replica, same torch threads), alternating batch by batch so that load from other
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from teacher_server import hidden_codec
 from teacher_server import protocol as P
 from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
 from teacher_server.client import TeacherClient
@@ -171,6 +172,15 @@ def reply_bytes(backend: Backend, top_k: int) -> list[BytesRow]:
             frames = P.reply_frames(1, batch, vocab_size=VOCAB, logprob_dtype=dtype, id_encoding=encoding)
             per_token = sum(len(f) for f in frames) / batch.topk_ids.shape[0]
             rows.append(BytesRow(top_k, f"{dtype}+{encoding}", per_token))
+    if top_k == 0:
+        # teacher.output=hidden: no top-k, the sampled token's logprob and the 16-bit final hidden states.
+        for hidden_dtype in hidden_codec.HIDDEN_DTYPES:
+            hidden = backend.score(parsed_request(seqs, starts, top_k=0, hidden_dtype=hidden_dtype))
+            frames = P.reply_frames(
+                1, hidden, vocab_size=VOCAB, logprob_dtype="float16", id_encoding="int32", hidden_dtype=hidden_dtype
+            )
+            per_token = sum(len(f) for f in frames) / hidden.topk_ids.shape[0]
+            rows.append(BytesRow(0, f"hidden {hidden_dtype} (H={HIDDEN})", per_token))
     return rows
 
 

@@ -40,6 +40,8 @@ class Sequence:
     rollout_logprobs: np.ndarray | None = None  # float32 [L - response_start]
     reward: float | None = None  # task reward when the dataset defines an answer
     teacher: str = "default"  # the teacher that scored it (data.teacher_key; docs/teachers.md)
+    # teacher.output=hidden: the teacher's final hidden state predicting each response token (bf16/fp16 values).
+    teacher_hidden: np.ndarray | None = None  # float32 [L - response_start, H]
 
     @property
     def num_response_tokens(self) -> int:

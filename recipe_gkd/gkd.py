@@ -33,7 +33,7 @@ import numpy as np
 
 from recipe_gkd import checkpoint, console
 from recipe_gkd.batch import RolloutStats, actor_rank_of
-from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, to_dict, weight_transport
+from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, TeacherOutput, to_dict, weight_transport
 from recipe_gkd.divergence_watch import DIVERGENCE_FILE, DivergenceWatch
 from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics, teacher_columns
 from recipe_gkd.placement import PlacementPlan
@@ -435,8 +435,9 @@ def step_row(
         "offpolicy_reward": _ratio(rollout.stats, "offpolicy_reward_sum", "offpolicy_rewarded"),
         "response_tokens": sum(s.num_response_tokens for s in rollout.stats),
         "sequences": sum(s.num_sequences for s in rollout.stats),
+        # None where no top-k travels (teacher.top_k=0, teacher.output=hidden: the whole vocabulary).
         "teacher_topk_mass": (
-            _ratio(rollout.stats, "teacher_topk_mass_sum", "num_response_tokens") if cfg.teacher.top_k else None
+            _ratio(rollout.stats, "teacher_topk_mass_sum", "num_response_tokens") if _sends_topk(cfg) else None
         ),
         "teacher_sampled_logprob": _ratio(rollout.stats, "teacher_sampled_logprob_sum", "onpolicy_tokens"),
         "sampled_reverse_kl": sampled_reverse_kl(cfg, rollout.stats),
@@ -494,6 +495,11 @@ def sampled_reverse_kl(cfg: GKDConfig, stats: list[RolloutStats]) -> float | Non
     student = _ratio(stats, "rollout_logprob_sum", "onpolicy_tokens")
     teacher = _ratio(stats, "teacher_sampled_logprob_sum", "onpolicy_tokens")
     return None if student is None or teacher is None else student - teacher
+
+
+def _sends_topk(cfg: GKDConfig) -> bool:
+    """Whether the teacher's replies carry a top-k (and so a top-k mass to report)."""
+    return cfg.teacher.top_k > 0 and cfg.teacher.output == TeacherOutput.topk
 
 
 def _ratio(stats: list[RolloutStats], numerator: str, denominator: str) -> float | None:

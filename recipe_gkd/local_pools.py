@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.batch import TrainShard, only_teacher
-from recipe_gkd.config import ConfigError, GKDConfig, actor_world_size, rollout_engines
+from recipe_gkd.config import ConfigError, GKDConfig, TeacherOutput, actor_world_size, rollout_engines
 from recipe_gkd.pools import Pending, Pools
 from recipe_gkd.ports import reserve_ports
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
@@ -155,6 +155,10 @@ class InProcessTeacher:
         )
         self.backend = load_backend("hf", options)
         self.top_k, self.temperature = t.top_k, t.temperature
+        # teacher.output=hidden: what TeacherClient.from_config asks the server for (no top-k, the hidden states).
+        self.hidden_dtype = t.client.hidden_dtype if t.output == TeacherOutput.hidden else ""
+        if self.hidden_dtype:
+            self.top_k = 0
 
     def score(
         self, sequences: list[np.ndarray], score_from: list[int], named_ids: list[np.ndarray] | None = None
@@ -162,7 +166,12 @@ class InProcessTeacher:
         from teacher_server.backends import parsed_request
 
         request = parsed_request(
-            sequences, score_from, top_k=self.top_k, temperature=self.temperature, named_ids=named_ids
+            sequences,
+            score_from,
+            top_k=self.top_k,
+            temperature=self.temperature,
+            named_ids=named_ids,
+            hidden_dtype=self.hidden_dtype,
         )
         return self.backend.score(request).split()
 

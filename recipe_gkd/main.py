@@ -14,7 +14,7 @@ from pathlib import Path
 
 from recipe_gkd.config import ConfigError, GKDConfig, check_local_paths, load_config, to_yaml
 from recipe_gkd.placement import build_plan, format_plan
-from teacher_server.config import TeacherBackend
+from teacher_server.config import TeacherBackend, TeacherOutput
 
 EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
@@ -48,6 +48,16 @@ def check_student_split(cfg: GKDConfig) -> None:
 
     m = cfg.actor.megatron
     hf_arch.check_split(hf_arch.read_student_arch(cfg.model.student_path), m.tp, m.pp, m.cp)
+
+
+def check_teacher_head(cfg: GKDConfig) -> None:
+    """teacher.output=hidden: the teacher's head is there and covers the student's vocabulary (before Ray starts)."""
+    if cfg.teacher.output != TeacherOutput.hidden:
+        return
+    from recipe_gkd.actor import hf_arch
+    from recipe_gkd.actor.teacher_head import find_teacher_head
+
+    find_teacher_head(cfg.teacher.model_path, hf_arch.read_student_arch(cfg.model.student_path).vocab_size)
 
 
 def report_memory_plan(cfg: GKDConfig) -> bool:
@@ -115,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         check_record_fields(cfg)
         check_record_teachers(cfg)
         check_student_split(cfg)
+        check_teacher_head(cfg)
         check_shared_memory(cfg, object_store_mib(cfg))
     except (ConfigError, UnsupportedModelError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -20,11 +20,8 @@ raises ConfigError naming the key to change (`check_memory_plan`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from recipe_gkd.config import (
     ConfigError,
@@ -40,13 +37,17 @@ from recipe_gkd.config import (
     weight_transport,
 )
 from recipe_gkd.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
+from recipe_gkd.model_shape import Shape, read_shape
 from recipe_gkd.teachers_config import teacher_key, teacher_views
-from teacher_server.config import TeacherBackend, TeacherLocation
-from teacher_server.model_refs import HUB_ID
+from teacher_server.config import TeacherBackend, TeacherLocation, TeacherOutput
 
 GIB = 1024**3
 # CUDA context, cuBLAS workspaces, NCCL buffers and allocator slack on every actor GPU.
 ACTOR_RESERVE_GIB = 2.5
+# teacher.output=hidden: the loss's HIDDEN_CHUNK_BUFFERS fp32 [chunk, v] buffers take DEFAULT_CHUNK_BYTES
+# in all (recipe_gkd/losses/hidden.py; the same numbers, kept here so a dry run imports no torch).
+HIDDEN_LOSS_CHUNK_BYTES = 256 * 2**20
+HIDDEN_CHUNK_BUFFERS = 5
 # vLLM outside weights and KV cache: CUDA graphs, sampler, activations of its profile run.
 VLLM_RESERVE_GIB = 2.0
 # vLLM's default max_num_batched_tokens for the offline LLM class on H100/H200 (vllm/engine/arg_utils.py).
@@ -57,45 +58,6 @@ VLLM_BATCHED_TOKENS = 16384
 # the gpu_memory_utilization share, which is a fraction of the device's total (request_memory).
 VLLM_CUDA_CONTEXT_GIB = 0.5
 VLLM_NCCL_GIB = 0.5
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The numbers of a dense decoder-only transformer the plan needs (from its config.json)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool
-    qkv_bias: bool = False
-    qk_layernorm: bool = False
-    max_position_embeddings: int = 0
-
-    def layer_params(self, tp: int = 1) -> float:
-        """Parameters of one decoder layer on one of `tp` tensor-parallel ranks."""
-        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        sharded = self.hidden_size * qkv_rows + self.num_heads * self.head_dim * self.hidden_size
-        sharded += 3 * self.hidden_size * self.intermediate_size + (qkv_rows if self.qkv_bias else 0)
-        replicated = 2 * self.hidden_size + (2 * self.head_dim if self.qk_layernorm else 0)
-        return sharded / tp + replicated
-
-    def num_params(self) -> float:
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * self.layer_params() + embeddings + self.hidden_size
-
-    def largest_module_params(self, tp: int) -> float:
-        """The parameters of the largest module on one of `tp` ranks: embedding / lm_head, fused gate_up, qkv."""
-        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        per_rank = [self.vocab_size, 2 * self.intermediate_size, qkv_rows, self.intermediate_size]
-        return max(rows * self.hidden_size for rows in per_rank) / tp
-
-    def kv_bytes_per_token(self, tp: int, dtype_bytes: int) -> float:
-        """K and V of every layer for one token on one of `tp` ranks (vLLM keeps >= 1 KV head per rank)."""
-        return 2 * self.num_layers * max(1.0, self.num_kv_heads / tp) * self.head_dim * dtype_bytes
 
 
 @dataclass
@@ -133,64 +95,6 @@ class MemoryPlan:
     # One GPU's size the plan budgets, and where it came from (recipe_gkd/gpu_memory.py).
     gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB
     gpu_memory_source: str = ""
-
-
-# ----------------------------------------------------------------------------- config.json
-
-
-def shape_from_config(config: dict[str, Any]) -> Shape:
-    """A Shape from a config.json dict (Llama / Qwen2 / Qwen3 / Mistral field names)."""
-    heads = int(config["num_attention_heads"])
-    hidden = int(config["hidden_size"])
-    return Shape(
-        vocab_size=int(config["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
-        num_layers=int(config["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
-        # transformers' own default for these families is false when the key is absent.
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_layernorm=config.get("model_type") == "qwen3",
-        max_position_embeddings=int(config.get("max_position_embeddings") or 0),
-    )
-
-
-def find_config_json(ref: str) -> Path | None:
-    """config.json of a model reference: a local directory's, or a hub id's in the HF cache (no download)."""
-    if not ref:
-        return None
-    local = Path(ref) / "config.json"
-    if local.is_file():
-        return local
-    match = HUB_ID.match(ref)
-    if match is None:
-        return None
-    from huggingface_hub import try_to_load_from_cache
-
-    found = try_to_load_from_cache(match["repo"], "config.json", revision=match["revision"])
-    return Path(found) if isinstance(found, str) else None
-
-
-def read_shape(ref: str, key: str, skipped: list[str]) -> Shape | None:
-    """The Shape behind model reference `ref`, or None (with the reason appended to `skipped`)."""
-    path = find_config_json(ref)
-    if path is None:
-        skipped.append(
-            f"{key}={ref!r}: no config.json here or in the Hugging Face cache (hf download {ref} config.json)"
-        )
-        return None
-    config = json.loads(path.read_text())
-    if any(k in config for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-        skipped.append(f"{key}={ref!r}: a mixture-of-experts model; the plan covers dense models only")
-        return None
-    try:
-        return shape_from_config(config)
-    except KeyError as err:
-        skipped.append(f"{key}={ref!r}: config.json lacks {err.args[0]}")
-        return None
 
 
 # ----------------------------------------------------------------------------- actor
@@ -231,8 +135,8 @@ def actor_bytes_per_token_and_layer(
     return act_bytes * (norms + attn + probs + mlp)
 
 
-def actor_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
-    """The heaviest actor rank, bounded from above.
+def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> RoleMemory:
+    """The heaviest actor rank, bounded from above (`teacher`: its shape with teacher.output=hidden).
 
     With pp > 1 the first stage holds the embedding and the most micro-batches in flight, the
     last one the output layer and the logits; the estimate takes the larger of the two end
@@ -289,6 +193,7 @@ def actor_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
                 "beyond the freed activations and logits",
                 max(0.0, step_temp - activations - logits),
             ),
+            *_teacher_head_parts(teacher, vocab_shard, tokens, act),
             ("CUDA context, NCCL, allocator reserve", ACTOR_RESERVE_GIB * GIB),
         ],
         capacity=cfg.cluster.gpu_memory_gib * GIB,
@@ -301,6 +206,20 @@ def actor_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
     if role.total > role.capacity:
         role.key, role.problem = _actor_remedy(cfg, role)
     return role
+
+
+def _teacher_head_parts(teacher: Shape | None, vocab_shard: int, tokens: int, act: int) -> list[tuple[str, float]]:
+    """teacher.output=hidden, on the last stage: the teacher's head rows, its hidden states, the loss's chunks."""
+    if teacher is None:
+        return []
+    return [
+        (f"teacher output head ({vocab_shard} rows x {teacher.hidden_size})", vocab_shard * teacher.hidden_size * act),
+        (f"teacher hidden states ({tokens} tokens x {teacher.hidden_size}, fp32)", tokens * teacher.hidden_size * 4),
+        (
+            "hidden-state loss chunk buffers (fp32)",
+            min(HIDDEN_LOSS_CHUNK_BYTES, tokens * vocab_shard * 4 * HIDDEN_CHUNK_BUFFERS),
+        ),
+    ]
 
 
 def _actor_remedy(cfg: GKDConfig, role: RoleMemory) -> tuple[str, str]:
@@ -469,7 +388,9 @@ def build_memory_plan(cfg: GKDConfig, query: GpuQuery | None = None) -> MemoryPl
     roles: list[RoleMemory] = []
     student = read_shape(cfg.model.student_path, "model.student_path", skipped)
     if student is not None:
-        roles.append(actor_memory(cfg, student))
+        hidden = cfg.teacher.output == TeacherOutput.hidden
+        teacher = read_shape(cfg.teacher.model_path, "teacher.model_path", skipped) if hidden else None
+        roles.append(actor_memory(cfg, student, teacher))
         if cfg.rollout.backend == RolloutBackend.vllm:
             roles.append(rollout_memory(cfg, student))
         else:

@@ -132,7 +132,7 @@ def prompts_file(out: Path) -> Path:
 
 def gpu_inputs(out: Path) -> Inputs:
     """The one-GPU preset's models from the HF cache, else models of their shapes built offline."""
-    from recipe_gkd.memory_plan import find_config_json
+    from recipe_gkd.model_shape import find_config_json
     from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
     data = prompts_file(out)

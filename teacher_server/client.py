@@ -101,6 +101,7 @@ class TeacherClient:
         expect_vocab_size: int | None = None,
         expect_tokenizer_hash: str | None = None,
         context: zmq.Context | None = None,
+        hidden_dtype: str = "",
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -110,6 +111,8 @@ class TeacherClient:
         self.temperature = temperature
         self.logprob_dtype = logprob_dtype
         self.id_encoding = id_encoding
+        # "bfloat16" / "float16": every request also asks for the final hidden states (teacher.output=hidden).
+        self.hidden_dtype = hidden_dtype
         self.expect_vocab_size = expect_vocab_size
         self.expect_tokenizer_hash = expect_tokenizer_hash
         self._auth = P.auth_token(secret)
@@ -127,19 +130,27 @@ class TeacherClient:
         tokenizer_hash: str | None = None,
         address: str | None = None,
     ) -> TeacherClient:
-        """A client for the `teacher` config section; `address` overrides teacher.address (autostart)."""
+        """A client for the `teacher` config section; `address` overrides teacher.address (autostart).
+
+        teacher.output=hidden: requests ask for the hidden states and no top-k (top_k 0: the hidden
+        states give the whole distribution, the sampled token's logprob still comes along).
+        """
+        from teacher_server.config import TeacherOutput
+
+        hidden = teacher.output == TeacherOutput.hidden
         return cls(
             address or teacher.address,
             timeout_s=teacher.timeout_s,
             max_inflight=teacher.client.max_inflight,
             retries=teacher.client.retries,
             secret=P.read_secret(teacher.secret_file),
-            top_k=teacher.top_k,
+            top_k=0 if hidden else teacher.top_k,
             temperature=teacher.temperature,
             logprob_dtype=teacher.client.logprob_dtype,
             id_encoding=teacher.client.id_encoding,
             expect_vocab_size=vocab_size,
             expect_tokenizer_hash=tokenizer_hash,
+            hidden_dtype=teacher.client.hidden_dtype if hidden else "",
         )
 
     # ------------------------------------------------------------------ public API
@@ -226,6 +237,11 @@ class TeacherClient:
                 f"the {reply.backend} backend scores at temperature 1 only: set teacher.temperature=1 "
                 f"(got {self.temperature}) or teacher.backend=hf"
             )
+        if self.hidden_dtype and not reply.hidden_size:
+            raise TeacherMismatchError(
+                f"teacher.output=hidden, but the {reply.backend} teacher server returns no hidden states (the hf "
+                "backend does, for a model whose output head is a plain matmul): set teacher.output=topk"
+            )
         for name, value, offered in (
             ("teacher.client.logprob_dtype", self.logprob_dtype, reply.logprob_dtypes),
             ("teacher.client.id_encoding", self.id_encoding, reply.id_encodings),
@@ -274,6 +290,7 @@ class TeacherClient:
             replica=replica,
             auth=self._auth,
             named_ids=None if named_ids is None else named_ids[lo:hi],
+            hidden_dtype=self.hidden_dtype,
         )
 
     def _socket(self) -> zmq.Socket:

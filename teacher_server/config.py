@@ -74,6 +74,15 @@ class TeacherBackend(enum.StrEnum):
     openai = "openai"
 
 
+class TeacherOutput(enum.StrEnum):
+    """What the teacher server sends per scored token."""
+
+    # Its top-k logprobs and ids, the exact tail and the sampled token's logprob (teacher.top_k).
+    topk = "topk"
+    # Its final hidden state (16-bit); the actor applies the teacher's output head: the whole vocabulary.
+    hidden = "hidden"
+
+
 class TeacherLocation(enum.StrEnum):
     """Where the teacher's GPUs are: `local` = the GPUs this cluster leaves over, `remote` = elsewhere."""
 
@@ -91,6 +100,8 @@ class TeacherClientConfig:
     """Wire dtype of top-k logprobs: float16 (half the bytes, |error| <= 4e-3 at logprob -16) or float32 (exact)."""
     id_encoding: str = one_of("elias_fano", ("elias_fano", "int32"))
     """Wire encoding of top-k ids: elias_fano (~1.1 B/id at K=256, decoded to int32) or int32."""
+    hidden_dtype: str = one_of("bfloat16", ("bfloat16", "float16"))
+    """teacher.output=hidden: wire dtype of the hidden states (2 bytes per value, decoded to float32)."""
 
 
 @dataclass
@@ -110,6 +121,11 @@ class TeacherConfig:
     """Teacher replicas; replicas x gpus_per_replica must equal the teacher GPUs of the split."""
     gpus_per_replica: int = bounded(1, ge=1)
     """GPUs of one replica (vLLM tensor parallel); a replica stays on one node."""
+    output: TeacherOutput = TeacherOutput.topk
+    """topk: the teacher's top-k logprobs per scored token (teacher.top_k); hidden: its final hidden state (after its
+    final norm), from which the actor computes the teacher's whole distribution with the teacher's output head,
+    loaded from teacher.model_path (2 x hidden_size bytes per token; every divergence exact over the vocabulary; hf
+    backend; the teacher's vocabulary must be the student's). See docs/objectives.md."""
     top_k: int = bounded(64, ge=0, note="0: the sampled token's logprob only")
     """Teacher logprobs sent per scored token (its top-k); 0: only the logprob of the token at each position
     (algorithm.divergence=sampled_reverse_kl; ~4 bytes/token)."""
@@ -169,6 +185,15 @@ def validate_teacher_section(t: TeacherConfig) -> None:
         "teacher.temperature",
         f"is {t.temperature} but the {t.backend.value} teacher backend scores at temperature 1 only (vLLM returns "
         "the top-k of the T=1 distribution, from which another temperature cannot be recovered); use teacher.backend=hf",
+    )
+    require(
+        t.output == TeacherOutput.topk or t.backend == TeacherBackend.hf,
+        "teacher.output",
+        f"=hidden needs teacher.backend=hf, got {t.backend.value}: a server behind teacher.backend=openai returns "
+        "logprobs only, and this server's vllm backend returns no hidden states (vLLM 0.24-0.33 give per-token "
+        "final hidden states only from a second engine in pooling mode, LLM(runner='pooling').encode(pooling_task="
+        "'token_embed'), vllm/model_executor/layers/pooler/tokwise/poolers.py `pooler_for_token_embed`, which this "
+        "server does not run); or set teacher.output=topk",
     )
     if t.backend == TeacherBackend.openai:
         require(

@@ -24,6 +24,10 @@ the request adds an int32 frame of named_k ids per scored position (the student'
 the reply two float32 frames: the teacher's logprobs at those ids and the log of its mass outside
 the top-k and the named ids together, from the same forward. The handshake's `max_named_ids`
 says how many a server takes (0 for a server without the feature: the client refuses before sending).
+
+Hidden states (`hidden_dtype` "bfloat16" or "float16", teacher.output=hidden, optional fields too):
+the reply adds one frame, each scored position's final hidden state [N, hidden_size] in that dtype
+(see hidden_codec). The handshake's `hidden_size` is 0 for a server that cannot send them.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from teacher_server import idcodec
+from teacher_server import hidden_codec, idcodec
 from teacher_server.scores import (  # noqa: F401 - re-exported: the wire's result types
     TeacherTopK,
     TopKBatch,
@@ -121,6 +125,8 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     # Most ids a request may name per scored position (0: the server scores no named ids; an
     # older server does not send the field and reads as 0).
     max_named_ids: int = 0
+    # The width of the hidden states a reply can carry (0: this server sends none).
+    hidden_size: int = 0
 
 
 class ScoreRequest(msgspec.Struct, tag="score"):
@@ -137,6 +143,8 @@ class ScoreRequest(msgspec.Struct, tag="score"):
     auth: bytes = b""
     # Ids named per scored position (a second int32 frame [sum(length - score_from), named_k]).
     named_k: int = 0
+    # "bfloat16" or "float16": the reply also carries the final hidden states ("": none).
+    hidden_dtype: str = ""
 
 
 class ScoreReply(msgspec.Struct, tag="score_reply"):
@@ -150,6 +158,9 @@ class ScoreReply(msgspec.Struct, tag="score_reply"):
     compute_s: float = 0.0
     # > 0: two more frames, the logprobs at the named ids and the mass outside top-k + named ids.
     named_k: int = 0
+    # > 0: one more (last) frame, the hidden states [N, hidden_size] in hidden_dtype.
+    hidden_size: int = 0
+    hidden_dtype: str = ""
 
 
 class ErrorReply(msgspec.Struct, tag="error"):
@@ -216,6 +227,7 @@ class Register(msgspec.Struct, tag="register"):
     supports_temperature: bool
     auth: bytes = b""
     max_named_ids: int = 0
+    hidden_size: int = 0
 
 
 class RegisterAck(msgspec.Struct, tag="register_ack"):
@@ -321,6 +333,8 @@ class RequestLimits:
     max_request_bytes: int
     supports_temperature: bool = True
     max_named_ids: int = 0
+    # The hidden states' width a reply can carry; 0: the backend sends none.
+    hidden_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -334,6 +348,8 @@ class ParsedRequest:
     temperature: float
     # [sum(lengths - score_from), named_k] int32: ids whose logprobs each scored position asks for.
     named_ids: np.ndarray | None = None
+    # "bfloat16" / "float16": also return each scored position's final hidden state ("": none).
+    hidden_dtype: str = ""
 
     @property
     def n_tokens(self) -> int:
@@ -361,10 +377,12 @@ def request_frames(
     replica: str = "",
     auth: bytes = b"",
     named_ids: Sequence[np.ndarray] | None = None,
+    hidden_dtype: str = "",
 ) -> list[bytes]:
     """The frames of a ScoreRequest: header, all token ids as one int32 frame, then the named ids.
 
     named_ids: per sequence [len - score_from, named_k] ids to score at each scored position.
+    hidden_dtype: "bfloat16" / "float16" to get the final hidden states back too.
     """
     arrays = [np.asarray(s, dtype=TOKEN_DTYPE).reshape(-1) for s in sequences]
     named_k = 0 if named_ids is None or not len(named_ids) else int(np.asarray(named_ids[0]).shape[-1])
@@ -380,6 +398,7 @@ def request_frames(
         replica=replica,
         auth=auth,
         named_k=named_k,
+        hidden_dtype=hidden_dtype,
     )
     ids = np.concatenate(arrays) if arrays else np.zeros(0, TOKEN_DTYPE)
     if not named_k:
@@ -423,7 +442,7 @@ def parse_score_request(
     if ids.min() < 0 or ids.max() >= limits.vocab_size:
         raise _bad(f"token ids must lie in [0, {limits.vocab_size}); got [{ids.min()}, {ids.max()}]")
     named = _parse_named_ids(req.named_k, frames[1], int((lengths - score_from).sum()), limits) if req.named_k else None
-    return ParsedRequest(ids, lengths, score_from, req.top_k, req.temperature, named)
+    return ParsedRequest(ids, lengths, score_from, req.top_k, req.temperature, named, req.hidden_dtype)
 
 
 def _parse_named_ids(named_k: int, frame: bytes | memoryview, n_scored: int, limits: RequestLimits) -> np.ndarray:
@@ -457,6 +476,13 @@ def _check_scalars(req: ScoreRequest, limits: RequestLimits) -> None:
             f"named_k={req.named_k} outside [0, {limits.max_named_ids}] (the ids this server scores per position; "
             "rollout.student_top_k)"
         )
+    if req.hidden_dtype and req.hidden_dtype not in hidden_codec.HIDDEN_DTYPES:
+        raise _bad(f"hidden_dtype {req.hidden_dtype!r} not in {list(hidden_codec.HIDDEN_DTYPES)}")
+    if req.hidden_dtype and not limits.hidden_size:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED,
+            "this teacher server returns no hidden states (teacher.output=hidden needs teacher.backend=hf)",
+        )
     if req.logprob_dtype not in LOGPROB_DTYPES:
         raise _bad(f"logprob_dtype {req.logprob_dtype!r} not in {sorted(LOGPROB_DTYPES)}")
     if req.id_encoding not in ID_ENCODINGS:
@@ -475,12 +501,13 @@ def reply_frames(
     id_encoding: str,
     replica: str = "",
     compute_s: float = 0.0,
+    hidden_dtype: str = "",
 ) -> list[bytes]:
     """The frames of a ScoreReply: header, top-k logprobs, top-k ids, sampled logprob, tail log-mass.
 
     With top_k = 0 the tail frame is empty: outside an empty top-k is all the mass (log 1 = 0).
     With named ids, two float32 frames follow: their logprobs [N, named_k] and the log-mass outside
-    the top-k and the named ids [N].
+    the top-k and the named ids [N]. With hidden states, a last frame [N, H] in `hidden_dtype`.
     """
     top_k = int(batch.topk_ids.shape[1])
     logprobs = batch.topk_logprobs
@@ -502,6 +529,8 @@ def reply_frames(
         replica=replica,
         compute_s=compute_s,
         named_k=0 if batch.named_logprobs is None else int(batch.named_logprobs.shape[1]),
+        hidden_size=0 if batch.hidden_states is None else int(batch.hidden_states.shape[1]),
+        hidden_dtype=hidden_dtype if batch.hidden_states is not None else "",
     )
     frames = [
         encode(header),
@@ -513,16 +542,19 @@ def reply_frames(
     if batch.named_logprobs is not None and batch.other_logmass is not None:
         frames.append(np.ascontiguousarray(batch.named_logprobs, dtype=FLOAT_DTYPE).tobytes())
         frames.append(np.ascontiguousarray(batch.other_logmass, dtype=FLOAT_DTYPE).tobytes())
+    if batch.hidden_states is not None:
+        frames.append(hidden_codec.encode(batch.hidden_states, hidden_dtype))
     return frames
 
 
 def parse_score_reply(header: ScoreReply, frames: Sequence[bytes | memoryview]) -> TopKBatch:
     """Decode a ScoreReply's frames into float32/int32 arrays in canonical order. Raises ProtocolError."""
-    expected_frames = 6 if header.named_k else 4
+    expected_frames = 4 + (2 if header.named_k else 0) + (1 if header.hidden_size else 0)
     if len(frames) != expected_frames:
         raise ProtocolError(
             ErrorCode.MALFORMED,
-            f"a score reply with named_k={header.named_k} has {expected_frames} array frames, got {len(frames)}",
+            f"a score reply with named_k={header.named_k}, hidden_size={header.hidden_size} has {expected_frames} "
+            f"array frames, got {len(frames)}",
         )
     if header.logprob_dtype not in LOGPROB_DTYPES or header.id_encoding not in ID_ENCODINGS:
         raise ProtocolError(ErrorCode.MALFORMED, f"unknown reply encoding {header.logprob_dtype}/{header.id_encoding}")
@@ -541,6 +573,11 @@ def parse_score_reply(header: ScoreReply, frames: Sequence[bytes | memoryview]) 
         if header.named_k:
             named = np.frombuffer(frames[4], dtype=FLOAT_DTYPE).reshape(n_rows, header.named_k).copy()
             other = np.frombuffer(frames[5], dtype=FLOAT_DTYPE).reshape(n_rows).copy()
+        hidden = None
+        if header.hidden_size:
+            hidden = hidden_codec.decode(frames[-1], header.hidden_dtype, header.hidden_size).reshape(
+                n_rows, header.hidden_size
+            )
     except ValueError as err:
         raise ProtocolError(ErrorCode.MALFORMED, f"score reply arrays do not match its header: {err}") from None
     logprobs = logprobs.astype(np.float32)
@@ -548,4 +585,4 @@ def parse_score_reply(header: ScoreReply, frames: Sequence[bytes | memoryview]) 
     if header.id_encoding == "elias_fano" or header.logprob_dtype != "float32":
         # Elias-Fano sends rows by id; float16 rounding can create ties: restore the one order.
         logprobs, ids = canonical_order(logprobs, ids)
-    return TopKBatch(n_scored, logprobs, ids, sampled.astype(np.float32), tail.astype(np.float32), named, other)
+    return TopKBatch(n_scored, logprobs, ids, sampled.astype(np.float32), tail.astype(np.float32), named, other, hidden)

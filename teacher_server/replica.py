@@ -94,10 +94,16 @@ class ReplicaLoop:
             backend=info.backend,
             supports_temperature=info.supports_temperature,
             max_named_ids=info.max_named_ids,
+            hidden_size=info.hidden_size,
             auth=P.auth_token(P.read_secret(spec.secret_file)),
         )
         self.limits = P.RequestLimits(
-            info.vocab_size, info.max_top_k, UNLIMITED_BYTES, info.supports_temperature, info.max_named_ids
+            info.vocab_size,
+            info.max_top_k,
+            UNLIMITED_BYTES,
+            info.supports_temperature,
+            info.max_named_ids,
+            info.hidden_size,
         )
         self.ctx = zmq.Context()
         self.work: queue.Queue[_Work | None] = queue.Queue()
@@ -192,6 +198,7 @@ class ReplicaLoop:
             id_encoding=header.id_encoding,
             replica=self.spec.name,
             compute_s=time.perf_counter() - start,
+            hidden_dtype=header.hidden_dtype,
         )
 
 

@@ -4,6 +4,10 @@ The wire (protocol.py) and every backend produce these. Named ids: a request may
 scored position, ids whose teacher logprobs it wants (the student's own top-k); the result then
 also holds those logprobs and the log of the mass outside the top-k and the named ids together
 (`other_logmass`), computed by the server from its full distribution where it has one.
+
+Hidden states (teacher.output=hidden): a request may instead ask for each scored position's final
+hidden state (after the teacher's final norm, the input of its output head), rounded to bf16 or fp16
+on the server; the actor computes the teacher's full distribution from them (recipe_gkd/losses/hidden.py).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class TeacherTopK:
     tail_logmass     [n_scored]    float32  log of the mass outside the top-k (-inf when K = V)
     named_logprobs   [n_scored, k_s] float32 or None: log p at the ids the request named, in its order
     other_logmass    [n_scored]    float32 or None: log of the mass outside the top-k and the named ids
+    hidden_states    [n_scored, H] float32 or None: the final hidden state that predicts position p
+                     (at p-1), holding bf16 or fp16 values (the wire's precision)
     """
 
     topk_logprobs: np.ndarray
@@ -37,6 +43,7 @@ class TeacherTopK:
     tail_logmass: np.ndarray
     named_logprobs: np.ndarray | None = None
     other_logmass: np.ndarray | None = None
+    hidden_states: np.ndarray | None = None
 
     @property
     def n_scored(self) -> int:
@@ -61,6 +68,7 @@ class TopKBatch:
     tail_logmass: np.ndarray
     named_logprobs: np.ndarray | None = None
     other_logmass: np.ndarray | None = None
+    hidden_states: np.ndarray | None = None
 
     def _arrays(self) -> list[np.ndarray | None]:
         return [
@@ -70,6 +78,7 @@ class TopKBatch:
             self.tail_logmass,
             self.named_logprobs,
             self.other_logmass,
+            self.hidden_states,
         ]
 
     def split(self) -> list[TeacherTopK]:
@@ -89,6 +98,7 @@ class TopKBatch:
             np.concatenate([p.tail_logmass for p in parts]),
             _concat_optional([p.named_logprobs for p in parts]),
             _concat_optional([p.other_logmass for p in parts]),
+            _concat_optional([p.hidden_states for p in parts]),
         )
 
     @staticmethod
@@ -101,6 +111,7 @@ class TopKBatch:
             np.concatenate([b.tail_logmass for b in batches]),
             _concat_optional([b.named_logprobs for b in batches]),
             _concat_optional([b.other_logmass for b in batches]),
+            _concat_optional([b.hidden_states for b in batches]),
         )
 
 
@@ -109,7 +120,7 @@ def _concat_optional(arrays: list[np.ndarray | None]) -> np.ndarray | None:
     if not any(present):
         return None
     if not all(present):
-        raise ValueError("some scores carry named-id logprobs and some do not")
+        raise ValueError("some scores carry an optional array (named-id logprobs, hidden states) and some do not")
     return np.concatenate(arrays)  # type: ignore[arg-type]
 
 

@@ -242,6 +242,7 @@ class Frontend:
             self.options.max_request_bytes,
             model.supports_temperature,
             model.max_named_ids,
+            model.hidden_size,
         )
 
     def _require_model(self) -> P.Register:
@@ -266,6 +267,7 @@ class Frontend:
             backend=model.backend,
             supports_temperature=model.supports_temperature,
             max_named_ids=model.max_named_ids,
+            hidden_size=model.hidden_size,
         )
 
     def _dispatch(self, identity: bytes, request: P.ScoreRequest, arrays: list[zmq.Frame]) -> None:

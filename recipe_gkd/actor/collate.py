@@ -33,6 +33,8 @@ class MicroBatch:
     target_ids_BT: Tensor  # int64: the token at t + 1 (0 elsewhere)
     rollout_logprobs_BT: Tensor  # float32: the engine's logprob of it at sampling; NaN for dataset responses
     teacher_sampled_BT: Tensor  # float32: the teacher's logprob of it (0 elsewhere)
+    # teacher.output=hidden: the teacher's final hidden state at each loss position (0 elsewhere).
+    teacher_hidden_BTH: Tensor | None = None  # float32
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(
@@ -46,6 +48,7 @@ class MicroBatch:
             target_ids_BT=self.target_ids_BT.to(device),
             rollout_logprobs_BT=self.rollout_logprobs_BT.to(device),
             teacher_sampled_BT=self.teacher_sampled_BT.to(device),
+            teacher_hidden_BTH=None if self.teacher_hidden_BTH is None else self.teacher_hidden_BTH.to(device),
         )
 
 
@@ -66,6 +69,8 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int) -> MicroBatch:
     target_ids_BT = np.zeros((batch, seq_len), dtype=np.int64)
     rollout_logprobs_BT = np.zeros((batch, seq_len), dtype=np.float32)
     teacher_sampled_BT = np.zeros((batch, seq_len), dtype=np.float32)
+    hidden_size = _common_hidden_size(sequences)
+    teacher_hidden_BTH = None if hidden_size is None else np.zeros((batch, seq_len, hidden_size), dtype=np.float32)
     for row, seq in enumerate(sequences):
         _check_sequence(seq)
         length = len(seq.input_ids)
@@ -78,6 +83,8 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int) -> MicroBatch:
         loss_mask_BT[row, predicted] = True
         target_ids_BT[row, predicted] = seq.input_ids[seq.response_start :]
         teacher_sampled_BT[row, predicted] = seq.teacher_sampled_logprob
+        if teacher_hidden_BTH is not None:
+            teacher_hidden_BTH[row, predicted] = seq.teacher_hidden
         # A dataset response has no sampling logprob: NaN, which the sampled-token loss refuses loudly.
         rollout_logprobs_BT[row, predicted] = np.nan if seq.rollout_logprobs is None else seq.rollout_logprobs
     # A fresh writable array (a broadcast view is read-only, which torch.from_numpy warns about).
@@ -93,6 +100,7 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int) -> MicroBatch:
         target_ids_BT=torch.from_numpy(target_ids_BT),
         rollout_logprobs_BT=torch.from_numpy(rollout_logprobs_BT),
         teacher_sampled_BT=torch.from_numpy(teacher_sampled_BT),
+        teacher_hidden_BTH=None if teacher_hidden_BTH is None else torch.from_numpy(teacher_hidden_BTH),
     )
 
 
@@ -137,6 +145,14 @@ def _common_top_k(sequences: SequenceOf[Sequence]) -> int:
     return top_ks.pop()
 
 
+def _common_hidden_size(sequences: SequenceOf[Sequence]) -> int | None:
+    """The width of the sequences' teacher hidden states (None: none has them; all or none must)."""
+    sizes = {None if s.teacher_hidden is None else int(s.teacher_hidden.shape[-1]) for s in sequences}
+    if len(sizes) != 1:
+        raise ValueError(f"sequences disagree on the teacher's hidden states: widths {sizes} (teacher.output)")
+    return sizes.pop()
+
+
 def _check_sequence(seq: Sequence) -> None:
     length = len(seq.input_ids)
     responses = length - seq.response_start
@@ -148,6 +164,11 @@ def _check_sequence(seq: Sequence) -> None:
             raise ValueError(
                 f"sample {seq.sample_id}: {name} has {rows} rows but the sequence has {responses} response tokens"
             )
+    if seq.teacher_hidden is not None and seq.teacher_hidden.shape[0] != responses:
+        raise ValueError(
+            f"sample {seq.sample_id}: teacher_hidden has {seq.teacher_hidden.shape[0]} rows but the sequence has "
+            f"{responses} response tokens"
+        )
     if seq.rollout_logprobs is not None and seq.rollout_logprobs.shape[0] != responses:
         raise ValueError(
             f"sample {seq.sample_id}: rollout_logprobs has {seq.rollout_logprobs.shape[0]} rows but the sequence "

@@ -1,7 +1,9 @@
 """The actor's loss driving: what the last pipeline stage computes from its logits shard per micro-batch.
 
-The configured divergence over the teacher's top-k (vocabulary-parallel over TP), or the
-sampled-token reverse KL with its policy statistics; each micro-batch gives a token *sum*, which
+The configured divergence over the teacher's top-k (vocabulary-parallel over TP), or with
+teacher.output=hidden over the whole vocabulary from the teacher's hidden states and its output head
+(loaded here once, this rank's vocabulary rows, on the last pipeline stage), or the sampled-token
+reverse KL with its policy statistics; each micro-batch gives a token *sum*, which
 megatron's schedule backpropagates and `finalize_model_grads` divides by the global token count.
 """
 
@@ -17,8 +19,14 @@ from torch import Tensor
 from recipe_gkd.actor import hf_arch
 from recipe_gkd.actor.collate import MicroBatch
 from recipe_gkd.actor.layout import RankLayout
-from recipe_gkd.config import Divergence, GKDConfig
-from recipe_gkd.losses import gkd_loss_sum, sampled_reverse_kl_loss_sum, vocab_parallel_gkd_loss_sum
+from recipe_gkd.actor.teacher_head import find_teacher_head, load_teacher_head_shard
+from recipe_gkd.config import Divergence, GKDConfig, Precision, TeacherOutput
+from recipe_gkd.losses import (
+    gkd_loss_sum,
+    hidden_gkd_loss_sum,
+    sampled_reverse_kl_loss_sum,
+    vocab_parallel_gkd_loss_sum,
+)
 
 
 class ActorObjective:
@@ -41,6 +49,22 @@ class ActorObjective:
         self.device = device
         self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
         self.vocab_start, self.vocab_shard = local_vocab_slice(vocab_size, layout)
+        self.teacher_head_vH = self._teacher_head() if cfg.teacher.output == TeacherOutput.hidden else None
+
+    def _teacher_head(self) -> Tensor | None:
+        """This rank's rows of the teacher's output head [v, H] (None off the last pipeline stage: no loss there)."""
+        ref = find_teacher_head(self.cfg.teacher.model_path, self.vocab_size)
+        if not self.layout.is_last_stage:
+            return None
+        # The actor's compute dtype: bf16 runs multiply the teacher's hidden states in bf16, as the teacher does.
+        dtype = torch.bfloat16 if self.cfg.actor.precision == Precision.bf16 else torch.float32
+        rows = self.vocab_shard.stop - self.vocab_shard.start
+        return load_teacher_head_shard(ref, self.vocab_start, rows, dtype, self.device)
+
+    @property
+    def hidden(self) -> bool:
+        """teacher.output=hidden: every divergence over the whole vocabulary (else over the teacher's top-k)."""
+        return self.cfg.teacher.output == TeacherOutput.hidden
 
     @property
     def sampled(self) -> bool:
@@ -64,7 +88,7 @@ class ActorObjective:
         else:
             loss_sum, _ = self.loss_sum(logits_BTv, micro)
         kl_sum = torch.zeros((), dtype=loss_sum.dtype, device=self.device)
-        if self.cfg.teacher.top_k:
+        if self.cfg.teacher.top_k or self.hidden:
             kl_sum, _ = self.loss_sum(logits_BTv, micro, divergence="forward_kl")
         num_tokens = torch.tensor(micro.num_tokens, dtype=torch.int, device=self.device)
         return loss_sum, num_tokens, {"sums": torch.stack([loss_sum, kl_sum]).double()}
@@ -118,6 +142,8 @@ class ActorObjective:
         }
         # Padded vocabulary columns are not tokens: they are cut off, never given mass.
         logits_BTv = logits_BTv[..., self.vocab_shard]
+        if self.hidden:
+            return self.hidden_loss_sum(logits_BTv, micro, kwargs["divergence"])
         batch = (micro.teacher_logprobs_BTK, micro.teacher_ids_BTK, micro.loss_mask_BT)
         if self.layout.tp_size == 1:
             return gkd_loss_sum(logits_BTv, *batch, **kwargs)
@@ -128,6 +154,22 @@ class ActorObjective:
             vocab_size=self.vocab_size,
             group=self.tp_group,
             **kwargs,
+        )
+
+    def hidden_loss_sum(self, logits_BTv: Tensor, micro: MicroBatch, divergence: str) -> tuple[Tensor, Tensor]:
+        """The divergence over the whole vocabulary, the teacher's logits from its hidden states (same on all TP ranks)."""
+        if micro.teacher_hidden_BTH is None or self.teacher_head_vH is None:
+            raise ValueError("teacher.output=hidden but the micro-batch carries no teacher hidden states")
+        a = self.cfg.algorithm
+        return hidden_gkd_loss_sum(
+            logits_BTv,
+            micro.teacher_hidden_BTH,
+            self.teacher_head_vH,
+            micro.loss_mask_BT,
+            divergence=divergence,  # type: ignore[arg-type]
+            beta=a.beta,
+            temperature=a.temperature,
+            group=self.tp_group if self.layout.tp_size > 1 else None,
         )
 
 

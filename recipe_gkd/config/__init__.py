@@ -61,7 +61,7 @@ from recipe_gkd.config.schema import (
     WeightSyncConfig,
     WeightTransport,
 )
-from teacher_server.config import ConfigError, TeacherConfig, TeacherLocation
+from teacher_server.config import ConfigError, TeacherConfig, TeacherLocation, TeacherOutput
 
 __all__ = [
     "ANSWER_MATCHES",
@@ -95,6 +95,7 @@ __all__ = [
     "Support",
     "TeacherConfig",
     "TeacherLocation",
+    "TeacherOutput",
     "TrainerConfig",
     "WandbConfig",
     "WeightSyncConfig",

@@ -31,6 +31,7 @@ from recipe_gkd.config.schema import (
 from teacher_server.config import (
     TeacherBackend,
     TeacherLocation,
+    TeacherOutput,
     check_fields,
     min_vllm_model_len,
     require,
@@ -313,6 +314,7 @@ def _validate_algorithm(cfg: GKDConfig) -> None:
     )
     _validate_sampled_reverse_kl(cfg)
     _validate_support(cfg)
+    _validate_teacher_output(cfg)
     depth = PIPELINE_DEPTH[al.schedule]
     require(
         al.max_staleness >= depth,
@@ -400,6 +402,24 @@ def _validate_support(cfg: GKDConfig) -> None:
         k_s <= cfg.teacher.max_top_k,
         "rollout.student_top_k",
         f"is {k_s} but the teacher server scores at most teacher.max_top_k={cfg.teacher.max_top_k} named ids",
+    )
+
+
+def _validate_teacher_output(cfg: GKDConfig) -> None:
+    """teacher.output=hidden gives the whole vocabulary: a divergence over it, not a support or one token."""
+    if cfg.teacher.output == TeacherOutput.topk:
+        return
+    require(
+        cfg.algorithm.divergence != Divergence.sampled_reverse_kl,
+        "teacher.output",
+        "=hidden computes forward_kl, reverse_kl or jsd over the whole vocabulary; sampled_reverse_kl needs one "
+        "logprob per token: set teacher.output=topk or another algorithm.divergence",
+    )
+    require(
+        cfg.algorithm.support == Support.teacher_topk,
+        "algorithm.support",
+        "union partitions the vocabulary around top-k ids; with teacher.output=hidden the loss is exact over the "
+        "whole vocabulary already: set algorithm.support=teacher_topk",
     )
 
 

@@ -11,6 +11,10 @@
   the student's ids, and one bucket for everything else (the actor computes the student's from
   its full logits).
 
+- ``teacher.output=hidden``: the client asks for each scored position's final hidden state (and no
+  top-k; see TeacherClient.from_config); the plan checks every reply carries them. The actor turns
+  them into the teacher's whole distribution with the teacher's output head (recipe_gkd/losses/hidden.py).
+
 The loop does not see the difference: it gets one scored Sequence per response either way.
 """
 
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from recipe_gkd.batch import EXCLUDED_ID
-from recipe_gkd.config import GKDConfig, Support
+from recipe_gkd.config import GKDConfig, Support, TeacherOutput
 from recipe_gkd.rollout.engine import Scorer
 from teacher_server.protocol import TeacherTopK
 from teacher_server.scores import repeated_named
@@ -33,10 +37,11 @@ class ScoringPlan:
 
     support: Support
     student_top_k: int
+    output: TeacherOutput = TeacherOutput.topk
 
     @staticmethod
     def from_config(cfg: GKDConfig) -> ScoringPlan:
-        return ScoringPlan(cfg.algorithm.support, cfg.rollout.student_top_k)
+        return ScoringPlan(cfg.algorithm.support, cfg.rollout.student_top_k, cfg.teacher.output)
 
     def score(
         self,
@@ -49,6 +54,8 @@ class ScoringPlan:
 
         student_topk: per sequence the engine's [n_scored, k_s] top ids (None: not sampled by the student).
         """
+        if self.output == TeacherOutput.hidden:
+            return [_with_hidden(reply) for reply in scorer.score(sequences, score_from)]
         if self.support == Support.teacher_topk:
             return scorer.score(sequences, score_from)
         named = [
@@ -71,6 +78,12 @@ class ScoringPlan:
                 "(response tokens x rollout.student_top_k)"
             )
         return np.ascontiguousarray(student_ids, dtype=np.int32)
+
+
+def _with_hidden(reply: TeacherTopK) -> TeacherTopK:
+    if reply.hidden_states is None:
+        raise ValueError("teacher.output=hidden but the teacher's reply carries no hidden states")
+    return reply
 
 
 def union_scores(reply: TeacherTopK, named_ids_NS: np.ndarray) -> TeacherTopK:

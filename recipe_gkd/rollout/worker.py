@@ -246,6 +246,7 @@ class RolloutWorker:
                 teacher_topk_ids=scored.topk_ids,
                 teacher_tail_logmass=scored.tail_logmass,
                 teacher_sampled_logprob=scored.sampled_logprob,
+                teacher_hidden=scored.hidden_states,
                 rollout_logprobs=rollout_lp,
                 reward=self._reward(prompt, response),
                 teacher=teacher,

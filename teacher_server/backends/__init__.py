@@ -30,6 +30,8 @@ class ModelInfo:
     supports_temperature: bool
     # Most ids a request may name per scored position (the student's top-k); 0: none.
     max_named_ids: int = 0
+    # The width of the final hidden states a reply can carry (teacher.output=hidden); 0: none.
+    hidden_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ def parsed_request(
     top_k: int,
     temperature: float = 1.0,
     named_ids: Sequence[np.ndarray] | None = None,
+    hidden_dtype: str = "",
 ) -> ParsedRequest:
     """Build a ParsedRequest in-process (tests, benchmarks): the same input the server hands a backend.
 
@@ -98,6 +101,7 @@ def parsed_request(
         top_k=top_k,
         temperature=temperature,
         named_ids=named,
+        hidden_dtype=hidden_dtype,
     )
 
 

@@ -5,10 +5,18 @@ Temperature: logits / T, then log_softmax over the full vocabulary, so every ret
 is of the temperature-T distribution, all from the one forward. The decoder runs
 on right-padded batches of at most `max_batch_tokens` (rows x longest), and the LM head and
 log-softmax run only on the scored positions, in chunks of LOGITS_CHUNK_ELEMENTS.
+
+Hidden states (a request's hidden_dtype, teacher.output=hidden): the decoder's last_hidden_state at
+the scored positions, which in transformers' decoders is taken after the final norm (LlamaModel /
+Qwen2Model `forward`: `hidden_states = self.norm(hidden_states)`), i.e. exactly the output head's
+input, rounded to the wire's 16-bit dtype. A model whose head does more than a bias-free matmul
+(logit_scale, soft-capping, a bias) offers no hidden states (hidden_size 0): the actor could not
+rebuild its logits from them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -16,6 +24,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from teacher_server import hidden_codec
 from teacher_server.backends import BackendOptions, ModelInfo, token_budget_groups
 from teacher_server.protocol import ParsedRequest, TeacherTopK, TopKBatch, canonical_order, tokenizer_fingerprint
 
@@ -42,6 +51,7 @@ class HFBackend:
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.max_batch_tokens = options.max_batch_tokens
         vocab_size = int(self.head.weight.shape[0])
+        plain_head = self.logit_scale == 1.0 and not self.softcap and getattr(self.head, "bias", None) is None
         self.info = ModelInfo(
             model_id=str(Path(options.model_path).resolve()),
             vocab_size=vocab_size,
@@ -50,6 +60,7 @@ class HFBackend:
             backend="hf",
             supports_temperature=True,
             max_named_ids=min(options.max_top_k, vocab_size),
+            hidden_size=int(self.head.weight.shape[1]) if plain_head else 0,
         )
 
     @torch.inference_mode()
@@ -61,7 +72,7 @@ class HFBackend:
         for group in token_budget_groups(request.lengths, self.max_batch_tokens):
             seqs = [sequences[i] for i in group]
             group_named = None if request.named_ids is None else np.concatenate([named[i] for i in group])
-            batch = self._score_group(seqs, request.score_from[group], request.top_k, request.temperature, group_named)
+            batch = self._score_group(seqs, request.score_from[group], request, group_named)
             for i, part in zip(group.tolist(), batch.split(), strict=True):
                 per_sequence[i] = part
         return TopKBatch.from_sequences(per_sequence)
@@ -70,8 +81,7 @@ class HFBackend:
         self,
         seqs: list[np.ndarray],
         score_from: np.ndarray,
-        top_k: int,
-        temperature: float,
+        request: ParsedRequest,
         named_NS: np.ndarray | None,
     ) -> TopKBatch:
         longest = max(s.size for s in seqs)
@@ -92,7 +102,12 @@ class HFBackend:
         targets_N = input_ids_BT[idx_b, idx_t + 1]
         n_scored = np.asarray([s.size - int(f) for s, f in zip(seqs, score_from, strict=True)], dtype=np.int64)
         named = None if named_NS is None else torch.from_numpy(named_NS.astype(np.int64)).to(self.device)
-        return self._topk(hidden_NH, targets_N, n_scored, top_k, temperature, named)
+        batch = self._topk(hidden_NH, targets_N, n_scored, request.top_k, request.temperature, named)
+        if not request.hidden_dtype:
+            return batch
+        # The wire's precision here already, so the in-process teacher and the wire give the same values.
+        hidden = hidden_codec.round_to(hidden_NH.float().cpu().numpy(), request.hidden_dtype)
+        return dataclasses.replace(batch, hidden_states=hidden)
 
     def _topk(
         self,

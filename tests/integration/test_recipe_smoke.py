@@ -530,3 +530,33 @@ def test_a_chatml_tokenizer_and_eval_records_mostly_without_answers(
 
     exported = AutoTokenizer.from_pretrained(run_dir / "final_student")
     assert exported.eos_token_id == exported.pad_token_id and exported.bos_token is None
+
+
+def test_teacher_output_hidden_on_the_demo_through_the_cli(tmp_path: Path, repo_root: Path) -> None:
+    """`python -m recipe_gkd.main teacher.output=hidden trainer.total_steps=3` on the demo: the teacher server sends
+    hidden states, the actor applies the teacher's head and trains on the exact full-vocabulary forward KL."""
+    if not (repo_root / "assets" / "demo" / "manifest.json").is_file():
+        pytest.skip("demo assets missing: python -m recipe_gkd.demo.build_assets")
+    run_dir = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "recipe_gkd.main", "teacher.output=hidden", "trainer.total_steps=3"]
+    cmd += ["trainer.eval_every=0", f"trainer.run_dir={run_dir}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=repo_root, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = read_metrics(run_dir)
+    assert [r["weight_version"] for r in rows] == [1, 2, 3]
+    # forward_kl (the demo's divergence) over the whole vocabulary: the objective is the teacher KL itself.
+    assert all(np.isfinite(r["loss"]) and r["loss"] > 0 and r["loss"] == pytest.approx(r["teacher_kl"]) for r in rows)
+    assert all(r["teacher_topk_mass"] is None for r in rows)  # no top-k travels
+
+
+def test_teacher_output_hidden_with_another_vocabulary_exits_2(
+    tiny_run_inputs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A teacher whose head has other rows than the student's vocabulary is refused before anything starts."""
+    spec = TinyModelSpec(vocab_size=160)
+    teacher = build_tiny_causal_lm(tmp_path / "teacher", seed=1, spec=spec)
+    inputs = {**tiny_run_inputs, "teacher": teacher}
+    proc = run_cli(inputs, tmp_path / "run", "teacher.output=hidden", "teacher.backend=hf", timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: config error at `teacher.output`") and "160 rows" in last, last

@@ -399,3 +399,58 @@ def test_a_started_server_is_waited_for_only_when_ready_is_called(tiny_model_dir
         with pytest.raises(TeacherLaunchError, match=r"not READY within 0\.2 s"):
             late.ready()
     assert late.proc.poll() is not None
+
+
+# Half an ulp of each 16-bit wire dtype relative to the value (8 and 11 significant bits): one value's rounding.
+HALF_ULP = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
+
+
+@pytest.mark.parametrize("hidden_dtype", ["bfloat16", "float16"])
+def test_hidden_states_give_the_teachers_own_logits(
+    server: TeacherProcess, tiny_model_dir: Path, hidden_dtype: str
+) -> None:
+    """teacher.output=hidden: the reply's final hidden states, times the teacher's output head, are its logits.
+
+    Bound: a value rounded to the wire dtype moves by <= HALF_ULP x |h_j|, so each logit by <= sum_j |W_vj| |h_j|
+    x HALF_ULP and a log-softmax value by twice the largest of those (plus fp32 rounding, 1e-5).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
+    head_VH = model.get_output_embeddings().weight.detach().numpy()
+    seqs, starts = _batch(seed=13, n=4)
+    with _client(server.address, top_k=0, hidden_dtype=hidden_dtype) as client:
+        assert client.connect().hidden_size == head_VH.shape[1]
+        got = client.score(seqs, starts)
+    assert sum(g.n_scored for g in got) > 0
+    for seq, start, g in zip(seqs, starts, got, strict=True):
+        assert g.hidden_states is not None and g.hidden_states.shape == (seq.size - start, head_VH.shape[1])
+        if g.n_scored == 0:
+            continue
+        hidden_NH = g.hidden_states.astype(np.float64)
+        logits_NV = hidden_NH @ head_VH.T
+        logprobs_NV = logits_NV - np.logaddexp.reduce(logits_NV, axis=1, keepdims=True)
+        bound_N = 2 * (np.abs(hidden_NH) @ np.abs(head_VH).T).max(axis=1) * HALF_ULP[hidden_dtype] + 1e-5
+        error_N = np.abs(logprobs_NV - _full_logprobs(tiny_model_dir, seq, start)).max(axis=1)
+        assert (error_N <= bound_N).all(), (error_N, bound_N)
+        # The sampled token's logprob still comes along, from the server's own full-precision logits.
+        sampled_N = np.take_along_axis(_full_logprobs(tiny_model_dir, seq, start), seq[start:, None].astype(int), 1)
+        np.testing.assert_allclose(g.sampled_logprob, sampled_N[:, 0], atol=1e-5)
+
+
+def test_a_hidden_state_reply_carries_one_more_frame_of_two_bytes_per_value(server: TeacherProcess) -> None:
+    """The wire: 4 array frames of a top_k = 0 reply plus the hidden states at 2 bytes per value."""
+    ctx = zmq.Context.instance()
+    with ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.address)
+        header = _header(request_id=7, lengths=[5], score_from=[2], top_k=0, hidden_dtype="bfloat16")
+        sock.send_multipart([msgspec.msgpack.encode(header), np.arange(1, 6, dtype=np.int32).tobytes()])
+        assert sock.poll(REPLY_TIMEOUT_MS)
+        frames = sock.recv_multipart()
+    reply = msgspec.msgpack.decode(frames[0], type=P.ServerReply)
+    assert isinstance(reply, P.ScoreReply) and reply.hidden_dtype == "bfloat16" and reply.hidden_size > 0
+    assert len(frames) == 1 + 4 + 1
+    assert len(frames[-1]) == 3 * reply.hidden_size * 2
+    assert P.parse_score_reply(reply, frames[1:]).hidden_states.shape == (3, reply.hidden_size)  # type: ignore[union-attr]

@@ -145,6 +145,12 @@ BAD_VALUES = [
         ["algorithm.support=union", "rollout.student_top_k=8", "algorithm.divergence=sampled_reverse_kl"],
         "algorithm.support",
     ),
+    # teacher.output=hidden: the hf server only (vllm and openai return no hidden states), a full-vocabulary divergence.
+    (["teacher.output=hidden", "teacher.backend=vllm"], "teacher.output"),
+    (["teacher.output=hidden", "teacher.backend=openai", "teacher.address=http://h/v1"], "teacher.output"),
+    (["teacher.output=hidden", "algorithm.divergence=sampled_reverse_kl", "teacher.top_k=0"], "teacher.output"),
+    (["teacher.output=hidden", "algorithm.support=union", "rollout.student_top_k=8"], "algorithm.support"),
+    (["teacher.output=hidden", "teacher.client.hidden_dtype=float8"], "teacher.client.hidden_dtype"),
 ]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe_gkd import memory_plan
+from recipe_gkd import memory_plan, model_shape
 from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
 from recipe_gkd.main import main
 
@@ -256,12 +256,12 @@ def test_parameter_count_equals_transformers(family: str) -> None:
     kwargs = {k: v for k, v in config_dict.items() if k != "model_type"}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config_dict["model_type"], **kwargs))
     unique = {id(p): p.numel() for p in model.parameters()}
-    assert memory_plan.shape_from_config(config_dict).num_params() == sum(unique.values())
+    assert model_shape.shape_from_config(config_dict).num_params() == sum(unique.values())
 
 
 def test_the_7b_shape_counts_7_6_billion_parameters() -> None:
     # Qwen2.5-7B's model card: 7.61B parameters.
-    assert memory_plan.shape_from_config(QWEN25_7B).num_params() == pytest.approx(7.61e9, rel=0.005)
+    assert model_shape.shape_from_config(QWEN25_7B).num_params() == pytest.approx(7.61e9, rel=0.005)
 
 
 def test_vllm_weights_and_kv_cache_are_in_the_engines_dtype(tmp_path: Path) -> None:
@@ -275,7 +275,7 @@ def test_vllm_weights_and_kv_cache_are_in_the_engines_dtype(tmp_path: Path) -> N
         rollouts[precision] = next(r for r in plan.roles if r.role == "rollout GPU")
     bf16_weights, fp32_weights = rollouts["bf16"].parts[0], rollouts["fp32"].parts[0]
     assert fp32_weights[1] == 2 * bf16_weights[1] and "fp32" in fp32_weights[0]
-    shape = memory_plan.shape_from_config(QWEN25_7B)
+    shape = model_shape.shape_from_config(QWEN25_7B)
     assert shape.kv_bytes_per_token(1, 4) == 2 * shape.kv_bytes_per_token(1, 2)
     assert "KiB each" in rollouts["fp32"].parts[-1][0] and rollouts["fp32"].parts[-1][1] < rollouts["bf16"].parts[-1][1]
 
@@ -351,7 +351,7 @@ def test_the_teachers_prompt_logprob_buffer_lies_outside_its_vllm_share(hub_cach
 
 
 def test_fp32_grouped_attention_counts_the_repeated_keys_and_values() -> None:
-    shape = memory_plan.shape_from_config(HUB_MODELS["Qwen/Qwen3-0.6B"])
+    shape = model_shape.shape_from_config(HUB_MODELS["Qwen/Qwen3-0.6B"])
     bf16 = memory_plan.actor_bytes_per_token_and_layer(shape, 1, 2, 4096, "none", "sdpa")
     fp32 = memory_plan.actor_bytes_per_token_and_layer(shape, 1, 4, 4096, "none", "sdpa")
     # fp32: keys and values repeated to 16 heads (the memory-efficient kernel), no [s, s] term.
@@ -365,7 +365,7 @@ def test_the_optimizer_steps_temporary_counts_where_it_exceeds_the_freed_activat
     student = f"model.student_path={qwen7b_dir(tmp_path)}"
     lean = [student, "actor.megatron.recompute=full", "actor.max_tokens_per_micro_batch=2560"]
     lean.append("actor.megatron.distributed_optimizer=false")
-    shape = memory_plan.shape_from_config(QWEN25_7B)
+    shape = model_shape.shape_from_config(QWEN25_7B)
     parts = dict(memory_plan.actor_memory(load_config(REMOTE_PRESET, lean), shape).parts)
     (name,) = [n for n in parts if n.startswith("optimizer step temporary")]
     params = next(b for n, b in parts.items() if n.startswith("weights")) / 2  # bf16 weights
@@ -382,7 +382,7 @@ def test_each_vllm_process_has_its_context_and_the_rollout_its_reload_layer_outs
     """Outside a vLLM share: the process's CUDA context (0.5 GiB), NCCL with tensor parallelism (0.5 GiB), and
     for a rollout engine the largest layer its in-place reload materialises (Qwen2.5-7B: the 152064 x 3584
     embedding, 1.09 GB in bf16 at TP 1, half at TP 2)."""
-    shape = memory_plan.shape_from_config(QWEN25_7B)
+    shape = model_shape.shape_from_config(QWEN25_7B)
     cfg = load_config(REMOTE_PRESET)
     for tp, nccl in ((1, 0.0), (2, 0.5)):
         role = memory_plan.vllm_memory("rollout GPU", 4, shape, tp, 0.5, 4096, cfg, dtype_bytes=2, scores=False)
@@ -393,3 +393,26 @@ def test_each_vllm_process_has_its_context_and_the_rollout_its_reload_layer_outs
         assert reload == 152064 * 3584 * 2 / tp
     teacher = memory_plan.vllm_memory("teacher GPU", 4, shape, 1, 0.5, 4096, cfg, dtype_bytes=2, scores=True)
     assert not any(n.startswith("in-place reload") for n, _ in teacher.outside)  # a teacher is never reloaded
+
+
+def test_teacher_output_hidden_counts_the_teacher_head_its_hidden_states_and_the_loss_chunks(tmp_path: Path) -> None:
+    """teacher.output=hidden on a Qwen2.5-7B-shaped actor at TP 2 with a teacher of the same shape: the head's
+    rows of this rank (152064 / 2 x 3584 in bf16 = 545 MB), the micro-batch's fp32 hidden states, and the loss's
+    chunk buffers (DEFAULT_CHUNK_BYTES in all, the numbers recipe_gkd/losses/hidden.py uses)."""
+    from recipe_gkd.losses import hidden as hidden_loss
+    from recipe_gkd.losses import student_logits
+
+    assert memory_plan.HIDDEN_LOSS_CHUNK_BYTES == student_logits.DEFAULT_CHUNK_BYTES
+    assert memory_plan.HIDDEN_CHUNK_BUFFERS == hidden_loss.HIDDEN_CHUNK_BUFFERS
+    shape = model_shape.shape_from_config(QWEN25_7B)
+    cfg = load_config(REMOTE_PRESET, [f"model.student_path={qwen7b_dir(tmp_path)}"])
+    without = dict(memory_plan.actor_memory(cfg, shape).parts)
+    parts = dict(memory_plan.actor_memory(cfg, shape, teacher=shape).parts)
+    added = {name: size for name, size in parts.items() if name not in without}
+    tp = cfg.actor.megatron.tp
+    tokens = cfg.actor.max_tokens_per_micro_batch or cfg.actor.micro_batch_size * (
+        cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    )
+    assert sorted(added.values()) == sorted(
+        [152064 // tp * 3584 * 2, tokens * 3584 * 4, float(memory_plan.HIDDEN_LOSS_CHUNK_BYTES)]
+    )

@@ -172,6 +172,38 @@ def test_named_ids_roundtrip_and_cost_per_scored_token(id_encoding: str) -> None
     np.testing.assert_allclose(other, ref.other_logmass, atol=1e-5)
 
 
+@pytest.mark.parametrize(("hidden_dtype", "half_ulp"), [("bfloat16", 2.0**-8), ("float16", 2.0**-11)])
+def test_hidden_states_roundtrip_at_two_bytes_per_value(hidden_dtype: str, half_ulp: float) -> None:
+    """teacher.output=hidden: one more reply frame of 2 bytes per value; values round to nearest, exact once rounded."""
+    from teacher_server import hidden_codec
+
+    rng = np.random.default_rng(8)
+    n_scored, hidden = [5, 0, 3], 48
+    values = rng.standard_normal((sum(n_scored), hidden)).astype(np.float32) * 3
+    batch = _random_batch(rng, n_scored, top_k=0, vocab=300)
+    with_hidden = P.TopKBatch(*[getattr(batch, f) for f in P.TopKBatch.__dataclass_fields__][:-1], values)
+    kwargs = dict(vocab_size=300, logprob_dtype="float16", id_encoding="int32")
+    frames = P.reply_frames(2, with_hidden, hidden_dtype=hidden_dtype, **kwargs)
+    assert len(frames) == len(P.reply_frames(2, batch, **kwargs)) + 1 and len(frames[-1]) == 2 * hidden * 8
+    out = P.parse_score_reply(P.decode_server_reply(frames[0]), frames[1:])
+    assert out.hidden_states is not None and out.hidden_states.dtype == np.float32
+    assert np.all(np.abs(out.hidden_states - values) <= half_ulp * np.abs(values))
+    np.testing.assert_array_equal(hidden_codec.round_to(values, hidden_dtype), out.hidden_states)
+    np.testing.assert_array_equal(hidden_codec.round_to(out.hidden_states, hidden_dtype), out.hidden_states)
+    assert [p.hidden_states.shape for p in out.split()] == [(5, hidden), (0, hidden), (3, hidden)]
+    # bf16 ties round to even: 1 + 2^-8 (halfway between 1 and 1 + 2^-7) -> 1.
+    if hidden_dtype == "bfloat16":
+        assert hidden_codec.round_to(np.asarray([[1 + 2.0**-8]], np.float32), "bfloat16")[0, 0] == 1.0
+    # A request for hidden states from a server that sends none is refused for that request only.
+    req = P.request_frames(1, [np.arange(1, 5)], [2], top_k=0, temperature=1.0, hidden_dtype=hidden_dtype)
+    with pytest.raises(P.ProtocolError, match="no hidden states"):
+        P.parse_score_request(P.decode_client_message(req[0]), req[1:], P.RequestLimits(300, 64, 1 << 20))
+    parsed = P.parse_score_request(
+        P.decode_client_message(req[0]), req[1:], P.RequestLimits(300, 64, 1 << 20, hidden_size=hidden)
+    )
+    assert parsed.hidden_dtype == hidden_dtype
+
+
 def test_a_hello_reply_of_an_older_server_offers_no_named_ids() -> None:
     """Named ids are optional fields of protocol 1: a handshake without max_named_ids reads as 0."""
     fields = {
