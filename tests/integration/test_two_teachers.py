@@ -28,7 +28,19 @@ STEPS = 3
 def _cmd(run_dir: Path, *overrides: str) -> list[str]:
     import sys
 
-    return [sys.executable, "-m", "recipe_gkd.main", "--config", str(PRESET), f"trainer.run_dir={run_dir}", *overrides]
+    # Each autostarted server has its timeout_s to be READY: two of them beside the Ray workers on 2 busy
+    # cores may take longer than the preset's 60 s (a test's own override still wins).
+    ready = ["teachers.reverse.timeout_s=180", "teachers.sum.timeout_s=180"]
+    return [
+        sys.executable,
+        "-m",
+        "recipe_gkd.main",
+        "--config",
+        str(PRESET),
+        f"trainer.run_dir={run_dir}",
+        *ready,
+        *overrides,
+    ]
 
 
 def _record_teachers() -> list[str]:
