@@ -87,12 +87,14 @@ def exit_code_for(err: BaseException) -> int | None:
     from recipe_gkd.actor.hf_arch import UnsupportedModelError
     from recipe_gkd.checkpoint import CheckpointError
     from recipe_gkd.weight_sync import WeightSyncError
-    from teacher_server.client import TeacherError
+    from teacher_server.client import TeacherError, TeacherMismatchError
     from teacher_server.launcher import TeacherLaunchError
     from teacher_server.vllm_version import UnsupportedVLLMError
 
     cause = getattr(err, "cause", None) or err
-    if isinstance(cause, ConfigError | UnsupportedModelError):
+    # A teacher that does not fit the run (another tokenizer or vocabulary, top_k or temperature it does not
+    # offer), found at connect time before training: the run's inputs are wrong, as with a bad config.
+    if isinstance(cause, ConfigError | UnsupportedModelError | TeacherMismatchError):
         return EXIT_BAD_CONFIG
     if isinstance(cause, TeacherError | TeacherLaunchError | WeightSyncError | CheckpointError | UnsupportedVLLMError):
         return EXIT_FAILED

@@ -1,0 +1,27 @@
+"""The CLI's exit code for each kind of error it reports in one line (recipe_gkd.main.exit_code_for)."""
+
+from __future__ import annotations
+
+from recipe_gkd.config import ConfigError
+from recipe_gkd.main import EXIT_BAD_CONFIG, EXIT_FAILED, exit_code_for
+from teacher_server.client import TeacherDeadError, TeacherMismatchError
+
+
+class RayWrapped(Exception):
+    """What Ray raises in the driver for a worker's error: the original under `cause`."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def test_a_mismatched_teacher_is_a_bad_input_exit_2_also_from_a_worker() -> None:
+    mismatch = TeacherMismatchError("teacher 'sum': the server's tokenizer differs from the student's")
+    assert exit_code_for(mismatch) == EXIT_BAD_CONFIG
+    assert exit_code_for(RayWrapped(mismatch)) == EXIT_BAD_CONFIG
+
+
+def test_other_teacher_errors_stay_exit_1_and_unknown_errors_are_not_ours() -> None:
+    assert exit_code_for(TeacherDeadError("no teacher server answered")) == EXIT_FAILED
+    assert exit_code_for(RayWrapped(ConfigError("data.teacher_key", "unknown teacher"))) == EXIT_BAD_CONFIG
+    assert exit_code_for(RuntimeError("a bug")) is None
