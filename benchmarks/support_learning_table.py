@@ -1,0 +1,107 @@
+"""Teacher top-k vs union support vs full vocabulary (teacher.output=hidden) on the CPU demo: held-out accuracy.
+
+    python benchmarks/support_learning_table.py [--seeds 1 2] [--only 0 3]
+
+Each row is the demo CLI (`python -m recipe_gkd.main`, the cpu_demo preset: two_step_off, 150 steps,
+500 held-out prompts, teacher.top_k=8) with the row's overrides, once per seed (data.seed: prompt order
+and sampling). A run directory under runs/support_learning_table/ whose resolved config equals the row's
+and whose evaluation reached the last step is reused, not run again. Prints a markdown table and writes
+benchmarks/results/support_learning_table.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from recipe_gkd.config import load_config, to_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RUNS = REPO / "runs" / "support_learning_table"
+RESULTS = REPO / "benchmarks" / "results" / "support_learning_table.json"
+SUPPORTS: list[tuple[str, tuple[str, ...]]] = [
+    ("teacher top-8 + tail", ()),
+    ("union, k_s=8", ("algorithm.support=union", "rollout.student_top_k=8")),
+    ("full vocabulary (teacher.output=hidden)", ("teacher.output=hidden",)),
+]
+ROWS: list[tuple[str, tuple[str, ...]]] = [
+    (f"{div}, {name}", (f"algorithm.divergence={div}", *extra))
+    for div in ("reverse_kl", "jsd")
+    for name, extra in SUPPORTS
+]
+
+
+def run_dir(row: int, seed: int) -> Path:
+    return RUNS / f"row{row}_seed{seed}"
+
+
+def accuracy_curve(overrides: tuple[str, ...], out: Path) -> list[tuple[int, float]] | None:
+    """The run's (step, held-out accuracy) when `out` holds a finished run of exactly this config."""
+    cfg = load_config(None, [*overrides, f"trainer.run_dir={out}"])
+    resolved, evals = out / "resolved_config.yaml", out / "eval.jsonl"
+    if not (resolved.is_file() and evals.is_file()) or resolved.read_text() != to_yaml(cfg):
+        return None
+    rows = [json.loads(line) for line in evals.read_text().splitlines()]
+    if not rows or rows[-1]["step"] != cfg.trainer.total_steps:
+        return None
+    return [(r["step"], r["eval_reward"]) for r in rows]
+
+
+def run(overrides: tuple[str, ...], out: Path) -> tuple[list[tuple[int, float]], float | None]:
+    """One demo CLI run (reused when finished before); its accuracy curve and wall time (None when reused)."""
+    curve = accuracy_curve(overrides, out)
+    if curve is not None:
+        return curve, None
+    if out.exists():
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "recipe_gkd.main", *overrides, f"trainer.run_dir={out}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    start = time.monotonic()
+    with (out.parent / f"{out.name}.log").open("w") as log:
+        subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=1800)
+    wall = time.monotonic() - start
+    print(f"  {out.name}: {wall:.0f} s", flush=True)
+    curve = accuracy_curve(overrides, out)
+    if curve is None:
+        raise RuntimeError(f"{out} did not finish; see {out.parent / (out.name + '.log')}")
+    return curve, wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="*", default=[1, 2], help="data.seed values (default: 1 2)")
+    parser.add_argument("--only", type=int, nargs="*", help="row indices to run")
+    args = parser.parse_args()
+    results = []
+    for seed in args.seeds:
+        for index, (name, overrides) in enumerate(ROWS):
+            if args.only and index not in args.only:
+                continue
+            curve, wall = run((*overrides, f"data.seed={seed}"), run_dir(index, seed))
+            results.append(
+                {"row": index, "name": name, "overrides": list(overrides), "seed": seed, "curve": curve, "wall_s": wall}
+            )
+    start = results[0]["curve"][0][1]
+    print(f"\nheld-out accuracy after 150 steps (%), CPU demo (two_step_off); step 0: {100 * start:.1f}%\n")
+    header = " | ".join(f"seed {s}" for s in args.seeds)
+    print(f"| divergence, support | {header} | mean | gain (points) |\n|---|{'---|' * len(args.seeds)}---|---|")
+    for index, (name, _) in enumerate(ROWS):
+        final = {r["seed"]: r["curve"][-1][1] for r in results if r["row"] == index}
+        if not final:
+            continue
+        cells = [f"{100 * final[s]:.1f}" if s in final else "-" for s in args.seeds]
+        mean = sum(final.values()) / len(final)
+        print(f"| {name} | {' | '.join(cells)} | {100 * mean:.1f} | {100 * (mean - start):+.1f} |")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
