@@ -63,10 +63,12 @@ def test_two_replicas_serve_concurrently(server: TeacherProcess) -> None:
     sock.connect(server.address)
     try:
         for request_id in (1, 2):
-            seqs = [rng.integers(0, VOCAB, size=SEQ_LEN) for _ in range(8)]
-            sock.send_multipart(P.request_frames(request_id, seqs, [1] * 8, top_k=8, temperature=1.0))
-        # While both requests compute, each replica holds one of them.
-        _wait_for(lambda: [r.queue_depth for r in _stats(server.address).replicas] == [1, 1], timeout_s=5, poll_s=0.01)
+            seqs = [rng.integers(0, VOCAB, size=SEQ_LEN) for _ in range(N_SEQS)]
+            sock.send_multipart(P.request_frames(request_id, seqs, [1] * N_SEQS, top_k=8, temperature=1.0))
+        # While both requests compute, each replica holds one of them. One client polls (a new client per
+        # poll took long enough on a loaded machine to miss the window of 8 short sequences).
+        with _client(server.address) as watcher:
+            _wait_for(lambda: [r.queue_depth for r in watcher.stats().replicas] == [1, 1], timeout_s=30, poll_s=0.01)
         served = set()
         for _ in range(2):
             assert sock.poll(int(WAIT_S * 1000))
