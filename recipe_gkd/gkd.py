@@ -439,8 +439,11 @@ def step_row(
         "teacher_topk_mass": (
             _ratio(rollout.stats, "teacher_topk_mass_sum", "num_response_tokens") if _sends_topk(cfg) else None
         ),
-        "teacher_sampled_logprob": _ratio(rollout.stats, "teacher_sampled_logprob_sum", "onpolicy_tokens"),
-        "sampled_reverse_kl": sampled_reverse_kl(cfg, rollout.stats),
+        # None under teacher.output=hidden: the server sends hidden states only, no logprob (the loss is exact).
+        "teacher_sampled_logprob": (
+            _ratio(rollout.stats, "teacher_sampled_logprob_sum", "onpolicy_tokens") if _sends_logprobs(cfg) else None
+        ),
+        "sampled_reverse_kl": sampled_reverse_kl(cfg, rollout.stats) if _sends_logprobs(cfg) else None,
         # algorithm.divergence=sampled_reverse_kl: token means of A = log t - log s_old and of s_theta / s_old.
         **{key: train.get(key) for key in POLICY_KEYS},
         "teacher_ids_folded": train.get("teacher_ids_folded"),
@@ -495,6 +498,11 @@ def sampled_reverse_kl(cfg: GKDConfig, stats: list[RolloutStats]) -> float | Non
     student = _ratio(stats, "rollout_logprob_sum", "onpolicy_tokens")
     teacher = _ratio(stats, "teacher_sampled_logprob_sum", "onpolicy_tokens")
     return None if student is None or teacher is None else student - teacher
+
+
+def _sends_logprobs(cfg: GKDConfig) -> bool:
+    """Whether the teacher's replies carry the sampled tokens' logprobs (not under teacher.output=hidden)."""
+    return cfg.teacher.output == TeacherOutput.topk
 
 
 def _sends_topk(cfg: GKDConfig) -> bool:

@@ -231,7 +231,13 @@ class TeacherClient:
                 "model.student_path) must use the same tokenizer"
             )
         if self.top_k > reply.max_top_k:
-            raise TeacherMismatchError(f"teacher.top_k={self.top_k} exceeds the server's max_top_k={reply.max_top_k}")
+            # max_top_k 0 with hidden states: a vllm server started with teacher.output=hidden (a pooling engine).
+            hidden_only = (
+                " (it serves teacher.output=hidden only)" if reply.max_top_k == 0 and reply.hidden_size else ""
+            )
+            raise TeacherMismatchError(
+                f"teacher.top_k={self.top_k} exceeds the server's max_top_k={reply.max_top_k}{hidden_only}"
+            )
         if self.temperature != 1.0 and not reply.supports_temperature:
             raise TeacherMismatchError(
                 f"the {reply.backend} backend scores at temperature 1 only: set teacher.temperature=1 "
@@ -240,7 +246,8 @@ class TeacherClient:
         if self.hidden_dtype and not reply.hidden_size:
             raise TeacherMismatchError(
                 f"teacher.output=hidden, but the {reply.backend} teacher server returns no hidden states (the hf "
-                "backend does, for a model whose output head is a plain matmul): set teacher.output=topk"
+                "backend does, and the vllm backend when the server is started with teacher.output=hidden, for a model "
+                "whose output head is a plain matmul): set teacher.output=topk"
             )
         for name, value, offered in (
             ("teacher.client.logprob_dtype", self.logprob_dtype, reply.logprob_dtypes),

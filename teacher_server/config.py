@@ -125,7 +125,8 @@ class TeacherConfig:
     """topk: the teacher's top-k logprobs per scored token (teacher.top_k); hidden: its final hidden state (after its
     final norm), from which the actor computes the teacher's whole distribution with the teacher's output head,
     loaded from teacher.model_path (2 x hidden_size bytes per token; every divergence exact over the vocabulary; hf
-    backend; the teacher's vocabulary must be the student's). See docs/objectives.md."""
+    or vllm backend, the vllm one running a pooling-mode engine; the teacher's vocabulary must be the student's).
+    See docs/objectives.md."""
     top_k: int = bounded(64, ge=0, note="0: the sampled token's logprob only")
     """Teacher logprobs sent per scored token (its top-k); 0: only the logprob of the token at each position
     (algorithm.divergence=sampled_reverse_kl; ~4 bytes/token)."""
@@ -180,20 +181,18 @@ def validate_teacher_section(t: TeacherConfig) -> None:
     """The rules of the `teacher` section alone (also used for standalone configs/teacher/*.yaml)."""
     check_fields(t, "teacher")
     require(t.top_k <= t.max_top_k, "teacher.top_k", f"top_k={t.top_k} exceeds teacher.max_top_k={t.max_top_k}")
+    # Hidden states do not depend on the temperature (the actor applies algorithm.temperature to the logits).
     require(
-        t.backend == TeacherBackend.hf or t.temperature == 1.0,
+        t.backend == TeacherBackend.hf or t.temperature == 1.0 or t.output == TeacherOutput.hidden,
         "teacher.temperature",
         f"is {t.temperature} but the {t.backend.value} teacher backend scores at temperature 1 only (vLLM returns "
         "the top-k of the T=1 distribution, from which another temperature cannot be recovered); use teacher.backend=hf",
     )
     require(
-        t.output == TeacherOutput.topk or t.backend == TeacherBackend.hf,
+        t.output == TeacherOutput.topk or t.backend != TeacherBackend.openai,
         "teacher.output",
-        f"=hidden needs teacher.backend=hf, got {t.backend.value}: a server behind teacher.backend=openai returns "
-        "logprobs only, and this server's vllm backend returns no hidden states (vLLM 0.24-0.33 give per-token "
-        "final hidden states only from a second engine in pooling mode, LLM(runner='pooling').encode(pooling_task="
-        "'token_embed'), vllm/model_executor/layers/pooler/tokwise/poolers.py `pooler_for_token_embed`, which this "
-        "server does not run); or set teacher.output=topk",
+        "=hidden needs this project's teacher server (teacher.backend=hf or vllm): a server behind "
+        "teacher.backend=openai returns logprobs only; or set teacher.output=topk",
     )
     if t.backend == TeacherBackend.openai:
         require(

@@ -481,7 +481,8 @@ def _check_scalars(req: ScoreRequest, limits: RequestLimits) -> None:
     if req.hidden_dtype and not limits.hidden_size:
         raise ProtocolError(
             ErrorCode.UNSUPPORTED,
-            "this teacher server returns no hidden states (teacher.output=hidden needs teacher.backend=hf)",
+            "this teacher server returns no hidden states (teacher.output=hidden: the hf backend, or the vllm backend "
+            "started with teacher.output=hidden)",
         )
     if req.logprob_dtype not in LOGPROB_DTYPES:
         raise _bad(f"logprob_dtype {req.logprob_dtype!r} not in {sorted(LOGPROB_DTYPES)}")

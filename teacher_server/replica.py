@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from teacher_server import hidden_codec
 from teacher_server import protocol as P
 from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
 
@@ -57,6 +58,13 @@ class _Work:
     arrays: list[bytes]
 
 
+def self_test_request(options: BackendOptions) -> P.ParsedRequest:
+    """A replica's first request: one scored token, in the mode the server runs (teacher.output)."""
+    if options.output == "hidden":
+        return parsed_request([[0, 0]], [1], top_k=0, hidden_dtype=hidden_codec.HIDDEN_DTYPES[0])
+    return parsed_request([[0, 0]], [1], top_k=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m teacher_server.replica")
     parser.add_argument("--spec", required=True, help="ReplicaSpec as JSON")
@@ -67,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         backend = load_backend(spec.backend, spec.options)
         # Self-test before joining: a replica that cannot score never takes work.
-        backend.score(parsed_request([[0, 0]], [1], top_k=1))
+        backend.score(self_test_request(spec.options))
     except (OSError, ValueError, RuntimeError, ImportError) as err:
         log.error("replica %s failed to load: %s", spec.name, err)
         traceback.print_exc()

@@ -29,7 +29,8 @@ class TeacherTopK:
 
     topk_logprobs    [n_scored, K] float32  log p of the K most likely tokens
     topk_ids         [n_scored, K] int32    their token ids
-    sampled_logprob  [n_scored]    float32  log p of the token actually at p
+    sampled_logprob  [n_scored]    float32  log p of the token actually at p (NaN in a hidden-state reply with
+                     top_k 0: the server skips the log-softmax, teacher.output=hidden)
     tail_logmass     [n_scored]    float32  log of the mass outside the top-k (-inf when K = V)
     named_logprobs   [n_scored, k_s] float32 or None: log p at the ids the request named, in its order
     other_logmass    [n_scored]    float32 or None: log of the mass outside the top-k and the named ids

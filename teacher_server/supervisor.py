@@ -130,6 +130,7 @@ class Supervisor:
                 gpus=len(slot.gpu_ids) or 1,
                 gpu_memory_utilization=t.gpu_memory_utilization,
                 max_model_len=t.max_model_len,
+                output=t.output.value if hasattr(t.output, "value") else str(t.output),
             ),
             gpu_ids=list(slot.gpu_ids),
             secret_file=t.secret_file,
@@ -187,10 +188,15 @@ class Supervisor:
 
         assert self.frontend is not None
         t = self.settings.teacher
-        with TeacherClient(self.frontend.address, timeout_s=t.timeout_s, retries=0, secret=self.secret) as client:
+        # teacher.output=hidden: probe what the trainer will ask (a vllm replica then runs a pooling engine, no top-k).
+        hidden = str(getattr(t.output, "value", t.output)) == "hidden"
+        probe = {"top_k": 0, "hidden_dtype": t.client.hidden_dtype} if hidden else {"top_k": 1}
+        with TeacherClient(
+            self.frontend.address, timeout_s=t.timeout_s, retries=0, secret=self.secret, **probe
+        ) as client:
             for child in self.children:
                 try:
-                    client.score([PROBE_SEQUENCE], [1], top_k=1, temperature=1.0, replica=child.slot.name)
+                    client.score([PROBE_SEQUENCE], [1], temperature=1.0, replica=child.slot.name)
                 except TeacherError as err:
                     raise StartupError(
                         self._failure(child, f"replica {child.slot.name} failed its probe: {err}")

@@ -49,6 +49,9 @@ class BackendOptions:
     # vllm: share of each GPU's memory for weights + KV cache; longest scored sequence (0: the model's).
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 0
+    # teacher.output: "topk" or "hidden". The vllm backend runs one engine per mode (a pooling-mode engine for
+    # "hidden", see backends/vllm.py); the hf backend answers both from one model and ignores it.
+    output: str = "topk"
 
 
 class Backend(Protocol):

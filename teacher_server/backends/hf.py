@@ -9,7 +9,9 @@ log-softmax run only on the scored positions, in chunks of LOGITS_CHUNK_ELEMENTS
 Hidden states (a request's hidden_dtype, teacher.output=hidden): the decoder's last_hidden_state at
 the scored positions, which in transformers' decoders is taken after the final norm (LlamaModel /
 Qwen2Model `forward`: `hidden_states = self.norm(hidden_states)`), i.e. exactly the output head's
-input, rounded to the wire's 16-bit dtype. A model whose head does more than a bias-free matmul
+input, rounded to the wire's 16-bit dtype. A hidden-state request with top_k 0 and no named ids (what
+the client sends under teacher.output=hidden) runs the decoder only: no output head, no log-softmax
+(the actor computes the whole distribution from the states), so its sampled-token logprobs are NaN. A model whose head does more than a bias-free matmul
 (logit_scale, soft-capping, a bias) offers no hidden states (hidden_size 0): the actor could not
 rebuild its logits from them.
 """
@@ -101,8 +103,11 @@ class HFBackend:
         hidden_NH = hidden_BTH[idx_b, idx_t]  # [N, H]: only the scored positions
         targets_N = input_ids_BT[idx_b, idx_t + 1]
         n_scored = np.asarray([s.size - int(f) for s, f in zip(seqs, score_from, strict=True)], dtype=np.int64)
-        named = None if named_NS is None else torch.from_numpy(named_NS.astype(np.int64)).to(self.device)
-        batch = self._topk(hidden_NH, targets_N, n_scored, request.top_k, request.temperature, named)
+        if request.hidden_dtype and not request.top_k and named_NS is None:
+            batch = _no_logprobs(n_scored)
+        else:
+            named = None if named_NS is None else torch.from_numpy(named_NS.astype(np.int64)).to(self.device)
+            batch = self._topk(hidden_NH, targets_N, n_scored, request.top_k, request.temperature, named)
         if not request.hidden_dtype:
             return batch
         # The wire's precision here already, so the in-process teacher and the wire give the same values.
@@ -155,6 +160,15 @@ class HFBackend:
         if self.softcap:
             logits_NV = torch.tanh(logits_NV / self.softcap) * self.softcap
         return torch.log_softmax(logits_NV / temperature, dim=-1)
+
+
+def _no_logprobs(n_scored: np.ndarray) -> TopKBatch:
+    """A reply with no logprobs at all (a hidden-state request with top_k 0): no top-k, tail 0, sampled NaN."""
+    rows = int(n_scored.sum())
+    empty = np.zeros((rows, 0), np.float32)
+    return TopKBatch(
+        n_scored, empty, empty.astype(np.int32), np.full(rows, np.nan, np.float32), np.zeros(rows, np.float32)
+    )
 
 
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -434,9 +434,26 @@ def test_hidden_states_give_the_teachers_own_logits(
         bound_N = 2 * (np.abs(hidden_NH) @ np.abs(head_VH).T).max(axis=1) * HALF_ULP[hidden_dtype] + 1e-5
         error_N = np.abs(logprobs_NV - _full_logprobs(tiny_model_dir, seq, start)).max(axis=1)
         assert (error_N <= bound_N).all(), (error_N, bound_N)
-        # The sampled token's logprob still comes along, from the server's own full-precision logits.
-        sampled_N = np.take_along_axis(_full_logprobs(tiny_model_dir, seq, start), seq[start:, None].astype(int), 1)
-        np.testing.assert_allclose(g.sampled_logprob, sampled_N[:, 0], atol=1e-5)
+        # No logprob comes along: the server ran no output head and no log-softmax (the actor does, exactly).
+        assert np.isnan(g.sampled_logprob).all() and g.top_k == 0
+
+
+def test_a_hidden_state_request_runs_no_output_head(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """teacher.output=hidden (top_k 0, no named ids): the decoder only, no [N, V] logits or log-softmax on the
+    teacher; a request that also asks for a top-k still gets it from the one forward."""
+    seqs, starts = _batch(seed=5, n=3)
+    want = backend.score(parsed_request(seqs, starts, top_k=0, hidden_dtype="bfloat16"))
+
+    def no_head(*args: object) -> None:
+        raise AssertionError("the output head ran for a hidden-state request")
+
+    monkeypatch.setattr(backend, "_logprobs", no_head)
+    got = backend.score(parsed_request(seqs, starts, top_k=0, hidden_dtype="bfloat16"))
+    assert got.hidden_states is not None and want.hidden_states is not None
+    np.testing.assert_array_equal(got.hidden_states, want.hidden_states)
+    assert np.isnan(got.sampled_logprob).all() and got.topk_ids.shape == (int(got.n_scored.sum()), 0)
+    with pytest.raises(AssertionError, match="output head ran"):
+        backend.score(parsed_request(seqs, starts, top_k=4, hidden_dtype="bfloat16"))
 
 
 def test_a_hidden_state_reply_carries_one_more_frame_of_two_bytes_per_value(server: TeacherProcess) -> None:

@@ -162,3 +162,136 @@ def test_vllm_server_round_trip(vllm_model_dir: Path, tmp_path: Path) -> None:
             assert [s.n_scored for s in client.score(seqs, starts)] == [
                 s.size - f for s, f in zip(seqs, starts, strict=True)
             ]
+
+
+# teacher.output=hidden with the vllm backend: a pooling-mode engine (teacher_server/backends/vllm.py module doc).
+DEMO_TEACHER = Path(__file__).resolve().parents[2] / "assets" / "demo" / "teacher"
+# Half an ulp of each 16-bit wire dtype relative to the value (8 and 11 significant bits).
+HALF_ULP = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
+# vLLM's CPU kernels against HF's in float32, on the demo teacher's final hidden states (measured 2.9e-5 at most).
+HIDDEN_ATOL = 2e-4
+
+
+def _demo_teacher() -> Path:
+    if not (DEMO_TEACHER / "config.json").is_file():
+        pytest.skip("demo assets missing: python -m recipe_gkd.demo.build_assets")
+    return DEMO_TEACHER
+
+
+@pytest.fixture(scope="module")
+def vllm_hidden_backend(vllm_in_this_process: None) -> Iterator[Backend]:
+    """The demo teacher in a pooling-mode vLLM engine (BackendOptions.output="hidden")."""
+    pytest.importorskip("vllm")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    options = BackendOptions(str(_demo_teacher()), max_top_k=64, dtype="float32", max_model_len=128, output="hidden")
+    yield load_backend("vllm", options)
+
+
+def _demo_batch(seed: int) -> tuple[list[np.ndarray], list[int]]:
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(3, 102, size=n).astype(np.int32) for n in (12, 40, 3, 25, 7)]
+    return seqs, [5, 1, 3, 24, 2]
+
+
+def _teacher_logprobs_f64(seq: np.ndarray, start: int) -> np.ndarray:
+    """The demo teacher's float64 log-softmax predicting positions start..len-1 (HF, an independent reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO_TEACHER, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.from_numpy(seq.astype(np.int64))[None]).logits[0]
+    return torch.log_softmax(logits[start - 1 : seq.size - 1], dim=-1).numpy()
+
+
+def _check_hidden_gives_teacher_logits(got: list[P.TeacherTopK], seqs: list[np.ndarray], starts: list[int], dtype: str):
+    """Each reply's states x the teacher's head are the teacher's float64 logprobs within the wire's rounding bound.
+
+    A value rounded to `dtype` moves by <= HALF_ULP x |h_j|, so a logit by <= sum_j |W_vj| |h_j| x HALF_ULP and a
+    log-softmax value by twice the largest of those; plus vLLM-vs-float64 float32 differences (HIDDEN_ATOL).
+    States before the final norm would miss by whole nats.
+    """
+    from safetensors.numpy import load_file
+
+    head_VH = load_file(str(DEMO_TEACHER / "model.safetensors"))["model.embed_tokens.weight"].astype(np.float64)
+    for seq, start, g in zip(seqs, starts, got, strict=True):
+        assert g.hidden_states is not None and g.hidden_states.shape == (seq.size - start, head_VH.shape[1])
+        assert g.top_k == 0 and np.isnan(g.sampled_logprob).all()  # no logprob computed on the teacher
+        if not g.n_scored:
+            continue
+        hidden_NH = g.hidden_states.astype(np.float64)
+        logits_NV = hidden_NH @ head_VH.T
+        logprobs_NV = logits_NV - np.logaddexp.reduce(logits_NV, axis=1, keepdims=True)
+        bound_N = 2 * (np.abs(hidden_NH) @ np.abs(head_VH).T).max(axis=1) * HALF_ULP[dtype] + HIDDEN_ATOL
+        error_N = np.abs(logprobs_NV - _teacher_logprobs_f64(seq, start)).max(axis=1)
+        assert (error_N <= bound_N).all(), (error_N, bound_N)
+
+
+@pytest.mark.parametrize("hidden_dtype", ["bfloat16", "float16"])
+def test_vllm_hidden_states_are_the_final_norm_output_equal_to_hf(
+    vllm_hidden_backend: Backend, hidden_dtype: str
+) -> None:
+    """vLLM's pooling route returns the states after the final norm: the hf backend's to float32 differences (before
+    the wire's rounding), and times the head the teacher's own logprobs."""
+    hf = load_backend("hf", BackendOptions(str(DEMO_TEACHER), max_top_k=64))
+    info = vllm_hidden_backend.info
+    assert (info.hidden_size, info.vocab_size, info.tokenizer_hash) == (128, hf.info.vocab_size, hf.info.tokenizer_hash)
+    assert (info.max_top_k, info.max_named_ids, info.supports_temperature) == (0, 0, True)
+    seqs, starts = _demo_batch(seed=3)
+    # At 0.5: the states do not depend on the temperature (the actor applies it).
+    got = vllm_hidden_backend.score(parsed_request(seqs, starts, top_k=0, temperature=0.5, hidden_dtype=hidden_dtype))
+    want = hf.score(parsed_request(seqs, starts, top_k=0, hidden_dtype=hidden_dtype))
+    assert got.hidden_states is not None and want.hidden_states is not None
+    # Each side rounded once to the wire dtype from float32 values HIDDEN_ATOL apart at most.
+    bound = 2 * HALF_ULP[hidden_dtype] * np.abs(want.hidden_states) + HIDDEN_ATOL
+    assert (np.abs(got.hidden_states - want.hidden_states) <= bound).all()
+    np.testing.assert_array_equal(got.n_scored, want.n_scored)
+    _check_hidden_gives_teacher_logits(got.split(), seqs, starts, hidden_dtype)
+
+
+def test_a_vllm_hidden_replica_refuses_logprob_requests(vllm_hidden_backend: Backend) -> None:
+    """A pooling engine returns no logprobs: a top-k or a sampled-token request is refused naming teacher.output."""
+    for request in (
+        parsed_request([[5, 6, 7]], [1], top_k=0),
+        parsed_request([[5, 6, 7]], [1], top_k=4, hidden_dtype="bfloat16"),
+    ):
+        with pytest.raises(ValueError, match=r"teacher\.output"):
+            vllm_hidden_backend.score(request)
+
+
+def test_a_teacher_with_a_scaled_head_is_refused_for_hidden_states(tmp_path: Path) -> None:
+    """logit_scale (Cohere) or a Sentence-Transformers Dense module: the states x head would not be the logits."""
+    from teacher_server.backends.vllm import check_plain_head
+
+    (tmp_path / "config.json").write_text('{"logit_scale": 0.25}')
+    with pytest.raises(ValueError, match=r"teacher\.output.*logit_scale"):
+        check_plain_head(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    check_plain_head(str(tmp_path))
+    (tmp_path / "modules.json").write_text('[{"type": "sentence_transformers.models.Dense", "path": "2_Dense"}]')
+    with pytest.raises(ValueError, match=r"teacher\.output.*Dense"):
+        check_plain_head(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_vllm_hidden_server_round_trip(tmp_path: Path) -> None:
+    """teacher.output=hidden through the ZeroMQ server on the vllm backend: the demo teacher's final hidden states
+    reach the client and give its logprobs; a top-k client is refused at the handshake."""
+    pytest.importorskip("vllm")
+    yaml_path = write_teacher_yaml(
+        tmp_path / "teacher.yaml", _demo_teacher(), backend="vllm", dtype="float32", output="hidden", max_model_len=128
+    )
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with launch_teacher(
+        yaml_path, ready_timeout_s=READY_TIMEOUT_S, log_path=tmp_path / "server.log", env=env
+    ) as server:
+        with (
+            TeacherClient(server.address, top_k=8) as client,
+            pytest.raises(TeacherMismatchError, match=r"teacher\.output=hidden only"),
+        ):
+            client.connect()
+        with TeacherClient(server.address, top_k=0, hidden_dtype="bfloat16") as client:
+            assert client.connect().hidden_size == 128
+            seqs, starts = _demo_batch(seed=4)
+            got = client.score(seqs, starts)
+    _check_hidden_gives_teacher_logits(got, seqs, starts, "bfloat16")

@@ -145,13 +145,23 @@ BAD_VALUES = [
         ["algorithm.support=union", "rollout.student_top_k=8", "algorithm.divergence=sampled_reverse_kl"],
         "algorithm.support",
     ),
-    # teacher.output=hidden: the hf server only (vllm and openai return no hidden states), a full-vocabulary divergence.
-    (["teacher.output=hidden", "teacher.backend=vllm"], "teacher.output"),
+    # teacher.output=hidden: this project's server (hf or vllm; openai returns no hidden states), a full-vocabulary
+    # divergence.
     (["teacher.output=hidden", "teacher.backend=openai", "teacher.address=http://h/v1"], "teacher.output"),
     (["teacher.output=hidden", "algorithm.divergence=sampled_reverse_kl", "teacher.top_k=0"], "teacher.output"),
     (["teacher.output=hidden", "algorithm.support=union", "rollout.student_top_k=8"], "algorithm.support"),
     (["teacher.output=hidden", "teacher.client.hidden_dtype=float8"], "teacher.client.hidden_dtype"),
 ]
+
+
+def test_teacher_output_hidden_with_the_vllm_backend_validates_at_any_temperature() -> None:
+    """The vllm server's pooling engine sends hidden states, which do not depend on the temperature: the actor
+    applies algorithm.temperature to the logits it rebuilds."""
+    cfg = load_config(None, ["teacher.output=hidden", "teacher.backend=vllm"])
+    assert (cfg.teacher.output.value, cfg.teacher.backend.value) == ("hidden", "vllm")
+    both = ["teacher.temperature=0.5", "algorithm.temperature=0.5"]
+    assert load_config(None, ["teacher.output=hidden", "teacher.backend=vllm", *both]).teacher.temperature == 0.5
+    assert _error(["teacher.backend=vllm", *both]).key == "teacher.temperature"  # top-k from vLLM: T=1 only
 
 
 def test_sampled_reverse_kl_with_top_k_zero_validates() -> None:
