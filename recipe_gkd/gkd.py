@@ -33,7 +33,7 @@ import numpy as np
 
 from recipe_gkd import checkpoint, console
 from recipe_gkd.batch import RolloutStats, actor_rank_of
-from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, TeacherOutput, to_dict, weight_transport
+from recipe_gkd.config import PIPELINE_DEPTH, Divergence, GKDConfig, TeacherOutput, to_dict, weight_transport
 from recipe_gkd.divergence_watch import DIVERGENCE_FILE, DivergenceWatch
 from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics, teacher_columns
 from recipe_gkd.placement import PlacementPlan
@@ -462,10 +462,25 @@ def step_row(
         "sync_check_s": sync.get("sync_check_s"),
         "step_s": step_s,
         **teacher_columns(rollout.stats, ""),
+        **teacher_loss_columns(cfg, train),
         "sample_ids": sorted(i for s in rollout.stats for i in s.sample_ids),
         # Several teachers: the teacher that scored each of sample_ids (same order).
         **sample_teachers(rollout.stats),
     }
+
+
+def teacher_loss_columns(cfg: GKDConfig, train: dict[str, Any]) -> dict[str, float | None]:
+    """Several teachers: the actor's teacher_<name>_loss (the objective over that teacher's tokens) and, training
+    with forward KL, teacher_<name>_kl, the same figure (as teacher_kl is the loss); None for a teacher absent
+    from the step's batch."""
+    if len(cfg.teachers) < 2:
+        return {}
+    columns: dict[str, float | None] = {}
+    for name in sorted(cfg.teachers):
+        loss = train.get(f"teacher_{name}_loss")
+        columns[f"teacher_{name}_loss"] = loss
+        columns[f"teacher_{name}_kl"] = loss if cfg.algorithm.divergence == Divergence.forward_kl else None
+    return columns
 
 
 def sample_teachers(stats: list[RolloutStats]) -> dict[str, list[str]]:

@@ -21,25 +21,61 @@ def plot_run(run_dir: str | Path, teacher_accuracy: float | None = None) -> Path
     run = Path(run_dir)
     steps = read_metrics(run, METRICS_FILE)
     evals = read_metrics(run, EVAL_FILE) if (run / EVAL_FILE).is_file() else []
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    _line(axes[0], steps, "loss", "training loss (GKD divergence)")
-    _line(axes[1], evals, "eval_teacher_kl", "held-out divergence to the teacher")
-    _line(axes[2], evals, "eval_reward", "held-out exact-match accuracy")
-    if teacher_accuracy is not None:
-        axes[2].axhline(teacher_accuracy, color="gray", linestyle="--", label="teacher")
-        axes[2].legend()
-    fig.tight_layout()
+    fig = training_figure(steps, evals, teacher_accuracy)
     out = run / PLOT_FILE
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
 
 
-def _line(ax: Any, rows: list[dict[str, Any]], key: str, title: str) -> None:
+def training_figure(steps: list[dict[str, Any]], evals: list[dict[str, Any]], teacher_accuracy: float | None) -> Any:
+    """The three panels (training loss, held-out divergence, held-out accuracy), a line per teacher where several."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    panels = [
+        (axes[0], steps, "loss", "training loss (GKD divergence)"),
+        (axes[1], evals, "eval_teacher_kl", "held-out divergence to the teacher"),
+        (axes[2], evals, "eval_reward", "held-out exact-match accuracy"),
+    ]
+    for ax, rows, key, title in panels:
+        # Several teachers (docs/teachers.md): one more line per teacher, over its own records.
+        teachers = per_teacher_keys(rows, key)
+        _line(ax, rows, key, title, label="all teachers" if teachers else None)
+        for name, teacher_key in teachers:
+            _line(ax, rows, teacher_key, title, label=f"teacher {name}")
+    if teacher_accuracy is not None:
+        axes[2].axhline(teacher_accuracy, color="gray", linestyle="--", label="teacher")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+# The per-teacher column of each plotted figure: metrics.jsonl's teacher_<name>_loss, eval.jsonl's
+# eval_teacher_<name>_kl and eval_teacher_<name>_reward.
+PER_TEACHER_COLUMNS = {
+    "loss": re.compile(r"teacher_(.+)_loss"),
+    "eval_teacher_kl": re.compile(r"eval_teacher_(.+)_kl"),
+    "eval_reward": re.compile(r"eval_teacher_(.+)_reward"),
+}
+
+
+def per_teacher_keys(rows: list[dict[str, Any]], key: str) -> list[tuple[str, str]]:
+    """(teacher name, column) of each teacher's version of figure `key` in `rows`, sorted by name."""
+    pattern = PER_TEACHER_COLUMNS.get(key)
+    if pattern is None:
+        return []
+    found = {m.group(1): column for row in rows for column in row if (m := pattern.fullmatch(column))}
+    return sorted(found.items())
+
+
+def _line(ax: Any, rows: list[dict[str, Any]], key: str, title: str, label: str | None = None) -> None:
     points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
     if points:
         xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, marker="o" if len(points) < 30 else None)
+        ax.plot(xs, ys, marker="o" if len(points) < 30 else None, label=label)
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

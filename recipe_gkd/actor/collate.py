@@ -35,6 +35,8 @@ class MicroBatch:
     teacher_sampled_BT: Tensor  # float32: the teacher's logprob of it (0 elsewhere)
     # teacher.output=hidden: the teacher's final hidden state at each loss position (0 elsewhere).
     teacher_hidden_BTH: Tensor | None = None  # float32
+    # Several teachers: each row's teacher, an index into the names collate was given (per-teacher metrics).
+    teacher_index_B: Tensor | None = None  # int64
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(
@@ -49,11 +51,15 @@ class MicroBatch:
             rollout_logprobs_BT=self.rollout_logprobs_BT.to(device),
             teacher_sampled_BT=self.teacher_sampled_BT.to(device),
             teacher_hidden_BTH=None if self.teacher_hidden_BTH is None else self.teacher_hidden_BTH.to(device),
+            teacher_index_B=None if self.teacher_index_B is None else self.teacher_index_B.to(device),
         )
 
 
-def collate(sequences: SequenceOf[Sequence], pad_id: int) -> MicroBatch:
-    """Pad `sequences` to one [B, T] batch (T = longest L - 1) with the teacher arrays aligned."""
+def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: SequenceOf[str] = ()) -> MicroBatch:
+    """Pad `sequences` to one [B, T] batch (T = longest L - 1) with the teacher arrays aligned.
+
+    teacher_names (several teachers): each row's teacher becomes its index in them (teacher_index_B).
+    """
     if not sequences:
         raise ValueError("collate needs at least one sequence")
     top_k = _common_top_k(sequences)
@@ -101,7 +107,19 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int) -> MicroBatch:
         rollout_logprobs_BT=torch.from_numpy(rollout_logprobs_BT),
         teacher_sampled_BT=torch.from_numpy(teacher_sampled_BT),
         teacher_hidden_BTH=None if teacher_hidden_BTH is None else torch.from_numpy(teacher_hidden_BTH),
+        teacher_index_B=_teacher_index(sequences, teacher_names),
     )
+
+
+def _teacher_index(sequences: SequenceOf[Sequence], teacher_names: SequenceOf[str]) -> Tensor | None:
+    """Each sequence's teacher as an index into teacher_names (None without names)."""
+    if not teacher_names:
+        return None
+    unknown = sorted({s.teacher for s in sequences} - set(teacher_names))
+    if unknown:
+        raise ValueError(f"sequences scored by teachers {unknown} outside the run's teachers {list(teacher_names)}")
+    index = {name: i for i, name in enumerate(teacher_names)}
+    return torch.tensor([index[s.teacher] for s in sequences], dtype=torch.int64)
 
 
 def split_micro_batches(sequences: SequenceOf[Sequence], micro_batch_size: int) -> list[list[Sequence]]:

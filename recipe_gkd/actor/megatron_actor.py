@@ -287,6 +287,7 @@ class MegatronActor:
         policy_stats = self.objective.policy_stats(outputs, global_tokens) if self.objective.sampled else {}
         return {
             **policy_stats,
+            **self.objective.teacher_losses(outputs),
             "loss": float(loss_sum.item()) / global_tokens,
             "grad_norm": grad_norm,
             "lr": self._current_lr(),
@@ -334,7 +335,7 @@ class MegatronActor:
             groups = split_by_token_budget(sequences, budget)
         else:
             groups = split_micro_batches(sequences, self.cfg.actor.micro_batch_size)
-        return [collate(group, self.pad_id).to(self.device) for group in groups]
+        return [collate(group, self.pad_id, self.objective.teacher_names).to(self.device) for group in groups]
 
     def _run_schedule(
         self,

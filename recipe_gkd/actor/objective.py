@@ -5,10 +5,15 @@ teacher.output=hidden over the whole vocabulary from the teacher's hidden states
 (loaded here once, this rank's vocabulary rows, on the last pipeline stage), or the sampled-token
 reverse KL with its policy statistics; each micro-batch gives a token *sum*, which
 megatron's schedule backpropagates and `finalize_model_grads` divides by the global token count.
+
+Several teachers (docs/teachers.md): the same loss is also summed over each teacher's rows alone, without
+gradient (one more loss forward over the micro-batch's tokens, no model pass), for the per-teacher
+`teacher_<name>_loss` metrics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -50,6 +55,8 @@ class ActorObjective:
         self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
         self.vocab_start, self.vocab_shard = local_vocab_slice(vocab_size, layout)
         self.teacher_head_vH = self._teacher_head() if cfg.teacher.output == TeacherOutput.hidden else None
+        # Several teachers: the names whose rows the loss is also summed over (collate's teacher_index_B order).
+        self.teacher_names: list[str] = sorted(cfg.teachers) if len(cfg.teachers) >= 2 else []
 
     def _teacher_head(self) -> Tensor | None:
         """This rank's rows of the teacher's output head [v, H] (None off the last pipeline stage: no loss there)."""
@@ -75,11 +82,51 @@ class ActorObjective:
         """megatron's loss function in training: (loss sum, loss tokens, logged sums)."""
         # (loss sum, loss tokens, logged): with calculate_per_token_loss megatron keeps the sum as is.
         num_tokens = torch.tensor(micro.num_tokens, dtype=torch.int, device=self.device)
+        per_teacher = {"teacher_sums": self.teacher_sums(logits_BTv, micro)} if self.teacher_names else {}
         if self.sampled:
             loss_sum, logged = self.sampled_loss_sum(logits_BTv, micro)
-            return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().double(), **logged}
+            return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().double(), **logged, **per_teacher}
         loss_sum, _ = self.loss_sum(logits_BTv, micro)
-        return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().double()}
+        return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().double(), **per_teacher}
+
+    def teacher_sums(self, logits_BTv: Tensor, micro: MicroBatch) -> Tensor:
+        """[2 x teachers] float64: the objective's sum over each teacher's loss tokens, then their token counts.
+
+        Without gradient, the same loss with the mask cut to one teacher's rows; a teacher without rows here is
+        skipped (every TP rank holds the same micro-batch, so all skip alike and the collectives stay matched).
+        """
+        if micro.teacher_index_B is None:
+            raise ValueError("several teachers but the micro-batch carries no teacher index (collate's teacher_names)")
+        n = len(self.teacher_names)
+        sums = torch.zeros(2 * n, dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for i in range(n):
+                mask_BT = micro.loss_mask_BT & (micro.teacher_index_B == i)[:, None]
+                tokens = int(mask_BT.sum())
+                if not tokens:
+                    continue
+                mine = dataclasses.replace(micro, loss_mask_BT=mask_BT, num_tokens=tokens)
+                value = (
+                    self.sampled_loss_sum(logits_BTv, mine)[0] if self.sampled else self.loss_sum(logits_BTv, mine)[0]
+                )
+                sums[i], sums[n + i] = value.double(), float(tokens)
+        return sums
+
+    def teacher_losses(self, outputs: list[dict[str, Tensor]]) -> dict[str, float]:
+        """teacher_<name>_loss: the objective's token mean over each teacher's tokens of the global batch (teachers
+        with tokens in it); empty with one teacher."""
+        if not self.teacher_names:
+            return {}
+        n = len(self.teacher_names)
+        sums = sum_from_last_stage(
+            [out["teacher_sums"] for out in outputs], 2 * n, self.layout, self.pp_group, self.device
+        )
+        dist.all_reduce(sums, group=self.dp_group)
+        return {
+            f"teacher_{name}_loss": float(sums[i]) / float(sums[n + i])
+            for i, name in enumerate(self.teacher_names)
+            if sums[n + i] > 0
+        }
 
     def eval_loss(self, micro: MicroBatch, logits_BTv: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """megatron's loss function in evaluation: the objective's sum and the forward KL's (0 with teacher.top_k=0)."""

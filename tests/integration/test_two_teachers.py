@@ -68,6 +68,12 @@ def test_two_teacher_preset_scores_each_record_by_its_teacher(tmp_path: Path) ->
         assert row["sample_teachers"] == [expected[i] for i in row["sample_ids"]]
         for name in ("reverse", "sum"):
             assert row[f"teacher_{name}_sequences"] == row["sample_teachers"].count(name)
+        # The actor's loss over each teacher's tokens; weighted by their tokens, the step's loss.
+        present = [n for n in ("reverse", "sum") if row[f"teacher_{n}_sequences"]]
+        tokens = {n: row[f"teacher_{n}_response_tokens"] for n in present}
+        mixed = sum(row[f"teacher_{n}_loss"] * t for n, t in tokens.items()) / sum(tokens.values())
+        assert mixed == pytest.approx(row["loss"], rel=1e-5)
+        assert all(row[f"teacher_{n}_kl"] == row[f"teacher_{n}_loss"] for n in present)  # forward KL: the loss
         seen |= set(row["sample_teachers"])
     assert seen == {"reverse", "sum"}
     # Held-out KL per teacher: over each teacher's own sequences; weighted by their tokens, the whole figure.

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from recipe_gkd.metrics import MetricsLogger, read_metrics
-from recipe_gkd.plots import before_after_table, plot_run
+from recipe_gkd.plots import before_after_table, plot_run, training_figure
 
 
 def test_jsonl_tensorboard_and_plots(tmp_path: Path, capsys) -> None:
@@ -29,6 +29,34 @@ def test_jsonl_tensorboard_and_plots(tmp_path: Path, capsys) -> None:
     assert png.stat().st_size > 10_000
     table = before_after_table(read_metrics(tmp_path, "eval.jsonl"), 0.99, "forward_kl")
     assert "25.0%" in table and "75.0%" in table and "99.0%" in table and "0.8000" in table
+
+
+def test_plots_draw_a_line_per_teacher() -> None:
+    """Several teachers: each panel adds each teacher's own line (teacher_<name>_loss, eval_teacher_<name>_kl and
+    eval_teacher_<name>_reward); one teacher keeps its single unlabelled line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [
+        {"step": s, "loss": 1.0 / s, "teacher_reverse_loss": 0.5 / s, "teacher_sum_loss": 2.0 / s, "teacher_kl": 1.0}
+        for s in (1, 2, 3)
+    ]
+    evals = [
+        {"step": s, "eval_teacher_kl": 0.5, "eval_reward": 0.4, "eval_teacher_kl_s": 1.0}
+        | {f"eval_teacher_{n}_{k}": v for n in ("reverse", "sum") for k, v in (("kl", 0.3), ("reward", 0.2))}
+        for s in (0, 3)
+    ]
+    fig = training_figure(steps, evals, teacher_accuracy=None)
+    labels = [ax.get_legend_handles_labels()[1] for ax in fig.axes]
+    assert labels == [["all teachers", "teacher reverse", "teacher sum"]] * 3
+    loss_lines = fig.axes[0].get_lines()
+    assert [list(line.get_ydata()) for line in loss_lines][1] == [0.5, 0.25, 0.5 / 3]
+    plt.close(fig)
+    single = training_figure([{"step": 1, "loss": 1.0}], [{"step": 0, "eval_reward": 0.3}], teacher_accuracy=None)
+    assert [len(ax.get_lines()) for ax in single.axes] == [1, 0, 1] and not single.axes[0].get_legend()
+    plt.close(single)
 
 
 def test_table_without_evaluation() -> None:
