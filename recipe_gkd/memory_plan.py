@@ -425,10 +425,10 @@ def colocated_gpu(cfg: GKDConfig, roles: list[RoleMemory]) -> RoleMemory:
     what = {
         "actor.gpu_memory_utilization": "the actor process (torch's per-process cap)",
         "rollout.gpu_memory_utilization": "the rollout engine (vLLM: weights, runtime, KV cache)",
-        "teacher.gpu_memory_utilization": "the teacher replica (vLLM: weights, runtime, KV cache)",
     }
+    teacher_what = "the teacher replica (vLLM: weights, runtime, KV cache)"  # teacher. or teachers.NAME.
     parts = [
-        (f"{share:.2f} x {cfg.cluster.gpu_memory_gib}: {key}, {what[key]}", share * capacity)
+        (f"{share:.2f} x {cfg.cluster.gpu_memory_gib}: {key}, {what.get(key, teacher_what)}", share * capacity)
         for key, share in shares.items()
     ]
     outside = [(f"{r.role}: {name} (outside its share)", b) for r in roles for name, b in r.outside]
@@ -437,7 +437,7 @@ def colocated_gpu(cfg: GKDConfig, roles: list[RoleMemory]) -> RoleMemory:
             0, ("actor rank: CUDA context, NCCL, allocator reserve (outside its share)", ACTOR_RESERVE_GIB * GIB)
         )
     gpu = RoleMemory(
-        role=f"GPU (colocated: actor rank, rollout engine{', teacher replica' if len(shares) > 2 else ''})",
+        role=f"GPU (colocated: actor rank, rollout engine{_colocated_teachers(len(shares) - 2)})",
         gpus=cfg.cluster.gpus_per_node,
         parts=parts + outside,
         capacity=capacity,
@@ -451,6 +451,13 @@ def colocated_gpu(cfg: GKDConfig, roles: list[RoleMemory]) -> RoleMemory:
             f"({', '.join(shares)}), the largest first"
         )
     return gpu
+
+
+def _colocated_teachers(replicas: int) -> str:
+    """The colocated GPU's teacher replicas in its role name: none, one, or one per teacher."""
+    if replicas <= 0:
+        return ""
+    return ", teacher replica" if replicas == 1 else f", {replicas} teacher replicas (one per teacher)"
 
 
 def format_memory_plan(plan: MemoryPlan) -> str:

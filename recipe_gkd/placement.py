@@ -101,8 +101,9 @@ class PlacementPlan:
         return len(self.ray_gpu_ids(node))
 
     def teacher_gpu_ids(self, node: int, name: str | None = None) -> tuple[int, ...]:
-        """The teacher GPUs of `node`: all teachers', or teacher `name`'s."""
-        return tuple(g for s in self.teacher if s.node == node and name in (None, s.teacher) for g in s.gpu_ids)
+        """The teacher GPUs of `node`: all teachers', or teacher `name`'s (each id once: colocated teachers share)."""
+        ids = (g for s in self.teacher if s.node == node and name in (None, s.teacher) for g in s.gpu_ids)
+        return tuple(dict.fromkeys(ids))
 
     def teacher_only_gpu_ids(self, node: int) -> tuple[int, ...]:
         """The teacher's GPUs on `node` that Ray must not see (none when the roles are colocated)."""
@@ -117,12 +118,15 @@ class PlacementPlan:
         return [s for s in self.role(slot.role) if s.node == slot.node].index(slot)
 
     def shared_gpus(self, node: int) -> dict[int, list[str]]:
-        """GPU id -> the roles on it (`actor 0`, `rollout 0`, `teacher 0`), for GPUs of `node` that hold several."""
+        """GPU id -> the roles on it (`actor 0`, `rollout 0`, `teacher 0`; several teachers: `teacher NAME 0`), for
+        GPUs of `node` that hold several."""
         held: dict[int, list[str]] = {}
+        several = len({s.teacher for s in self.teacher}) > 1
         for s in self.all_slots():
             if s.node == node:
+                label = f"teacher {s.teacher} {s.rank}" if s.role == "teacher" and several else f"{s.role} {s.rank}"
                 for g in s.gpu_ids:
-                    held.setdefault(g, []).append(f"{s.role} {s.rank}")
+                    held.setdefault(g, []).append(label)
         return {g: roles for g, roles in sorted(held.items()) if len(roles) > 1}
 
     def all_slots(self) -> Iterator[Slot]:
@@ -177,17 +181,17 @@ def _teacher_slots(cfg: GKDConfig, leftover: list[list[int]]) -> tuple[Slot, ...
 
 
 def _colocated_plan(cfg: GKDConfig) -> PlacementPlan:
-    """One node: actor rank i and rollout engine i on GPU i; teacher replicas over the same GPUs."""
+    """One node: actor rank i and rollout engine i on GPU i; each local teacher's replicas over the same GPUs
+    (several teachers: every one of them on every GPU, each within its own memory share)."""
     gpus = cfg.cluster.gpus_per_node
     workers = tuple(Slot(role, i, 0, (i,)) for role in ROLES for i in range(gpus))
-    teacher: tuple[Slot, ...] = ()
-    if cfg.teacher.location == TeacherLocation.local:
-        step = cfg.teacher.gpus_per_replica
-        name = next(iter(teacher_sections(cfg)))
-        teacher = tuple(
-            Slot("teacher", n, 0, tuple(range(g, g + step)), name) for n, g in enumerate(range(0, gpus, step))
-        )
-    return PlacementPlan(1, gpus, workers, teacher, colocated=True)
+    teacher: list[Slot] = []
+    for name, section in teacher_sections(cfg).items():
+        if section.location != TeacherLocation.local:
+            continue
+        step = section.gpus_per_replica
+        teacher += [Slot("teacher", n, 0, tuple(range(g, g + step)), name) for n, g in enumerate(range(0, gpus, step))]
+    return PlacementPlan(1, gpus, workers, tuple(teacher), colocated=True)
 
 
 def format_plan(plan: PlacementPlan, env: Mapping[str, str] | None = None) -> str:

@@ -45,7 +45,7 @@ def training_figure(steps: list[dict[str, Any]], evals: list[dict[str, Any]], te
         for name, teacher_key in teachers:
             _line(ax, rows, teacher_key, title, label=f"teacher {name}")
     if teacher_accuracy is not None:
-        axes[2].axhline(teacher_accuracy, color="gray", linestyle="--", label="teacher")
+        axes[2].axhline(teacher_accuracy, color="gray", linestyle="--", label="teacher's own accuracy")
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend()

@@ -131,13 +131,6 @@ def validate_teachers(cfg: GKDConfig) -> None:
                 "teacher its own port",
             )
             bound[section.address] = name
-    if len(sections) > 1:
-        require(
-            not cfg.cluster.colocate,
-            "cluster.colocate",
-            "shares every GPU between one actor rank, one rollout engine and one teacher; with several teachers "
-            "give each its own GPUs (cluster.colocate=false)",
-        )
 
 
 def teacher_gpu_count(section: TeacherConfig) -> int:

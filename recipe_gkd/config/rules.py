@@ -162,8 +162,8 @@ def _validate_gpu_split(cfg: GKDConfig) -> None:
 
 
 def _validate_colocated(cfg: GKDConfig) -> None:
-    """cluster.colocate: actor rank i, rollout engine i and the teacher share GPU i of one node."""
-    c, a, r, t = cfg.cluster, cfg.actor, cfg.rollout, cfg.teacher
+    """cluster.colocate: actor rank i, rollout engine i and the teacher (each teacher) share GPU i of one node."""
+    c, a, r = cfg.cluster, cfg.actor, cfg.rollout
     require(c.nnodes == 1, "cluster.colocate", f"colocated roles run on one node, got cluster.nnodes={c.nnodes}")
     for key, gpus in (("actor.gpus_per_node", a.gpus_per_node), ("rollout.gpus_per_node", r.gpus_per_node)):
         require(
@@ -176,12 +176,16 @@ def _validate_colocated(cfg: GKDConfig) -> None:
         "rollout.tp",
         f"rollout.tp={r.tp}: colocated roles put one rollout engine beside each actor rank (rollout.tp=1)",
     )
-    if t.location == TeacherLocation.local:
-        want = t.replicas * t.gpus_per_replica
+    # Several teachers: each one's replicas span every GPU too, each within its own memory share.
+    for name, section in teachers_config.teacher_sections(cfg).items():
+        if section.location != TeacherLocation.local:
+            continue
+        want = section.replicas * section.gpus_per_replica
+        replicas, per_replica = (teachers_config.teacher_key(cfg, name, f) for f in ("replicas", "gpus_per_replica"))
         require(
             want == c.gpus_per_node,
-            "teacher.replicas",
-            f"teacher.replicas x teacher.gpus_per_replica = {want} but with cluster.colocate the teacher shares "
+            replicas,
+            f"{replicas} x {per_replica} = {want} but with cluster.colocate each teacher shares "
             f"all cluster.gpus_per_node={c.gpus_per_node} GPUs; make them equal",
         )
     # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected").
@@ -211,9 +215,9 @@ def colocated_shares(cfg: GKDConfig) -> dict[str, float]:
     shares = {"actor.gpu_memory_utilization": cfg.actor.gpu_memory_utilization}
     if cfg.rollout.backend == RolloutBackend.vllm:
         shares["rollout.gpu_memory_utilization"] = cfg.rollout.gpu_memory_utilization
-    t = cfg.teacher
-    if t.location == TeacherLocation.local and t.backend.value == "vllm":
-        shares["teacher.gpu_memory_utilization"] = t.gpu_memory_utilization
+    for name, t in teachers_config.teacher_sections(cfg).items():
+        if t.location == TeacherLocation.local and t.backend.value == "vllm":
+            shares[teachers_config.teacher_key(cfg, name, "gpu_memory_utilization")] = t.gpu_memory_utilization
     return shares
 
 

@@ -143,8 +143,9 @@ class ClusterConfig:
     CPU run without GPUs plans on 79 GiB (an 80 GB H100/A100 as torch reports it)."""
     colocate: bool = False
     """Every role on the same GPUs of one node (the first GPU a user meets): actor rank i, rollout engine i and the
-    teacher share GPU i, each within its own memory share (actor.gpu_memory_utilization,
-    rollout.gpu_memory_utilization, teacher.gpu_memory_utilization), set up one after another."""
+    teacher (with teachers: each teacher) share GPU i, each within its own memory share (actor.gpu_memory_utilization,
+    rollout.gpu_memory_utilization, teacher.gpu_memory_utilization or teachers.NAME.gpu_memory_utilization), set up
+    one after another."""
 
 
 @dataclass

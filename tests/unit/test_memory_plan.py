@@ -416,3 +416,56 @@ def test_teacher_output_hidden_counts_the_teacher_head_its_hidden_states_and_the
     assert sorted(added.values()) == sorted(
         [152064 // tp * 3584 * 2, tokens * 3584 * 4, float(memory_plan.HIDDEN_LOSS_CHUNK_BYTES)]
     )
+
+
+def two_colocated_teachers(tmp_path: Path, **shares: float) -> Path:
+    """1x1_colocated.yaml with two vLLM teachers (its teacher twice, named math and code), each with its own share."""
+    import yaml
+
+    preset = yaml.safe_load(COLOCATED.read_text())
+    teacher = preset.pop("teacher")
+    preset["teachers"] = {name: {**teacher, "gpu_memory_utilization": share} for name, share in shares.items()}
+    preset["data"] |= {"teacher_key": "teacher", "default_teacher": next(iter(shares))}
+    path = tmp_path / "two_colocated.yaml"
+    path.write_text(yaml.safe_dump(preset, sort_keys=False))
+    return path
+
+
+def test_two_colocated_teachers_each_share_every_gpu_within_its_own_share(
+    hub_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """cluster.colocate with several teachers: each teacher's replica on every GPU, each its own memory share,
+    all shares planned on the one GPU."""
+    from recipe_gkd.placement import build_plan
+
+    path = two_colocated_teachers(tmp_path, math=0.15, code=0.10)
+    cfg = load_config(path)
+    plan = build_plan(cfg)
+    assert [(s.teacher, s.gpu_ids) for s in plan.teacher] == [("math", (0,)), ("code", (0,))]
+    assert plan.teacher_gpu_ids(0, "code") == plan.teacher_gpu_ids(0) == (0,) and plan.teacher_only_gpu_ids(0) == ()
+    assert plan.shared_gpus(0) == {0: ["actor 0", "rollout 0", "teacher math 0", "teacher code 0"]}
+    assert main(["--config", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    gpu = out[out.index("GPU (colocated") :].splitlines()
+    assert gpu[0].startswith("GPU (colocated: actor rank, rollout engine, 2 teacher replicas (one per teacher)) (x1):")
+    for key, share in (("teachers.math", 0.15), ("teachers.code", 0.10)):
+        line = next(x for x in gpu if f"{share:.2f} x 79.0: {key}.gpu_memory_utilization, the teacher replica" in x)
+        assert float(line.split()[0]) == pytest.approx(share * 79.0, abs=0.01)
+    # Each teacher's vLLM process brings its own CUDA context outside its share.
+    assert sum("teacher math GPU: CUDA context" in x or "teacher code GPU: CUDA context" in x for x in gpu) == 2
+    assert "shares sum to 0.85 of the GPU" in out
+
+
+@pytest.mark.parametrize(
+    ("shares", "overrides", "key"),
+    [
+        ({"math": 0.25, "code": 0.25}, [], "actor.gpu_memory_utilization"),  # 0.4 + 0.2 + 0.25 + 0.25 > 1
+        ({"math": 0.15, "code": 0.10}, ["teachers.code.replicas=2"], "teachers.code.replicas"),
+    ],
+)
+def test_two_colocated_teachers_are_checked_each(
+    tmp_path: Path, shares: dict[str, float], overrides: list[str], key: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(two_colocated_teachers(tmp_path, **shares), overrides)
+    assert err.value.key == key, str(err.value)
