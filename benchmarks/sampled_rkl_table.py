@@ -13,15 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from recipe_gkd.config import load_config, to_yaml
+from demo_runs import REPO, run_demo
 
-REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "runs" / "sampled_rkl_table"
 RESULTS = REPO / "benchmarks" / "results" / "sampled_rkl_table.json"
 SAMPLED = ("algorithm.divergence=sampled_reverse_kl", "teacher.top_k=0")
@@ -88,38 +83,6 @@ def run_dir(row: int, seed: int) -> Path:
     return RUNS / f"row{row}_seed{seed}"
 
 
-def accuracy_curve(overrides: tuple[str, ...], out: Path) -> list[tuple[int, float]] | None:
-    """The run's (step, held-out accuracy) when `out` holds a finished run of exactly this config."""
-    cfg = load_config(None, [*overrides, f"trainer.run_dir={out}"])
-    resolved, evals = out / "resolved_config.yaml", out / "eval.jsonl"
-    if not (resolved.is_file() and evals.is_file()) or resolved.read_text() != to_yaml(cfg):
-        return None
-    rows = [json.loads(line) for line in evals.read_text().splitlines()]
-    if not rows or rows[-1]["step"] != cfg.trainer.total_steps:
-        return None
-    return [(r["step"], r["eval_reward"]) for r in rows]
-
-
-def run(overrides: tuple[str, ...], out: Path) -> list[tuple[int, float]]:
-    """One demo CLI run (reused when finished before); its accuracy curve."""
-    curve = accuracy_curve(overrides, out)
-    if curve is not None:
-        return curve
-    if out.exists():
-        subprocess.run(["rm", "-rf", str(out)], check=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "recipe_gkd.main", *overrides, f"trainer.run_dir={out}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    start = time.monotonic()
-    with (out.parent / f"{out.name}.log").open("w") as log:
-        subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=1800)
-    print(f"  {out.name}: {time.monotonic() - start:.0f} s", flush=True)
-    curve = accuracy_curve(overrides, out)
-    if curve is None:
-        raise RuntimeError(f"{out} did not finish; see {out.parent / (out.name + '.log')}")
-    return curve
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="*", help="run every row with these seeds (default: each row's)")
@@ -130,7 +93,7 @@ def main() -> None:
         if args.only and index not in args.only:
             continue
         for seed in args.seeds or seeds:
-            curve = run((*overrides, f"data.seed={seed}"), run_dir(index, seed))
+            curve, _ = run_demo((*overrides, f"data.seed={seed}"), run_dir(index, seed))
             results.append({"row": index, "name": name, "overrides": list(overrides), "seed": seed, "curve": curve})
     start = results[0]["curve"][0][1]
     print(

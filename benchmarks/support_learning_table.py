@@ -13,15 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from recipe_gkd.config import load_config, to_yaml
+from demo_runs import REPO, run_demo
 
-REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "runs" / "support_learning_table"
 RESULTS = REPO / "benchmarks" / "results" / "support_learning_table.json"
 SUPPORTS: list[tuple[str, tuple[str, ...]]] = [
@@ -40,39 +35,6 @@ def run_dir(row: int, seed: int) -> Path:
     return RUNS / f"row{row}_seed{seed}"
 
 
-def accuracy_curve(overrides: tuple[str, ...], out: Path) -> list[tuple[int, float]] | None:
-    """The run's (step, held-out accuracy) when `out` holds a finished run of exactly this config."""
-    cfg = load_config(None, [*overrides, f"trainer.run_dir={out}"])
-    resolved, evals = out / "resolved_config.yaml", out / "eval.jsonl"
-    if not (resolved.is_file() and evals.is_file()) or resolved.read_text() != to_yaml(cfg):
-        return None
-    rows = [json.loads(line) for line in evals.read_text().splitlines()]
-    if not rows or rows[-1]["step"] != cfg.trainer.total_steps:
-        return None
-    return [(r["step"], r["eval_reward"]) for r in rows]
-
-
-def run(overrides: tuple[str, ...], out: Path) -> tuple[list[tuple[int, float]], float | None]:
-    """One demo CLI run (reused when finished before); its accuracy curve and wall time (None when reused)."""
-    curve = accuracy_curve(overrides, out)
-    if curve is not None:
-        return curve, None
-    if out.exists():
-        subprocess.run(["rm", "-rf", str(out)], check=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "recipe_gkd.main", *overrides, f"trainer.run_dir={out}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    start = time.monotonic()
-    with (out.parent / f"{out.name}.log").open("w") as log:
-        subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=1800)
-    wall = time.monotonic() - start
-    print(f"  {out.name}: {wall:.0f} s", flush=True)
-    curve = accuracy_curve(overrides, out)
-    if curve is None:
-        raise RuntimeError(f"{out} did not finish; see {out.parent / (out.name + '.log')}")
-    return curve, wall
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="*", default=[1, 2], help="data.seed values (default: 1 2)")
@@ -83,7 +45,7 @@ def main() -> None:
         for index, (name, overrides) in enumerate(ROWS):
             if args.only and index not in args.only:
                 continue
-            curve, wall = run((*overrides, f"data.seed={seed}"), run_dir(index, seed))
+            curve, wall = run_demo((*overrides, f"data.seed={seed}"), run_dir(index, seed))
             results.append(
                 {"row": index, "name": name, "overrides": list(overrides), "seed": seed, "curve": curve, "wall_s": wall}
             )

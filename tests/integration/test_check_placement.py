@@ -13,12 +13,23 @@ from recipe_gkd.config import CONFIG_DIR, load_config
 from recipe_gkd.placement import build_plan
 
 FAKE = ["cluster.fake_gpus=true", "cluster.ray_address=null", "cluster.placement_timeout_s=60"]
-# cpu_paper.yaml has cpu_demo.yaml's cluster section: one of the two is enough.
-MULTI_GPU = [
-    p
-    for p in sorted((CONFIG_DIR / "presets").glob("*.yaml"))
-    if load_config(p).cluster.gpus_per_node > 1 and p.name != "cpu_paper.yaml"
-]
+
+
+def _distinct_placements() -> list[Path]:
+    """The multi-GPU presets, one per distinct (cluster shape, planned workers, several teachers or one):
+    presets that differ only in what the workers run (cpu_demo.yaml and its sampled-objective and paper
+    variants) place the same."""
+    seen: dict[tuple[object, ...], Path] = {}
+    for path in sorted((CONFIG_DIR / "presets").glob("*.yaml")):
+        cfg = load_config(path, FAKE)
+        if cfg.cluster.gpus_per_node > 1:
+            workers = tuple((s.role, s.rank, s.node, s.cuda_visible_devices) for s in build_plan(cfg).workers)
+            key = (cfg.cluster.nnodes, cfg.cluster.gpus_per_node, cfg.cluster.colocate, workers, bool(cfg.teachers))
+            seen.setdefault(key, path)
+    return list(seen.values())
+
+
+MULTI_GPU = _distinct_placements()
 
 
 def _check(path: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -78,8 +78,8 @@ def run_cli(
         "actor.micro_batch_size=4",
         "rollout.sampling.max_new_tokens=6",
         "teacher.address=tcp://127.0.0.1:0",
-        # The autostarted server has teacher.timeout_s to be READY: on 2 busy cores beside 6 Ray workers
-        # starting, the preset's 60 s was once not enough (a test's own override still wins).
+        # Requests on 2 busy cores beside 6 Ray workers may wait longer than the preset's 60 s
+        # (a test's own override still wins).
         "teacher.timeout_s=180",
         f"trainer.run_dir={run_dir}",
         *overrides,

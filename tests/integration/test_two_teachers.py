@@ -28,8 +28,8 @@ STEPS = 3
 def _cmd(run_dir: Path, *overrides: str) -> list[str]:
     import sys
 
-    # Each autostarted server has its timeout_s to be READY: two of them beside the Ray workers on 2 busy
-    # cores may take longer than the preset's 60 s (a test's own override still wins).
+    # Requests of two teachers beside the Ray workers on 2 busy cores may wait longer than the preset's 60 s
+    # (a test's own override still wins).
     ready = ["teachers.reverse.timeout_s=180", "teachers.sum.timeout_s=180"]
     return [
         sys.executable,
