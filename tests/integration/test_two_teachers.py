@@ -51,41 +51,6 @@ def _record_teachers() -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_teacher_preset_scores_each_record_by_its_teacher(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    tag = uuid.uuid4().hex
-    cmd = _cmd(run_dir, f"trainer.total_steps={STEPS}", f"trainer.eval_every={STEPS}", "data.eval_batch_size=20")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env_with(tag), check=False)
-    assert not wait_gone(tag), "the run left processes behind"
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "teacher 'reverse' server autostarted" in proc.stdout and "teacher 'sum' server autostarted" in proc.stdout
-    expected = _record_teachers()
-    rows = read_metrics(run_dir)
-    assert len(rows) == STEPS
-    seen = set()
-    for row in rows:
-        # The trained batch's sequences, each with the teacher that scored it.
-        assert row["sample_teachers"] == [expected[i] for i in row["sample_ids"]]
-        for name in ("reverse", "sum"):
-            assert row[f"teacher_{name}_sequences"] == row["sample_teachers"].count(name)
-        # The actor's loss over each teacher's tokens; weighted by their tokens, the step's loss.
-        present = [n for n in ("reverse", "sum") if row[f"teacher_{n}_sequences"]]
-        tokens = {n: row[f"teacher_{n}_response_tokens"] for n in present}
-        mixed = sum(row[f"teacher_{n}_loss"] * t for n, t in tokens.items()) / sum(tokens.values())
-        assert mixed == pytest.approx(row["loss"], rel=1e-5)
-        assert all(row[f"teacher_{n}_kl"] == row[f"teacher_{n}_loss"] for n in present)  # forward KL: the loss
-        seen |= set(row["sample_teachers"])
-    assert seen == {"reverse", "sum"}
-    # Held-out KL per teacher: over each teacher's own sequences; weighted by their tokens, the whole figure.
-    for row in read_metrics(run_dir, "eval.jsonl"):
-        tokens = {n: row[f"eval_teacher_{n}_response_tokens"] for n in ("reverse", "sum")}
-        assert row["eval_teacher_reverse_sequences"] == row["eval_teacher_sum_sequences"] == 10
-        mixed = sum(row[f"eval_teacher_{n}_kl"] * t for n, t in tokens.items()) / sum(tokens.values())
-        assert mixed == pytest.approx(row["eval_teacher_kl"], rel=1e-5)
-        assert row["eval_teacher_reverse_kl"] != pytest.approx(row["eval_teacher_sum_kl"], rel=1e-2)
-
-
-@pytest.mark.slow
 def test_one_teacher_down_for_good_stops_naming_it(tmp_path: Path) -> None:
     address = f"tcp://127.0.0.1:{_free_port()}"
     # The `sum` teacher on the preset's GPU 3, started here; `reverse` autostarted by the run.
@@ -126,22 +91,58 @@ def test_one_teacher_down_for_good_stops_naming_it(tmp_path: Path) -> None:
     assert list_checkpoints(run_dir), "no checkpoint written when the teacher went down"
 
 
+def _check_each_record_scored_by_its_teacher(run_dir: Path) -> None:
+    """Every trained sequence went to its record's teacher; the per-teacher losses and held-out KLs add up."""
+    expected = _record_teachers()
+    seen = set()
+    for row in read_metrics(run_dir):
+        # The trained batch's sequences, each with the teacher that scored it.
+        assert row["sample_teachers"] == [expected[i] for i in row["sample_ids"]]
+        for name in ("reverse", "sum"):
+            assert row[f"teacher_{name}_sequences"] == row["sample_teachers"].count(name)
+        # The actor's loss over each teacher's tokens; weighted by their tokens, the step's loss.
+        present = [n for n in ("reverse", "sum") if row[f"teacher_{n}_sequences"]]
+        tokens = {n: row[f"teacher_{n}_response_tokens"] for n in present}
+        mixed = sum(row[f"teacher_{n}_loss"] * t for n, t in tokens.items()) / sum(tokens.values())
+        assert mixed == pytest.approx(row["loss"], rel=1e-5)
+        assert all(row[f"teacher_{n}_kl"] == row[f"teacher_{n}_loss"] for n in present)  # forward KL: the loss
+        seen |= set(row["sample_teachers"])
+    assert seen == {"reverse", "sum"}
+    # Held-out KL per teacher: over each teacher's own sequences; weighted by their tokens, the whole figure.
+    evals = read_metrics(run_dir, "eval.jsonl")
+    assert evals, "no held-out evaluation"
+    for row in evals:
+        tokens = {n: row[f"eval_teacher_{n}_response_tokens"] for n in ("reverse", "sum")}
+        assert row["eval_teacher_reverse_sequences"] == row["eval_teacher_sum_sequences"] == 10
+        mixed = sum(row[f"eval_teacher_{n}_kl"] * t for n, t in tokens.items()) / sum(tokens.values())
+        assert mixed == pytest.approx(row["eval_teacher_kl"], rel=1e-5)
+        assert row["eval_teacher_reverse_kl"] != pytest.approx(row["eval_teacher_sum_kl"], rel=1e-2)
+
+
 @pytest.mark.slow
-def test_a_resumed_two_teacher_run_keeps_every_records_teacher_and_trains_it_once(tmp_path: Path) -> None:
+def test_the_preset_scores_each_record_by_its_teacher_and_a_resume_keeps_them(tmp_path: Path) -> None:
+    """The two-teacher preset for 3 steps, then the same command to 6 resumes from its checkpoint: every record is
+    scored by the teacher it names, trained once across the resume."""
     run_dir = tmp_path / "run"
-    for steps in (3, 6):  # the second command resumes from the first one's checkpoint at step 3
+    for steps in (STEPS, 2 * STEPS):  # the second command resumes from the first one's checkpoint at step 3
         tag = uuid.uuid4().hex
-        cmd = _cmd(run_dir, f"trainer.total_steps={steps}", "trainer.eval_every=0", "trainer.save_every=3")
+        cmd = _cmd(
+            run_dir,
+            f"trainer.total_steps={steps}",
+            f"trainer.eval_every={STEPS}",
+            "data.eval_batch_size=20",
+            f"trainer.save_every={STEPS}",
+        )
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env_with(tag), check=False
         )
         assert not wait_gone(tag), "the run left processes behind"
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        assert "teacher 'reverse' server autostarted" in proc.stdout
+        assert "teacher 'sum' server autostarted" in proc.stdout
     assert "resuming from checkpoint" in proc.stdout
-    expected = _record_teachers()
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 7))
-    for row in rows:
-        assert row["sample_teachers"] == [expected[i] for i in row["sample_ids"]]
+    assert [r["step"] for r in rows] == list(range(1, 2 * STEPS + 1))
+    _check_each_record_scored_by_its_teacher(run_dir)
     trained = [i for row in rows for i in row["sample_ids"]]
     assert len(trained) == len(set(trained)), "a prompt was trained twice across the resume"
