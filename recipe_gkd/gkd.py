@@ -35,7 +35,14 @@ from recipe_gkd import checkpoint, console
 from recipe_gkd.batch import RolloutStats, actor_rank_of
 from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, TeacherOutput, to_dict, weight_transport
 from recipe_gkd.divergence_watch import DIVERGENCE_FILE, DivergenceWatch
-from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics, teacher_columns
+from recipe_gkd.metrics import (
+    EVAL_FILE,
+    MetricsLogger,
+    alignment_columns,
+    process_memory_mb,
+    read_metrics,
+    teacher_columns,
+)
 from recipe_gkd.placement import PlacementPlan
 from recipe_gkd.plots import before_after_table, plot_run
 from recipe_gkd.pools import Pending, Pools, RolloutPool, ShardHandle
@@ -459,6 +466,7 @@ def step_row(
         "sync_check_s": sync.get("sync_check_s"),
         "step_s": step_s,
         **teacher_columns(rollout.stats, ""),
+        **alignment_columns(rollout.stats),
         "sample_ids": sorted(i for s in rollout.stats for i in s.sample_ids),
         # Several teachers: the teacher that scored each of sample_ids (same order).
         **sample_teachers(rollout.stats),

@@ -28,6 +28,7 @@ import numpy as np
 import zmq
 
 from teacher_server import protocol as P
+from teacher_server.conversation import Conversation
 
 if TYPE_CHECKING:
     from teacher_server.config import TeacherConfig
@@ -36,6 +37,8 @@ PING_INTERVAL_S = 1.0
 BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 # Bytes kept free in each request for its header.
 HEADER_ALLOWANCE = 64 << 10
+# Text per text request (it travels in the header, which the server caps at P.MAX_HEADER_BYTES; UTF-8 <= 4 x chars).
+TEXT_CHUNK_BYTES = P.MAX_HEADER_BYTES // 2
 
 
 class TeacherError(RuntimeError):
@@ -194,6 +197,41 @@ class TeacherClient:
         temp = self.temperature if temperature is None else temperature
         requests = [self._chunk_frames(arrays, score_from, lo, hi, k, temp, replica, named_ids) for lo, hi in chunks]
         batches = self._run(requests, P.TopKBatch)
+        return [part for batch in batches for part in batch.split()]
+
+    def score_conversations(self, conversations: Sequence[Conversation]) -> list[P.TeacherTopK]:
+        """The teacher's scores of each conversation's response in the teacher's own tokens (algorithm.cross_tokenizer):
+        the server renders them (teacher_server/conversation.py); each result also carries its token ids and their
+        byte ranges in the response text. A conversation the teacher cannot render raises TeacherMismatchError.
+        """
+        if not conversations:
+            return []
+        self.server or self.connect()
+        # Text travels in the header: chunks of at most TEXT_CHUNK_BYTES of text (the header limit is 1 MiB).
+        sizes = [
+            len(c.prompt) + len(c.response) + sum(len(m.get("content", "")) for m in c.messages) for c in conversations
+        ]
+        chunks = split_balanced([max(1, 4 * n) for n in sizes], self.max_inflight, TEXT_CHUNK_BYTES)
+        requests = [
+            P.request_frames(
+                0,
+                [],
+                [],
+                top_k=self.top_k,
+                temperature=self.temperature,
+                logprob_dtype=self.logprob_dtype,
+                id_encoding=self.id_encoding,
+                auth=self._auth,
+                conversations=list(conversations[lo:hi]),
+            )
+            for lo, hi in chunks
+        ]
+        try:
+            batches = self._run(requests, P.TopKBatch)
+        except TeacherRequestError as err:
+            if err.code == P.ErrorCode.RENDER:
+                raise TeacherMismatchError(str(err)) from None
+            raise
         return [part for batch in batches for part in batch.split()]
 
     def stats(self) -> P.StatsReply:

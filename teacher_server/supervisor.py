@@ -130,6 +130,7 @@ class Supervisor:
                 gpus=len(slot.gpu_ids) or 1,
                 gpu_memory_utilization=t.gpu_memory_utilization,
                 max_model_len=t.max_model_len,
+                chat_template=t.chat_template,
             ),
             gpu_ids=list(slot.gpu_ids),
             secret_file=t.secret_file,

@@ -49,6 +49,8 @@ class BackendOptions:
     # vllm: share of each GPU's memory for weights + KV cache; longest scored sequence (0: the model's).
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 0
+    # A Jinja chat template file that text requests are rendered with instead of the tokenizer's own (teacher.chat_template).
+    chat_template: str = ""
 
 
 class Backend(Protocol):
