@@ -150,5 +150,7 @@ def span_advantage_inputs(
     inside_BT = (span_len_BT >= 0) & (first_BT >= 0) & loss_mask_BT.bool()
     rollout_sum_BT = span_sums(torch.where(inside_BT, rollout_logprobs_BT, 0.0), span_len_BT)
     advantage_BT = (teacher_span_BT - rollout_sum_BT).gather(1, first_BT.clamp(min=0))
-    teacher_BT = torch.where(inside_BT, rollout_logprobs_BT + advantage_BT, torch.zeros_like(rollout_logprobs_BT))
+    # A one-token span keeps the teacher's own logprob: bit for bit the same-tokenizer inputs.
+    spread_BT = torch.where(span_len_BT == 1, teacher_span_BT, rollout_logprobs_BT + advantage_BT)
+    teacher_BT = torch.where(inside_BT, spread_BT, torch.zeros_like(rollout_logprobs_BT))
     return teacher_BT, inside_BT
