@@ -265,8 +265,8 @@ class TeacherClient:
         if self.expect_tokenizer_hash is not None and reply.tokenizer_hash != self.expect_tokenizer_hash:
             raise TeacherMismatchError(
                 f"the teacher's tokenizer (hash {reply.tokenizer_hash[:12] or 'none'}) differs from the student's "
-                f"({self.expect_tokenizer_hash[:12]}): teacher.model_path and model.tokenizer_path (or "
-                "model.student_path) must use the same tokenizer"
+                f"({self.expect_tokenizer_hash[:12]}): set algorithm.cross_tokenizer=span (or uld) to distill across "
+                "tokenizers, or use one tokenizer for teacher.model_path and model.tokenizer_path (or model.student_path)"
             )
         if self.top_k > reply.max_top_k:
             raise TeacherMismatchError(f"teacher.top_k={self.top_k} exceeds the server's max_top_k={reply.max_top_k}")

@@ -3,6 +3,8 @@ teacher's rendering of a conversation in its own template (algorithm.cross_token
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -44,7 +46,7 @@ def _check_spans(spans: list[Span], s_offsets: np.ndarray, t_offsets: np.ndarray
     """Spans tile both sides in order, cover equal bytes, and are minimal (no shared boundary inside)."""
     assert [s.t_lo for s in spans] == [0] + [s.t_hi for s in spans[:-1]]
     assert (spans[-1].t_hi if spans else 0) == n_teacher
-    for a, b in zip(spans, spans[1:], strict=False):
+    for a, b in itertools.pairwise(spans):
         assert a.s_hi == b.s_lo
     for span in spans:
         s_lo, s_hi = s_offsets[span.s_lo, 0], s_offsets[span.s_hi - 1, 1]
@@ -132,12 +134,12 @@ def test_teacher_renders_with_its_own_template_and_system_prompt(toks: dict) -> 
 
 def test_a_teacher_that_cannot_render_names_the_key(toks: dict) -> None:
     teacher = toks["llama3"]
-    with pytest.raises(RenderError, match="teacher.chat_template"):
+    with pytest.raises(RenderError, match=r"teacher\.chat_template"):
         Renderer(teacher).render(Conversation([{"role": "tool", "content": "x"}], "", "y", False))
     bare = toks["chatml"]
     template, bare.chat_template = bare.chat_template, None
     try:
-        with pytest.raises(RenderError, match="teacher.chat_template"):
+        with pytest.raises(RenderError, match=r"teacher\.chat_template"):
             Renderer(bare).render(Conversation([{"role": "user", "content": "x"}], "", "y", False))
         # teacher.chat_template supplies one.
         rendered = Renderer(bare, template).render(Conversation([{"role": "user", "content": "x"}], "", "y", False))
@@ -153,5 +155,5 @@ def test_a_tokenizer_that_is_not_byte_level_is_refused_naming_the_key() -> None:
     core = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
     core.decoder = decoders.WordPiece()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]")
-    with pytest.raises(ValueError, match="teacher.model_path"):
+    with pytest.raises(ValueError, match=r"teacher\.model_path"):
         token_byte_table(tok, "teacher.model_path")
