@@ -37,11 +37,16 @@ class CrossTokenizerScorer:
         self.teacher = teacher
         self.top_k = top_k
         self.data = data
-        self.student_table, _ = token_byte_table(student_tokenizer, "model.student_path")
-        teacher_table, _ = token_byte_table(teacher_tokenizer, "teacher.model_path")
+        self.student_table, student_controls = token_byte_table(student_tokenizer, "model.student_path")
+        teacher_table, teacher_controls = token_byte_table(teacher_tokenizer, "teacher.model_path")
         self.student_eos = student_tokenizer.eos_token_id
         self.mapping = vocabulary_map(
-            self.student_table, teacher_table, self.student_eos, teacher_tokenizer.eos_token_id
+            self.student_table,
+            teacher_table,
+            self.student_eos,
+            teacher_tokenizer.eos_token_id,
+            _names(student_tokenizer, student_controls),
+            _names(teacher_tokenizer, teacher_controls),
         )
 
     @classmethod
@@ -87,3 +92,13 @@ class CrossTokenizerScorer:
         close = getattr(self.teacher, "close", None)
         if close is not None:
             close()
+
+
+def _names(tokenizer: Any, ids: frozenset[int]) -> dict[str, int]:
+    """The control tokens' names (e.g. "<|im_end|>") -> their ids (ids the tokenizer has a name for)."""
+    names = {}
+    for i in sorted(ids):
+        name = tokenizer.convert_ids_to_tokens(i)
+        if isinstance(name, str):
+            names.setdefault(name, i)
+    return names

@@ -51,9 +51,12 @@ def vocabulary_map(
     teacher_table: list[bytes | None],
     student_eos: int | None,
     teacher_eos: int | None,
+    student_controls: dict[str, int] | None = None,
+    teacher_controls: dict[str, int] | None = None,
 ) -> np.ndarray:
     """teacher id -> the student id of the same piece (same bytes), FOLDED_BASE where the student has none;
-    the teacher's end of turn maps to the student's EOS."""
+    a control (special) token -> the student's control token of the same name; the teacher's end of turn
+    maps to the student's EOS."""
     by_bytes: dict[bytes, int] = {}
     for i, piece in enumerate(student_table):
         if piece is not None:
@@ -62,6 +65,9 @@ def vocabulary_map(
     for t_id, piece in enumerate(teacher_table):
         if piece is not None and piece in by_bytes:
             mapping[t_id] = by_bytes[piece]
+    for name, t_id in (teacher_controls or {}).items():
+        if name in (student_controls or {}) and t_id < len(mapping):
+            mapping[t_id] = (student_controls or {})[name]
     if student_eos is not None and teacher_eos is not None and teacher_eos < len(mapping):
         mapping[teacher_eos] = student_eos
     return mapping

@@ -56,7 +56,9 @@ def build(out: Path, force: bool = False) -> dict[str, Any]:
     start = time.perf_counter()
     model_dir = out / "teacher"
     with deterministic_torch():
-        build_tiny_causal_lm(model_dir, seed=XTOK_TEACHER.init_seed, spec=XTOK_TEACHER.spec, tokenizer_kind=TOKENIZER_KIND)
+        build_tiny_causal_lm(
+            model_dir, seed=XTOK_TEACHER.init_seed, spec=XTOK_TEACHER.spec, tokenizer_kind=TOKENIZER_KIND
+        )
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -203,3 +203,60 @@ def test_sampled_advantage_is_the_spans() -> None:
     # An unaligned token leaves the loss.
     _, kept = span_advantage_inputs(teacher_span, rollout, torch.tensor([[1, -1, 1, 1, 1, 1]]), mask)
     assert kept.tolist() == [[True, False, True, True, True, True]]
+
+
+class _InProcessTeacher:
+    """The server's text path in this process: the replica's rendering, then the hf backend."""
+
+    def __init__(self, model_dir) -> None:
+        from transformers import AutoTokenizer
+
+        from teacher_server.backends import BackendOptions, load_backend
+        from teacher_server.conversation import Renderer
+
+        self.renderer = Renderer(AutoTokenizer.from_pretrained(model_dir))
+        self.backend = load_backend("hf", BackendOptions(str(model_dir), max_top_k=64))
+
+    def score_conversations(self, conversations):
+        import dataclasses
+
+        from teacher_server.backends import parsed_request
+
+        out = []
+        for conversation in conversations:
+            r = self.renderer.render(conversation)
+            scored = self.backend.score(parsed_request([r.ids], [r.score_from], top_k=8)).split()[0]
+            out.append(dataclasses.replace(scored, token_ids=r.ids[r.score_from :], byte_offsets=r.byte_offsets))
+        return out
+
+
+def test_the_route_with_one_tokenizer_gives_the_same_tokenizer_arrays(tiny_model_dir) -> None:
+    """Through the text route (render, score, align, map) a teacher of the student's own tokenizer gives exactly the
+    arrays the token-id route gives: with the loss test above, the same loss."""
+    from transformers import AutoTokenizer
+
+    from recipe_gkd.config import load_config
+    from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
+    from recipe_gkd.data import encode_prompt
+    from teacher_server.backends import parsed_request
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    data = load_config(None, []).data
+    teacher = _InProcessTeacher(tiny_model_dir)
+    records = [{"prompt": "rev:hello"}, {"prompt": "rev:abc"}]
+    responses = [tok("olleh", add_special_tokens=False)["input_ids"] + [tok.eos_token_id], tok("cb a")["input_ids"]]
+    prompts = [encode_prompt(tok, r, "prompt", True) for r in records]
+    sequences = [np.asarray(p + r, dtype=np.int32) for p, r in zip(prompts, responses, strict=True)]
+    starts = [len(p) for p in prompts]
+    route = CrossTokenizerScorer(teacher, tok, tok, 8, data)
+    crossed = route.score_records(sequences, starts, records)
+    # One sequence per forward on both routes (a padded batch rounds differently).
+    direct = [
+        teacher.backend.score(parsed_request([q], [f], top_k=8)).split()[0]
+        for q, f in zip(sequences, starts, strict=True)
+    ]
+    for c, d, response in zip(crossed, direct, responses, strict=True):
+        assert c.span_len.tolist() == [1] * len(response)
+        for field in ("topk_logprobs", "topk_ids", "tail_logmass", "sampled_logprob"):
+            assert np.array_equal(getattr(c, field), getattr(d, field)), field
+        assert c.counts["shared_spans"] == c.counts["spans"] == len(response)
