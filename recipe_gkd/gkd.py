@@ -33,7 +33,7 @@ import numpy as np
 
 from recipe_gkd import checkpoint, console
 from recipe_gkd.batch import RolloutStats, actor_rank_of
-from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, TeacherOutput, to_dict, weight_transport
+from recipe_gkd.config import PIPELINE_DEPTH, CrossTokenizer, GKDConfig, TeacherOutput, to_dict, weight_transport
 from recipe_gkd.divergence_watch import DIVERGENCE_FILE, DivergenceWatch
 from recipe_gkd.metrics import (
     EVAL_FILE,
@@ -506,8 +506,10 @@ def sampled_reverse_kl(cfg: GKDConfig, stats: list[RolloutStats]) -> float | Non
 
 
 def _sends_topk(cfg: GKDConfig) -> bool:
-    """Whether the teacher's replies carry a top-k (and so a top-k mass to report)."""
-    return cfg.teacher.top_k > 0 and cfg.teacher.output == TeacherOutput.topk
+    """Whether the teacher's replies carry a top-k over the student's vocabulary (and so a top-k mass to report);
+    across tokenizers (algorithm.cross_tokenizer) they do only on shared spans."""
+    plain = cfg.algorithm.cross_tokenizer == CrossTokenizer.none
+    return cfg.teacher.top_k > 0 and cfg.teacher.output == TeacherOutput.topk and plain
 
 
 def _ratio(stats: list[RolloutStats], numerator: str, denominator: str) -> float | None:

@@ -164,7 +164,9 @@ BAD_VALUES = [
 
 
 def test_cross_tokenizer_needs_one_tensor_parallel_rank() -> None:
-    err = _error(["algorithm.cross_tokenizer=span", "actor.megatron.tp=2"], CONFIG_DIR / "presets" / "1x8_a2_r2_t4.yaml")
+    err = _error(
+        ["algorithm.cross_tokenizer=span", "actor.megatron.tp=2"], CONFIG_DIR / "presets" / "1x8_a2_r2_t4.yaml"
+    )
     assert err.key == "actor.megatron.tp" and "one tensor-parallel rank" in str(err), str(err)
 
 
