@@ -26,7 +26,7 @@ from recipe_gkd.losses import (
     gkd_loss_sum,
     hidden_gkd_loss_sum,
     sampled_reverse_kl_loss_sum,
-    span_advantage_inputs,
+    span_advantages,
     vocab_parallel_gkd_loss_sum,
 )
 
@@ -99,21 +99,21 @@ class ActorObjective:
         """The sampled-token reverse-KL surrogate's sum over the loss tokens and its logged statistics."""
         logits_BTv = logits_BTv[..., self.vocab_shard]
         tp = self.layout.tp_size > 1
-        teacher_BT, mask_BT = micro.teacher_sampled_BT, micro.loss_mask_BT
+        mask_BT, advantage = micro.loss_mask_BT, {}
         if micro.span_len_BT is not None:  # algorithm.cross_tokenizer: each token's advantage is its span's
-            teacher_BT, mask_BT = span_advantage_inputs(
-                teacher_BT, micro.rollout_logprobs_BT, micro.span_len_BT, mask_BT
-            )
+            spans = span_advantages(micro.teacher_sampled_BT, micro.rollout_logprobs_BT, micro.span_len_BT, mask_BT)
+            advantage, mask_BT = {"advantage": spans[0], "advantage_mask": spans[1]}, spans[2]
         loss_sum, _, stats = sampled_reverse_kl_loss_sum(
             logits_BTv,
             micro.target_ids_BT,
             micro.rollout_logprobs_BT,
-            teacher_BT,
+            micro.teacher_sampled_BT,
             mask_BT,
             ratio_clip=self.cfg.algorithm.ratio_clip,
             vocab_start=self.vocab_start if tp else 0,
             vocab_size=self.vocab_size if tp else None,
             group=self.tp_group if tp else None,
+            **advantage,
         )
         sums = torch.stack([stats.advantage_sum, stats.ratio_sum, stats.clipped])
         return loss_sum, {"policy_sums": sums, "policy_extremes": torch.stack([stats.ratio_max, -stats.ratio_min])}

@@ -15,7 +15,7 @@
 """
 
 from recipe_gkd.losses.checks import DIVERGENCES, LOGPROB_SLACK, Divergence
-from recipe_gkd.losses.cross_tokenizer import cross_tokenizer_loss_sum, span_advantage_inputs
+from recipe_gkd.losses.cross_tokenizer import cross_tokenizer_loss_sum, span_advantages
 from recipe_gkd.losses.hidden import hidden_chunk_size, hidden_gkd_loss_sum
 from recipe_gkd.losses.sampled import SampledKLStats, sampled_reverse_kl_loss_sum
 from recipe_gkd.losses.student_logits import DEFAULT_CHUNK_BYTES, default_chunk_size
@@ -41,7 +41,7 @@ __all__ = [
     "hidden_chunk_size",
     "hidden_gkd_loss_sum",
     "sampled_reverse_kl_loss_sum",
-    "span_advantage_inputs",
+    "span_advantages",
     "topk_divergence",
     "vocab_parallel_gkd_loss_sum",
 ]

@@ -20,6 +20,8 @@ span's first position. Per span, one of:
   the first token's distribution times the probability of the span's later tokens (GOLD's "observed"
   merge, `_merge_probabilities_with_alignment_groups`).
 
+The sampled-token reverse KL takes each token's advantage from its span (`span_advantages`).
+
 The sum is over spans; divide by the response token count like every loss here (tokens inside a span or
 unaligned add nothing). With identical tokenizers every span is shared and one token long: the loss is the
 same-tokenizer top-k loss (tests/unit/test_cross_tokenizer_loss.py).
@@ -137,12 +139,13 @@ def uld_distance(student_logprobs_MV: Tensor, teacher_topk_logprobs_MK: Tensor) 
     return (student_MK - teacher_MK).abs().sum(dim=-1)
 
 
-def span_advantage_inputs(
+def span_advantages(
     teacher_span_BT: Tensor, rollout_logprobs_BT: Tensor, span_len_BT: Tensor, loss_mask_BT: Tensor
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """The sampled-token reverse KL across tokenizers: each student token's advantage is its span's,
-    log t(span) - log s_old(span). Returns (teacher logprobs, loss mask) to hand to
-    sampled_reverse_kl_loss_sum so that its per-token advantage teacher - rollout is the span's; unaligned
+    log t(span) - log s_old(span). Returns (advantage, where to use it, loss mask) for
+    sampled_reverse_kl_loss_sum's `advantage` / `advantage_mask`: tokens of multi-token spans take the span's;
+    one-token spans keep the loss's own log t - log s_old (bit for bit the same-tokenizer step); unaligned
     tokens leave the mask. A dataset response's NaN rollout logprobs stay NaN (that loss refuses them)."""
     batch, seq = span_len_BT.shape
     positions_BT = torch.arange(seq, device=span_len_BT.device).expand(batch, seq)
@@ -150,7 +153,5 @@ def span_advantage_inputs(
     inside_BT = (span_len_BT >= 0) & (first_BT >= 0) & loss_mask_BT.bool()
     rollout_sum_BT = span_sums(torch.where(inside_BT, rollout_logprobs_BT, 0.0), span_len_BT)
     advantage_BT = (teacher_span_BT - rollout_sum_BT).gather(1, first_BT.clamp(min=0))
-    # A one-token span keeps the teacher's own logprob: bit for bit the same-tokenizer inputs.
-    spread_BT = torch.where(span_len_BT == 1, teacher_span_BT, rollout_logprobs_BT + advantage_BT)
-    teacher_BT = torch.where(inside_BT, spread_BT, torch.zeros_like(rollout_logprobs_BT))
-    return teacher_BT, inside_BT
+    length_BT = span_len_BT.gather(1, first_BT.clamp(min=0))
+    return advantage_BT, inside_BT & (length_BT > 1), inside_BT

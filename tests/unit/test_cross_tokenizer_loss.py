@@ -16,7 +16,7 @@ from recipe_gkd.losses import (
     cross_tokenizer_loss_sum,
     gkd_loss_sum,
     sampled_reverse_kl_loss_sum,
-    span_advantage_inputs,
+    span_advantages,
 )
 from teacher_server.protocol import TeacherTopK
 
@@ -181,27 +181,41 @@ def test_loss_matches_an_independent_float64_reference(divergence: str, beta: fl
 
 def test_sampled_advantage_is_the_spans() -> None:
     gen = torch.Generator().manual_seed(1)
-    rollout = -torch.rand(1, 6, generator=gen, dtype=torch.float64)
+    # Near-certain student tokens (s_old ~ 1) and a span the teacher likes more: a positive advantage, which no
+    # per-token "teacher logprob" rollout + A <= 0 could carry (the demo run found that).
+    rollout = -torch.rand(1, 6, generator=gen, dtype=torch.float64) * 0.01 - torch.tensor([[0, 0, 0, 2.0, 1.5, 0]])
     span_len = torch.tensor([[2, 0, 1, 3, 0, 0]])
     teacher_span = torch.tensor([[-0.9, 0.0, -0.2, -1.7, 0.0, 0.0]], dtype=torch.float64)
     mask = torch.ones(1, 6, dtype=torch.bool)
-    teacher, kept = span_advantage_inputs(teacher_span, rollout, span_len, mask)
-    advantage = teacher - rollout
+    advantage, use, kept = span_advantages(teacher_span, rollout, span_len, mask)
     r = rollout[0]
-    expected = [-0.9 - r[0] - r[1]] * 2 + [-0.2 - r[2]] + [-1.7 - r[3] - r[4] - r[5]] * 3
-    torch.testing.assert_close(advantage[0], torch.stack([torch.as_tensor(e) for e in expected]))
-    assert kept.all()
-    # One-token spans: exactly the same-tokenizer inputs (advantage log t - log s_old per token).
-    ones = torch.ones(1, 6, dtype=torch.long)
-    same, kept = span_advantage_inputs(teacher_span, rollout, ones, mask)
-    torch.testing.assert_close(same, teacher_span)
-    logits = torch.randn(1, 6, V, generator=gen, dtype=torch.float64)
+    expected = [-0.9 - r[0] - r[1]] * 2 + [None] + [-1.7 - r[3] - r[4] - r[5]] * 3
+    assert use[0].tolist() == [e is not None for e in expected] and kept.all()
+    for got, want in zip(advantage[0].tolist(), expected, strict=True):
+        if want is not None:
+            assert got == pytest.approx(float(want), abs=1e-12)
+    assert advantage[0, 3] > 0
+    logits = torch.randn(1, 6, V, generator=gen, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, V, (1, 6), generator=gen)
-    a = sampled_reverse_kl_loss_sum(logits, targets, rollout, same, kept)[0]
-    b = sampled_reverse_kl_loss_sum(logits, targets, rollout, teacher_span, mask)[0]
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    loss, _, stats = sampled_reverse_kl_loss_sum(
+        logits, targets, rollout, teacher_span, kept, advantage=advantage, advantage_mask=use
+    )
+    # Reference: the surrogate -ratio * A per token, A the span's (one-token span: log t - log s_old).
+    logprob = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+    a = torch.where(use, advantage, teacher_span - rollout)
+    torch.testing.assert_close(loss, (-(logprob - rollout).exp() * a).sum())
+    assert float(stats.advantage_sum) == pytest.approx(float(a.sum()))
+    # One-token spans everywhere: exactly the same-tokenizer step.
+    ones = torch.ones(1, 6, dtype=torch.long)
+    advantage, use, kept = span_advantages(teacher_span, rollout, ones, mask)
+    assert not use.any()
+    same = sampled_reverse_kl_loss_sum(
+        logits, targets, rollout, teacher_span, kept, advantage=advantage, advantage_mask=use
+    )[0]
+    plain = sampled_reverse_kl_loss_sum(logits, targets, rollout, teacher_span, mask)[0]
+    torch.testing.assert_close(same, plain, rtol=0, atol=0)
     # An unaligned token leaves the loss.
-    _, kept = span_advantage_inputs(teacher_span, rollout, torch.tensor([[1, -1, 1, 1, 1, 1]]), mask)
+    _, _, kept = span_advantages(teacher_span, rollout, torch.tensor([[1, -1, 1, 1, 1, 1]]), mask)
     assert kept.tolist() == [[True, False, True, True, True, True]]
 
 
