@@ -18,6 +18,9 @@ import numpy as np
 # A teacher column that is no outcome (algorithm.support=union: a student id the teacher's top-k
 # already holds): its logprob is -inf and the loss gives it zero mass on both sides.
 EXCLUDED_ID = -1
+# algorithm.cross_tokenizer: a teacher piece the student lacks is id FOLDED_BASE + its column (distinct, beyond
+# any vocabulary): the top-k loss folds its teacher mass into the tail bucket (recipe_gkd/cross_tokenizer/targets.py).
+FOLDED_BASE = 1 << 30
 
 
 @dataclass
@@ -42,6 +45,11 @@ class Sequence:
     teacher: str = "default"  # the teacher that scored it (data.teacher_key; docs/teachers.md)
     # teacher.output=hidden: the teacher's final hidden state predicting each response token (bf16/fp16 values).
     teacher_hidden: np.ndarray | None = None  # float32 [L - response_start, H]
+    # algorithm.cross_tokenizer (recipe_gkd/cross_tokenizer/targets.py): per response token, > 0 at the first
+    # token of an aligned span (its token count), 0 inside one, -1 unaligned; the teacher arrays above then hold
+    # the span's values at its first token. `alignment`: the response's alignment counts (metrics only).
+    span_len: np.ndarray | None = None  # int32 [L - response_start]
+    alignment: dict[str, float] | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -97,5 +105,7 @@ class RolloutStats:
     onpolicy_tokens: int = 0
     rollout_logprob_sum: float = 0.0
     teacher_sampled_logprob_sum: float = 0.0
+    # algorithm.cross_tokenizer: sums of the responses' alignment counts (cross_tokenizer/targets.ALIGN_COUNTS).
+    alignment: dict[str, float] = field(default_factory=dict)
     # debug.log_memory: the worker's resident (and peak GPU) memory, MiB, keyed rollout<rank>_rss_mb, ...
     memory_mb: dict[str, float] = field(default_factory=dict)

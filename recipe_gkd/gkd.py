@@ -33,9 +33,24 @@ import numpy as np
 
 from recipe_gkd import checkpoint, console
 from recipe_gkd.batch import RolloutStats, actor_rank_of
-from recipe_gkd.config import PIPELINE_DEPTH, Divergence, GKDConfig, TeacherOutput, to_dict, weight_transport
+from recipe_gkd.config import (
+    PIPELINE_DEPTH,
+    CrossTokenizer,
+    Divergence,
+    GKDConfig,
+    TeacherOutput,
+    to_dict,
+    weight_transport,
+)
 from recipe_gkd.divergence_watch import DIVERGENCE_FILE, DivergenceWatch
-from recipe_gkd.metrics import EVAL_FILE, MetricsLogger, process_memory_mb, read_metrics, teacher_columns
+from recipe_gkd.metrics import (
+    EVAL_FILE,
+    MetricsLogger,
+    alignment_columns,
+    process_memory_mb,
+    read_metrics,
+    teacher_columns,
+)
 from recipe_gkd.placement import PlacementPlan
 from recipe_gkd.plots import before_after_table, plot_run
 from recipe_gkd.pools import Pending, Pools, RolloutPool, ShardHandle
@@ -463,6 +478,7 @@ def step_row(
         "step_s": step_s,
         **teacher_columns(rollout.stats, ""),
         **teacher_loss_columns(cfg, train),
+        **alignment_columns(rollout.stats),
         "sample_ids": sorted(i for s in rollout.stats for i in s.sample_ids),
         # Several teachers: the teacher that scored each of sample_ids (same order).
         **sample_teachers(rollout.stats),
@@ -521,8 +537,10 @@ def _sends_logprobs(cfg: GKDConfig) -> bool:
 
 
 def _sends_topk(cfg: GKDConfig) -> bool:
-    """Whether the teacher's replies carry a top-k (and so a top-k mass to report)."""
-    return cfg.teacher.top_k > 0 and cfg.teacher.output == TeacherOutput.topk
+    """Whether the teacher's replies carry a top-k over the student's vocabulary (and so a top-k mass to report);
+    across tokenizers (algorithm.cross_tokenizer) they do only on shared spans."""
+    plain = cfg.algorithm.cross_tokenizer == CrossTokenizer.none
+    return cfg.teacher.top_k > 0 and cfg.teacher.output == TeacherOutput.topk and plain
 
 
 def _ratio(stats: list[RolloutStats], numerator: str, denominator: str) -> float | None:

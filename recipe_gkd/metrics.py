@@ -213,3 +213,22 @@ def teacher_columns(stats: list[Any], prefix: str) -> dict[str, float | None]:
         )
         columns[head + "reward"] = f["reward_sum"] / f["rewarded"] if f["rewarded"] else None
     return columns
+
+
+def alignment_columns(stats: list[Any]) -> dict[str, float | None]:
+    """algorithm.cross_tokenizer: the share of response tokens aligned one-to-one, of spans with shared pieces,
+    and the mean span length in student tokens (docs/cross_tokenizer.md); {} for a run without it."""
+    sums: dict[str, float] = {}
+    for s in stats:
+        for key, value in s.alignment.items():
+            sums[key] = sums.get(key, 0.0) + value
+    if not sums:
+        return {}
+    spans = sums.get("spans", 0.0)
+    tokens = sums.get("response_tokens", 0.0)
+    return {
+        "align_one_to_one_frac": sums["one_to_one_tokens"] / tokens if tokens else None,
+        "align_shared_span_frac": sums["shared_spans"] / spans if spans else None,
+        "align_span_len": sums["aligned_tokens"] / spans if spans else None,
+        "align_unaligned_frac": 1.0 - sums["aligned_tokens"] / tokens if tokens else None,
+    }

@@ -4,7 +4,10 @@ No model or tokenizer is ever downloaded: tests and the CPU demo build theirs he
 - `char`: one token per printable ASCII character, plus specials and a chat template, so any
   text round-trips and the vocabulary is small (the demo's);
 - `chatml_bpe`: shaped as real instruct models ship theirs (SmolLM2, Qwen): byte-level BPE, a
-  ChatML template that injects a default system prompt, eos == pad (`<|im_end|>`), no BOS added.
+  ChatML template that injects a default system prompt, eos == pad (`<|im_end|>`), no BOS added;
+- `llama3_bpe`: shaped as Llama 3 Instruct's: byte-level BPE with other merges (a smaller vocabulary),
+  a header template with `<|begin_of_text|>` in the text, `<|eot_id|>` ending each turn (the EOS), and a
+  template that refuses roles other than system / user / assistant (as strict templates do).
 """
 
 from __future__ import annotations
@@ -43,7 +46,23 @@ BPE_VOCAB_SIZE = 512
 # Lines the BPE merges are learned from (a fixed seed: the same merges on every machine).
 BPE_CORPUS_LINES = 4000
 BPE_CORPUS_SEED = 29
-TOKENIZERS = ("char", "chatml_bpe")
+LLAMA3_BPE_VOCAB_SIZE = 384
+LLAMA3_SPECIAL_TOKENS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+)
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role: ' + m['role']) }}"
+    "{% endif %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+TOKENIZERS = ("char", "chatml_bpe", "llama3_bpe")
 
 
 def _bpe_corpus() -> list[str]:
@@ -75,23 +94,48 @@ def build_chatml_bpe_tokenizer(out_dir: str | Path):
 
     eos == pad == <|im_end|>, no BOS token and none added, a default system prompt injected by the template.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    core = _byte_level_bpe(BPE_VOCAB_SIZE, CHATML_SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=IM_END, pad_token=IM_END, padding_side="left", add_bos_token=False
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+def _byte_level_bpe(vocab_size: int, special_tokens: tuple[str, ...]):
+    """A byte-level BPE (GPT-2 / Qwen / Llama 3 style) trained on the fixed corpus: merges depend on vocab_size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB_SIZE,
-        special_tokens=list(CHATML_SPECIAL_TOKENS),
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     core.train_from_iterator(_bpe_corpus(), trainer=trainer)
+    return core
+
+
+def build_llama3_bpe_tokenizer(out_dir: str | Path):
+    """Write a Llama-3-Instruct-shaped byte-level BPE tokenizer to `out_dir` (see the module docstring)."""
+    from transformers import PreTrainedTokenizerFast
+
+    core = _byte_level_bpe(LLAMA3_BPE_VOCAB_SIZE, LLAMA3_SPECIAL_TOKENS)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token=IM_END, pad_token=IM_END, padding_side="left", add_bos_token=False
+        tokenizer_object=core,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        pad_token="<|end_of_text|>",
+        padding_side="left",
+        add_bos_token=False,
     )
-    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.chat_template = LLAMA3_TEMPLATE
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer
 
@@ -184,7 +228,12 @@ def build_tiny_causal_lm(
     if tokenizer_kind not in TOKENIZERS:
         raise ValueError(f"unknown tokenizer kind {tokenizer_kind!r}; choose from {TOKENIZERS}")
     out = Path(out_dir)
-    tokenizer = build_char_tokenizer(out) if tokenizer_kind == "char" else build_chatml_bpe_tokenizer(out)
+    builders = {
+        "char": build_char_tokenizer,
+        "chatml_bpe": build_chatml_bpe_tokenizer,
+        "llama3_bpe": build_llama3_bpe_tokenizer,
+    }
+    tokenizer = builders[tokenizer_kind](out)
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "llama3": (LlamaConfig, LlamaForCausalLM),

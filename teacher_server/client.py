@@ -28,6 +28,7 @@ import numpy as np
 import zmq
 
 from teacher_server import protocol as P
+from teacher_server.conversation import Conversation
 
 if TYPE_CHECKING:
     from teacher_server.config import TeacherConfig
@@ -36,6 +37,8 @@ PING_INTERVAL_S = 1.0
 BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 # Bytes kept free in each request for its header.
 HEADER_ALLOWANCE = 64 << 10
+# Text per text request (it travels in the header, which the server caps at P.MAX_HEADER_BYTES; UTF-8 <= 4 x chars).
+TEXT_CHUNK_BYTES = P.MAX_HEADER_BYTES // 2
 
 
 class TeacherError(RuntimeError):
@@ -196,6 +199,41 @@ class TeacherClient:
         batches = self._run(requests, P.TopKBatch)
         return [part for batch in batches for part in batch.split()]
 
+    def score_conversations(self, conversations: Sequence[Conversation]) -> list[P.TeacherTopK]:
+        """The teacher's scores of each conversation's response in the teacher's own tokens (algorithm.cross_tokenizer):
+        the server renders them (teacher_server/conversation.py); each result also carries its token ids and their
+        byte ranges in the response text. A conversation the teacher cannot render raises TeacherMismatchError.
+        """
+        if not conversations:
+            return []
+        self.server or self.connect()
+        # Text travels in the header: chunks of at most TEXT_CHUNK_BYTES of text (the header limit is 1 MiB).
+        sizes = [
+            len(c.prompt) + len(c.response) + sum(len(m.get("content", "")) for m in c.messages) for c in conversations
+        ]
+        chunks = split_balanced([max(1, 4 * n) for n in sizes], self.max_inflight, TEXT_CHUNK_BYTES)
+        requests = [
+            P.request_frames(
+                0,
+                [],
+                [],
+                top_k=self.top_k,
+                temperature=self.temperature,
+                logprob_dtype=self.logprob_dtype,
+                id_encoding=self.id_encoding,
+                auth=self._auth,
+                conversations=list(conversations[lo:hi]),
+            )
+            for lo, hi in chunks
+        ]
+        try:
+            batches = self._run(requests, P.TopKBatch)
+        except TeacherRequestError as err:
+            if err.code == P.ErrorCode.RENDER:
+                raise TeacherMismatchError(str(err)) from None
+            raise
+        return [part for batch in batches for part in batch.split()]
+
     def stats(self) -> P.StatsReply:
         """Queue depth, requests and tokens per second of every replica."""
         request = [P.encode(P.StatsRequest(P.PROTOCOL_VERSION, 0, self._auth))]
@@ -227,8 +265,8 @@ class TeacherClient:
         if self.expect_tokenizer_hash is not None and reply.tokenizer_hash != self.expect_tokenizer_hash:
             raise TeacherMismatchError(
                 f"the teacher's tokenizer (hash {reply.tokenizer_hash[:12] or 'none'}) differs from the student's "
-                f"({self.expect_tokenizer_hash[:12]}): teacher.model_path and model.tokenizer_path (or "
-                "model.student_path) must use the same tokenizer"
+                f"({self.expect_tokenizer_hash[:12]}): set algorithm.cross_tokenizer=span (or uld) to distill across "
+                "tokenizers, or use one tokenizer for teacher.model_path and model.tokenizer_path (or model.student_path)"
             )
         if self.top_k > reply.max_top_k:
             # max_top_k 0 with hidden states: a vllm server started with teacher.output=hidden (a pooling engine).

@@ -28,13 +28,15 @@ says how many a server takes (0 for a server without the feature: the client ref
 Hidden states (`hidden_dtype` "bfloat16" or "float16", teacher.output=hidden, optional fields too):
 the reply adds one frame, each scored position's final hidden state [N, hidden_size] in that dtype
 (see hidden_codec). The handshake's `hidden_size` is 0 for a server that cannot send them.
+
+Text (`conversations`, algorithm.cross_tokenizer, optional too): no id frame; the replica renders each
+conversation in its own tokens (conversation.py) and the reply ends with two int32 frames, the token
+at each scored position [N] and its byte range in the response text [N, 2] (`rendered`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +46,8 @@ import msgspec
 import numpy as np
 
 from teacher_server import hidden_codec, idcodec
+from teacher_server.conversation import Conversation
+from teacher_server.identity import AUTH_CONTEXT, auth_token, read_secret, tokenizer_fingerprint  # noqa: F401
 from teacher_server.scores import (  # noqa: F401 - re-exported: the wire's result types
     TeacherTopK,
     TopKBatch,
@@ -64,8 +68,6 @@ FLOAT_DTYPE = np.dtype("<f4")
 MAX_HEADER_BYTES = 1 << 20
 # Request id of an error reply to a message whose request id could not be read.
 UNKNOWN_REQUEST_ID = -1
-# The static message every authenticated header carries an HMAC of (see auth_token).
-AUTH_CONTEXT = b"recipe_gkd teacher_server v1"
 
 
 class ErrorCode:
@@ -81,6 +83,8 @@ class ErrorCode:
     NO_REPLICAS = "no_replicas"
     REPLICA_LOST = "replica_lost"
     BACKEND_ERROR = "backend_error"
+    # The teacher cannot render a text request's conversation: the client refuses the run (exit 2).
+    RENDER = "render_failed"
     UNEXPECTED = "unexpected_message"
     INTERNAL = "internal_error"
 
@@ -145,6 +149,8 @@ class ScoreRequest(msgspec.Struct, tag="score"):
     named_k: int = 0
     # "bfloat16" or "float16": the reply also carries the final hidden states ("": none).
     hidden_dtype: str = ""
+    # Text to render and score instead of token ids (no id frame; lengths and score_from empty).
+    conversations: list[Conversation] | None = None
 
 
 class ScoreReply(msgspec.Struct, tag="score_reply"):
@@ -161,6 +167,8 @@ class ScoreReply(msgspec.Struct, tag="score_reply"):
     # > 0: one more (last) frame, the hidden states [N, hidden_size] in hidden_dtype.
     hidden_size: int = 0
     hidden_dtype: str = ""
+    # A text request's reply: two more (last) frames, the scored tokens [N] and their byte ranges [N, 2].
+    rendered: bool = False
 
 
 class ErrorReply(msgspec.Struct, tag="error"):
@@ -282,43 +290,9 @@ def error_reply(request_id: int, code: str, message: str) -> bytes:
 # ----------------------------------------------------------------------------- authentication
 
 
-def auth_token(secret: bytes) -> bytes:
-    """What a client presents in every header: HMAC-SHA256(secret, AUTH_CONTEXT); b"" without a secret.
-
-    It keeps out anyone without the secret file; it does not encrypt (use a private network).
-    """
-    return hmac.new(secret, AUTH_CONTEXT, hashlib.sha256).digest() if secret else b""
-
-
 def check_auth(presented: bytes, expected: bytes) -> None:
     if expected and not hmac.compare_digest(presented, expected):
         raise ProtocolError(ErrorCode.UNAUTHORIZED, "missing or wrong shared secret (teacher.secret_file)")
-
-
-def read_secret(path: str) -> bytes:
-    """The shared secret from teacher.secret_file (surrounding whitespace stripped); b"" when unset."""
-    if not path:
-        return b""
-    with open(path, "rb") as f:
-        secret = f.read().strip()
-    if not secret:
-        raise ValueError(f"teacher.secret_file {path} is empty")
-    return secret
-
-
-# ----------------------------------------------------------------------------- tokenizer hash
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """sha256 of the tokenizer's sorted vocabulary and special tokens (works on any HF tokenizer).
-
-    Duck-typed (get_vocab, all_special_tokens) so that neither side needs transformers to
-    import this; the trainer computes it for the student, each replica for the teacher.
-    """
-    vocab = sorted((str(tok), int(idx)) for tok, idx in tokenizer.get_vocab().items())
-    special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
-    blob = json.dumps({"vocab": vocab, "special": special}, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
 # ----------------------------------------------------------------------------- requests
@@ -350,6 +324,8 @@ class ParsedRequest:
     named_ids: np.ndarray | None = None
     # "bfloat16" / "float16": also return each scored position's final hidden state ("": none).
     hidden_dtype: str = ""
+    # A text request: the replica renders these into ids, lengths and score_from (empty until then).
+    conversations: list[Conversation] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -378,11 +354,13 @@ def request_frames(
     auth: bytes = b"",
     named_ids: Sequence[np.ndarray] | None = None,
     hidden_dtype: str = "",
+    conversations: list[Conversation] | None = None,
 ) -> list[bytes]:
     """The frames of a ScoreRequest: header, all token ids as one int32 frame, then the named ids.
 
     named_ids: per sequence [len - score_from, named_k] ids to score at each scored position.
     hidden_dtype: "bfloat16" / "float16" to get the final hidden states back too.
+    conversations: text to score instead (`sequences` and `score_from` empty): header only.
     """
     arrays = [np.asarray(s, dtype=TOKEN_DTYPE).reshape(-1) for s in sequences]
     named_k = 0 if named_ids is None or not len(named_ids) else int(np.asarray(named_ids[0]).shape[-1])
@@ -399,7 +377,10 @@ def request_frames(
         auth=auth,
         named_k=named_k,
         hidden_dtype=hidden_dtype,
+        conversations=conversations,
     )
+    if conversations:
+        return [encode(header)]
     ids = np.concatenate(arrays) if arrays else np.zeros(0, TOKEN_DTYPE)
     if not named_k:
         return [encode(header), ids.tobytes()]
@@ -417,6 +398,14 @@ def parse_score_request(
     """Validate a ScoreRequest and its array frame against `limits`. Raises ProtocolError."""
     if req.version != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.VERSION, f"protocol version {req.version}, server speaks {PROTOCOL_VERSION}")
+    if req.conversations:  # text: nothing to check against the vocabulary before the replica renders it
+        _check_scalars(req, limits)
+        if frames or req.lengths or req.named_k or req.hidden_dtype:
+            raise _bad("a text request carries conversations only (no ids, named ids or hidden states)")
+        empty = np.zeros(0, np.int64)
+        return ParsedRequest(
+            empty.astype(TOKEN_DTYPE), empty, empty, req.top_k, req.temperature, None, "", req.conversations
+        )
     expected_frames = 2 if req.named_k else 1
     if len(frames) != expected_frames:
         raise _bad(
@@ -532,6 +521,7 @@ def reply_frames(
         named_k=0 if batch.named_logprobs is None else int(batch.named_logprobs.shape[1]),
         hidden_size=0 if batch.hidden_states is None else int(batch.hidden_states.shape[1]),
         hidden_dtype=hidden_dtype if batch.hidden_states is not None else "",
+        rendered=batch.token_ids is not None,
     )
     frames = [
         encode(header),
@@ -545,12 +535,14 @@ def reply_frames(
         frames.append(np.ascontiguousarray(batch.other_logmass, dtype=FLOAT_DTYPE).tobytes())
     if batch.hidden_states is not None:
         frames.append(hidden_codec.encode(batch.hidden_states, hidden_dtype))
+    if batch.token_ids is not None and batch.byte_offsets is not None:
+        frames += [np.ascontiguousarray(a, dtype=TOKEN_DTYPE).tobytes() for a in (batch.token_ids, batch.byte_offsets)]
     return frames
 
 
 def parse_score_reply(header: ScoreReply, frames: Sequence[bytes | memoryview]) -> TopKBatch:
     """Decode a ScoreReply's frames into float32/int32 arrays in canonical order. Raises ProtocolError."""
-    expected_frames = 4 + (2 if header.named_k else 0) + (1 if header.hidden_size else 0)
+    expected_frames = 4 + (2 if header.named_k else 0) + (1 if header.hidden_size else 0) + 2 * header.rendered
     if len(frames) != expected_frames:
         raise ProtocolError(
             ErrorCode.MALFORMED,
@@ -574,11 +566,13 @@ def parse_score_reply(header: ScoreReply, frames: Sequence[bytes | memoryview]) 
         if header.named_k:
             named = np.frombuffer(frames[4], dtype=FLOAT_DTYPE).reshape(n_rows, header.named_k).copy()
             other = np.frombuffer(frames[5], dtype=FLOAT_DTYPE).reshape(n_rows).copy()
-        hidden = None
+        hidden = token_ids = offsets = None
         if header.hidden_size:
-            hidden = hidden_codec.decode(frames[-1], header.hidden_dtype, header.hidden_size).reshape(
-                n_rows, header.hidden_size
-            )
+            hidden = hidden_codec.decode(frames[4 + 2 * bool(header.named_k)], header.hidden_dtype, header.hidden_size)
+            hidden = hidden.reshape(n_rows, header.hidden_size)
+        if header.rendered:
+            token_ids = np.frombuffer(frames[-2], dtype=TOKEN_DTYPE).reshape(n_rows).astype(np.int32)
+            offsets = np.frombuffer(frames[-1], dtype=TOKEN_DTYPE).reshape(n_rows, 2).astype(np.int32)
     except ValueError as err:
         raise ProtocolError(ErrorCode.MALFORMED, f"score reply arrays do not match its header: {err}") from None
     logprobs = logprobs.astype(np.float32)
@@ -586,4 +580,15 @@ def parse_score_reply(header: ScoreReply, frames: Sequence[bytes | memoryview]) 
     if header.id_encoding == "elias_fano" or header.logprob_dtype != "float32":
         # Elias-Fano sends rows by id; float16 rounding can create ties: restore the one order.
         logprobs, ids = canonical_order(logprobs, ids)
-    return TopKBatch(n_scored, logprobs, ids, sampled.astype(np.float32), tail.astype(np.float32), named, other, hidden)
+    return TopKBatch(
+        n_scored,
+        logprobs,
+        ids,
+        sampled.astype(np.float32),
+        tail.astype(np.float32),
+        named,
+        other,
+        hidden,
+        token_ids,
+        offsets,
+    )

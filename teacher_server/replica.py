@@ -12,6 +12,7 @@ the frontend has accepted it; exits when its parent supervisor is gone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import queue
@@ -23,11 +24,13 @@ import traceback
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 import zmq
 
 from teacher_server import hidden_codec
 from teacher_server import protocol as P
 from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
+from teacher_server.conversation import Renderer, RenderError
 
 log = logging.getLogger("teacher_server.replica")
 
@@ -117,6 +120,7 @@ class ReplicaLoop:
         self.work: queue.Queue[_Work | None] = queue.Queue()
         self.results: queue.Queue[list[bytes]] = queue.Queue()
         self.wake_address = f"inproc://replica-wake-{id(self)}"
+        self._renderer: Renderer | None = None  # built at the first text request (its tokenizer)
 
     def run(self) -> int:
         sock = self.ctx.socket(zmq.DEALER)
@@ -192,7 +196,13 @@ class ReplicaLoop:
         start = time.perf_counter()
         try:
             request = P.parse_score_request(header, item.arrays, self.limits)
-            batch = self.backend.score(request)
+            if request.conversations:
+                request, token_ids, offsets = self._render(request)
+                batch = dataclasses.replace(self.backend.score(request), token_ids=token_ids, byte_offsets=offsets)
+            else:
+                batch = self.backend.score(request)
+        except RenderError as err:
+            return [P.error_reply(header.request_id, P.ErrorCode.RENDER, str(err))]
         except P.ProtocolError as err:
             return [P.error_reply(header.request_id, err.code, err.message)]
         except Exception as err:  # noqa: BLE001 - scoped to this request: reported to the client, logged here
@@ -208,6 +218,27 @@ class ReplicaLoop:
             compute_s=time.perf_counter() - start,
             hidden_dtype=header.hidden_dtype,
         )
+
+    def _render(self, request: P.ParsedRequest) -> tuple[P.ParsedRequest, np.ndarray, np.ndarray]:
+        """A text request in this teacher's tokens (teacher_server/conversation.py): the id request, and the
+        token at each scored position [N] with its byte range in the response text [N, 2]."""
+        if self._renderer is None:
+            from transformers import AutoTokenizer
+
+            options = self.spec.options
+            template = open(options.chat_template).read() if options.chat_template else ""
+            self._renderer = Renderer(AutoTokenizer.from_pretrained(options.model_path), template)
+        rendered = [self._renderer.render(c) for c in request.conversations or []]
+        ids = np.concatenate([r.ids for r in rendered])
+        if ids.size and int(ids.max()) >= self.limits.vocab_size:
+            raise RenderError(
+                f"the teacher's tokenizer made id {int(ids.max())} >= its model's {self.limits.vocab_size}"
+            )
+        lengths = np.asarray([r.ids.size for r in rendered], dtype=np.int64)
+        score_from = np.asarray([r.score_from for r in rendered], dtype=np.int64)
+        parsed = dataclasses.replace(request, ids=ids, lengths=lengths, score_from=score_from, conversations=None)
+        token_ids = np.concatenate([r.ids[r.score_from :] for r in rendered]).astype(np.int32)
+        return parsed, token_ids, np.concatenate([r.byte_offsets for r in rendered]).reshape(-1, 2)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ class TeacherTopK:
     other_logmass    [n_scored]    float32 or None: log of the mass outside the top-k and the named ids
     hidden_states    [n_scored, H] float32 or None: the final hidden state that predicts position p
                      (at p-1), holding bf16 or fp16 values (the wire's precision)
+    token_ids        [n_scored]    int32 or None: a text request's token at p (teacher_server/conversation.py)
+    byte_offsets     [n_scored, 2] int32 or None: its byte range within the response text
     """
 
     topk_logprobs: np.ndarray
@@ -45,6 +47,8 @@ class TeacherTopK:
     named_logprobs: np.ndarray | None = None
     other_logmass: np.ndarray | None = None
     hidden_states: np.ndarray | None = None
+    token_ids: np.ndarray | None = None
+    byte_offsets: np.ndarray | None = None
 
     @property
     def n_scored(self) -> int:
@@ -70,6 +74,8 @@ class TopKBatch:
     named_logprobs: np.ndarray | None = None
     other_logmass: np.ndarray | None = None
     hidden_states: np.ndarray | None = None
+    token_ids: np.ndarray | None = None
+    byte_offsets: np.ndarray | None = None
 
     def _arrays(self) -> list[np.ndarray | None]:
         return [
@@ -80,6 +86,8 @@ class TopKBatch:
             self.named_logprobs,
             self.other_logmass,
             self.hidden_states,
+            self.token_ids,
+            self.byte_offsets,
         ]
 
     def split(self) -> list[TeacherTopK]:
@@ -100,6 +108,8 @@ class TopKBatch:
             _concat_optional([p.named_logprobs for p in parts]),
             _concat_optional([p.other_logmass for p in parts]),
             _concat_optional([p.hidden_states for p in parts]),
+            _concat_optional([p.token_ids for p in parts]),
+            _concat_optional([p.byte_offsets for p in parts]),
         )
 
     @staticmethod
@@ -113,6 +123,8 @@ class TopKBatch:
             _concat_optional([b.named_logprobs for b in batches]),
             _concat_optional([b.other_logmass for b in batches]),
             _concat_optional([b.hidden_states for b in batches]),
+            _concat_optional([b.token_ids for b in batches]),
+            _concat_optional([b.byte_offsets for b in batches]),
         )
 
 

@@ -131,6 +131,7 @@ class Supervisor:
                 gpu_memory_utilization=t.gpu_memory_utilization,
                 max_model_len=t.max_model_len,
                 output=t.output.value if hasattr(t.output, "value") else str(t.output),
+                chat_template=t.chat_template,
             ),
             gpu_ids=list(slot.gpu_ids),
             secret_file=t.secret_file,

@@ -37,6 +37,8 @@ class MicroBatch:
     teacher_hidden_BTH: Tensor | None = None  # float32
     # Several teachers: each row's teacher, an index into the names collate was given (per-teacher metrics).
     teacher_index_B: Tensor | None = None  # int64
+    # algorithm.cross_tokenizer: the span structure (recipe_gkd/batch.py Sequence.span_len; -1 off the response).
+    span_len_BT: Tensor | None = None  # int64
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(
@@ -52,6 +54,7 @@ class MicroBatch:
             teacher_sampled_BT=self.teacher_sampled_BT.to(device),
             teacher_hidden_BTH=None if self.teacher_hidden_BTH is None else self.teacher_hidden_BTH.to(device),
             teacher_index_B=None if self.teacher_index_B is None else self.teacher_index_B.to(device),
+            span_len_BT=None if self.span_len_BT is None else self.span_len_BT.to(device),
         )
 
 
@@ -77,6 +80,8 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: Sequenc
     teacher_sampled_BT = np.zeros((batch, seq_len), dtype=np.float32)
     hidden_size = _common_hidden_size(sequences)
     teacher_hidden_BTH = None if hidden_size is None else np.zeros((batch, seq_len, hidden_size), dtype=np.float32)
+    spans = _common_spans(sequences)
+    span_len_BT = np.full((batch, seq_len), -1, dtype=np.int64) if spans else None
     for row, seq in enumerate(sequences):
         _check_sequence(seq)
         length = len(seq.input_ids)
@@ -91,6 +96,8 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: Sequenc
         teacher_sampled_BT[row, predicted] = seq.teacher_sampled_logprob
         if teacher_hidden_BTH is not None:
             teacher_hidden_BTH[row, predicted] = seq.teacher_hidden
+        if span_len_BT is not None:
+            span_len_BT[row, predicted] = seq.span_len
         # A dataset response has no sampling logprob: NaN, which the sampled-token loss refuses loudly.
         rollout_logprobs_BT[row, predicted] = np.nan if seq.rollout_logprobs is None else seq.rollout_logprobs
     # A fresh writable array (a broadcast view is read-only, which torch.from_numpy warns about).
@@ -108,6 +115,7 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: Sequenc
         teacher_sampled_BT=torch.from_numpy(teacher_sampled_BT),
         teacher_hidden_BTH=None if teacher_hidden_BTH is None else torch.from_numpy(teacher_hidden_BTH),
         teacher_index_B=_teacher_index(sequences, teacher_names),
+        span_len_BT=None if span_len_BT is None else torch.from_numpy(span_len_BT),
     )
 
 
@@ -171,6 +179,14 @@ def _common_hidden_size(sequences: SequenceOf[Sequence]) -> int | None:
     return sizes.pop()
 
 
+def _common_spans(sequences: SequenceOf[Sequence]) -> bool:
+    """Whether the sequences carry span structure (algorithm.cross_tokenizer: all or none)."""
+    kinds = {s.span_len is not None for s in sequences}
+    if len(kinds) != 1:
+        raise ValueError("some sequences carry cross-tokenizer spans and some do not (algorithm.cross_tokenizer)")
+    return kinds.pop()
+
+
 def _check_sequence(seq: Sequence) -> None:
     length = len(seq.input_ids)
     responses = length - seq.response_start
@@ -187,6 +203,8 @@ def _check_sequence(seq: Sequence) -> None:
             f"sample {seq.sample_id}: teacher_hidden has {seq.teacher_hidden.shape[0]} rows but the sequence has "
             f"{responses} response tokens"
         )
+    if seq.span_len is not None and seq.span_len.shape[0] != responses:
+        raise ValueError(f"sample {seq.sample_id}: span_len has {seq.span_len.shape[0]} rows, {responses} tokens")
     if seq.rollout_logprobs is not None and seq.rollout_logprobs.shape[0] != responses:
         raise ValueError(
             f"sample {seq.sample_id}: rollout_logprobs has {seq.rollout_logprobs.shape[0]} rows but the sequence "

@@ -25,11 +25,13 @@ from recipe_gkd.actor import hf_arch
 from recipe_gkd.actor.collate import MicroBatch
 from recipe_gkd.actor.layout import RankLayout
 from recipe_gkd.actor.teacher_head import find_teacher_head, load_teacher_head_shard
-from recipe_gkd.config import Divergence, GKDConfig, Precision, TeacherOutput
+from recipe_gkd.config import CrossTokenizer, Divergence, GKDConfig, Precision, TeacherOutput
 from recipe_gkd.losses import (
+    cross_tokenizer_loss_sum,
     gkd_loss_sum,
     hidden_gkd_loss_sum,
     sampled_reverse_kl_loss_sum,
+    span_advantages,
     vocab_parallel_gkd_loss_sum,
 )
 
@@ -144,16 +146,21 @@ class ActorObjective:
         """The sampled-token reverse-KL surrogate's sum over the loss tokens and its logged statistics."""
         logits_BTv = logits_BTv[..., self.vocab_shard]
         tp = self.layout.tp_size > 1
+        mask_BT, advantage = micro.loss_mask_BT, {}
+        if micro.span_len_BT is not None:  # algorithm.cross_tokenizer: each token's advantage is its span's
+            spans = span_advantages(micro.teacher_sampled_BT, micro.rollout_logprobs_BT, micro.span_len_BT, mask_BT)
+            advantage, mask_BT = {"advantage": spans[0], "advantage_mask": spans[1]}, spans[2]
         loss_sum, _, stats = sampled_reverse_kl_loss_sum(
             logits_BTv,
             micro.target_ids_BT,
             micro.rollout_logprobs_BT,
             micro.teacher_sampled_BT,
-            micro.loss_mask_BT,
+            mask_BT,
             ratio_clip=self.cfg.algorithm.ratio_clip,
             vocab_start=self.vocab_start if tp else 0,
             vocab_size=self.vocab_size if tp else None,
             group=self.tp_group if tp else None,
+            **advantage,
         )
         sums = torch.stack([stats.advantage_sum, stats.ratio_sum, stats.clipped])
         return loss_sum, {"policy_sums": sums, "policy_extremes": torch.stack([stats.ratio_max, -stats.ratio_min])}
@@ -191,6 +198,8 @@ class ActorObjective:
         logits_BTv = logits_BTv[..., self.vocab_shard]
         if self.hidden:
             return self.hidden_loss_sum(logits_BTv, micro, kwargs["divergence"])
+        if a.cross_tokenizer != CrossTokenizer.none:
+            return self.cross_tokenizer_loss_sum(logits_BTv, micro, kwargs["divergence"])
         batch = (micro.teacher_logprobs_BTK, micro.teacher_ids_BTK, micro.loss_mask_BT)
         if self.layout.tp_size == 1:
             return gkd_loss_sum(logits_BTv, *batch, **kwargs)
@@ -217,6 +226,28 @@ class ActorObjective:
             beta=a.beta,
             temperature=a.temperature,
             group=self.tp_group if self.layout.tp_size > 1 else None,
+        )
+
+    def cross_tokenizer_loss_sum(self, logits_BTv: Tensor, micro: MicroBatch, divergence: str) -> tuple[Tensor, Tensor]:
+        """algorithm.cross_tokenizer: the per-span terms of recipe_gkd/losses/cross_tokenizer.py (one TP rank)."""
+        if micro.span_len_BT is None:
+            raise ValueError(
+                "algorithm.cross_tokenizer but the micro-batch carries no spans (a same-tokenizer scorer?)"
+            )
+        a = self.cfg.algorithm
+        return cross_tokenizer_loss_sum(
+            logits_BTv,
+            micro.target_ids_BT,
+            micro.teacher_logprobs_BTK,
+            micro.teacher_ids_BTK,
+            micro.teacher_tail_BT,
+            micro.teacher_sampled_BT,
+            micro.span_len_BT,
+            micro.loss_mask_BT,
+            objective=a.cross_tokenizer.value,
+            divergence=divergence,  # type: ignore[arg-type]
+            beta=a.beta,
+            temperature=a.temperature,
         )
 
 

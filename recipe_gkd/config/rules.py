@@ -19,6 +19,7 @@ from recipe_gkd.config.derived import (
 from recipe_gkd.config.schema import (
     PIPELINE_DEPTH,
     VALID_LOGGERS,
+    CrossTokenizer,
     Device,
     Divergence,
     GKDConfig,
@@ -319,6 +320,7 @@ def _validate_algorithm(cfg: GKDConfig) -> None:
     _validate_sampled_reverse_kl(cfg)
     _validate_support(cfg)
     _validate_teacher_output(cfg)
+    _validate_cross_tokenizer(cfg)
     depth = PIPELINE_DEPTH[al.schedule]
     require(
         al.max_staleness >= depth,
@@ -406,6 +408,30 @@ def _validate_support(cfg: GKDConfig) -> None:
         k_s <= cfg.teacher.max_top_k,
         "rollout.student_top_k",
         f"is {k_s} but the teacher server scores at most teacher.max_top_k={cfg.teacher.max_top_k} named ids",
+    )
+
+
+def _validate_cross_tokenizer(cfg: GKDConfig) -> None:
+    """algorithm.cross_tokenizer: a text-rendering ZeroMQ teacher, top-k support, one TP rank."""
+    al = cfg.algorithm
+    if al.cross_tokenizer == CrossTokenizer.none:
+        return
+    key = f"algorithm.cross_tokenizer={al.cross_tokenizer.value}"
+    require(
+        cfg.teacher.backend != TeacherBackend.openai,
+        "teacher.backend",
+        f"is openai, but {key} needs the ZeroMQ teacher server (teacher.backend=hf or vllm), which renders the "
+        "conversation with the teacher's own template and returns its token offsets; not built for openai",
+    )
+    require(al.support == Support.teacher_topk, "algorithm.support", f"{key} needs algorithm.support=teacher_topk")
+    require(cfg.teacher.output == TeacherOutput.topk, "teacher.output", f"{key} needs teacher.output=topk")
+    require(cfg.actor.megatron.tp == 1, "actor.megatron.tp", f"{key}'s loss runs on one tensor-parallel rank: set 1")
+    sampled = al.divergence == Divergence.sampled_reverse_kl
+    require(sampled or al.tail, "algorithm.tail", f"{key} folds teacher pieces the student lacks into the tail: true")
+    require(
+        sampled or al.cross_tokenizer != CrossTokenizer.uld or cfg.teacher.top_k > 0,
+        "teacher.top_k",
+        "is 0 but algorithm.cross_tokenizer=uld compares the teacher's top-k: set teacher.top_k >= 1",
     )
 
 

@@ -55,6 +55,15 @@ class Support(enum.StrEnum):
     union = "union"
 
 
+class CrossTokenizer(enum.StrEnum):
+    # The teacher shares the student's tokenizer (checked at connect time).
+    none = "none"
+    # Scored in its own tokens; per aligned span an exact divergence (docs/cross_tokenizer.md).
+    span = "span"
+    # Scored in its own tokens; shared pieces as `span`, ULD's sorted-probability distance elsewhere.
+    uld = "uld"
+
+
 class Schedule(enum.StrEnum):
     sync = "sync"
     one_step_off = "one_step_off"
@@ -306,6 +315,14 @@ class AlgorithmConfig:
     bucket for the rest. union: the teacher's top-k together with the student's top rollout.student_top_k ids (the
     teacher scores them in the same request), plus the exact rest on each side: reverse KL and JSD then see where the
     student puts its own mass (docs/objectives.md). Needs the zeromq teacher (hf or vllm backend)."""
+    cross_tokenizer: CrossTokenizer = CrossTokenizer.none
+    """A teacher whose tokenizer differs from the student's (docs/cross_tokenizer.md). none: the tokenizers must be
+    one. span / uld: the teacher scores the conversation as text in its own tokens and chat template; student and
+    teacher tokens are grouped into spans covering the same bytes. span: on every span an exact divergence
+    (algorithm.divergence) over {the span's text, anything else} from the two models' span log-probabilities, and
+    on one-to-one spans over the pieces both vocabularies share plus one bucket (GOLD's per-token term). uld: the
+    same on shared one-to-one spans, ULD's sorted-probability L1 distance (arXiv 2402.12030) elsewhere.
+    sampled_reverse_kl: each token's advantage is its span's. hf or vllm teacher backend; actor.megatron.tp=1."""
     ratio_clip: float = bounded(0.0, ge=0, le=0.99, note="0: no clipping")
     """sampled_reverse_kl: PPO's clip of the importance ratio s_theta / s_old to [1 - ratio_clip, 1 + ratio_clip]."""
 

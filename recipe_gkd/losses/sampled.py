@@ -48,6 +48,8 @@ def sampled_reverse_kl_loss_sum(
     vocab_start: int = 0,
     vocab_size: int | None = None,
     group: dist.ProcessGroup | None = None,
+    advantage: Tensor | None = None,
+    advantage_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, SampledKLStats]:
     """Sum over ``loss_mask`` of the sampled-token reverse-KL surrogate, the token count, and statistics.
 
@@ -57,6 +59,8 @@ def sampled_reverse_kl_loss_sum(
     [B,T] (log t of it), loss_mask [B,T]. Per token: -ratio * A (PPO-clipped when ratio_clip > 0), see
     the module doc. The student's distribution is the unscaled one (temperature 1), the one the
     engines report their logprobs of. Divide the sum by the global token count for the token mean.
+    advantage / advantage_mask [B,T]: where the mask holds, A is `advantage` instead of log t - log s_old
+    (algorithm.cross_tokenizer: the token's span's, losses/cross_tokenizer.py `span_advantages`).
     """
     vocab_size = student_logits.shape[-1] if vocab_size is None else vocab_size
     check_sampled_args(student_logits, target_ids, rollout_logprobs, teacher_logprobs, loss_mask, ratio_clip)
@@ -86,6 +90,10 @@ def sampled_reverse_kl_loss_sum(
         top_M1, rest_M = combine_shards(top_M1, rest_M, True, group)
     logprob_M = top_M1[:, 0] - torch.logaddexp(top_M1[:, 0], rest_M)  # log s_theta(x_t)
     advantage_M = teacher_M - old_M
+    if advantage is not None and advantage_mask is not None:
+        given_M = advantage.reshape(batch * seq)[rows_M.to(advantage.device)].to(device, compute_dtype)
+        use_M = advantage_mask.reshape(batch * seq)[rows_M.to(advantage_mask.device)].to(device)
+        advantage_M = torch.where(use_M, given_M, advantage_M)
     ratio_M = torch.exp(logprob_M - old_M)
     per_token_M = -ratio_M * advantage_M
     clipped_M = torch.zeros_like(per_token_M, dtype=torch.bool)

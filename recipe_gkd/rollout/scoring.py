@@ -15,17 +15,22 @@
   top-k; see TeacherClient.from_config); the plan checks every reply carries them. The actor turns
   them into the teacher's whole distribution with the teacher's output head (recipe_gkd/losses/hidden.py).
 
+- ``algorithm.cross_tokenizer`` (span / uld): every teacher is scored in its own tokens. The scorer is a
+  CrossTokenizerScorer (recipe_gkd/cross_tokenizer/route.py, chosen by TeacherSet.connect): it sends each
+  record's prompt and the decoded response as text and maps the reply onto the student's tokens by spans.
+
 The loop does not see the difference: it gets one scored Sequence per response either way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from recipe_gkd.batch import EXCLUDED_ID
-from recipe_gkd.config import GKDConfig, Support, TeacherOutput
+from recipe_gkd.config import CrossTokenizer, GKDConfig, Support, TeacherOutput
 from recipe_gkd.rollout.engine import Scorer
 from teacher_server.protocol import TeacherTopK
 from teacher_server.scores import repeated_named
@@ -38,10 +43,12 @@ class ScoringPlan:
     support: Support
     student_top_k: int
     output: TeacherOutput = TeacherOutput.topk
+    cross_tokenizer: CrossTokenizer = CrossTokenizer.none
 
     @staticmethod
     def from_config(cfg: GKDConfig) -> ScoringPlan:
-        return ScoringPlan(cfg.algorithm.support, cfg.rollout.student_top_k, cfg.teacher.output)
+        a = cfg.algorithm
+        return ScoringPlan(a.support, cfg.rollout.student_top_k, cfg.teacher.output, a.cross_tokenizer)
 
     def score(
         self,
@@ -49,11 +56,17 @@ class ScoringPlan:
         sequences: list[np.ndarray],
         score_from: list[int],
         student_topk: list[np.ndarray | None],
+        records: list[dict[str, Any]] | None = None,
     ) -> list[TeacherTopK]:
         """The teacher's scores of every sequence from score_from on, in this plan's columns.
 
         student_topk: per sequence the engine's [n_scored, k_s] top ids (None: not sampled by the student).
+        records: the sequences' data records (their prompts, for a teacher scored in its own tokens).
         """
+        if self.cross_tokenizer != CrossTokenizer.none:
+            if records is None or not hasattr(scorer, "score_records"):
+                raise ValueError("algorithm.cross_tokenizer needs a CrossTokenizerScorer and each sequence's record")
+            return scorer.score_records(sequences, score_from, records)  # type: ignore[attr-defined, no-any-return]
         if self.output == TeacherOutput.hidden:
             return [_with_hidden(reply) for reply in scorer.score(sequences, score_from)]
         if self.support == Support.teacher_topk:

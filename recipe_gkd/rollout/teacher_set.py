@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from recipe_gkd.config import GKDConfig
+from recipe_gkd.config import CrossTokenizer, GKDConfig
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.rollout.scoring import ScoringPlan
 from recipe_gkd.teachers_config import record_teacher, teacher_views
@@ -43,12 +43,19 @@ class TeacherSet:
         """
         from recipe_gkd.rollout.teacher import TeacherScorer
 
+        # algorithm.cross_tokenizer: every teacher is scored in its own tokens (any tokenizer accepted).
+        if cfg.algorithm.cross_tokenizer != CrossTokenizer.none:
+            from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
+
+            make: Callable[[GKDConfig, str | None], Any] = lambda v, a: CrossTokenizerScorer.connect(v, tokenizer, a)  # noqa: E731
+        else:
+            make = lambda v, a: TeacherScorer(v, tokenizer, a)  # noqa: E731
         views = teacher_views(cfg)
-        scorers: dict[str, TeacherScorer] = {}
+        scorers: dict[str, Any] = {}
         try:
             for name, view in views.items():
                 address = (addresses or {}).get(name)
-                scorers[name] = _named(name, len(views) > 1, lambda v=view, a=address: TeacherScorer(v, tokenizer, a))
+                scorers[name] = _named(name, len(views) > 1, lambda v=view, a=address: make(v, a))
         except BaseException:
             for connected in scorers.values():  # the teachers checked before the one that failed
                 connected.close()
@@ -65,9 +72,11 @@ class TeacherSet:
         sequences: list[np.ndarray],
         score_from: list[int],
         student_topk: list[np.ndarray | None],
+        records: list[dict[str, Any]] | None = None,
     ) -> list[TeacherTopK]:
         """Sequence i scored by teacher `teachers[i]` as the plan asks (student_topk[i]: the engine's top ids
-        of sequence i, for algorithm.support=union); the results in the order of `sequences`."""
+        of sequence i, for algorithm.support=union; records[i]: its data record, for algorithm.cross_tokenizer);
+        the results in the order of `sequences`."""
         groups: dict[str, list[int]] = {}
         for i, name in enumerate(teachers):
             groups.setdefault(name, []).append(i)
@@ -83,6 +92,7 @@ class TeacherSet:
                     [sequences[i] for i in rows],
                     [score_from[i] for i in rows],
                     [student_topk[i] for i in rows],
+                    None if records is None else [records[i] for i in rows],
                 ),
             )
 

@@ -234,7 +234,9 @@ class RolloutWorker:
         starts = [len(p) for p in generated.prompt_ids]
         start = time.perf_counter()
         with self._teacher_lock:
-            scores = self.teachers.score(teachers, ids, starts, generated.student_topk)
+            scores = self.teachers.score(
+                teachers, ids, starts, generated.student_topk, [p.record for p in generated.prompts]
+            )
         teacher_s = time.perf_counter() - start
         sequences = [
             Sequence(
@@ -247,6 +249,9 @@ class RolloutWorker:
                 teacher_tail_logmass=scored.tail_logmass,
                 teacher_sampled_logprob=scored.sampled_logprob,
                 teacher_hidden=scored.hidden_states,
+                # algorithm.cross_tokenizer: the span structure of the student's response (cross_tokenizer/targets.py).
+                span_len=getattr(scored, "span_len", None),
+                alignment=getattr(scored, "counts", None),
                 rollout_logprobs=rollout_lp,
                 reward=self._reward(prompt, response),
                 teacher=teacher,
@@ -389,6 +394,8 @@ def summarize(step: int, weight_version: int, sequences: list[Sequence], timings
         elif seq.reward is not None:
             stats.offpolicy_reward_sum += seq.reward
             stats.offpolicy_rewarded += 1
+        for key, value in (seq.alignment or {}).items():
+            stats.alignment[key] = stats.alignment.get(key, 0.0) + value
         if seq.on_policy and seq.rollout_logprobs is not None:
             stats.onpolicy_tokens += seq.num_response_tokens
             stats.rollout_logprob_sum += float(seq.rollout_logprobs.astype(np.float64).sum())

@@ -52,6 +52,8 @@ class BackendOptions:
     # teacher.output: "topk" or "hidden". The vllm backend runs one engine per mode (a pooling-mode engine for
     # "hidden", see backends/vllm.py); the hf backend answers both from one model and ignores it.
     output: str = "topk"
+    # A Jinja chat template file that text requests are rendered with instead of the tokenizer's own (teacher.chat_template).
+    chat_template: str = ""
 
 
 class Backend(Protocol):

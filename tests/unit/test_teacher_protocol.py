@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -181,7 +182,7 @@ def test_hidden_states_roundtrip_at_two_bytes_per_value(hidden_dtype: str, half_
     n_scored, hidden = [5, 0, 3], 48
     values = rng.standard_normal((sum(n_scored), hidden)).astype(np.float32) * 3
     batch = _random_batch(rng, n_scored, top_k=0, vocab=300)
-    with_hidden = P.TopKBatch(*[getattr(batch, f) for f in P.TopKBatch.__dataclass_fields__][:-1], values)
+    with_hidden = dataclasses.replace(batch, hidden_states=values)
     kwargs = dict(vocab_size=300, logprob_dtype="float16", id_encoding="int32")
     frames = P.reply_frames(2, with_hidden, hidden_dtype=hidden_dtype, **kwargs)
     assert len(frames) == len(P.reply_frames(2, batch, **kwargs)) + 1 and len(frames[-1]) == 2 * hidden * 8

@@ -1,0 +1,1 @@
+"""Distillation from a teacher whose tokenizer differs from the student's (algorithm.cross_tokenizer)."""

@@ -1,0 +1,104 @@
+"""One teacher of another tokenizer as the rollout worker scores with it (algorithm.cross_tokenizer).
+
+Chosen once, when the worker connects (recipe_gkd/rollout/teacher_set.py): each response is decoded
+to text in the student's tokens (align.student_text), sent with its record's prompt as a conversation,
+rendered and scored by the teacher in its own tokens (teacher_server/conversation.py), then aligned
+span by span and mapped back onto the student's response positions (targets.aligned_scores). The loop
+and the actor see one scored Sequence per response, as with any teacher.
+
+The worker reads the teacher's tokenizer from teacher.model_path for one thing only: which teacher
+pieces are student pieces (GOLD's shared-vocabulary map). Its fingerprint must be the server's
+(the handshake's tokenizer hash), so the map is the one the server scores with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from recipe_gkd.cross_tokenizer.align import align_spans, student_text
+from recipe_gkd.cross_tokenizer.targets import AlignedScores, aligned_scores, conversation_of, vocabulary_map
+from teacher_server.conversation import Conversation, token_byte_table
+from teacher_server.protocol import TeacherTopK, tokenizer_fingerprint
+
+
+class TextTeacher(Protocol):
+    """What scores conversations: the ZeroMQ client, or an in-process renderer + backend in tests."""
+
+    def score_conversations(self, conversations: Sequence[Conversation]) -> list[TeacherTopK]: ...
+
+
+class CrossTokenizerScorer:
+    """A teacher scored in its own tokens, its replies mapped onto the student's response tokens."""
+
+    def __init__(self, teacher: TextTeacher, student_tokenizer: Any, teacher_tokenizer: Any, top_k: int, data: Any):
+        self.teacher = teacher
+        self.top_k = top_k
+        self.data = data
+        self.student_table, student_controls = token_byte_table(student_tokenizer, "model.student_path")
+        teacher_table, teacher_controls = token_byte_table(teacher_tokenizer, "teacher.model_path")
+        self.student_eos = student_tokenizer.eos_token_id
+        self.mapping = vocabulary_map(
+            self.student_table,
+            teacher_table,
+            self.student_eos,
+            teacher_tokenizer.eos_token_id,
+            _names(student_tokenizer, student_controls),
+            _names(teacher_tokenizer, teacher_controls),
+        )
+
+    @classmethod
+    def connect(cls, cfg: Any, student_tokenizer: Any, address: str | None) -> CrossTokenizerScorer:
+        """The ZeroMQ client for `cfg.teacher` (any tokenizer accepted), checked against teacher.model_path's tokenizer."""
+        from transformers import AutoTokenizer
+
+        from teacher_server.client import TeacherClient, TeacherMismatchError
+
+        client = TeacherClient.from_config(cfg.teacher, address=address)
+        try:
+            server = client.connect()
+            teacher_tokenizer = AutoTokenizer.from_pretrained(cfg.teacher.model_path)
+            if server.tokenizer_hash != tokenizer_fingerprint(teacher_tokenizer):
+                raise TeacherMismatchError(
+                    f"the tokenizer at teacher.model_path={cfg.teacher.model_path} is not the one the teacher server "
+                    "scores with (tokenizer hashes differ): point teacher.model_path at the served model's files"
+                )
+            return cls(client, student_tokenizer, teacher_tokenizer, cfg.teacher.top_k, cfg.data)
+        except BaseException:
+            client.close()
+            raise
+
+    def score_records(
+        self, sequences: list[np.ndarray], score_from: list[int], records: list[dict[str, Any]]
+    ) -> list[AlignedScores]:
+        """Per sequence (prompt + response in student ids) the teacher's scores on its response tokens."""
+        texts = [
+            student_text(seq[start:], self.student_table, self.student_eos)
+            for seq, start in zip(sequences, score_from, strict=True)
+        ]
+        conversations = [conversation_of(r, self.data, t) for r, t in zip(records, texts, strict=True)]
+        replies = self.teacher.score_conversations(conversations)
+        out = []
+        for text, reply in zip(texts, replies, strict=True):
+            if reply.byte_offsets is None:
+                raise ValueError("the teacher's reply to a text request carries no byte offsets (an older server?)")
+            spans = align_spans(text, reply.byte_offsets)
+            out.append(aligned_scores(text, spans, reply, self.mapping, self.top_k))
+        return out
+
+    def close(self) -> None:
+        close = getattr(self.teacher, "close", None)
+        if close is not None:
+            close()
+
+
+def _names(tokenizer: Any, ids: frozenset[int]) -> dict[str, int]:
+    """The control tokens' names (e.g. "<|im_end|>") -> their ids (ids the tokenizer has a name for)."""
+    names = {}
+    for i in sorted(ids):
+        name = tokenizer.convert_ids_to_tokens(i)
+        if isinstance(name, str):
+            names.setdefault(name, i)
+    return names
