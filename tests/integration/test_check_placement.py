@@ -13,11 +13,12 @@ from recipe_gkd.config import CONFIG_DIR, load_config
 from recipe_gkd.placement import build_plan
 
 FAKE = ["cluster.fake_gpus=true", "cluster.ray_address=null", "cluster.placement_timeout_s=60"]
-# cpu_paper.yaml has cpu_demo.yaml's cluster section: one of the two is enough.
+# These presets have cpu_demo.yaml's cluster section: cpu_demo.yaml is enough.
+SAME_AS_DEMO = ("cpu_paper.yaml", "cpu_real_pair.yaml")
 MULTI_GPU = [
     p
     for p in sorted((CONFIG_DIR / "presets").glob("*.yaml"))
-    if load_config(p).cluster.gpus_per_node > 1 and p.name != "cpu_paper.yaml"
+    if load_config(p).cluster.gpus_per_node > 1 and p.name not in SAME_AS_DEMO
 ]
 
 
