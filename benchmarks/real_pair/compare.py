@@ -1,6 +1,6 @@
 """The GKD paper's comparison on the real pair: on-policy vs supervised KD vs mixed, held-out measures.
 
-    python -m benchmarks.real_pair.compare [--steps 4] [--seeds 1,2,3] [--divergences forward_kl,jsd] [--jobs 2]
+    python -m benchmarks.real_pair.compare [--steps 8] [--seeds 1,2,3] [--divergences forward_kl,jsd] [--jobs 2]
     python -m benchmarks.real_pair.compare --render benchmarks/results/real_pair.json   # only the docs
 
 Builds the pair first if needed (benchmarks/real_pair/build.py). Each cell (algorithm.lmbda x
@@ -9,8 +9,8 @@ benchmarks/paper_table.py's run_cli, all with the same steps x data.train_batch_
 exported student is then scored on the held-out prompts (scoring.py): (a) KL(teacher || student)
 over the full vocabulary on the student's own greedy responses, (b) the teacher's mean token
 logprob of those responses, (c) ROUGE-L F1 against the teacher's greedy responses. A finished
-run's scores are kept in its run directory (benchmarks/results/real_pair_runs/), so an
-interrupted grid resumes. Writes benchmarks/results/real_pair.json, docs/real_pair_table.md
+run's scores are kept in its run directory (benchmarks/results/real_pair_runs/) with the preset's
+sha256, so an interrupted grid resumes (a changed preset reruns every cell). Writes benchmarks/results/real_pair.json, docs/real_pair_table.md
 (the generated table) and docs/real_pair.png.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -35,6 +36,7 @@ from paper_table import LMBDA_NAMES, LMBDAS, grid_overrides, run_cli  # noqa: E4
 
 from benchmarks.real_pair.build import DEFAULT_CACHE, DEFAULT_OUT, MAX_NEW_TOKENS, build  # noqa: E402
 from benchmarks.real_pair.scoring import score_student  # noqa: E402
+from recipe_gkd.demo.build_assets import sha256_file  # noqa: E402
 from recipe_gkd.metrics import read_metrics  # noqa: E402
 
 PRESET = ROOT / "configs" / "presets" / "cpu_real_pair.yaml"
@@ -76,8 +78,11 @@ def run_cell(lmbda: float, divergence: str, seed: int, steps: int, teacher: Any,
     """One run of the CLI and the scores of its exported student (reused when already there)."""
     run_dir = RUNS / f"{divergence}_l{lmbda}_s{seed}_n{steps}"
     saved = run_dir / SCORES_FILE
-    if saved.is_file():
+    preset = sha256_file(PRESET)
+    if saved.is_file() and json.loads(saved.read_text()).get("preset_sha256") == preset:
         return json.loads(saved.read_text())
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # an unfinished run, or one of another preset: run it again
     wall_s = run_cli(PRESET, grid_overrides(lmbda, divergence, seed, steps, eval_every=0), run_dir)
     start = time.perf_counter()
     scores = score_dir(run_dir / EXPORT_DIR, teacher, assets)
@@ -87,6 +92,7 @@ def run_cell(lmbda: float, divergence: str, seed: int, steps: int, teacher: Any,
         "divergence": divergence,
         "seed": seed,
         "steps": steps,
+        "preset_sha256": preset,
         "response_tokens": sum(r["response_tokens"] for r in rows),
         "train_loss": [r["loss"] for r in rows],
         "run_s": round(wall_s, 1),
@@ -176,7 +182,7 @@ def write_docs(payload: dict[str, Any], docs: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--divergences", default="forward_kl,jsd")
     parser.add_argument("--lmbdas", default=",".join(f"{lm:g}" for lm in LMBDAS))
