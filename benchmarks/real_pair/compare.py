@@ -124,8 +124,15 @@ def table(runs: list[Run], start: dict[str, Any], metric: str) -> str:
     return "\n".join(lines)
 
 
+TITLES = {
+    "teacher_kl": "(a) KL(teacher || student), nats/token (lower: better)",
+    "teacher_logprob": "(b) teacher's mean token logprob (higher: better)",
+    "rouge_l": "(c) ROUGE-L F1 vs the teacher (higher: better)",
+}
+
+
 def plot(runs: list[Run], start: dict[str, Any], out: Path) -> Path:
-    """One panel per measure: each run as a dot, the cell means as bars, the starting student as a line."""
+    """One panel per measure: each run as a dot, the cell mean +- std as a bar, the starting student as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,22 +140,22 @@ def plot(runs: list[Run], start: dict[str, Any], out: Path) -> Path:
 
     divergences = sorted({r["divergence"] for r in runs})
     fig, axes = plt.subplots(1, len(METRICS), figsize=(15, 4))
-    width = 0.8 / len(divergences)
+    offset = 0.25
     for ax, metric in zip(axes, METRICS, strict=True):
         for d, div in enumerate(divergences):
             for i, lm in enumerate(LMBDAS):
                 values = [r[metric] for r in runs if r["divergence"] == div and r["lmbda"] == lm]
                 if not values:
                     continue
-                x = i + (d - (len(divergences) - 1) / 2) * width
-                ax.bar(x, statistics.mean(values), width, color=f"C{d}", alpha=0.5, label=div if i == 0 else None)
-                ax.scatter([x] * len(values), values, color=f"C{d}", s=12, zorder=3)
+                x = i + (d - (len(divergences) - 1) / 2) * offset
+                spread = statistics.stdev(values) if len(values) > 1 else 0.0
+                ax.errorbar(x, statistics.mean(values), yerr=spread, fmt="s", color=f"C{d}", capsize=4,
+                            label=div if i == 0 else None)  # fmt: skip
+                ax.scatter([x + 0.06] * len(values), values, color=f"C{d}", s=10, alpha=0.6)
         ax.axhline(start[metric], color="gray", linestyle="--", label="student before")
         ax.set_xticks(range(len(LMBDAS)), [f"lmbda={lm:g}" for lm in LMBDAS])
-        ax.set_title(METRICS[metric].split(" (")[0] + "\n" + METRICS[metric].split(") ", 1)[1][:48], fontsize=9)
-        low = min([start[metric], *(r[metric] for r in runs)])
-        high = max([start[metric], *(r[metric] for r in runs)])
-        ax.set_ylim(low - 0.1 * (high - low + 1e-9), high + 0.1 * (high - low + 1e-9))
+        ax.set_xlim(-0.5, len(LMBDAS) - 0.5)
+        ax.set_title(TITLES[metric], fontsize=10)
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -174,6 +181,16 @@ def markdown(payload: dict[str, Any]) -> str:
     )
 
 
+def collect(steps: int, wall_s: float) -> dict[str, Any]:
+    """The payload of the cells of `steps` steps finished so far; the starting student's scores from the manifest
+    (the builder scores it on the same held-out prompts with the same code)."""
+    runs = [json.loads(p.read_text()) for p in sorted(RUNS.glob(f"*_n{steps}/{SCORES_FILE}"))]
+    runs.sort(key=lambda r: (r["seed"], r["lmbda"], r["divergence"]))
+    start = json.loads((DEFAULT_OUT / "manifest.json").read_text())["student"]["eval_healed"]
+    command = f"python -m benchmarks.real_pair.compare --steps {steps} (cut short: {len(runs)} cells)"
+    return {"command": command, "steps": steps, "batch": 8, "wall_s": wall_s, "start": start, "runs": runs}
+
+
 def write_docs(payload: dict[str, Any], docs: Path) -> None:
     plot(payload["runs"], payload["start"], docs / "real_pair.png")
     (docs / "real_pair_table.md").write_text(markdown(payload))
@@ -189,9 +206,14 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--docs", type=Path, default=DOCS)
     parser.add_argument("--render", type=Path, default=None, help="only write the docs from this results JSON")
+    parser.add_argument("--collect", type=float, default=None, metavar="WALL_S", help="only write the docs from the cells "
+                        "finished so far (a grid cut short), stating WALL_S seconds of wall time")  # fmt: skip
     args = parser.parse_args()
     if args.render:
         write_docs(json.loads(args.render.read_text()), args.docs)
+        return
+    if args.collect is not None:
+        write_docs(collect(args.steps, args.collect), args.docs)
         return
     torch.set_num_threads(SCORE_THREADS)
     start_time = time.perf_counter()
