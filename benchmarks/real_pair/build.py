@@ -13,8 +13,8 @@ Needs the optional benchmark packages (`pip install -e .[real-pair]`: gguf, acce
 3. The student: the teacher depth-pruned to 15 of its 30 layers (pruning.py, strategy below),
    then healed by a short SFT on the teacher's responses to the heal split only (Minitron prunes,
    then distils; the GKD paper starts from a fine-tuned student): straight after pruning the
-   student's KL to the teacher is ~7-25 nats per token whichever layers are kept (measured), so
-   its greedy text is noise and no objective could be compared on it.
+   student's KL to the teacher on the teacher's own responses is 7-25 nats per token whichever layers
+   are kept (measured, see KEEP), so its greedy text is noise and no objective could be compared on it.
 4. manifest.json: the recipe, the held-out measures of the healed and the unhealed student, the
    seconds, and the sha256 of every file; a rerun whose manifest matches does nothing.
 
