@@ -41,25 +41,31 @@ DOCS = ROOT / "docs"
 Run = dict[str, Any]
 
 
-def run_one(config: Path, lmbda: float, divergence: str, seed: int, steps: int, eval_every: int, out: Path) -> Run:
-    run_dir = out / f"{divergence}_l{lmbda}_s{seed}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "recipe_gkd.main",
-        f"--config={config}",
+def grid_overrides(lmbda: float, divergence: str, seed: int, steps: int, eval_every: int) -> list[str]:
+    """The CLI overrides of one cell of the grid (jsd: generalized JSD with beta = 0.5)."""
+    return [
         f"algorithm.lmbda={lmbda}",
         f"algorithm.divergence={divergence}",
         "algorithm.beta=0.5",
         f"data.seed={seed}",
         f"trainer.total_steps={steps}",
         f"trainer.eval_every={eval_every}",
-        f"trainer.run_dir={run_dir}",
     ]
+
+
+def run_cli(config: Path, overrides: list[str], run_dir: Path) -> float:
+    """Run `python -m recipe_gkd.main` on `config` with `overrides` into `run_dir`; returns its wall seconds."""
+    cmd = [sys.executable, "-m", "recipe_gkd.main", f"--config={config}", *overrides, f"trainer.run_dir={run_dir}"]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{cmd} failed:\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def run_one(config: Path, lmbda: float, divergence: str, seed: int, steps: int, eval_every: int, out: Path) -> Run:
+    run_dir = out / f"{divergence}_l{lmbda}_s{seed}"
+    wall_s = run_cli(config, grid_overrides(lmbda, divergence, seed, steps, eval_every), run_dir)
     evals = read_metrics(run_dir, "eval.jsonl")
     result = {
         "lmbda": lmbda,
@@ -70,7 +76,7 @@ def run_one(config: Path, lmbda: float, divergence: str, seed: int, steps: int, 
         "final_accuracy": evals[-1]["eval_reward"],
         "final_teacher_kl": evals[-1]["eval_teacher_kl"],
         "curve": [(e["step"], e["eval_reward"]) for e in evals],
-        "wall_s": round(time.perf_counter() - start, 1),
+        "wall_s": round(wall_s, 1),
     }
     print(f"  {divergence:<10} lmbda={lmbda} seed={seed}: {100 * result['final_accuracy']:.1f}%", flush=True)
     return result
