@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-from recipe_gkd.config import load_config, to_yaml
+from demo_runs import REPO, finished_evals, run_demo
 
-REPO = Path(__file__).resolve().parents[1]
 PRESETS = REPO / "configs" / "presets"
 RUNS = REPO / "runs" / "cross_tokenizer_table"
 RESULTS = REPO / "benchmarks" / "results" / "cross_tokenizer_table.json"
@@ -36,32 +32,6 @@ ROWS: list[tuple[str, str, tuple[str, ...]]] = [
     ("same tokenizer, sampled_reverse_kl", "cpu_demo_sampled_reverse_kl.yaml", ()),
     ("cross, sampled_reverse_kl (span advantage)", "cpu_cross_tokenizer.yaml", SAMPLED),
 ]
-
-
-def finished(preset: Path, overrides: tuple[str, ...], out: Path) -> list[dict] | None:
-    """The run's eval rows when `out` holds a finished run of exactly this config."""
-    cfg = load_config(preset, [*overrides, f"trainer.run_dir={out}"])
-    resolved, evals = out / "resolved_config.yaml", out / "eval.jsonl"
-    if not (resolved.is_file() and evals.is_file()) or resolved.read_text() != to_yaml(cfg):
-        return None
-    rows = [json.loads(line) for line in evals.read_text().splitlines()]
-    return rows if rows and rows[-1]["step"] == cfg.trainer.total_steps else None
-
-
-def run(preset: Path, overrides: tuple[str, ...], out: Path) -> list[dict]:
-    evals = finished(preset, overrides, out)
-    if evals is not None:
-        return evals
-    subprocess.run(["rm", "-rf", str(out)], check=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "recipe_gkd.main", "--config", str(preset), *overrides, f"trainer.run_dir={out}"]
-    with (out.parent / f"{out.name}.log").open("w") as log:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=1800)
-    evals = finished(preset, overrides, out)
-    if evals is None:
-        raise RuntimeError(f"{out} did not finish; see {out}.log")
-    return evals
 
 
 def row_figures(out: Path, evals: list[dict]) -> dict:
@@ -90,7 +60,10 @@ def main() -> None:
             continue
         out = RUNS / f"row{i}"
         print(f"{name}: {out}", flush=True)
-        results[name] = row_figures(out, run(PRESETS / preset, overrides, out))
+        run_demo(overrides, out, preset=PRESETS / preset)
+        evals = finished_evals(overrides, out, PRESETS / preset)
+        assert evals is not None
+        results[name] = row_figures(out, evals)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(

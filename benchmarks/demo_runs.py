@@ -20,28 +20,34 @@ REPO = Path(__file__).resolve().parents[1]
 Curve = list[tuple[int, float]]
 
 
-def accuracy_curve(overrides: tuple[str, ...], out: Path) -> Curve | None:
-    """The run's (step, held-out accuracy) when `out` holds a finished run of exactly this config."""
-    cfg = load_config(None, [*overrides, f"trainer.run_dir={out}"])
+def finished_evals(overrides: tuple[str, ...], out: Path, preset: Path | None = None) -> list[dict] | None:
+    """The run's eval.jsonl rows when `out` holds a finished run of exactly this config (preset None: the demo's)."""
+    cfg = load_config(preset, [*overrides, f"trainer.run_dir={out}"])
     resolved, evals = out / "resolved_config.yaml", out / "eval.jsonl"
     if not (resolved.is_file() and evals.is_file()) or resolved.read_text() != to_yaml(cfg):
         return None
     rows = [json.loads(line) for line in evals.read_text().splitlines()]
-    if not rows or rows[-1]["step"] != cfg.trainer.total_steps:
-        return None
-    return [(r["step"], r["eval_reward"]) for r in rows]
+    return rows if rows and rows[-1]["step"] == cfg.trainer.total_steps else None
 
 
-def run_demo(overrides: tuple[str, ...], out: Path, timeout_s: float = 1800) -> tuple[Curve, float | None]:
-    """One demo CLI run (reused when finished before): its accuracy curve and wall time (None when reused).
+def accuracy_curve(overrides: tuple[str, ...], out: Path, preset: Path | None = None) -> Curve | None:
+    """The run's (step, held-out accuracy) when `out` holds a finished run of exactly this config."""
+    rows = finished_evals(overrides, out, preset)
+    return None if rows is None else [(r["step"], r["eval_reward"]) for r in rows]
 
-    The run's console goes to `<out>.log` beside the run directory."""
-    curve = accuracy_curve(overrides, out)
+
+def run_demo(
+    overrides: tuple[str, ...], out: Path, timeout_s: float = 1800, preset: Path | None = None
+) -> tuple[Curve, float | None]:
+    """One CLI run of `preset` (None: the demo's) with `overrides`, reused when finished before: its accuracy curve
+    and wall time (None when reused). The run's console goes to `<out>.log` beside the run directory."""
+    curve = accuracy_curve(overrides, out, preset)
     if curve is not None:
         return curve, None
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "recipe_gkd.main", *overrides, f"trainer.run_dir={out}"]
+    config = ["--config", str(preset)] if preset is not None else []
+    cmd = [sys.executable, "-m", "recipe_gkd.main", *config, *overrides, f"trainer.run_dir={out}"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     log_path = out.parent / f"{out.name}.log"
     start = time.monotonic()
@@ -49,7 +55,7 @@ def run_demo(overrides: tuple[str, ...], out: Path, timeout_s: float = 1800) -> 
         subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=timeout_s)
     wall = time.monotonic() - start
     print(f"  {out.name}: {wall:.0f} s", flush=True)
-    curve = accuracy_curve(overrides, out)
+    curve = accuracy_curve(overrides, out, preset)
     if curve is None:
         raise RuntimeError(f"{out} did not finish; see {log_path}")
     return curve, wall
