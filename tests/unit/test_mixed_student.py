@@ -14,6 +14,7 @@ from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
 from recipe_gkd.config.rules import check_local_paths
 from recipe_gkd.demo import mixed_student
 from recipe_gkd.demo.build_assets import sha256_file
+from recipe_gkd.main import resolve_config_models
 
 REPO = Path(__file__).resolve().parents[2]
 REPO_ASSETS = REPO / "assets" / "two_teachers"
@@ -97,10 +98,25 @@ def test_a_missing_demo_student_names_the_command_that_builds_it(tmp_path: Path)
     try:
         with pytest.raises(ConfigError) as err:
             check_local_paths(cfg)
+        # The CLI resolves hub ids first: a missing repo-built directory is not looked up on the hub.
+        with pytest.raises(ConfigError) as resolving:
+            resolve_config_models(load_config(TWO))
     finally:
         os.chdir(cwd)
-    assert err.value.key == "model.student_path"
+    assert err.value.key == resolving.value.key == "model.student_path"
     assert "build it with `python -m recipe_gkd.demo.mixed_student`" in str(err.value)
+    assert "build it with `python -m recipe_gkd.demo.mixed_student`" in str(resolving.value)
+    # The student there, the `sum` teacher's model missing: its own command.
+    shutil.copytree(REPO_ASSETS / "student", tmp_path / "assets/two_teachers/student")
+    shutil.rmtree(tmp_path / "assets/paper/teacher")
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(ConfigError) as err:
+            check_local_paths(cfg)
+    finally:
+        os.chdir(cwd)
+    assert err.value.key == "teachers.sum.model_path"
+    assert "build it with `python -m recipe_gkd.demo.build_assets --task paper`" in str(err.value)
 
 
 @pytest.mark.slow
