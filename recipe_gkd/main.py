@@ -161,9 +161,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def resolve_config_models(cfg: GKDConfig) -> None:
     """Replace every hub id in the config's model references by its snapshot directory (in place)."""
+    from recipe_gkd.config.rules import require_built_asset
     from teacher_server.model_refs import resolve_model_ref
 
-    cfg.model.student_path = resolve_model_ref(cfg.model.student_path, "model.student_path")
+    def resolve(ref: str, key: str) -> str:
+        require_built_asset(ref, key)  # a missing repo-built model: the command that builds it, not a hub lookup
+        return resolve_model_ref(ref, key)
+
+    cfg.model.student_path = resolve(cfg.model.student_path, "model.student_path")
     cfg.model.tokenizer_path = resolve_model_ref(cfg.model.tokenizer_path, "model.tokenizer_path")
     from recipe_gkd.teachers_config import teacher_key
 
@@ -172,7 +177,7 @@ def resolve_config_models(cfg: GKDConfig) -> None:
         if section.backend != TeacherBackend.openai:
             # backend=openai: the served model's name (or a local tokenizer directory), never downloaded here.
             key = teacher_key(cfg, name, "model_path") if name in cfg.teachers else "teacher.model_path"
-            section.model_path = resolve_model_ref(section.model_path, key)
+            section.model_path = resolve(section.model_path, key)
 
 
 if __name__ == "__main__":

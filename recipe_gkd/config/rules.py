@@ -69,8 +69,32 @@ def check_local_paths(cfg: GKDConfig) -> None:
     # data.train_files / data.eval_files (files, Hugging Face datasets): recipe_gkd.data.check_record_fields.
 
 
+# The CPU presets' models this repository builds offline (committed under assets/): the command that builds each.
+ASSET_BUILDERS = {
+    **{
+        f"assets/{task}/{model}": f"python -m recipe_gkd.demo.build_assets --task {task}"
+        for task in ("demo", "paper")
+        for model in ("teacher", "student")
+    },
+    "assets/two_teachers/student": "python -m recipe_gkd.demo.mixed_student",
+}
+
+
+def require_built_asset(path: str, key: str) -> None:
+    """A model directory this repository builds offline (ASSET_BUILDERS) is built; else ConfigError naming `key`
+    and the command that builds it. Any other path passes (other checks own it)."""
+    builder = ASSET_BUILDERS.get(Path(path).as_posix()) if path else None
+    relative = "" if Path(path).is_absolute() else f" (relative to the current directory {Path.cwd()})"
+    require(
+        builder is None or (Path(path) / "config.json").is_file(),
+        key,
+        f"{path!r}{relative} is not built (no config.json there): build it with `{builder}`",
+    )
+
+
 def _require_model_dir(path: str, key: str) -> None:
     require(bool(path), key, "is empty: set it to a local HF model directory")
+    require_built_asset(path, key)
     relative = "" if Path(path).is_absolute() else f" (relative to the current directory {Path.cwd()})"
     require(
         (Path(path) / "config.json").is_file(),
