@@ -59,3 +59,18 @@ def run_demo(
     if curve is None:
         raise RuntimeError(f"{out} did not finish; see {log_path}")
     return curve, wall
+
+
+def print_final_table(names: list[str], results: list[dict], seeds: list[int], start: float) -> None:
+    """One markdown row per named row: each seed's final held-out accuracy, their mean and its gain over `start`.
+
+    `results`: dicts with "row" (an index into names), "seed" and "curve" (run_demo's)."""
+    print(f"| run | {' | '.join(f'seed {s}' for s in seeds)} | mean | gain (points) |")
+    print(f"|---|{'---|' * len(seeds)}---|---|")
+    for index, name in enumerate(names):
+        final = {r["seed"]: r["curve"][-1][1] for r in results if r["row"] == index}
+        if not final:
+            continue
+        cells = [f"{100 * final[s]:.1f}" if s in final else "-" for s in seeds]
+        mean = sum(final.values()) / len(final)
+        print(f"| {name} | {' | '.join(cells)} | {100 * mean:.1f} | {100 * (mean - start):+.1f} |")

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from demo_runs import REPO, run_demo
+from demo_runs import REPO, print_final_table, run_demo
 
 RUNS = REPO / "runs" / "sampled_rkl_table"
 RESULTS = REPO / "benchmarks" / "results" / "sampled_rkl_table.json"
@@ -99,14 +99,7 @@ def main() -> None:
     print(
         f"\nheld-out accuracy after 150 steps (%), CPU demo (two_step_off unless noted); step 0: {100 * start:.1f}%\n"
     )
-    print("| run | seed 1 | seed 2 | seed 3 | mean | gain (points) |\n|---|---|---|---|---|---|")
-    for index, (name, _, _) in enumerate(ROWS):
-        final = {r["seed"]: r["curve"][-1][1] for r in results if r["row"] == index}
-        if not final:
-            continue
-        cells = [f"{100 * final[s]:.1f}" if s in final else "-" for s in (1, 2, 3)]
-        mean = sum(final.values()) / len(final)
-        print(f"| {name} | {' | '.join(cells)} | {100 * mean:.1f} | {100 * (mean - start):+.1f} |")
+    print_final_table([name for name, _, _ in ROWS], results, [1, 2, 3], start)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {RESULTS}")

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from demo_runs import REPO, run_demo
+from demo_runs import REPO, print_final_table, run_demo
 
 RUNS = REPO / "runs" / "support_learning_table"
 RESULTS = REPO / "benchmarks" / "results" / "support_learning_table.json"
@@ -51,15 +51,7 @@ def main() -> None:
             )
     start = results[0]["curve"][0][1]
     print(f"\nheld-out accuracy after 150 steps (%), CPU demo (two_step_off); step 0: {100 * start:.1f}%\n")
-    header = " | ".join(f"seed {s}" for s in args.seeds)
-    print(f"| divergence, support | {header} | mean | gain (points) |\n|---|{'---|' * len(args.seeds)}---|---|")
-    for index, (name, _) in enumerate(ROWS):
-        final = {r["seed"]: r["curve"][-1][1] for r in results if r["row"] == index}
-        if not final:
-            continue
-        cells = [f"{100 * final[s]:.1f}" if s in final else "-" for s in args.seeds]
-        mean = sum(final.values()) / len(final)
-        print(f"| {name} | {' | '.join(cells)} | {100 * mean:.1f} | {100 * (mean - start):+.1f} |")
+    print_final_table([name for name, _ in ROWS], results, args.seeds, start)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {RESULTS}")

@@ -252,6 +252,11 @@ def manifest_problem(out: Path, assets: TaskAssets = DEMO) -> str | None:
     missing = [name for name in REQUIRED_FILES if name not in files]
     if missing:
         return f"the manifest lacks {missing}"
+    return files_problem(out, files)
+
+
+def files_problem(out: Path, files: dict[str, Any]) -> str | None:
+    """Why the files under `out` differ from a manifest's `files` table (None when they all match)."""
     for name, entry in files.items():
         file = out / name
         if not file.is_file():

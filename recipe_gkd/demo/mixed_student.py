@@ -39,6 +39,7 @@ from recipe_gkd.demo.build_assets import (
     ModelRecipe,
     _model_recipe,
     deterministic_torch,
+    files_problem,
     sha256_file,
 )
 from recipe_gkd.demo.evaluate import accuracy_on
@@ -121,13 +122,7 @@ def manifest_problem(out: Path) -> str | None:
     files = manifest.get("files", {})
     if "student/model.safetensors" not in files:
         return "the manifest lacks student/model.safetensors"
-    for name, entry in files.items():
-        file = out / name
-        if not file.is_file():
-            return f"{file} is missing"
-        if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
-            return f"{file} differs from the manifest"
-    return None
+    return files_problem(out, files)
 
 
 def _accuracies(model: torch.nn.Module, tokenizer: Any, examples: dict[str, list[task.Example]]) -> dict[str, float]:
