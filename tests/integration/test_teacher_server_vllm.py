@@ -17,7 +17,7 @@ from test_teacher_server import VOCAB, write_teacher_yaml
 from teacher_server import protocol as P
 from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
 from teacher_server.client import TeacherClient, TeacherMismatchError
-from teacher_server.launcher import launch_teacher
+from teacher_server.launcher import TeacherProcess, launch_teacher
 
 pytestmark = pytest.mark.vllm
 TOP_K = 16
@@ -144,24 +144,60 @@ def test_vllm_refuses_temperatures_other_than_one(vllm_backend: Backend) -> None
     assert err.value.code == P.ErrorCode.UNSUPPORTED
 
 
-@pytest.mark.slow
-def test_vllm_server_round_trip(vllm_model_dir: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def vllm_bpe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """vllm_model_dir's shape with a Llama-3-shaped byte-level BPE and chat template (text requests need one)."""
+    from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+
+    spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("vllm_bpe"), seed=0, spec=spec, tokenizer_kind="llama3_bpe")
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_bpe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TeacherProcess]:
+    """One teacher server on the vllm backend (a process of its own) for both round trips below: token requests, and
+    text requests (algorithm.cross_tokenizer)."""
     pytest.importorskip("vllm")
-    yaml_path = write_teacher_yaml(tmp_path / "teacher.yaml", vllm_model_dir, backend="vllm", dtype="float32")
+    root = tmp_path_factory.mktemp("vllm_server")
+    yaml_path = write_teacher_yaml(root / "teacher.yaml", vllm_bpe_model, backend="vllm", dtype="float32")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with launch_teacher(
-        yaml_path, ready_timeout_s=READY_TIMEOUT_S, log_path=tmp_path / "server.log", env=env
-    ) as server:
-        with (
-            TeacherClient(server.address, top_k=8, temperature=0.5) as client,
-            pytest.raises(TeacherMismatchError, match=r"teacher\.temperature"),
-        ):
-            client.connect()
-        with TeacherClient(server.address, top_k=8) as client:
-            seqs, starts = _batch()
-            assert [s.n_scored for s in client.score(seqs, starts)] == [
-                s.size - f for s, f in zip(seqs, starts, strict=True)
-            ]
+    with launch_teacher(yaml_path, ready_timeout_s=READY_TIMEOUT_S, log_path=root / "server.log", env=env) as server:
+        yield server
+
+
+@pytest.mark.slow
+def test_vllm_server_round_trip(vllm_server: TeacherProcess) -> None:
+    with (
+        TeacherClient(vllm_server.address, top_k=8, temperature=0.5) as client,
+        pytest.raises(TeacherMismatchError, match=r"teacher\.temperature"),
+    ):
+        client.connect()
+    with TeacherClient(vllm_server.address, top_k=8) as client:
+        seqs, starts = _batch()
+        assert [s.n_scored for s in client.score(seqs, starts)] == [
+            s.size - f for s, f in zip(seqs, starts, strict=True)
+        ]
+
+
+@pytest.mark.slow
+def test_text_requests_through_the_vllm_backend_equal_hf(vllm_server: TeacherProcess, vllm_bpe_model: Path) -> None:
+    """algorithm.cross_tokenizer: the replica renders the conversation before any backend, so a vllm teacher scores the
+    tokens the hf backend scores for the same rendering, with the same byte offsets."""
+    from test_cross_tokenizer import CONVERSATIONS
+    from transformers import AutoTokenizer
+
+    from teacher_server.conversation import Renderer
+
+    with TeacherClient(vllm_server.address, timeout_s=120.0, top_k=8, logprob_dtype="float32") as client:
+        replies = client.score_conversations(CONVERSATIONS)
+    renderer = Renderer(AutoTokenizer.from_pretrained(vllm_bpe_model))
+    hf = load_backend("hf", BackendOptions(str(vllm_bpe_model), max_top_k=64))
+    for conversation, reply in zip(CONVERSATIONS, replies, strict=True):
+        rendered = renderer.render(conversation)
+        expected = hf.score(parsed_request([rendered.ids], [rendered.score_from], top_k=8)).split()[0]
+        assert np.array_equal(reply.token_ids, rendered.ids[rendered.score_from :])
+        assert np.array_equal(reply.byte_offsets, rendered.byte_offsets)
+        np.testing.assert_allclose(reply.sampled_logprob, expected.sampled_logprob, rtol=0, atol=ATOL)
 
 
 # teacher.output=hidden with the vllm backend: a pooling-mode engine (teacher_server/backends/vllm.py module doc).
