@@ -227,51 +227,105 @@ def run_in_terminal(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str
     return returncode, b"".join(chunks).decode(errors="replace")
 
 
-@pytest.mark.slow
-def test_driver_memory_does_not_grow_with_the_dataset(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
-    big = tmp_path / "big.jsonl"
+# One configuration run twice through the CLI, on the tiny dataset and on a 60 MB one, shared by the tests below (each
+# asserts its own facet; one CLI run costs ~15 s of the suite): models given as hub ids from an offline cache,
+# algorithm.support=union with reverse KL, one_step_off for a run shorter than its pipeline, memory in the metrics.
+FACETS = [
+    "algorithm.divergence=reverse_kl",
+    "algorithm.support=union",
+    "rollout.student_top_k=8",
+    "algorithm.schedule=one_step_off",
+    "trainer.total_steps=1",
+    "debug.log_memory=true",
+    "trainer.eval_every=0",
+]
+
+
+def _offline_hub(inputs: dict[str, Path], hub: Path) -> dict[str, Path | str]:
+    """The tiny student and teacher in a huggingface_hub cache under `hub`, named as hub ids (one @revision)."""
+    import shutil
+
+    for repo, source, ref in (("tiny/student", "student", "main"), ("tiny/teacher", "teacher", "v1")):
+        root = hub / ("models--" + repo.replace("/", "--"))
+        shutil.copytree(inputs[source], root / "snapshots" / ("a" * 40))
+        (root / "refs").mkdir()
+        (root / "refs" / ref).write_text("a" * 40)
+    return {**inputs, "student": "tiny/student", "teacher": "tiny/teacher@v1"}
+
+
+@pytest.fixture(scope="module")
+def facet_runs(tiny_run_inputs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Run dirs of FACETS on the tiny dataset ("small") and on a 60 MB one ("big"); both exited 0."""
+    root = tmp_path_factory.mktemp("facets")
+    big = root / "big.jsonl"
     padding = "x" * 1000
     with big.open("w") as f:
         for i in range(60_000):
             f.write(json.dumps({"prompt": f"rev:{WORDS[i % len(WORDS)]}", "pad": padding}) + "\n")
     assert big.stat().st_size > 60e6
-    rss = {}
+    inputs = _offline_hub(tiny_run_inputs, root / "hf" / "hub")
+    env = {"HF_HOME": str(root / "hf"), "HF_HUB_OFFLINE": "1"}
+    runs = {}
     for name, data in (("small", tiny_run_inputs["data"]), ("big", big)):
-        inputs = {**tiny_run_inputs, "data": data}
-        run_dir = tmp_path / name
-        proc = run_cli(inputs, run_dir, "trainer.total_steps=2", "debug.log_memory=true", "trainer.eval_every=0")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        last = read_metrics(run_dir)[-1]
+        runs[name] = root / name
+        proc = run_cli({**inputs, "data": data}, runs[name], *FACETS, extra_env=env)  # type: ignore[dict-item]
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    runs["hub"] = root / "hf" / "hub"
+    return runs
+
+
+@pytest.mark.slow
+def test_driver_memory_does_not_grow_with_the_dataset(facet_runs: dict[str, Path]) -> None:
+    rss = {}
+    for name in ("small", "big"):
+        last = read_metrics(facet_runs[name])[-1]
         rss[name] = last["driver_rss_mb"]
         assert last["actor0_rss_mb"] > 100 and last["rollout0_rss_mb"] > 100, "every worker reports its memory"
     assert abs(rss["big"] - rss["small"]) < 20, f"driver RSS small={rss['small']:.0f} MiB big={rss['big']:.0f} MiB"
 
 
-# (schedule, total_steps, staleness of each trained batch). Includes runs shorter than the pipeline.
-# Every schedule's order, staleness and exactly-once are checked in-process (tests/integration/test_gkd_loop.py);
-# on Ray: two_step_off, whose rollout worker scores batch t+1 in one thread while generating t+2 in another,
-# and one_step_off with a run shorter than its pipeline (and in test_gloo_weight_sync_with_tp_actor_and_two_rollouts).
-SCHEDULES = [
-    ("one_step_off", 1, [0]),
-    ("two_step_off", 4, [0, 1, 2, 2]),
-]
+@pytest.mark.slow
+def test_models_given_as_hub_ids_from_an_offline_cache(facet_runs: dict[str, Path]) -> None:
+    """Student and teacher as hub ids (one @revision), read from a huggingface_hub cache with HF_HUB_OFFLINE=1."""
+    resolved = (facet_runs["small"] / "resolved_config.yaml").read_text()
+    assert str(facet_runs["hub"] / "models--tiny--student" / "snapshots" / ("a" * 40)) in resolved
+    assert str(facet_runs["hub"] / "models--tiny--teacher" / "snapshots" / ("a" * 40)) in resolved
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("schedule", "steps", "staleness"), SCHEDULES, ids=[f"{s}-{n}" for s, n, _ in SCHEDULES])
-def test_async_schedules_train_every_batch_once(
-    tiny_run_inputs: dict[str, Path], tmp_path: Path, schedule: str, steps: int, staleness: list[int]
-) -> None:
-    run_dir = tmp_path / "run"
-    proc = run_cli(tiny_run_inputs, run_dir, f"algorithm.schedule={schedule}", f"trainer.total_steps={steps}")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = read_metrics(run_dir)
+def test_union_support_reverse_kl_runs_through_the_cli(facet_runs: dict[str, Path]) -> None:
+    """algorithm.support=union: the student's top-8 ids travel with the score request; the loss trains on them."""
+    rows = read_metrics(facet_runs["small"])
+    assert [r["weight_version"] for r in rows] == [1]
+    # The columns' teacher mass (its top-8 and the student's top-8) is the server's exact 1 - rest.
+    assert all(np.isfinite(r["loss"]) and r["loss"] > 0 and 0 < r["teacher_topk_mass"] <= 1 for r in rows)
+
+
+# (schedule, total_steps, staleness of each trained batch). Includes runs shorter than the pipeline.
+# Every schedule's order, staleness and exactly-once are checked in-process (tests/integration/test_gkd_loop.py);
+# on Ray: two_step_off, whose rollout worker scores batch t+1 in one thread while generating t+2 in another,
+# one_step_off with a run shorter than its pipeline (facet_runs) and in the TP x DP run below.
+
+
+def assert_every_batch_trained_once(rows: list[dict], steps: int, staleness: list[int]) -> None:
     assert [r["batch"] for r in rows] == list(range(steps)), "each batch trained exactly once, in order"
     assert [r["weight_version"] for r in rows] == list(range(1, steps + 1))
     assert [r["staleness"] for r in rows] == staleness
-    ids = [i for r in rows for i in r["sample_ids"]]
-    stream_order = Counter(ids)
+    stream_order = Counter(i for r in rows for i in r["sample_ids"])
     assert sum(stream_order.values()) == 8 * steps and max(stream_order.values()) <= -(-8 * steps // 12)
+
+
+@pytest.mark.slow
+def test_two_step_off_trains_every_batch_once(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_cli(tiny_run_inputs, run_dir, "algorithm.schedule=two_step_off", "trainer.total_steps=4")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert_every_batch_trained_once(read_metrics(run_dir), 4, [0, 1, 2, 2])
+
+
+@pytest.mark.slow
+def test_one_step_off_shorter_than_its_pipeline_trains_its_one_batch(facet_runs: dict[str, Path]) -> None:
+    assert_every_batch_trained_once(read_metrics(facet_runs["small"]), 1, [0])
 
 
 @pytest.mark.slow
@@ -426,19 +480,6 @@ def test_vllm_rollout_for_two_steps(
         assert noise not in console, f"{noise!r} reached the console:\n{console[-6000:]}"
 
 
-@pytest.mark.slow
-def test_union_support_reverse_kl_runs_through_the_cli(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
-    """algorithm.support=union: the student's top-8 ids travel with the score request; the loss trains on them."""
-    run_dir = tmp_path / "run"
-    overrides = ["algorithm.divergence=reverse_kl", "algorithm.support=union", "rollout.student_top_k=8"]
-    proc = run_cli(tiny_run_inputs, run_dir, *overrides, "trainer.total_steps=2", "trainer.eval_every=0")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = read_metrics(run_dir)
-    assert [r["weight_version"] for r in rows] == [1, 2]
-    # The columns' teacher mass (its top-8 and the student's top-8) is the server's exact 1 - rest.
-    assert all(np.isfinite(r["loss"]) and r["loss"] > 0 and 0 < r["teacher_topk_mass"] <= 1 for r in rows)
-
-
 def test_union_support_with_an_openai_teacher_exits_2(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
     overrides = ["teacher.backend=openai", "teacher.address=http://127.0.0.1:9/v1", "teacher.autostart=false"]
     union = ["algorithm.support=union", "rollout.student_top_k=8"]
@@ -458,27 +499,6 @@ def test_an_unsupported_vllm_is_one_line_exit_1(tiny_run_inputs: dict[str, Path]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: vLLM 0.11.0 is installed but rollout.backend=vllm supports vllm>=0.24.0,<0.34"), last
     assert "Traceback" not in proc.stderr
-
-
-@pytest.mark.slow
-def test_models_given_as_hub_ids_from_an_offline_cache(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
-    """Student and teacher as hub ids (one @revision), read from a huggingface_hub cache with HF_HUB_OFFLINE=1."""
-    import shutil
-
-    hub = tmp_path / "hf" / "hub"
-    for repo, source, ref in (("tiny/student", "student", "main"), ("tiny/teacher", "teacher", "v1")):
-        root = hub / ("models--" + repo.replace("/", "--"))
-        shutil.copytree(tiny_run_inputs[source], root / "snapshots" / ("a" * 40))
-        (root / "refs").mkdir()
-        (root / "refs" / ref).write_text("a" * 40)
-    inputs = {**tiny_run_inputs, "student": "tiny/student", "teacher": "tiny/teacher@v1"}
-    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    run_dir = tmp_path / "run"
-    proc = run_cli(inputs, run_dir, "trainer.total_steps=2", "trainer.eval_every=0", extra_env=env)  # type: ignore[arg-type]
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert [r["weight_version"] for r in read_metrics(run_dir)] == [1, 2]
-    resolved = (run_dir / "resolved_config.yaml").read_text()
-    assert str(hub / "models--tiny--student" / "snapshots" / ("a" * 40)) in resolved
 
 
 @pytest.mark.slow
