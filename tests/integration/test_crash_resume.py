@@ -17,6 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from recipe_gkd.checkpoint import list_checkpoints, verify
@@ -143,8 +144,9 @@ def expected_sample_ids(steps: int, dataset_size: int) -> list[list[int]]:
 # The read-ahead schedule (its checkpoint's data position trails the stream); a sync resume is checked
 # against the uninterrupted run in-process (tests/integration/test_gkd_loop.py).
 CRASH_CASES = [("one_step_off", 1)]
-# The rerun's actor: tensor parallel over 2 ranks, its weights to the rollout over a gloo group.
-TP2 = ["cluster.gpus_per_node=4", "actor.gpus_per_node=2", "actor.megatron.tp=2", "weight_sync.transport=gloo"]
+# The rerun's actor: two pipeline stages, its weights to the rollout over a gloo group (tensor parallel through the
+# CLI: test_recipe_smoke.py's TP x DP run).
+PP2 = ["cluster.gpus_per_node=4", "actor.gpus_per_node=2", "actor.megatron.pp=2", "weight_sync.transport=gloo"]
 
 
 @pytest.mark.slow
@@ -152,8 +154,9 @@ TP2 = ["cluster.gpus_per_node=4", "actor.gpus_per_node=2", "actor.megatron.tp=2"
 def test_kill_9_then_resume_trains_every_prompt_once(
     inputs: dict[str, Path], tmp_path: Path, schedule: str, case_seed: int
 ) -> None:
-    """kill -9 at TP=1, rerun the command at TP=2 over a gloo weight-sync group: it resumes from the last complete
-    checkpoint at the other tensor-parallel size and trains every prompt once, in the uninterrupted order."""
+    """kill -9 at PP=1, rerun the command at PP=2 over a gloo weight-sync group: it resumes from the last complete
+    checkpoint at the other pipeline size and trains every prompt once, in the uninterrupted order. Its export (stage 1
+    sends its layers to rank 0) equals, bit for bit, the export tool's from the last checkpoint into one stage."""
     run_dir = tmp_path / "run"
     cmd = cli(inputs, run_dir, f"algorithm.schedule={schedule}")
     crash_rows = random.Random(case_seed).randint(SAVE_EVERY + 1, TOTAL_STEPS - 1)  # a random step > 2
@@ -163,7 +166,7 @@ def test_kill_9_then_resume_trains_every_prompt_once(
     complete = [p for p in list_checkpoints(run_dir) if verify(p) is None]
     assert complete, "no complete checkpoint before the crash"
 
-    proc = run_to_end([*cmd, *TP2])
+    proc = run_to_end([*cmd, *PP2])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "resuming from checkpoint" in proc.stdout and complete[-1].name in proc.stdout
     rows = read_metrics(run_dir)
@@ -175,4 +178,20 @@ def test_kill_9_then_resume_trains_every_prompt_once(
     )
     kept = list_checkpoints(run_dir)
     assert [p.name for p in kept] == ["step_000004", "step_000006"], "trainer.keep_last=2"
-    assert (run_dir / "final_student" / "model.safetensors").is_file()
+    assert_export_on_demand_equals_the_final_export(run_dir, tmp_path / "exported")
+
+
+def assert_export_on_demand_equals_the_final_export(run_dir: Path, out: Path) -> None:
+    """`python -m recipe_gkd.export` reloads the run's last checkpoint into one stage: the run's own final export."""
+    from safetensors.numpy import load_file
+
+    from recipe_gkd.export import main as export_main
+
+    cmd = [sys.executable, "-m", "recipe_gkd.export", "--run-dir", str(run_dir), "--out", str(out)]
+    code = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert code.returncode == 0, code.stderr[-3000:]
+    exported = load_file(str(out / "model.safetensors"))
+    final = load_file(str(run_dir / "final_student" / "model.safetensors"))
+    assert exported.keys() == final.keys()
+    assert all(np.array_equal(exported[k], final[k]) for k in final)
+    assert export_main(["--run-dir", str(run_dir.parent / "nothing"), "--out", str(out)]) == 2

