@@ -458,17 +458,35 @@ def test_union_support_with_an_openai_teacher_exits_2(tiny_run_inputs: dict[str,
     assert proc.stderr.strip().splitlines()[-1].startswith("error: config error at `algorithm.support`")
 
 
-def test_an_unsupported_vllm_is_one_line_exit_1(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
-    """A vllm package of a release outside the supported range (faked on PYTHONPATH) stops the run at set-up."""
+# Builds the rollout's vLLM engine with the fake vllm package first on the path; prints the refusal.
+UNSUPPORTED_VLLM_SCENARIO = """
+import sys
+from recipe_gkd.config import load_config
+from recipe_gkd.rollout.vllm import VLLMEngine
+from teacher_server.vllm_version import UnsupportedVLLMError
+try:
+    VLLMEngine(load_config(None, ["rollout.backend=vllm", "model.student_path=" + sys.argv[1]]))
+except UnsupportedVLLMError as err:
+    print(err)
+    sys.exit(3)
+"""
+
+
+def test_an_unsupported_vllm_is_refused_naming_the_key(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+    """A vllm package of a release outside the supported range (faked on PYTHONPATH) stops the rollout engine before
+    it starts; the driver reports it in one line, exit 1 (a worker's error through Ray: the config-error run above and
+    tests/unit/test_exit_codes.py)."""
     fake = tmp_path / "fake_site"
     (fake / "vllm").mkdir(parents=True)
     (fake / "vllm" / "__init__.py").write_text('__version__ = "0.11.0"\n')
-    overrides = ["rollout.backend=vllm", "trainer.total_steps=1", "trainer.eval_every=0"]
-    proc = run_cli(tiny_run_inputs, tmp_path / "run", *overrides, python_path=str(fake), timeout=300)
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: vLLM 0.11.0 is installed but rollout.backend=vllm supports vllm>=0.24.0,<0.34"), last
-    assert "Traceback" not in proc.stderr
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": f"{fake}:{repo}"}
+    cmd = [sys.executable, "-c", UNSUPPORTED_VLLM_SCENARIO, str(tiny_run_inputs["student"])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.startswith("vLLM 0.11.0 is installed but rollout.backend=vllm supports vllm>=0.24.0,<0.34"), (
+        proc.stdout
+    )
 
 
 @pytest.mark.slow

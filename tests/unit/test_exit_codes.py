@@ -5,6 +5,7 @@ from __future__ import annotations
 from recipe_gkd.config import ConfigError
 from recipe_gkd.main import EXIT_BAD_CONFIG, EXIT_FAILED, exit_code_for
 from teacher_server.client import TeacherDeadError, TeacherMismatchError
+from teacher_server.vllm_version import UnsupportedVLLMError
 
 
 class RayWrapped(Exception):
@@ -25,3 +26,8 @@ def test_other_teacher_errors_stay_exit_1_and_unknown_errors_are_not_ours() -> N
     assert exit_code_for(TeacherDeadError("no teacher server answered")) == EXIT_FAILED
     assert exit_code_for(RayWrapped(ConfigError("data.teacher_key", "unknown teacher"))) == EXIT_BAD_CONFIG
     assert exit_code_for(RuntimeError("a bug")) is None
+
+
+def test_an_unsupported_vllm_in_a_worker_is_exit_1() -> None:
+    unsupported = UnsupportedVLLMError("vLLM 0.11.0 is installed but rollout.backend=vllm supports vllm>=0.24.0,<0.34")
+    assert exit_code_for(RayWrapped(unsupported)) == EXIT_FAILED
