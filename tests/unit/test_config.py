@@ -151,11 +151,7 @@ BAD_VALUES = [
     (["teacher.output=hidden", "algorithm.divergence=sampled_reverse_kl", "teacher.top_k=0"], "teacher.output"),
     (["teacher.output=hidden", "algorithm.support=union", "rollout.student_top_k=8"], "algorithm.support"),
     (["teacher.output=hidden", "teacher.client.hidden_dtype=float8"], "teacher.client.hidden_dtype"),
-    # algorithm.cross_tokenizer: the ZeroMQ server renders text (not built for openai), top-k support.
-    (
-        ["algorithm.cross_tokenizer=span", "teacher.backend=openai", "teacher.address=http://h/v1"],
-        "teacher.backend",
-    ),
+    # algorithm.cross_tokenizer: top-k support and the tail.
     (["algorithm.cross_tokenizer=span", "algorithm.support=union", "rollout.student_top_k=8"], "algorithm.support"),
     (["algorithm.cross_tokenizer=span", "teacher.output=hidden"], "teacher.output"),
     (["algorithm.cross_tokenizer=span", "algorithm.tail=false"], "algorithm.tail"),
@@ -171,6 +167,13 @@ def test_teacher_output_hidden_with_the_vllm_backend_validates_at_any_temperatur
     both = ["teacher.temperature=0.5", "algorithm.temperature=0.5"]
     assert load_config(None, ["teacher.output=hidden", "teacher.backend=vllm", *both]).teacher.temperature == 0.5
     assert _error(["teacher.backend=vllm", *both]).key == "teacher.temperature"  # top-k from vLLM: T=1 only
+
+
+def test_cross_tokenizer_validates_with_the_openai_teacher() -> None:
+    """The client renders the conversation with the teacher's tokenizer (teacher_server/openai_text.py)."""
+    openai = ["teacher.backend=openai", "teacher.autostart=false", "teacher.address=http://h/v1"]
+    cfg = load_config(None, ["algorithm.cross_tokenizer=span", *openai])
+    assert (cfg.algorithm.cross_tokenizer.value, cfg.teacher.backend.value) == ("span", "openai")
 
 
 def test_cross_tokenizer_validates_at_tensor_parallel_two() -> None:
