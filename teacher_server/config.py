@@ -156,8 +156,9 @@ class TeacherConfig:
     gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
     """vllm backend: fraction of each replica GPU's memory for weights + KV cache."""
     chat_template: str = ""
-    """algorithm.cross_tokenizer: a Jinja chat template file the server renders conversations with instead of its
-    tokenizer's own (for a tokenizer that ships none, or a template that refuses the data's roles); empty: its own."""
+    """algorithm.cross_tokenizer: a Jinja chat template file the server (with backend=openai, the client) renders
+    conversations with instead of its tokenizer's own (for a tokenizer that ships none, or a template that refuses
+    the data's roles); empty: its own."""
     max_model_len: int = bounded(0, ge=0, note="0: the model's own")
     """vllm backend: vLLM's max_model_len, at least the longest sequence (prompt + response) a replica scores plus
     VLLM_LEN_MARGIN (1); 0 takes the model's own maximum."""

@@ -178,10 +178,15 @@ class OpenAITeacherClient:
                 "cannot check the teacher's tokenizer: teacher.model_path is no local directory with tokenizer files "
                 "and no student tokenizer was given for the server's /tokenize"
             )
-        self._check_tokenize_endpoint()
+        self.check_served_tokenizer(
+            self.student_tokenizer,
+            "the teacher served at teacher.address={address} and model.tokenizer_path (or model.student_path) must use "
+            "the same tokenizer",
+        )
 
-    def _check_tokenize_endpoint(self) -> None:
-        tokenizer = self.student_tokenizer
+    def check_served_tokenizer(self, tokenizer: Any, remedy: str) -> None:
+        """The server's /tokenize of a probe text (plain text + ids spread over the vocabulary, decoded) must be
+        `tokenizer`'s encoding of it; `remedy` ({address} filled in) ends the error."""
         vocab = len(tokenizer)
         stride = max(1, vocab // TOKENIZE_PROBE_IDS)
         text = TOKENIZE_PROBE_TEXT + tokenizer.decode(list(range(0, vocab, stride)), skip_special_tokens=True)
@@ -194,8 +199,7 @@ class OpenAITeacherClient:
             )
             raise TeacherMismatchError(
                 f"the teacher server's /tokenize differs from the student's tokenizer on a probe text ({len(theirs)} vs "
-                f"{len(ours)} tokens, first difference at token {first}): the teacher served at teacher.address="
-                f"{self.address} and model.tokenizer_path (or model.student_path) must use the same tokenizer"
+                f"{len(ours)} tokens, first difference at token {first}): " + remedy.format(address=self.address)
             )
 
     def _check_top_k(self) -> None:

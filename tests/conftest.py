@@ -1,9 +1,13 @@
-"""Shared fixtures: a session-scoped local Ray cluster with fake GPUs, tiny models built offline."""
+"""Shared fixtures: a session-scoped local Ray cluster with fake GPUs, tiny models built offline, a scripted HTTP server."""
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -169,3 +173,42 @@ def chatml_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     teacher = build_tiny_causal_lm(root / "teacher", seed=1, spec=spec, tokenizer_kind="chatml_bpe")
     teach_to_answer(teacher, CHATML_PROMPTS, TEACHER_ANSWER)
     return {"student": student, "teacher": teacher}
+
+
+@pytest.fixture()
+def scripted() -> Iterator[tuple[str, list[tuple[int, object]], list[dict]]]:
+    """A loopback HTTP server (an OpenAI-compatible teacher) answering each request from a script, in order: (status,
+    body), a callable body seeing the request's JSON, a float a delay; yields (address, script, requests seen)."""
+    script: list[tuple[int, object]] = []
+    seen: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else {}
+            seen.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
+            status, reply = script.pop(0)
+            if isinstance(reply, float):  # a delay: answer nothing within the client's timeout
+                time.sleep(reply)
+                status, reply = 200, {}
+            payload = reply(body) if callable(reply) else reply
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", script, seen
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)

@@ -194,12 +194,12 @@ class ActorObjective:
             "tail": a.tail,
             "teacher_tail_logmass": micro.teacher_tail_BT,
         }
+        if a.cross_tokenizer != CrossTokenizer.none:
+            return self.cross_tokenizer_loss_sum(self.full_vocabulary(logits_BTv), micro, kwargs["divergence"])
         # Padded vocabulary columns are not tokens: they are cut off, never given mass.
         logits_BTv = logits_BTv[..., self.vocab_shard]
         if self.hidden:
             return self.hidden_loss_sum(logits_BTv, micro, kwargs["divergence"])
-        if a.cross_tokenizer != CrossTokenizer.none:
-            return self.cross_tokenizer_loss_sum(logits_BTv, micro, kwargs["divergence"])
         batch = (micro.teacher_logprobs_BTK, micro.teacher_ids_BTK, micro.loss_mask_BT)
         if self.layout.tp_size == 1:
             return gkd_loss_sum(logits_BTv, *batch, **kwargs)
@@ -228,15 +228,34 @@ class ActorObjective:
             group=self.tp_group if self.layout.tp_size > 1 else None,
         )
 
-    def cross_tokenizer_loss_sum(self, logits_BTv: Tensor, micro: MicroBatch, divergence: str) -> tuple[Tensor, Tensor]:
-        """algorithm.cross_tokenizer: the per-span terms of recipe_gkd/losses/cross_tokenizer.py (one TP rank)."""
+    def full_vocabulary(self, logits_BTv: Tensor) -> Tensor:
+        """[B, T, V] logits over the whole (unpadded) vocabulary from this rank's shard [B, T, V_padded / tp].
+
+        At TP > 1 the shards are gathered with megatron-core's `gather_from_tensor_model_parallel_region`
+        (megatron/core/tensor_parallel/mappings.py, 0.16.1: `_GatherFromModelParallelRegion.forward` all-gathers
+        and concatenates along the last dimension; its `backward` is `_split_along_last_dim`, which keeps this
+        rank's slice of the gradient). Every TP rank then computes the same loss over the same full logits, so each
+        rank's gradient of it is the full one and the split hands each shard exactly its columns, as megatron's own
+        vocab-parallel cross entropy gives them. Memory: the whole vocabulary's logits of the micro-batch on every
+        rank (B x T x V_padded in the logits' dtype, plus the loss's fp32 log-softmax), as at TP = 1.
+        """
+        if self.layout.tp_size == 1:
+            return logits_BTv[..., self.vocab_shard]
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+        # The shards are of equal (padded) width: concatenated they are [.., V_padded]; the padding is cut off.
+        return gather_from_tensor_model_parallel_region(logits_BTv, group=self.tp_group)[..., : self.vocab_size]
+
+    def cross_tokenizer_loss_sum(self, logits_BTV: Tensor, micro: MicroBatch, divergence: str) -> tuple[Tensor, Tensor]:
+        """algorithm.cross_tokenizer: the per-span terms of recipe_gkd/losses/cross_tokenizer.py over the whole
+        vocabulary (`full_vocabulary`), the same on every TP rank."""
         if micro.span_len_BT is None:
             raise ValueError(
                 "algorithm.cross_tokenizer but the micro-batch carries no spans (a same-tokenizer scorer?)"
             )
         a = self.cfg.algorithm
         return cross_tokenizer_loss_sum(
-            logits_BTv,
+            logits_BTV,
             micro.target_ids_BT,
             micro.teacher_logprobs_BTK,
             micro.teacher_ids_BTK,

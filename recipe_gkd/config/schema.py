@@ -322,7 +322,8 @@ class AlgorithmConfig:
     (algorithm.divergence) over {the span's text, anything else} from the two models' span log-probabilities, and
     on one-to-one spans over the pieces both vocabularies share plus one bucket (GOLD's per-token term). uld: the
     same on shared one-to-one spans, ULD's sorted-probability L1 distance (arXiv 2402.12030) elsewhere.
-    sampled_reverse_kl: each token's advantage is its span's. hf or vllm teacher backend; actor.megatron.tp=1."""
+    sampled_reverse_kl: each token's advantage is its span's. Any teacher backend (openai: the client renders);
+    any actor.megatron.tp (the loss gathers the vocabulary shards)."""
     ratio_clip: float = bounded(0.0, ge=0, le=0.99, note="0: no clipping")
     """sampled_reverse_kl: PPO's clip of the importance ratio s_theta / s_old to [1 - ratio_clip, 1 + ratio_clip]."""
 

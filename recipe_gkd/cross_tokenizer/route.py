@@ -8,7 +8,9 @@ and the actor see one scored Sequence per response, as with any teacher.
 
 The worker reads the teacher's tokenizer from teacher.model_path for one thing only: which teacher
 pieces are student pieces (GOLD's shared-vocabulary map). Its fingerprint must be the server's
-(the handshake's tokenizer hash), so the map is the one the server scores with.
+(the handshake's tokenizer hash), so the map is the one the server scores with. With
+teacher.backend=openai the worker also renders with it (teacher_server/openai_text.py), checked against
+the served tokenizer through the server's /tokenize.
 """
 
 from __future__ import annotations
@@ -51,11 +53,25 @@ class CrossTokenizerScorer:
 
     @classmethod
     def connect(cls, cfg: Any, student_tokenizer: Any, address: str | None) -> CrossTokenizerScorer:
-        """The ZeroMQ client for `cfg.teacher` (any tokenizer accepted), checked against teacher.model_path's tokenizer."""
+        """The teacher's client for `cfg.teacher` (any tokenizer accepted), checked against teacher.model_path's
+        tokenizer: the ZeroMQ server renders the conversations itself; with teacher.backend=openai the client renders
+        them with the same code (teacher_server/openai_text.py), an OpenAI-compatible server giving no byte offsets."""
         from transformers import AutoTokenizer
 
         from teacher_server.client import TeacherClient, TeacherMismatchError
+        from teacher_server.config import TeacherBackend
 
+        if cfg.teacher.backend == TeacherBackend.openai:
+            from teacher_server.openai_text import OpenAITextTeacher
+
+            text_teacher = OpenAITextTeacher.connect(cfg.teacher)
+            try:
+                return cls(
+                    text_teacher, student_tokenizer, text_teacher.renderer.tokenizer, cfg.teacher.top_k, cfg.data
+                )
+            except BaseException:
+                text_teacher.close()
+                raise
         client = TeacherClient.from_config(cfg.teacher, address=address)
         try:
             server = client.connect()

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd.batch import Sequence, TrainShard
-from recipe_gkd.config import Attention, Device, Divergence, GKDConfig, Precision, Recompute
+from recipe_gkd.batch import FOLDED_BASE, Sequence, TrainShard
+from recipe_gkd.config import Attention, CrossTokenizer, Device, Divergence, GKDConfig, Precision, Recompute
 from teacher_server.protocol import scores_from_logprobs
 
 GLOBAL_BATCH = 8
@@ -64,9 +64,38 @@ def make_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> lis
     return sequences
 
 
-def rank_shards(seed: int, vocab: int, dp_rank: int, dp_size: int) -> list[TrainShard]:
+def make_xtok_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> list[Sequence]:
+    """make_sequences shaped as a cross-tokenizer scorer maps its reply (recipe_gkd/cross_tokenizer/targets.py).
+
+    Per response: spans of 1-3 student tokens tiling it but for an unaligned tail (span_len -1); a multi-token
+    span's first position carries the teacher's log-probability of its text (teacher_sampled_logprob); one-token
+    spans keep the top-k, some with pieces the student lacks (FOLDED_BASE + column) and some with none shared.
+    """
+    rng = np.random.default_rng([seed, 0x38B])
+    sequences = make_sequences(seed, count, vocab, top_k)
+    for seq in sequences:
+        n = seq.num_response_tokens
+        span_len = np.full(n, -1, dtype=np.int32)
+        t = 0
+        while t < n - 1:  # the last token stays unaligned (a truncated character)
+            length = min(int(rng.choice([1, 1, 2, 3])), n - 1 - t)
+            span_len[t : t + length] = 0
+            span_len[t] = length
+            if length > 1:
+                seq.teacher_sampled_logprob[t] = -rng.uniform(0.2, 4.0)
+            elif rng.random() < 0.5:  # fold some pieces (all of them: a one-token span with nothing shared)
+                folded = rng.random(top_k) < (1.0 if rng.random() < 0.3 else 0.4)
+                seq.teacher_topk_ids[t] = np.where(folded, FOLDED_BASE + np.arange(top_k), seq.teacher_topk_ids[t])
+            t += length
+        seq.span_len = span_len
+    return sequences
+
+
+def rank_shards(
+    seed: int, vocab: int, dp_rank: int, dp_size: int, make: Callable[..., list[Sequence]] = make_sequences
+) -> list[TrainShard]:
     """This data-parallel rank's part of a GLOBAL_BATCH batch, as two shards (two rollout workers)."""
-    sequences = make_sequences(seed, GLOBAL_BATCH, vocab)
+    sequences = make(seed, GLOBAL_BATCH, vocab)
     per_rank = GLOBAL_BATCH // dp_size
     mine = sequences[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     half = len(mine) // 2
@@ -92,6 +121,7 @@ def make_cfg(model_dir: str, world: int, device: str, **actor: Any) -> GKDConfig
     cfg.actor.max_tokens_per_micro_batch = actor.pop("max_tokens_per_micro_batch", 0)
     cfg.algorithm.divergence = Divergence(actor.pop("divergence", "forward_kl"))
     cfg.algorithm.ratio_clip = actor.pop("ratio_clip", 0.0)
+    cfg.algorithm.cross_tokenizer = CrossTokenizer(actor.pop("cross_tokenizer", "none"))
     m = cfg.actor.megatron
     m.distributed_optimizer = actor.pop("distributed_optimizer", False)
     m.recompute = Recompute(actor.pop("recompute", "none"))
@@ -120,8 +150,13 @@ class Job:
         if state is not None:
             self.out.update({f"{prefix}/{k}": v for k, v in state.items()})
 
+    def shards(self, a: Any, seed: int, vocab: int) -> list[TrainShard]:
+        xtok = a.cfg.algorithm.cross_tokenizer != CrossTokenizer.none
+        make = make_xtok_sequences if xtok else make_sequences
+        return rank_shards(seed, vocab, a.layout.dp_rank, a.layout.dp_size, make)
+
     def train(self, a: Any, seeds: list[int], vocab: int) -> None:
-        stats = [a.train_step(rank_shards(s, vocab, a.layout.dp_rank, a.layout.dp_size)) for s in seeds]
+        stats = [a.train_step(self.shards(a, s, vocab)) for s in seeds]
         for key in ("loss", "grad_norm", "lr", "num_tokens", *POLICY_KEYS):
             if key in stats[0]:
                 self.out[key] = np.array([s[key] for s in stats])
@@ -164,7 +199,7 @@ def _train_job(model: str, seeds: list[int], **actor: Any) -> Callable[[Job], No
         job.export(a, "before")
         job.train(a, seeds, vocab)
         job.export(a, "after")
-        job.out["eval"] = np.array(json.dumps(a.eval_loss(rank_shards(99, vocab, a.layout.dp_rank, a.layout.dp_size))))
+        job.out["eval"] = np.array(json.dumps(a.eval_loss(job.shards(a, 99, vocab))))
         mask = np.ones(PROBE_SHAPE, dtype=bool)
         mask[0, :3] = False  # left padding on row 0
         mask[1, -2:] = False  # right padding on row 1
@@ -189,6 +224,7 @@ def _save_job(model: str, **actor: Any) -> Callable[[Job], None]:
 
 NO_CLIP = {"clip_grad": 0.0, "lr": 1e-3}
 SAMPLED = {"divergence": "sampled_reverse_kl", "ratio_clip": 0.2}
+XTOK = {"cross_tokenizer": "span"}
 # eps >> |grad| makes Adam's first step ~ lr * grad / eps: linear in the (clipped) gradient.
 LINEAR_ADAM = {"eps": 1.0e3, "lr": 1.0e3}
 JOBS: dict[str, Callable[[Job], None]] = {
@@ -231,6 +267,12 @@ JOBS: dict[str, Callable[[Job], None]] = {
     "tp1_sampled": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, **SAMPLED),
     "tp2_sampled": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, **SAMPLED),
     "pp2_sampled": _train_job("llama_untied_odd", [1, 2, 3], pp=2, micro_batch_size=3, lr=1e-3, **SAMPLED),
+    # algorithm.cross_tokenizer (spans, folded pieces) at TP=2 vs one rank: the loss over the gathered vocabulary
+    # (101 padded to 102), and the sampled-token reverse KL with span advantages over the TP group.
+    "tp1_xtok": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, **XTOK),
+    "tp2_xtok": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, **XTOK),
+    "tp1_xtok_sampled": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, **XTOK, **SAMPLED),
+    "tp2_xtok_sampled": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, **XTOK, **SAMPLED),
 }
 
 

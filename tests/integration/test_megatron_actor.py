@@ -36,11 +36,11 @@ LOGITS_ATOL = 1e-5
 LOSS_RTOL = 1e-5
 ONE_RANK_JOBS = (
     "logits,mb8,mb1,tp1_steps,tp1_tied_steps,noclip,clip,bf16,tokens50,recompute_full,recompute_selective,unfused,"
-    "tp1_sampled"
+    "tp1_sampled,tp1_xtok,tp1_xtok_sampled"
 )
 TWO_RANK_JOBS = (
     "logits,tp2_steps,tp2_tied_steps,dp2,dp2_distopt,bf16_dp2,bf16_dp2_distopt,save_tp2,logits_pp,pp2_steps,"
-    "pp2_tied_steps,tp2_sampled,pp2_sampled"
+    "pp2_tied_steps,tp2_sampled,pp2_sampled,tp2_xtok,tp2_xtok_sampled"
 )
 # TP=2 x PP=2 and DP=2 x PP=2: every parallelism together (gathers on a later stage, DP + tied-embedding all-reduces).
 FOUR_RANK_JOBS = "tp2pp2_steps,dp2pp2"
@@ -307,6 +307,28 @@ def test_sampled_reverse_kl_trains_alike_over_model_parallel(runs: dict[str, Pat
     for name, weight in prefixed(one, "after").items():
         assert not np.array_equal(weight, before[name]), f"{name} did not train"
     assert_same_weights(prefixed(one, "after"), prefixed(two, "after"), one["lr"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("one", "other"), [("tp1_xtok", "tp2_xtok"), ("tp1_xtok_sampled", "tp2_xtok_sampled")])
+def test_cross_tokenizer_loss_trains_alike_over_tensor_parallel(runs: dict[str, Path], one: str, other: str) -> None:
+    """algorithm.cross_tokenizer=span (multi-token spans, folded pieces, unaligned tokens) at TP=2: the loss over the
+    vocabulary shards gathered and cut to 101 columns (objective.full_vocabulary) gives TP=1's losses, grad norms,
+    eval loss and weights; the sampled-token objective with span advantages likewise over the TP group."""
+    tp1, tp2 = result(runs, "w1", one), result(runs, "w2", other)
+    keys = ("loss", "grad_norm", *(scenarios.POLICY_KEYS if "sampled" in one else ()))
+    for key in keys:
+        assert len(tp1[key]) == 3, key
+        np.testing.assert_allclose(tp2[key], tp1[key], rtol=LOSS_RTOL, err_msg=key)
+    evaluated = [json.loads(str(run["eval"])) for run in (tp1, tp2)]
+    assert evaluated[1]["loss"] == pytest.approx(evaluated[0]["loss"], rel=LOSS_RTOL)
+    # The spans change the loss: not the same-tokenizer objective on the same sequences.
+    plain = result(runs, "w1", "tp1_sampled" if "sampled" in one else "tp1_steps")
+    assert abs(tp1["loss"][0] - plain["loss"][0]) > 1e-3 * abs(plain["loss"][0])
+    before = prefixed(tp1, "before")
+    for name, weight in prefixed(tp1, "after").items():
+        assert not np.array_equal(weight, before[name]), f"{name} did not train"
+    assert_same_weights(prefixed(tp1, "after"), prefixed(tp2, "after"), tp1["lr"])
 
 
 @pytest.mark.slow

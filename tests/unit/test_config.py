@@ -151,11 +151,7 @@ BAD_VALUES = [
     (["teacher.output=hidden", "algorithm.divergence=sampled_reverse_kl", "teacher.top_k=0"], "teacher.output"),
     (["teacher.output=hidden", "algorithm.support=union", "rollout.student_top_k=8"], "algorithm.support"),
     (["teacher.output=hidden", "teacher.client.hidden_dtype=float8"], "teacher.client.hidden_dtype"),
-    # algorithm.cross_tokenizer: the ZeroMQ server renders text (not built for openai), top-k support, one TP rank.
-    (
-        ["algorithm.cross_tokenizer=span", "teacher.backend=openai", "teacher.address=http://h/v1"],
-        "teacher.backend",
-    ),
+    # algorithm.cross_tokenizer: top-k support and the tail.
     (["algorithm.cross_tokenizer=span", "algorithm.support=union", "rollout.student_top_k=8"], "algorithm.support"),
     (["algorithm.cross_tokenizer=span", "teacher.output=hidden"], "teacher.output"),
     (["algorithm.cross_tokenizer=span", "algorithm.tail=false"], "algorithm.tail"),
@@ -173,11 +169,19 @@ def test_teacher_output_hidden_with_the_vllm_backend_validates_at_any_temperatur
     assert _error(["teacher.backend=vllm", *both]).key == "teacher.temperature"  # top-k from vLLM: T=1 only
 
 
-def test_cross_tokenizer_needs_one_tensor_parallel_rank() -> None:
-    err = _error(
-        ["algorithm.cross_tokenizer=span", "actor.megatron.tp=2"], CONFIG_DIR / "presets" / "1x8_a2_r2_t4.yaml"
-    )
-    assert err.key == "actor.megatron.tp" and "one tensor-parallel rank" in str(err), str(err)
+def test_cross_tokenizer_validates_with_the_openai_teacher() -> None:
+    """The client renders the conversation with the teacher's tokenizer (teacher_server/openai_text.py)."""
+    openai = ["teacher.backend=openai", "teacher.autostart=false", "teacher.address=http://h/v1"]
+    cfg = load_config(None, ["algorithm.cross_tokenizer=span", *openai])
+    assert (cfg.algorithm.cross_tokenizer.value, cfg.teacher.backend.value) == ("span", "openai")
+
+
+def test_cross_tokenizer_validates_at_tensor_parallel_two() -> None:
+    """The actor gathers the vocabulary shards for the cross-tokenizer loss (objective.full_vocabulary)."""
+    preset = CONFIG_DIR / "presets" / "1x8_a2_r2_t4.yaml"
+    for objective in ("span", "uld"):
+        cfg = load_config(preset, [f"algorithm.cross_tokenizer={objective}", "actor.megatron.tp=2"])
+        assert (cfg.algorithm.cross_tokenizer.value, cfg.actor.megatron.tp) == (objective, 2)
 
 
 def test_sampled_reverse_kl_with_top_k_zero_validates() -> None:

@@ -1,16 +1,14 @@
-"""The OpenAI-compatible teacher client against a scripted stdlib HTTP server: parsing, retries, timeouts, errors.
+"""The OpenAI-compatible teacher client against a scripted stdlib HTTP server (tests/conftest.py `scripted`):
+parsing, retries, timeouts, errors.
 
 The real vLLM server is in tests/integration/test_teacher_openai.py; this one answers what each test scripts.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import threading
 import time
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +19,7 @@ from teacher_server.config import ConfigError
 from teacher_server.openai_client import OpenAITeacherClient, scores_from_prompt_logprobs
 
 VOCAB = 11
-# (status, body) per request, in order; a callable body sees the request's JSON.
+# (status, body) per request, in order; a callable body sees the request's JSON (tests/conftest.py `scripted`).
 Script = list[tuple[int, object]]
 
 
@@ -42,44 +40,6 @@ def prompt_logprobs(seq: list[int], logprobs_LV: np.ndarray, top_k: int) -> list
             {str(t): {"logprob": float(v), "rank": rank_of[t], "decoded_token": "x"} for t, v in entries.items()}
         )
     return out
-
-
-@pytest.fixture()
-def scripted() -> Iterator[tuple[str, Script, list[dict]]]:
-    """A loopback HTTP server answering /v1/* from a script; yields (address, script, requests seen)."""
-    script: Script = []
-    seen: list[dict] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def _answer(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(length)) if length else {}
-            seen.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
-            status, reply = script.pop(0)
-            if isinstance(reply, float):  # a delay: answer nothing within the client's timeout
-                time.sleep(reply)
-                status, reply = 200, {}
-            payload = reply(body) if callable(reply) else reply
-            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        do_GET = do_POST = _answer
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1", script, seen
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
 
 
 def completions(table: dict[tuple[int, ...], np.ndarray]) -> Callable[[dict], dict]:
