@@ -43,25 +43,27 @@ def _seen_rows(stdout: str) -> list[tuple[str, int, int, str]]:
     return [(r[0], int(r[1]), int(r[2]), r[3]) for r in rows]
 
 
+# A shared node: CUDA_VISIBLE_DEVICES=3,5,6,7 before the run. Ray hands out those devices, and the plan's check
+# expects the masked ones (plan id i -> MASK[i]; the teacher's --gpu-ids 6,7: tests/unit/test_placement.py).
+MASK = "3,5,6,7"
+MASKED_PRESET = "1x4_a1_r1_t2.yaml"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", MULTI_GPU, ids=lambda p: p.name)
 def test_workers_see_the_planned_gpus(path: Path) -> None:
-    assert len(MULTI_GPU) >= 5
-    proc = _check(path)
+    """Each distinct placement; the 1x4 preset under a CUDA_VISIBLE_DEVICES mask (its plan ids map to the mask's)."""
+    assert len(MULTI_GPU) >= 5 and MASKED_PRESET in [p.name for p in MULTI_GPU]
+    masked = path.name == MASKED_PRESET
+    proc = _check(path, env={**os.environ, "CUDA_VISIBLE_DEVICES": MASK} if masked else None)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "placement OK" in proc.stdout
     plan = build_plan(load_config(path, FAKE))
     expected = [(s.role, s.rank, s.node, s.cuda_visible_devices) for s in plan.workers]
+    if masked:
+        expected = [(role, rank, node, MASK.split(",")[int(ids)]) for role, rank, node, ids in expected]
+        assert [row[3] for row in expected] == ["3", "5"]
     assert _seen_rows(proc.stdout) == expected
-
-
-def test_a_preset_mask_maps_plan_ids_to_its_devices() -> None:
-    """CUDA_VISIBLE_DEVICES=3,5,6,7 (a shared node): Ray hands the actor 3 and the rollout 5, and the
-    plan's check expects exactly those (the teacher's --gpu-ids 6,7: tests/unit/test_placement.py)."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "3,5,6,7"}
-    proc = _check(CONFIG_DIR / "presets" / "1x4_a1_r1_t2.yaml", env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [row[3] for row in _seen_rows(proc.stdout)] == ["3", "5"]
 
 
 def test_bad_config_exits_2() -> None:
