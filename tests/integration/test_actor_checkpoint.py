@@ -1,9 +1,9 @@
 """The actor's dist checkpoint: a resumed step equals the uninterrupted one, also at another TP or PP size.
 
-Each rank is a subprocess (tests/integration/checkpoint_scenarios.py). Phase 1 trains two steps
-at size 1 and at size 2 and saves; phase 2 loads each checkpoint at the other size and trains the
-third step, which must match the third step of the run that never stopped. (Same-size resume is
-exercised end to end by test_crash_resume.py.)
+Each rank is a subprocess (tests/integration/checkpoint_scenarios.py) serving the TP, PP and DP
+(distributed optimizer) scenarios in turn. Phase 1 trains two steps at size 1 and at size 2 and saves;
+phase 2 loads each checkpoint at the other size and trains the third step, which must match the third
+step of the run that never stopped. (Through the CLI, after kill -9: test_crash_resume.py.)
 """
 
 from __future__ import annotations
@@ -27,23 +27,27 @@ RESHARD_TOL = 1e-5
 RESUMED_STEP = 3  # the step taken after loading; its weights are compared as adam_bounds allows
 
 
-def _free_ports(count: int) -> list[int]:
-    return reserve_ports(count)
+# The scenarios (parallel kind -> its model's spec): each saved at size 1 and 2 and resumed at the other size.
+MODELS = {
+    "tp": TinyModelSpec(num_kv_heads=4, tie_word_embeddings=False),
+    "pp": TinyModelSpec(num_layers=4),
+    "dp": TinyModelSpec(tie_word_embeddings=False),
+}
 
 
-def _run_phase(jobs: list[tuple[int, str, Path, Path]], model: Path, logs: Path, parallel: str = "tp") -> None:
-    """jobs: (world, mode, checkpoint, out), world = the `parallel` size. All ranks run at once; each must exit 0."""
+def _run_phase(jobs: dict[int, list[str]], logs: Path, phase: str) -> None:
+    """jobs: world size -> job specs (checkpoint_scenarios.py --job), every rank of each world size at once, each
+    running its world's jobs in turn; every process must exit 0."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent), str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     procs: list[tuple[subprocess.Popen, Path]] = []
     try:
-        for (world, mode, ckpt, out), port in zip(jobs, _free_ports(len(jobs)), strict=True):
+        for world, specs in jobs.items():
             for rank in range(world):
-                log = logs / f"{out.stem}_rank{rank}.log"
-                cmd = [sys.executable, str(SCRIPT), f"--rank={rank}", f"--world={world}", f"--port={port}"]
-                cmd += [f"--model={model}", f"--checkpoint={ckpt}", f"--mode={mode}", f"--out={out}"]
-                cmd.append(f"--parallel={parallel}")
+                log = logs / f"{phase}_world{world}_rank{rank}.log"
+                cmd = [sys.executable, str(SCRIPT), f"--rank={rank}", f"--world={world}"]
+                cmd += [f"--job={spec}" for spec in specs]
                 with log.open("w") as f:
                     procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), log))
         for proc, log in procs:
@@ -61,21 +65,39 @@ def _load(path: Path) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
-def _resume_at_the_other_size(model: Path, tmp_path: Path, parallel: str) -> None:
-    """Save at size 1 and 2, resume each at the other size: the third step equals the uninterrupted one's."""
-    ck1, ck2 = tmp_path / f"ck_{parallel}1", tmp_path / f"ck_{parallel}2"
-    save1, save2 = tmp_path / f"save_{parallel}1.npz", tmp_path / f"save_{parallel}2.npz"
-    _run_phase([(1, "save", ck1, save1), (2, "save", ck2, save2)], model, tmp_path, parallel)
-    assert (ck1 / "metadata.json").is_file() and (ck2 / "metadata.json").is_file()
-    one_from_two, two_from_one = tmp_path / f"{parallel}1_from_2.npz", tmp_path / f"{parallel}2_from_1.npz"
-    _run_phase([(1, "load", ck2, one_from_two), (2, "load", ck1, two_from_one)], model, tmp_path, parallel)
-    for resumed, reference in ((one_from_two, _load(save2)), (two_from_one, _load(save1))):
-        got = _load(resumed)
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every scenario saved at size 1 and 2 (phase 1), then each checkpoint loaded at the other size for the third
+    step (phase 2); one process per rank and phase serves all three kinds (megatron's start-up dominates a rank)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    models = {kind: build_tiny_causal_lm(root / f"model_{kind}", seed=0, spec=spec) for kind, spec in MODELS.items()}
+    ports = iter(reserve_ports(4 * len(MODELS)))
+
+    def specs(mode: str, checkpoint_size: dict[int, int], out: str) -> dict[int, list[str]]:
+        jobs: dict[int, list[str]] = {1: [], 2: []}
+        for world in jobs:
+            for kind, model in models.items():
+                other = checkpoint_size[world]
+                ckpt, dest = root / f"ck_{kind}{other}", root / out.format(kind=kind, world=world, other=other)
+                jobs[world].append(f"{kind},{model},{ckpt},{mode},{dest},{next(ports)}")
+        return jobs
+
+    _run_phase(specs("save", {1: 1, 2: 2}, "save_{kind}{world}.npz"), root, "save")
+    for kind in MODELS:
+        assert (root / f"ck_{kind}1" / "metadata.json").is_file() and (root / f"ck_{kind}2" / "metadata.json").is_file()
+    _run_phase(specs("load", {1: 2, 2: 1}, "{kind}{world}_from_{other}.npz"), root, "load")
+    return root
+
+
+def _assert_resumed_equals_uninterrupted(root: Path, kind: str) -> None:
+    """Each checkpoint resumed at the other size: its third step equals the uninterrupted run's."""
+    for resumed_file, reference_file in ((f"{kind}1_from_2", f"save_{kind}2"), (f"{kind}2_from_1", f"save_{kind}1")):
+        got, reference = _load(root / f"{resumed_file}.npz"), _load(root / f"{reference_file}.npz")
         assert set(got) == set(reference)
-        np.testing.assert_allclose(got["loss"], reference["loss"], rtol=RESHARD_TOL, err_msg=resumed.stem)
+        np.testing.assert_allclose(got["loss"], reference["loss"], rtol=RESHARD_TOL, err_msg=resumed_file)
         assert float(got["lr"]) == float(reference["lr"]), "the lr schedule resumes at its step"
         weights = [k for k in reference if k not in ("loss", "lr")]
-        assert weights, f"{resumed.stem}: no weights exported"
+        assert weights, f"{resumed_file}: no weights exported"
         assert_same_weights(
             {k: reference[k] for k in weights},
             {k: got[k] for k in weights},
@@ -85,24 +107,15 @@ def _resume_at_the_other_size(model: Path, tmp_path: Path, parallel: str) -> Non
 
 
 @pytest.mark.slow
-def test_resume_equals_uninterrupted_at_the_same_and_another_tp_size(tmp_path: Path) -> None:
-    # Untied embeddings and 4 kv heads: every kind of TP sharding (vocab, qkv, mlp) is exercised.
-    model = build_tiny_causal_lm(
-        tmp_path / "model", seed=0, spec=TinyModelSpec(num_kv_heads=4, tie_word_embeddings=False)
-    )
-    _resume_at_the_other_size(model, tmp_path, "tp")
+def test_resume_equals_uninterrupted_at_the_same_and_another_tp_size(resumed: Path) -> None:
+    _assert_resumed_equals_uninterrupted(resumed, "tp")
 
 
 @pytest.mark.slow
-def test_resume_equals_uninterrupted_at_another_pipeline_size(tmp_path: Path) -> None:
-    # Tied embeddings: at PP=2 the last stage's output layer is a copy of the first stage's embedding,
-    # saved once and loaded into both stages; 4 layers, so stage 1 holds layers 2-3 as its 0-1.
-    model = build_tiny_causal_lm(tmp_path / "model", seed=0, spec=TinyModelSpec(num_layers=4))
-    _resume_at_the_other_size(model, tmp_path, "pp")
+def test_resume_equals_uninterrupted_at_another_pipeline_size(resumed: Path) -> None:
+    _assert_resumed_equals_uninterrupted(resumed, "pp")
 
 
 @pytest.mark.slow
-def test_distributed_optimizer_resumes_at_another_data_parallel_size(tmp_path: Path) -> None:
-    # The optimizer state is sharded over data parallel: saved at DP=1 and DP=2, each loaded at the other.
-    model = build_tiny_causal_lm(tmp_path / "model", seed=0, spec=TinyModelSpec(tie_word_embeddings=False))
-    _resume_at_the_other_size(model, tmp_path, "dp")
+def test_distributed_optimizer_resumes_at_another_data_parallel_size(resumed: Path) -> None:
+    _assert_resumed_equals_uninterrupted(resumed, "dp")
