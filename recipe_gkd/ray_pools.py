@@ -5,7 +5,8 @@ and makes the placement groups). Everything here implements recipe_gkd/pools.py'
 - `RayActorPool`, `RayRolloutPool`: `.remote` calls; the shards travel as object refs from the
   rollout workers to the actor ranks (the driver holds refs and small stats only);
 - `RayWeightSync`: the driver's side of weight_sync.transport (object store, gloo, nccl);
-- `wait` / `wait_done`: every blocking call on a worker, bounded by debug.hang_timeout_s and
+- `wait` / `wait_done`: every blocking call on a worker, bounded by debug.hang_timeout_s (the
+  workers' set-up: debug.setup_timeout_s) and
   naming its phase; a timeout first has every worker dump its Python stack (recipe_gkd/watchdog.py);
 - `launch_pools`: placement groups, workers, the weight-sync group and the watchdog; all
   stopped on exit.
@@ -42,21 +43,21 @@ from recipe_gkd.ports import reserve_ports
 from recipe_gkd.ray_cluster import ResourcePoolManager, SpillWatch
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.worker import RolloutWorker
-from recipe_gkd.watchdog import WorkerProcess, phase_timeout
+from recipe_gkd.watchdog import HANG_KEY, SETUP_KEY, WorkerProcess, phase_timeout
 from recipe_gkd.weight_sync import MIB, WeightSyncError, iter_buckets, to_host_arrays
 
 # ----------------------------------------------------------------------------- bounded waits
 
 
-def wait(refs: list[Any], timeout_s: float, phase: str) -> list[Any]:
-    """ray.get with a timeout whose error names the phase and the key to change."""
+def wait(refs: list[Any], timeout_s: float, phase: str, key: str = HANG_KEY) -> list[Any]:
+    """ray.get with a timeout whose error names the phase and the key to change (`key`, the bound's)."""
     import ray
     from ray.exceptions import GetTimeoutError
 
     try:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError:
-        raise phase_timeout(phase, timeout_s) from None
+        raise phase_timeout(phase, timeout_s, key) from None
 
 
 def wait_done(refs: list[Any], timeout_s: float, phase: str) -> None:
@@ -328,7 +329,7 @@ def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[
         handles = actors + rollouts
         names = {f"actor{i}": a for i, a in enumerate(actors)} | {f"rollout{i}": r for i, r in enumerate(rollouts)}
         install_watchdog(names, cfg.trainer.run_dir, cfg.cluster.placement_timeout_s)
-        ready = _set_up(actors, rollouts, teacher_address, plan.colocated, timeout)
+        ready = _set_up(actors, rollouts, teacher_address, plan.colocated, cfg.debug.setup_timeout_s)
         if weight_transport(cfg) != WeightTransport.object_store:
             _open_weight_group(cfg, actors[0], rollouts, host, sync_port)
         summary = str(ready[0].get("summary", ""))
@@ -364,13 +365,17 @@ def _set_up(
     actor_setup = [a.setup.remote() for a in actors]
     if not colocated:
         address = teacher_address()
-        return wait(actor_setup + [r.setup.remote(None, address) for r in rollouts], timeout_s, "worker setup")
+        return wait(
+            actor_setup + [r.setup.remote(None, address) for r in rollouts], timeout_s, "worker setup", SETUP_KEY
+        )
     marks = [time.perf_counter()]
-    ready = wait(actor_setup, timeout_s, "actor setup (colocated: before the teacher and the rollout engines)")
+    ready = wait(
+        actor_setup, timeout_s, "actor setup (colocated: before the teacher and the rollout engines)", SETUP_KEY
+    )
     marks.append(time.perf_counter())
     address = teacher_address()
     marks.append(time.perf_counter())
-    ready += wait([r.setup.remote(None, address) for r in rollouts], timeout_s, "rollout setup")
+    ready += wait([r.setup.remote(None, address) for r in rollouts], timeout_s, "rollout setup", SETUP_KEY)
     marks.append(time.perf_counter())
     took = [f"{b - a:.1f} s" for a, b in itertools.pairwise(marks)]
     print(f"colocated set-up, one role at a time: actor {took[0]}, teacher {took[1]}, rollout {took[2]}", flush=True)
@@ -405,7 +410,7 @@ def _open_weight_group(cfg: GKDConfig, actor0: Any, rollouts: list[Any], host: s
         r.init_weight_group.remote(backend, host, port, 1 + i * per_engine, world, timeout)
         for i, r in enumerate(rollouts)
     ]
-    wait(joins, cfg.debug.hang_timeout_s, f"weight-sync group setup ({backend} on {host}:{port})")
+    wait(joins, cfg.debug.setup_timeout_s, f"weight-sync group setup ({backend} on {host}:{port})", SETUP_KEY)
 
 
 def _stop(handles: list[Any], timeout_s: float) -> None:

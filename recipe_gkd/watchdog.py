@@ -166,15 +166,22 @@ def uninstall() -> None:
 _installed: Watchdog | None = None
 
 
+# The bounds: a phase of a step, and the workers' set-up (model loading, engine start, the weight-sync group).
+HANG_KEY = "debug.hang_timeout_s"
+SETUP_KEY = "debug.setup_timeout_s"
+
+
 class PhaseTimeoutError(TimeoutError):
-    """A phase of the step did not finish within debug.hang_timeout_s."""
+    """A phase did not finish within its bound (debug.hang_timeout_s, or debug.setup_timeout_s for set-up)."""
 
 
-def phase_timeout(phase: str, timeout_s: float) -> PhaseTimeoutError:
-    """The error for a phase over its time; first every worker's stack is dumped (one line message)."""
+def phase_timeout(phase: str, timeout_s: float, key: str = HANG_KEY) -> PhaseTimeoutError:
+    """The error for a phase over its time (`key`: the bound's config key); first every worker's stack is dumped
+    (one line message)."""
+    what = "the set-up is" if key == SETUP_KEY else "the step is"
     return PhaseTimeoutError(
-        f"phase '{phase}' did not finish within debug.hang_timeout_s={timeout_s}s{dump_stacks(phase)}; raise "
-        "debug.hang_timeout_s if the step is legitimately this slow"
+        f"phase '{phase}' did not finish within {key}={timeout_s}s{dump_stacks(phase)}; raise {key} if {what} "
+        "legitimately this slow"
     )
 
 

@@ -211,12 +211,15 @@ class MegatronActor:
                 # GPU-only, reasoned (torch/cuda/memory.py set_per_process_memory_fraction): the caching
                 # allocator refuses to grow this process past its share; colocated vLLM engines keep theirs.
                 torch.cuda.set_per_process_memory_fraction(share, self.device)
+        # The rendezvous waits for every rank's set-up and the collectives run in steps: neither times out before the
+        # driver's bound on that phase does (the driver then dumps every stack and names the key).
+        bound_s = max(self.cfg.debug.hang_timeout_s, self.cfg.debug.setup_timeout_s)
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{self.master_addr}:{self.master_port}",
             rank=self.rank,
             world_size=self.world_size,
-            timeout=timedelta(seconds=self.cfg.debug.hang_timeout_s),
+            timeout=timedelta(seconds=bound_s),
         )
         m = self.cfg.actor.megatron
         parallel_state.initialize_model_parallel(

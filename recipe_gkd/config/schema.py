@@ -383,7 +383,11 @@ class DebugConfig:
     log_memory: bool = False
     """Record each worker's resident (and peak GPU) memory in metrics.jsonl every step."""
     hang_timeout_s: float = bounded(1800.0, gt=0)
-    """A phase running longer than this dumps every worker's stack and stops the run."""
+    """A phase of a step running longer than this dumps every worker's stack and stops the run."""
+    setup_timeout_s: float = bounded(3600.0, gt=0)
+    """The workers' set-up (loading the models, starting the engines, joining the weight-sync group) running longer
+    than this dumps every worker's stack and stops the run: a large model loads for longer than any step takes, so
+    debug.hang_timeout_s can stay short."""
     teacher_latency_s: float = bounded(0.0, ge=0)
     """Added to every teacher call by the rollout workers: emulates a remote or busy teacher (benchmarks of the async
     schedules); 0 in real runs."""
