@@ -43,6 +43,22 @@ class Conversation(msgspec.Struct):
     # The student's response ended with its EOS: score the teacher's end of turn after the response too.
     end_of_turn: bool
 
+    def text_bytes(self) -> int:
+        """UTF-8 bytes of its text (messages, prompt, response)."""
+        contents = (m.get("content", "") for m in self.messages)
+        return sum(len(t.encode()) for t in (*contents, self.prompt, self.response))
+
+
+# A byte-level BPE token holds ~4 bytes of English text on average (Llama 3's, Qwen's tokenizers).
+TEXT_BYTES_PER_TOKEN = 4
+
+
+def estimated_tokens(conversations: list[Conversation]) -> int:
+    """Tokens of text requests before the replica renders them (the frontend sends each request to the replica with the
+    fewest outstanding tokens; counted as 0, every text request went to the same replica): bytes / 4, +1 each for the
+    end of turn."""
+    return sum(c.text_bytes() // TEXT_BYTES_PER_TOKEN + 1 for c in conversations)
+
 
 class RenderError(ValueError):
     """The teacher cannot render a conversation (no chat template, a role its template refuses)."""

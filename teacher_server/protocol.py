@@ -46,7 +46,7 @@ import msgspec
 import numpy as np
 
 from teacher_server import hidden_codec, idcodec
-from teacher_server.conversation import Conversation
+from teacher_server.conversation import Conversation, estimated_tokens
 from teacher_server.identity import AUTH_CONTEXT, auth_token, read_secret, tokenizer_fingerprint  # noqa: F401
 from teacher_server.scores import (  # noqa: F401 - re-exported: the wire's result types
     TeacherTopK,
@@ -329,6 +329,8 @@ class ParsedRequest:
 
     @property
     def n_tokens(self) -> int:
+        if self.conversations:  # not rendered yet: estimated, for the frontend's least-loaded dispatch
+            return estimated_tokens(self.conversations)
         return int(self.ids.size)
 
     def sequences(self) -> list[np.ndarray]:

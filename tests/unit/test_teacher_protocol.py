@@ -442,3 +442,20 @@ def test_the_teacher_server_refuses_the_openai_backend() -> None:
     with pytest.raises(ConfigError) as err:
         load_teacher_file(REPO_ROOT / "configs" / "teacher" / "cpu_demo.yaml", openai)
     assert err.value.key == "teacher.backend" and "vllm serve" in err.value.message
+
+
+def test_a_text_request_weighs_its_estimated_tokens_for_dispatch() -> None:
+    """The frontend sends a request to the replica with the fewest outstanding tokens (teacher_server/server.py `_pick`):
+    a text request, not rendered yet, weighs its text's bytes / 4 + 1 per conversation, not 0 (with 0, every
+    cross-tokenizer request went to one replica)."""
+    from teacher_server.conversation import Conversation
+
+    short = Conversation([{"role": "user", "content": "rev:abc"}], "", "cba", True)
+    long = Conversation([{"role": "user", "content": "naïve " * 40}], "", "日本 " * 30, False)
+    frames = P.request_frames(7, [], [], top_k=4, temperature=1.0, conversations=[short, long])
+    header = P.decode_client_message(frames[0])
+    assert isinstance(header, P.ScoreRequest)
+    parsed = P.parse_score_request(header, frames[1:], LIMITS)
+    assert parsed.conversations is not None and parsed.ids.size == 0
+    # 7 + 3 bytes; 40 x 7 bytes ("naïve " is 7 in UTF-8) + 30 x 7 ("日本 ").
+    assert parsed.n_tokens == (10 // 4 + 1) + (490 // 4 + 1) == 126
