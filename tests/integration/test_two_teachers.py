@@ -22,7 +22,7 @@ from recipe_gkd.metrics import read_metrics
 from teacher_server.launcher import launch_teacher
 
 PRESET = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"
-STEPS = 3
+STEPS = 2
 
 
 def _cmd(run_dir: Path, *overrides: str) -> list[str]:
@@ -121,10 +121,10 @@ def _check_each_record_scored_by_its_teacher(run_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_the_preset_scores_each_record_by_its_teacher_and_a_resume_keeps_them(tmp_path: Path) -> None:
-    """The two-teacher preset for 3 steps, then the same command to 6 resumes from its checkpoint: every record is
+    """The two-teacher preset for 2 steps, then the same command to 4 resumes from its checkpoint: every record is
     scored by the teacher it names, trained once across the resume."""
     run_dir = tmp_path / "run"
-    for steps in (STEPS, 2 * STEPS):  # the second command resumes from the first one's checkpoint at step 3
+    for steps in (STEPS, 2 * STEPS):  # the second command resumes from the first one's checkpoint at step STEPS
         tag = uuid.uuid4().hex
         cmd = _cmd(
             run_dir,
