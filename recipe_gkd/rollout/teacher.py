@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,13 +48,10 @@ class TeacherScorer:
                 cfg.teacher, tokenizer_hash=tokenizer_fingerprint(tokenizer), address=address
             )
         self.client.connect()
-        self.latency_s = cfg.debug.teacher_latency_s
 
     def score(
         self, sequences: list[np.ndarray], score_from: list[int], named_ids: list[np.ndarray] | None = None
     ) -> list[TeacherTopK]:
-        if self.latency_s:
-            time.sleep(self.latency_s)  # debug.teacher_latency_s: an emulated remote teacher
         if named_ids is None:
             return self.client.score(sequences, score_from)
         # Only the zeromq client names ids (config.validate refuses union with teacher.backend=openai).

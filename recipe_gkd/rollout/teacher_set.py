@@ -9,6 +9,7 @@ teachers, named in its message, so the driver's stop and exit 3 say which teache
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -84,6 +85,8 @@ class TeacherSet:
 
         def run(name: str, rows: list[int]) -> list[TeacherTopK]:
             scorer = self.scorers[name]
+            if self.cfg.debug.teacher_latency_s:  # an emulated remote teacher, on every route (cross-tokenizer too)
+                time.sleep(self.cfg.debug.teacher_latency_s)
             return _named(
                 name,
                 several,

@@ -26,7 +26,7 @@ def test_a_stuck_rollout_dumps_every_stack_and_names_itself(
     proc = run_to_end(cli(inputs, run_dir, "trainer.save_every=0", *overrides))
     assert proc.returncode == EXIT_HANG, proc.stdout[-2000:] + proc.stderr[-4000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert "phase 'rollout of step 0'" in last and "stuck: rollout0 at rollout/teacher.py" in last, last
+    assert "phase 'rollout of step 0'" in last and "stuck: rollout0 at rollout/teacher_set.py" in last, last
     assert "Traceback" not in proc.stderr
     dumps = list(run_dir.glob("hang_rollout_of_step_0_*"))
     assert len(dumps) == 1 and str(dumps[0]) in last

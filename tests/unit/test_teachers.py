@@ -250,3 +250,23 @@ def test_summary_table_has_a_row_pair_per_teacher() -> None:
     assert lines[6].split()[-2:] == ["0.0%", "25.0%"]
     single = before_after_table([{"step": 0, "eval_reward": 0.1, "eval_teacher_kl": 6.0}], None, "forward_kl")
     assert len(single.splitlines()) == 4  # one teacher: the table as before
+
+
+class _FakeCross(_Fake):
+    """A teacher scored in its own tokens (algorithm.cross_tokenizer): the plan calls score_records."""
+
+    def score_records(
+        self, sequences: list[np.ndarray], score_from: list[int], records: list[dict]
+    ) -> list[TeacherTopK]:
+        return self.score(sequences, score_from)
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["same_tokenizer", "cross_tokenizer"])
+def test_the_emulated_teacher_latency_applies_on_every_route(cross: bool) -> None:
+    """debug.teacher_latency_s (the async schedules' benchmarks): each scoring call waits it, whatever the route."""
+    overrides = ["debug.teacher_latency_s=0.3", *(["algorithm.cross_tokenizer=span"] if cross else [])]
+    teachers = TeacherSet(load_config(None, overrides), {"default": (_FakeCross if cross else _Fake)(-1.0)})
+    start = time.perf_counter()
+    scored = teachers.score(["default"], [np.array([1, 7, 8], np.int32)], [1], [None], [{"prompt": "x"}])
+    assert time.perf_counter() - start >= 0.3 and len(scored) == 1
+    teachers.close()
