@@ -131,6 +131,8 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     max_named_ids: int = 0
     # The width of the hidden states a reply can carry (0: this server sends none).
     hidden_size: int = 0
+    # It scores conversations sent as text (algorithm.cross_tokenizer); an older server reads as False.
+    text_requests: bool = False
 
 
 class ScoreRequest(msgspec.Struct, tag="score"):

@@ -268,6 +268,7 @@ class Frontend:
             supports_temperature=model.supports_temperature,
             max_named_ids=model.max_named_ids,
             hidden_size=model.hidden_size,
+            text_requests=True,
         )
 
     def _dispatch(self, identity: bytes, request: P.ScoreRequest, arrays: list[zmq.Frame]) -> None:

@@ -75,6 +75,11 @@ class CrossTokenizerScorer:
         client = TeacherClient.from_config(cfg.teacher, address=address)
         try:
             server = client.connect()
+            if not server.text_requests:
+                raise TeacherMismatchError(
+                    f"the teacher server at teacher.address={client.address} predates text requests, which "
+                    "algorithm.cross_tokenizer sends: restart it with this version (launch/start_teacher.sh)"
+                )
             teacher_tokenizer = AutoTokenizer.from_pretrained(cfg.teacher.model_path)
             if server.tokenizer_hash != tokenizer_fingerprint(teacher_tokenizer):
                 raise TeacherMismatchError(

@@ -459,3 +459,30 @@ def test_a_text_request_weighs_its_estimated_tokens_for_dispatch() -> None:
     assert parsed.conversations is not None and parsed.ids.size == 0
     # 7 + 3 bytes; 40 x 7 bytes ("naïve " is 7 in UTF-8) + 30 x 7 ("日本 ").
     assert parsed.n_tokens == (10 // 4 + 1) + (490 // 4 + 1) == 126
+
+
+def test_a_server_without_text_requests_is_refused_at_connect_naming_the_key(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path
+) -> None:
+    """An older server (no text_requests in its handshake, read as False) would answer every text request with
+    bad_request (exit 1 mid-run): algorithm.cross_tokenizer refuses it at connect time, a mismatch (exit 2)."""
+    from transformers import AutoTokenizer
+
+    from recipe_gkd.config import load_config
+    from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
+    from recipe_gkd.main import EXIT_BAD_CONFIG, exit_code_for
+    from teacher_server.client import TeacherClient, TeacherMismatchError
+
+    fields = {
+        f: getattr(P.HelloReply(1, 1, "s", "m", 10, "h", 8, [], [], 1, 1, "hf", True), f)
+        for f in P.HelloReply.__struct_fields__
+        if f != "text_requests"
+    }
+    older = P.decode_server_reply(msgspec.msgpack.encode({"type": "hello_reply", **fields}))
+    assert isinstance(older, P.HelloReply) and older.text_requests is False
+    monkeypatch.setattr(TeacherClient, "connect", lambda self: older)
+    overrides = ["algorithm.cross_tokenizer=span", f"teacher.model_path={tiny_model_dir}", "teacher.autostart=false"]
+    cfg = load_config(None, [*overrides, "teacher.address=tcp://127.0.0.1:9"])
+    with pytest.raises(TeacherMismatchError, match=r"predates text requests.*launch/start_teacher\.sh") as err:
+        CrossTokenizerScorer.connect(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), None)
+    assert exit_code_for(err.value) == EXIT_BAD_CONFIG
