@@ -26,7 +26,7 @@ from teacher_server import protocol as P
 from teacher_server.client import TeacherMismatchError
 from teacher_server.config import ConfigError
 from teacher_server.conversation import Conversation, Renderer, RenderError
-from teacher_server.openai_client import TOKENIZER_FILES, OpenAITeacherClient, read_api_key
+from teacher_server.openai_client import TOKENIZER_FILES, OpenAITeacherClient
 
 if TYPE_CHECKING:
     from teacher_server.config import TeacherConfig
@@ -46,15 +46,7 @@ class OpenAITextTeacher:
         tokenizer = load_teacher_tokenizer(teacher.model_path)
         template = Path(teacher.chat_template).read_text() if teacher.chat_template else ""
         renderer = Renderer(tokenizer, template)
-        client = OpenAITeacherClient(
-            teacher.address,
-            top_k=teacher.top_k,
-            timeout_s=teacher.timeout_s,
-            retries=teacher.client.retries,
-            max_inflight=teacher.client.max_inflight,
-            api_key=read_api_key(teacher.api_key_file),
-            model_path=teacher.model_path,
-        )
+        client = OpenAITeacherClient.from_config(teacher)
         try:
             client.connect()  # the served model and teacher.top_k (no student tokenizer to compare: any is accepted)
             client.check_served_tokenizer(
