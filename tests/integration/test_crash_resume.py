@@ -106,18 +106,23 @@ def run_to_end(cmd: list[str]) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+def wait_for_rows(proc: subprocess.Popen, run_dir: Path, rows: int) -> None:
+    """Until the running CLI `proc` has written `rows` rows to metrics.jsonl (or ended, or RUN_TIMEOUT_S passed)."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= rows:
+            return
+        time.sleep(0.05)
+
+
 def kill_after_rows(cmd: list[str], run_dir: Path, rows: int, log: Path) -> None:
     """Start the CLI in its own process group, SIGKILL the group once metrics.jsonl has `rows` rows."""
     tag = uuid.uuid4().hex
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env_with(tag), start_new_session=True)
     try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        metrics = run_dir / "metrics.jsonl"
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= rows:
-                break
-            time.sleep(0.05)
+        wait_for_rows(proc, run_dir, rows)
         assert proc.poll() is None, f"the run ended before step {rows}:\n{log.read_text()[-3000:]}"
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_crash_resume import TAG_VAR, wait_gone
 
 from recipe_gkd.config import DEFAULT_CONFIG
 from recipe_gkd.metrics import read_metrics
@@ -21,7 +22,6 @@ from recipe_gkd.ports import reserve_ports
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
 WORDS = ["abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd"]
-TAG_VAR = "RECIPE_GKD_TEST_TAG"
 
 
 @pytest.fixture(scope="module")
@@ -34,21 +34,6 @@ def tiny_run_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         "".join(json.dumps({"prompt": f"rev:{w}", "response": w[::-1], "answer": w[::-1]}) + "\n" for w in WORDS)
     )
     return {"student": student, "teacher": teacher, "data": data, "root": root}
-
-
-def _tagged_processes(tag: str) -> list[int]:
-    """Pids of live processes whose environment carries `tag` (every descendant of the run inherits it)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if f"{TAG_VAR}={tag}".encode() in environ:
-            found.append(int(entry.name))
-    return found
 
 
 def run_cli(
@@ -85,10 +70,7 @@ def run_cli(
         *overrides,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-    deadline = time.monotonic() + 20
-    while _tagged_processes(tag) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    leftover = _tagged_processes(tag)
+    leftover = wait_gone(tag)
     assert not leftover, f"the run left processes behind: {leftover}"
     return proc
 

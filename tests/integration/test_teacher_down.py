@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from test_crash_resume import (
     expected_sample_ids,
     inputs,  # noqa: F401 (fixture)
     run_to_end,
+    wait_for_rows,
     wait_gone,
 )
 
@@ -61,12 +61,7 @@ def test_teacher_down_checkpoints_and_exits_then_the_rerun_continues(
     with launch_teacher(DEFAULT_CONFIG, server_args, log_path=tmp_path / "teacher1.log"):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(tag))
         try:
-            deadline = time.monotonic() + RUN_TIMEOUT_S
-            metrics = run_dir / "metrics.jsonl"
-            while time.monotonic() < deadline and proc.poll() is None:
-                if metrics.is_file() and len(metrics.read_text().splitlines()) >= STOP_AFTER_ROWS:
-                    break
-                time.sleep(0.05)
+            wait_for_rows(proc, run_dir, STOP_AFTER_ROWS)
             assert proc.poll() is None, "the run ended before the teacher was stopped"
         except BaseException:
             proc.kill()

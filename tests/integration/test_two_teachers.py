@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
 import pytest
-from test_crash_resume import RUN_TIMEOUT_S, env_with, wait_gone
+from test_crash_resume import RUN_TIMEOUT_S, env_with, wait_for_rows, wait_gone
 from test_teacher_down import _free_port
 
 from recipe_gkd.checkpoint import list_checkpoints
@@ -70,12 +69,7 @@ def test_one_teacher_down_for_good_stops_naming_it(tmp_path: Path) -> None:
     with launch_teacher(PRESET.parent / "cpu_paper.yaml", server_args, log_path=tmp_path / "sum_teacher.log"):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(tag))
         try:
-            deadline = time.monotonic() + RUN_TIMEOUT_S
-            metrics = run_dir / "metrics.jsonl"
-            while time.monotonic() < deadline and proc.poll() is None:
-                if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-                    break
-                time.sleep(0.05)
+            wait_for_rows(proc, run_dir, 2)
             assert proc.poll() is None, "the run ended before the teacher was stopped"
         except BaseException:
             proc.kill()
