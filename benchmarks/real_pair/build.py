@@ -29,7 +29,6 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from dataclasses import asdict
@@ -41,7 +40,7 @@ import torch
 from benchmarks.real_pair import prompts as prompt_set
 from benchmarks.real_pair.pruning import kept_layers, prune_model
 from benchmarks.real_pair.scoring import greedy, score_student
-from recipe_gkd.demo.build_assets import deterministic_torch, sha256_file
+from recipe_gkd.demo.build_assets import deterministic_torch, files_problem, install_built, sha256_file
 from recipe_gkd.demo.sft import SFTConfig, sft_train
 from recipe_gkd.demo.task import Example
 
@@ -191,15 +190,6 @@ def _build_into(work: Path, cache: Path) -> dict[str, Any]:
     }
 
 
-def file_table(root: Path) -> dict[str, dict[str, Any]]:
-    return {
-        p.relative_to(root).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-        for entry in ENTRIES
-        for p in sorted((root / entry).rglob("*"))
-        if p.is_file()
-    }
-
-
 def manifest_problem(out: Path) -> str | None:
     """Why `out` does not hold the complete pair of the current recipe (None when it does)."""
     path = out / MANIFEST
@@ -208,9 +198,11 @@ def manifest_problem(out: Path) -> str | None:
     manifest = json.loads(path.read_text())
     if manifest.get("recipe") != json.loads(json.dumps(recipe())):
         return "the recipe changed since the pair was built"
-    if manifest.get("files") != file_table(out):
-        return "the files differ from the manifest"
-    return None
+    files = manifest.get("files", {})
+    missing = [name for name in ("teacher/model.safetensors", "student/model.safetensors") if name not in files]
+    if missing:
+        return f"the manifest lacks {missing}"
+    return files_problem(out, files)
 
 
 def build(out: Path, cache: Path, force: bool = False) -> dict[str, Any]:
@@ -219,19 +211,12 @@ def build(out: Path, cache: Path, force: bool = False) -> dict[str, Any]:
         print(f"real pair: {out} is complete and matches the recipe; nothing to do (--force rebuilds)")
         return json.loads((out / MANIFEST).read_text())
     print(f"real pair: building into {out} ({'--force' if problem is None else problem})", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+
+    def build_into(work: Path) -> dict[str, Any]:
         with deterministic_torch(BUILD_THREADS):
-            manifest = _build_into(work, cache)
-        (out / MANIFEST).unlink(missing_ok=True)
-        for entry in ENTRIES:
-            if (out / entry).exists():
-                shutil.rmtree(out / entry)
-            shutil.move(str(work / entry), str(out / entry))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    manifest["files"] = file_table(out)
+            return _build_into(work, cache)
+
+    manifest = install_built(out, build_into)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     s = manifest["student"]
     print(

@@ -28,7 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -230,10 +230,10 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def file_table(root: Path) -> dict[str, dict[str, Any]]:
+def file_table(root: Path, entries: Sequence[str] = ENTRIES) -> dict[str, dict[str, Any]]:
     """{relative path: {bytes, sha256}} of every file under the asset entries of `root`."""
     table: dict[str, dict[str, Any]] = {}
-    for entry in ENTRIES:
+    for entry in entries:
         for path in sorted((root / entry).rglob("*")):
             if path.is_file():
                 table[path.relative_to(root).as_posix()] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
@@ -317,16 +317,12 @@ def build(out: Path, force: bool = False, assets: TaskAssets = DEMO) -> dict[str
         print(f"{assets.name} assets: {out} is complete and matches the recipe; nothing to do (--force rebuilds)")
         return json.loads((out / MANIFEST).read_text())
     print(f"{assets.name} assets: building into {out} ({'--force' if problem is None else problem})", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+
+    def build_into(work: Path) -> dict[str, Any]:
         with deterministic_torch():
-            manifest = _build_into(work, assets)
-        _install(work, out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    # The manifest goes in last: its presence means the entries beside it are complete.
-    manifest["files"] = file_table(out)
+            return _build_into(work, assets)
+
+    manifest = install_built(out, build_into)
     manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"].values())
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     _print_summary(out, manifest, assets)
@@ -370,14 +366,27 @@ def _build_into(work: Path, assets: TaskAssets) -> dict[str, Any]:
     }
 
 
-def _install(work: Path, out: Path) -> None:
-    """Replace the asset entries of `out` with the freshly built ones (manifest removed first)."""
-    (out / MANIFEST).unlink(missing_ok=True)
-    for entry in ENTRIES:
-        target = out / entry
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.move(str(work / entry), str(target))
+def install_built(
+    out: Path, build_into: Callable[[Path], dict[str, Any]], entries: Sequence[str] = ENTRIES
+) -> dict[str, Any]:
+    """Build into a fresh directory beside `out` (`build_into(work)` writes `entries` there and returns the manifest),
+    then replace `out`'s entries with them; returns the manifest with their file table. The old manifest is removed
+    before the entries move and the caller writes the new one last: its presence means the entries are complete.
+    A build that fails leaves `out` as it was."""
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        manifest = build_into(work)
+        (out / MANIFEST).unlink(missing_ok=True)
+        for entry in entries:
+            target = out / entry
+            if target.exists():
+                shutil.rmtree(target)
+            shutil.move(str(work / entry), str(target))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    manifest["files"] = file_table(out, entries)
+    return manifest
 
 
 def _print_summary(out: Path, manifest: dict[str, Any], assets: TaskAssets) -> None:

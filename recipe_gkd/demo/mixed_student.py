@@ -24,7 +24,6 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from recipe_gkd.demo.build_assets import (
     _model_recipe,
     deterministic_torch,
     files_problem,
+    install_built,
     sha256_file,
 )
 from recipe_gkd.demo.evaluate import accuracy_on
@@ -204,30 +204,24 @@ def build(out: Path, force: bool = False) -> dict[str, Any]:
         return json.loads((out / MANIFEST).read_text())
     print(f"mixed student: building into {out / 'student'} ({'--force' if problem is None else problem})", flush=True)
     start = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+
+    def build_into(work: Path) -> dict[str, Any]:
         with deterministic_torch():
             student = warm_up(work / "student", read_train(train_path))
             student["eval_accuracy"] = heldout_accuracy(work / "student", out / "data/eval.jsonl", EVAL_RECORDS)
-        (out / MANIFEST).unlink(missing_ok=True)
-        shutil.rmtree(out / "student", ignore_errors=True)
-        shutil.move(str(work / "student"), str(out / "student"))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        return {"student": student}
+
     import transformers
 
-    files = {
-        p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-        for p in sorted((out / "student").rglob("*"))
-        if p.is_file()
-    }
+    built = install_built(out, build_into, entries=("student",))
+    student = built["student"]
     manifest = {
         "recipe": recipe(),
         "train_file_sha256": sha256_file(train_path),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "student": student,
         "seconds": round(time.perf_counter() - start, 2),
-        "files": files,
+        "files": built["files"],
     }
     # The manifest goes in last: its presence means the student beside it is complete.
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

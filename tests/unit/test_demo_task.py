@@ -220,3 +220,36 @@ def test_built_demo_assets_match_their_manifest_and_accuracies() -> None:
     assert student == pytest.approx(manifest["student"]["eval_accuracy"], abs=0.02)
     assert teacher >= 0.95
     assert 0.2 <= student <= 0.5
+
+
+def test_install_built_replaces_the_entries_and_a_failed_build_leaves_them(tmp_path: Path) -> None:
+    """The one build-into-a-temporary-directory step of the demo, mixed-student and real-pair builds."""
+    out = tmp_path / "assets"
+    (out / "student").mkdir(parents=True)
+    (out / "student" / "old.bin").write_bytes(b"old")
+    (out / build_assets.MANIFEST).write_text("{}")
+
+    def broken(work: Path) -> dict[str, object]:
+        (work / "student").mkdir()
+        raise RuntimeError("training diverged")
+
+    with pytest.raises(RuntimeError, match="diverged"):
+        build_assets.install_built(out, broken, entries=("student",))
+    assert (out / "student" / "old.bin").read_bytes() == b"old" and (out / build_assets.MANIFEST).is_file()
+
+    def built(work: Path) -> dict[str, object]:
+        (work / "student").mkdir()
+        (work / "student" / "model.safetensors").write_bytes(b"new weights")
+        return {"student": {"steps": 3}}
+
+    manifest = build_assets.install_built(out, built, entries=("student",))
+    assert sorted(p.name for p in (out / "student").iterdir()) == ["model.safetensors"]
+    assert not (out / build_assets.MANIFEST).exists(), "the caller writes the new manifest last"
+    assert manifest["student"] == {"steps": 3}
+    assert manifest["files"] == {
+        "student/model.safetensors": {
+            "bytes": 11,
+            "sha256": build_assets.sha256_file(out / "student/model.safetensors"),
+        }
+    }
+    assert [p.name for p in tmp_path.iterdir()] == ["assets"], "no partial build directory left behind"
