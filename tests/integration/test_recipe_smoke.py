@@ -285,24 +285,20 @@ def test_union_support_reverse_kl_runs_through_the_cli(facet_runs: dict[str, Pat
 
 # (schedule, total_steps, staleness of each trained batch). Includes runs shorter than the pipeline.
 # Every schedule's order, staleness and exactly-once are checked in-process (tests/integration/test_gkd_loop.py);
-# on Ray: two_step_off, whose rollout worker scores batch t+1 in one thread while generating t+2 in another,
-# one_step_off with a run shorter than its pipeline (facet_runs) and in the TP x DP run below.
+# on Ray: two_step_off, whose rollout worker scores batch t+1 in one thread while generating t+2 in another (the
+# default demo's schedule, test_the_default_demo_for_a_few_steps), one_step_off with a run shorter than its pipeline
+# (facet_runs) and in the TP x DP run below; across epochs, the kill -9 resume (test_crash_resume.py).
 
 
-def assert_every_batch_trained_once(rows: list[dict], steps: int, staleness: list[int]) -> None:
+def assert_every_batch_trained_once(
+    rows: list[dict], steps: int, staleness: list[int], batch: int = 8, records: int = len(WORDS)
+) -> None:
+    """Batches in order, each once, at the schedule's staleness; no record more often than the epochs allow."""
     assert [r["batch"] for r in rows] == list(range(steps)), "each batch trained exactly once, in order"
     assert [r["weight_version"] for r in rows] == list(range(1, steps + 1))
     assert [r["staleness"] for r in rows] == staleness
     stream_order = Counter(i for r in rows for i in r["sample_ids"])
-    assert sum(stream_order.values()) == 8 * steps and max(stream_order.values()) <= -(-8 * steps // 12)
-
-
-@pytest.mark.slow
-def test_two_step_off_trains_every_batch_once(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    proc = run_cli(tiny_run_inputs, run_dir, "algorithm.schedule=two_step_off", "trainer.total_steps=4")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert_every_batch_trained_once(read_metrics(run_dir), 4, [0, 1, 2, 2])
+    assert sum(stream_order.values()) == batch * steps and max(stream_order.values()) <= -(-batch * steps // records)
 
 
 @pytest.mark.slow
@@ -370,9 +366,10 @@ def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> No
     known = (run_dir / "logs" / "third_party.log").read_text()
     assert "Apex is not installed" in known, "the known warnings went to the run's log"
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["weight_version"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # The demo's schedule is two_step_off (the fastest on 2 cores: benchmarks/bench_vs_inprocess.py).
-    assert [r["staleness"] for r in rows] == [0, 1, 2, 2]
+    train_records = len((repo_root / "assets" / "demo" / "data" / "train.jsonl").read_text().splitlines())
+    assert_every_batch_trained_once(rows, 4, [0, 1, 2, 2], batch=64, records=train_records)
     for row in rows:
         assert row["loss"] > 0 and row["teacher_kl"] > 0 and len(row["sample_ids"]) == 64
         assert all(row[key] >= 0 for key in ("generate_s", "teacher_s", "train_s", "sync_s", "step_s"))
