@@ -1,4 +1,4 @@
-"""`python -m recipe_gkd.selfcheck`: every path this machine can run, measured, in one command.
+"""`python -m recipe_gkd.selfcheck`: every path the machine it runs on can run, measured, in one command.
 
 On a machine with a CUDA GPU (the first one, one GPU is enough; about 10 minutes on one H100):
 1. the one-GPU preset (configs/presets/1x1_colocated.yaml) for a few steps with the vLLM rollout engine
