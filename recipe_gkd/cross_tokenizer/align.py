@@ -8,6 +8,7 @@ with equal byte ranges (TRL's GOLD trainer walks them the same way, trl/experime
 may hold part of a UTF-8 character). Special handling:
 
 - the student's control tokens (its special / template tokens) have no text: they are left unaligned,
+  even where one sits between two tokens of a span (the span's rows then hold it, marked unaligned),
   except a final EOS, which is aligned one-to-one with the teacher's end of turn (the server scores that
   token after the response, conversation.py);
 - a response whose bytes do not decode as UTF-8 (a truncated multi-byte character at the end, or
@@ -43,7 +44,8 @@ class StudentText:
 
 @dataclass(frozen=True)
 class Span:
-    """Student tokens [s_lo, s_hi) and teacher tokens [t_lo, t_hi) covering the same bytes."""
+    """Student rows [s_lo, s_hi) and teacher tokens [t_lo, t_hi) covering the same bytes (a student control token
+    between two of the span's tokens lies in its rows but is not aligned: StudentText.aligned is False there)."""
 
     s_lo: int
     s_hi: int
@@ -108,7 +110,8 @@ def align_spans(student: StudentText, teacher_offsets: np.ndarray) -> list[Span]
         else:
             s += 1
             t += 1
-            # Student tokens are consecutive within a span (an unaligned token is zero-width or past the text).
+            # The span's rows run from its first to its last aligned student token; a control token between them
+            # (zero-width, sampled inside one teacher piece) lies in them, unaligned. Tokens past the text never do.
             spans.append(Span(s_idx[s_lo], s_idx[s - 1] + 1, t_lo, t))
             s_lo, t_lo = s, t
     if has_eot:
