@@ -12,7 +12,10 @@ may hold part of a UTF-8 character). Special handling:
   except a final EOS, which is aligned one-to-one with the teacher's end of turn (the server scores that
   token after the response, conversation.py);
 - a response whose bytes do not decode as UTF-8 (a truncated multi-byte character at the end, or
-  invalid bytes the student sampled) is sent up to its last valid byte; the tokens past it are unaligned.
+  invalid bytes the student sampled) is sent up to its last whole token that ends on valid text: a
+  byte-level piece may complete text and start a character (" \xe2\x80", a space and the start of "—"),
+  and that piece's text bytes are not sent either, so both sides cover the same bytes; the tokens past
+  that point are unaligned.
 
 Unaligned student tokens get no loss (they are counted in the step's alignment metrics).
 """
@@ -64,12 +67,8 @@ def student_text(response_ids: np.ndarray, table: list[bytes | None], eos_id: in
     body = ids[:-1] if ends_with_eos else ids
     offsets = byte_offsets(body, table)
     raw = b"".join(table[i] or b"" for i in body if i < len(table))
-    try:
-        text = raw.decode("utf-8")
-        valid = len(raw)
-    except UnicodeDecodeError as err:
-        valid = err.start
-        text = raw[:valid].decode("utf-8")
+    valid = _whole_token_prefix(raw, offsets[:, 1])
+    text = raw[:valid].decode("utf-8")
     width = offsets[:, 1] - offsets[:, 0]
     aligned = (width > 0) & (offsets[:, 1] <= valid)
     if ends_with_eos:
@@ -78,6 +77,21 @@ def student_text(response_ids: np.ndarray, table: list[bytes | None], eos_id: in
         # The EOS stands for the end of turn only when everything before it is text the teacher saw.
         aligned = np.concatenate([aligned, [valid == len(raw)]])
     return StudentText(text, offsets.astype(np.int32), aligned.astype(bool), ends_with_eos)
+
+
+def _whole_token_prefix(raw: bytes, token_ends: np.ndarray) -> int:
+    """The longest prefix of `raw` that decodes as UTF-8 and ends where a token ends (0 when none does)."""
+    try:
+        raw.decode("utf-8")
+        return len(raw)
+    except UnicodeDecodeError as err:
+        utf8_valid = err.start
+    # Token ends within the valid bytes, latest first; one inside a character (a piece holding its first byte) is
+    # skipped: rare, and at most a character's 3 bytes back.
+    for end in sorted({int(e) for e in token_ends if e <= utf8_valid}, reverse=True):
+        if end == utf8_valid or (raw[end] & 0xC0) != 0x80:
+            return end
+    return 0
 
 
 def align_spans(student: StudentText, teacher_offsets: np.ndarray) -> list[Span]:

@@ -8,6 +8,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from cross_tokenizer_pairs import build_pair, piece_bytes
 
 from recipe_gkd.cross_tokenizer.align import align_spans, student_text
 from recipe_gkd.cross_tokenizer.targets import aligned_scores, vocabulary_map
@@ -23,6 +24,12 @@ def demo_pair(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The demo across tokenizers: the char student, the Llama-3-shaped BPE teacher."""
     root = tmp_path_factory.mktemp("demo_pair")
     return {"student": build_char_tokenizer(root / "s"), "teacher": build_llama3_bpe_tokenizer(root / "t")}
+
+
+@pytest.fixture(scope="module")
+def bpe_pair(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """ChatML-shaped student and Llama-3-shaped teacher, byte-level BPEs holding pieces like " \\xe2\\x80"."""
+    return build_pair(tmp_path_factory.mktemp("bpe_pair"))
 
 
 def _reply(logprobs_NV: np.ndarray, token_ids: np.ndarray, offsets: np.ndarray, top_k: int) -> TeacherTopK:
@@ -91,3 +98,23 @@ def test_a_control_token_inside_one_teacher_piece_gets_no_loss_and_counts_unalig
     assert kept.tolist() == [[True, False, True, True]] and use.tolist() == [[True, False, True, False]]
     expected = float(t_logprobs[0, t_ids[0]]) - float(token_lp[0] + token_lp[2])
     assert advantage[0, 0].item() == pytest.approx(expected, abs=1e-6) == advantage[0, 2].item()
+
+
+@pytest.mark.parametrize("end", ["cut", "eos"])
+def test_a_response_cut_after_a_piece_that_starts_a_character_aligns(bpe_pair: dict, end: str) -> None:
+    """A response cut right after " \\xe2\\x80" (a space and the first two bytes of "—"): the text sent ends at the
+    last whole token ("... world", without that space), the piece is unaligned, and both sides cover the same bytes.
+    With an EOS after it (the student sampled EOS there) the EOS is unaligned too: the text before it is not whole."""
+    student, teacher = bpe_pair["student"], bpe_pair["teacher"]
+    table = token_byte_table(student, "model.student_path")[0]
+    dash_start = [i for i in range(len(student)) if piece_bytes(student, i) == b" \xe2\x80"]
+    assert dash_start and student.decode(student("a —")["input_ids"]) == "a —"
+    body = student("the answer is hello world", add_special_tokens=False)["input_ids"]
+    ids = [*body, dash_start[0]] + ([student.eos_token_id] if end == "eos" else [])
+    text = student_text(np.asarray(ids), table, student.eos_token_id)
+    assert text.text == "the answer is hello world" and not text.end_of_turn
+    assert text.aligned.tolist() == [True] * len(body) + [False] * (len(ids) - len(body))
+    rendered = Renderer(teacher).render(Conversation([{"role": "user", "content": "hi"}], "", text.text, False))
+    spans = align_spans(text, rendered.byte_offsets)
+    assert spans[-1].s_hi == len(body) and spans[-1].t_hi == len(rendered.byte_offsets)
+    assert int(text.offsets[spans[-1].s_hi - 1, 1]) == int(rendered.byte_offsets[-1, 1]) == len(text.text)
