@@ -32,7 +32,7 @@ from teacher_server.conversation import byte_offsets
 @dataclass(frozen=True)
 class StudentText:
     """A student response as text: the text the teacher scores, and per student token its byte range
-    in it (aligned[j] False: a control token or past the last valid UTF-8 byte)."""
+    in it (aligned[j] False: a control token, or past the last whole token ending on valid UTF-8)."""
 
     text: str
     offsets: np.ndarray  # int32 [n, 2]
