@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from recipe_gkd.actor.teacher_head import find_teacher_head, load_teacher_head_shard
 from recipe_gkd.data import encode_prompt
 from recipe_gkd.losses import gkd_loss_sum, hidden_gkd_loss_sum
-from recipe_gkd.rollout.scoring import union_scores
+from recipe_gkd.targets.union import union_scores
 from teacher_server import protocol as P
 from teacher_server.backends import BackendOptions, load_backend, parsed_request
 from teacher_server.scores import TopKBatch

@@ -11,7 +11,9 @@ for that position, computed from the logits at the position before it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 
@@ -21,6 +23,23 @@ EXCLUDED_ID = -1
 # algorithm.cross_tokenizer: a teacher piece the student lacks is id FOLDED_BASE + its column (distinct, beyond
 # any vocabulary): the top-k loss folds its teacher mass into the tail bucket (recipe_gkd/cross_tokenizer/targets.py).
 FOLDED_BASE = 1 << 30
+
+
+class TargetPayload(Protocol):
+    """A target kind's own per-response arrays (recipe_gkd/targets): row j describes response token j."""
+
+    def rows(self) -> int:
+        """Its rows (the sequence's response tokens)."""
+        ...
+
+    def counts(self) -> dict[str, float]:
+        """The response's counts the rollout worker sums for the metrics (e.g. alignment counts); may be empty."""
+        ...
+
+    @staticmethod
+    def collate(payloads: SequenceOf[TargetPayload], rows: SequenceOf[slice], seq_len: int) -> np.ndarray:
+        """The payloads of a micro-batch as one [B, seq_len, ...] array, sequence b's rows at positions rows[b]."""
+        ...
 
 
 @dataclass
@@ -43,13 +62,9 @@ class Sequence:
     rollout_logprobs: np.ndarray | None = None  # float32 [L - response_start]
     reward: float | None = None  # task reward when the dataset defines an answer
     teacher: str = "default"  # the teacher that scored it (data.teacher_key; docs/teachers.md)
-    # teacher.output=hidden: the teacher's final hidden state predicting each response token (bf16/fp16 values).
-    teacher_hidden: np.ndarray | None = None  # float32 [L - response_start, H]
-    # algorithm.cross_tokenizer (recipe_gkd/cross_tokenizer/targets.py): per response token, > 0 at the first
-    # token of an aligned span (its token count), 0 inside one, -1 unaligned; the teacher arrays above then hold
-    # the span's values at its first token. `alignment`: the response's alignment counts (metrics only).
-    span_len: np.ndarray | None = None  # int32 [L - response_start]
-    alignment: dict[str, float] | None = None
+    # The target kind's own arrays (recipe_gkd/targets: the teacher's hidden states, the cross-tokenizer spans),
+    # None for a kind that needs the teacher arrays above only.
+    payload: TargetPayload | None = None
 
     @property
     def num_response_tokens(self) -> int:

@@ -33,12 +33,11 @@ class MicroBatch:
     target_ids_BT: Tensor  # int64: the token at t + 1 (0 elsewhere)
     rollout_logprobs_BT: Tensor  # float32: the engine's logprob of it at sampling; NaN for dataset responses
     teacher_sampled_BT: Tensor  # float32: the teacher's logprob of it (0 elsewhere)
-    # teacher.output=hidden: the teacher's final hidden state at each loss position (0 elsewhere).
-    teacher_hidden_BTH: Tensor | None = None  # float32
     # Several teachers: each row's teacher, an index into the names collate was given (per-teacher metrics).
     teacher_index_B: Tensor | None = None  # int64
-    # algorithm.cross_tokenizer: the span structure (recipe_gkd/batch.py Sequence.span_len; -1 off the response).
-    span_len_BT: Tensor | None = None  # int64
+    # The target kind's payload at the loss positions (recipe_gkd/targets): teacher.output=hidden the teacher's
+    # hidden states (float32 [B, T, H], 0 elsewhere); algorithm.cross_tokenizer the spans (int64 [B, T], -1 elsewhere).
+    payload: Tensor | None = None
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(
@@ -52,9 +51,8 @@ class MicroBatch:
             target_ids_BT=self.target_ids_BT.to(device),
             rollout_logprobs_BT=self.rollout_logprobs_BT.to(device),
             teacher_sampled_BT=self.teacher_sampled_BT.to(device),
-            teacher_hidden_BTH=None if self.teacher_hidden_BTH is None else self.teacher_hidden_BTH.to(device),
             teacher_index_B=None if self.teacher_index_B is None else self.teacher_index_B.to(device),
-            span_len_BT=None if self.span_len_BT is None else self.span_len_BT.to(device),
+            payload=None if self.payload is None else self.payload.to(device),
         )
 
 
@@ -78,26 +76,20 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: Sequenc
     target_ids_BT = np.zeros((batch, seq_len), dtype=np.int64)
     rollout_logprobs_BT = np.zeros((batch, seq_len), dtype=np.float32)
     teacher_sampled_BT = np.zeros((batch, seq_len), dtype=np.float32)
-    hidden_size = _common_hidden_size(sequences)
-    teacher_hidden_BTH = None if hidden_size is None else np.zeros((batch, seq_len, hidden_size), dtype=np.float32)
-    spans = _common_spans(sequences)
-    span_len_BT = np.full((batch, seq_len), -1, dtype=np.int64) if spans else None
+    rows: list[slice] = []
     for row, seq in enumerate(sequences):
         _check_sequence(seq)
         length = len(seq.input_ids)
         input_ids_BT[row, : length - 1] = seq.input_ids[: length - 1]
         # Position t predicts token t + 1: response tokens rs..L-1 are predicted at rs-1..L-2.
         predicted = slice(seq.response_start - 1, length - 1)
+        rows.append(predicted)
         teacher_logprobs_BTK[row, predicted] = seq.teacher_topk_logprobs
         teacher_ids_BTK[row, predicted] = seq.teacher_topk_ids
         teacher_tail_BT[row, predicted] = seq.teacher_tail_logmass
         loss_mask_BT[row, predicted] = True
         target_ids_BT[row, predicted] = seq.input_ids[seq.response_start :]
         teacher_sampled_BT[row, predicted] = seq.teacher_sampled_logprob
-        if teacher_hidden_BTH is not None:
-            teacher_hidden_BTH[row, predicted] = seq.teacher_hidden
-        if span_len_BT is not None:
-            span_len_BT[row, predicted] = seq.span_len
         # A dataset response has no sampling logprob: NaN, which the sampled-token loss refuses loudly.
         rollout_logprobs_BT[row, predicted] = np.nan if seq.rollout_logprobs is None else seq.rollout_logprobs
     # A fresh writable array (a broadcast view is read-only, which torch.from_numpy warns about).
@@ -113,9 +105,8 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: Sequenc
         target_ids_BT=torch.from_numpy(target_ids_BT),
         rollout_logprobs_BT=torch.from_numpy(rollout_logprobs_BT),
         teacher_sampled_BT=torch.from_numpy(teacher_sampled_BT),
-        teacher_hidden_BTH=None if teacher_hidden_BTH is None else torch.from_numpy(teacher_hidden_BTH),
         teacher_index_B=_teacher_index(sequences, teacher_names),
-        span_len_BT=None if span_len_BT is None else torch.from_numpy(span_len_BT),
+        payload=_collate_payloads(sequences, rows, seq_len),
     )
 
 
@@ -171,20 +162,16 @@ def _common_top_k(sequences: SequenceOf[Sequence]) -> int:
     return top_ks.pop()
 
 
-def _common_hidden_size(sequences: SequenceOf[Sequence]) -> int | None:
-    """The width of the sequences' teacher hidden states (None: none has them; all or none must)."""
-    sizes = {None if s.teacher_hidden is None else int(s.teacher_hidden.shape[-1]) for s in sequences}
-    if len(sizes) != 1:
-        raise ValueError(f"sequences disagree on the teacher's hidden states: widths {sizes} (teacher.output)")
-    return sizes.pop()
-
-
-def _common_spans(sequences: SequenceOf[Sequence]) -> bool:
-    """Whether the sequences carry span structure (algorithm.cross_tokenizer: all or none)."""
-    kinds = {s.span_len is not None for s in sequences}
+def _collate_payloads(sequences: SequenceOf[Sequence], rows: SequenceOf[slice], seq_len: int) -> Tensor | None:
+    """The sequences' target payloads as one tensor, collated by their own kind (None: no sequence has one)."""
+    kinds = {type(s.payload) for s in sequences}
     if len(kinds) != 1:
-        raise ValueError("some sequences carry cross-tokenizer spans and some do not (algorithm.cross_tokenizer)")
-    return kinds.pop()
+        names = sorted(k.__name__ for k in kinds)
+        raise ValueError(f"sequences of one micro-batch carry different target payloads: {names}")
+    kind = kinds.pop()
+    if kind is type(None):
+        return None
+    return torch.from_numpy(kind.collate([s.payload for s in sequences], rows, seq_len))
 
 
 def _check_sequence(seq: Sequence) -> None:
@@ -198,13 +185,11 @@ def _check_sequence(seq: Sequence) -> None:
             raise ValueError(
                 f"sample {seq.sample_id}: {name} has {rows} rows but the sequence has {responses} response tokens"
             )
-    if seq.teacher_hidden is not None and seq.teacher_hidden.shape[0] != responses:
+    if seq.payload is not None and seq.payload.rows() != responses:
         raise ValueError(
-            f"sample {seq.sample_id}: teacher_hidden has {seq.teacher_hidden.shape[0]} rows but the sequence has "
-            f"{responses} response tokens"
+            f"sample {seq.sample_id}: its {type(seq.payload).__name__} payload has {seq.payload.rows()} rows but the "
+            f"sequence has {responses} response tokens"
         )
-    if seq.span_len is not None and seq.span_len.shape[0] != responses:
-        raise ValueError(f"sample {seq.sample_id}: span_len has {seq.span_len.shape[0]} rows, {responses} tokens")
     if seq.rollout_logprobs is not None and seq.rollout_logprobs.shape[0] != responses:
         raise ValueError(
             f"sample {seq.sample_id}: rollout_logprobs has {seq.rollout_logprobs.shape[0]} rows but the sequence "

@@ -1,9 +1,8 @@
 """The actor's loss driving: what the last pipeline stage computes from its logits shard per micro-batch.
 
-The configured divergence over the teacher's top-k (vocabulary-parallel over TP), or with
-teacher.output=hidden over the whole vocabulary from the teacher's hidden states and its output head
-(loaded here once, this rank's vocabulary rows, on the last pipeline stage), or the sampled-token
-reverse KL with its policy statistics; each micro-batch gives a token *sum*, which
+The configured divergence over the run's target kind (recipe_gkd/targets: the teacher's top-k vocabulary-parallel
+over TP, the whole vocabulary from the teacher's hidden states, spans across tokenizers; the kind computes its own
+sum), or the sampled-token reverse KL with its policy statistics; each micro-batch gives a token *sum*, which
 megatron's schedule backpropagates and `finalize_model_grads` divides by the global token count.
 
 Several teachers (docs/teachers.md): the same loss is also summed over each teacher's rows alone, without
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,16 +22,9 @@ from torch import Tensor
 from recipe_gkd.actor import hf_arch
 from recipe_gkd.actor.collate import MicroBatch
 from recipe_gkd.actor.layout import RankLayout
-from recipe_gkd.actor.teacher_head import find_teacher_head, load_teacher_head_shard
-from recipe_gkd.config import CrossTokenizer, Divergence, GKDConfig, Precision, TeacherOutput
-from recipe_gkd.losses import (
-    cross_tokenizer_loss_sum,
-    gkd_loss_sum,
-    hidden_gkd_loss_sum,
-    sampled_reverse_kl_loss_sum,
-    span_advantages,
-    vocab_parallel_gkd_loss_sum,
-)
+from recipe_gkd.config import GKDConfig
+from recipe_gkd.losses import sampled_reverse_kl_loss_sum
+from recipe_gkd.targets import build_target, sampled_objective
 
 
 class ActorObjective:
@@ -56,29 +47,13 @@ class ActorObjective:
         self.device = device
         self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
         self.vocab_start, self.vocab_shard = local_vocab_slice(vocab_size, layout)
-        self.teacher_head_vH = self._teacher_head() if cfg.teacher.output == TeacherOutput.hidden else None
+        # The target kind's loss (and what it loads once, e.g. the teacher's output head), chosen once.
+        self.target = build_target(cfg)
+        self.target.setup_actor(self)
+        # The sampled-token reverse KL (else the configured divergence over the kind's targets).
+        self.sampled = sampled_objective(cfg)
         # Several teachers: the names whose rows the loss is also summed over (collate's teacher_index_B order).
         self.teacher_names: list[str] = sorted(cfg.teachers) if len(cfg.teachers) >= 2 else []
-
-    def _teacher_head(self) -> Tensor | None:
-        """This rank's rows of the teacher's output head [v, H] (None off the last pipeline stage: no loss there)."""
-        ref = find_teacher_head(self.cfg.teacher.model_path, self.vocab_size)
-        if not self.layout.is_last_stage:
-            return None
-        # The actor's compute dtype: bf16 runs multiply the teacher's hidden states in bf16, as the teacher does.
-        dtype = torch.bfloat16 if self.cfg.actor.precision == Precision.bf16 else torch.float32
-        rows = self.vocab_shard.stop - self.vocab_shard.start
-        return load_teacher_head_shard(ref, self.vocab_start, rows, dtype, self.device)
-
-    @property
-    def hidden(self) -> bool:
-        """teacher.output=hidden: every divergence over the whole vocabulary (else over the teacher's top-k)."""
-        return self.cfg.teacher.output == TeacherOutput.hidden
-
-    @property
-    def sampled(self) -> bool:
-        """The sampled-token reverse KL (else a divergence over the teacher's top-k)."""
-        return self.cfg.algorithm.divergence == Divergence.sampled_reverse_kl
 
     def train_loss(self, micro: MicroBatch, logits_BTv: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """megatron's loss function in training: (loss sum, loss tokens, logged sums)."""
@@ -137,7 +112,7 @@ class ActorObjective:
         else:
             loss_sum, _ = self.loss_sum(logits_BTv, micro)
         kl_sum = torch.zeros((), dtype=loss_sum.dtype, device=self.device)
-        if self.cfg.teacher.top_k or self.hidden:
+        if self.target.evaluates_kl():
             kl_sum, _ = self.loss_sum(logits_BTv, micro, divergence="forward_kl")
         num_tokens = torch.tensor(micro.num_tokens, dtype=torch.int, device=self.device)
         return loss_sum, num_tokens, {"sums": torch.stack([loss_sum, kl_sum]).double()}
@@ -146,10 +121,7 @@ class ActorObjective:
         """The sampled-token reverse-KL surrogate's sum over the loss tokens and its logged statistics."""
         logits_BTv = logits_BTv[..., self.vocab_shard]
         tp = self.layout.tp_size > 1
-        mask_BT, advantage = micro.loss_mask_BT, {}
-        if micro.span_len_BT is not None:  # algorithm.cross_tokenizer: each token's advantage is its span's
-            spans = span_advantages(micro.teacher_sampled_BT, micro.rollout_logprobs_BT, micro.span_len_BT, mask_BT)
-            advantage, mask_BT = {"advantage": spans[0], "advantage_mask": spans[1]}, spans[2]
+        mask_BT, advantage = self.target.sampled_inputs(micro)
         loss_sum, _, stats = sampled_reverse_kl_loss_sum(
             logits_BTv,
             micro.target_ids_BT,
@@ -186,47 +158,7 @@ class ActorObjective:
 
     def loss_sum(self, logits_BTv: Tensor, micro: MicroBatch, divergence: str | None = None) -> tuple[Tensor, Tensor]:
         """Sum of per-token divergences over the micro-batch's loss tokens (same on all TP ranks)."""
-        a = self.cfg.algorithm
-        kwargs: dict[str, Any] = {
-            "divergence": divergence or a.divergence.value,
-            "beta": a.beta,
-            "temperature": a.temperature,
-            "tail": a.tail,
-            "teacher_tail_logmass": micro.teacher_tail_BT,
-        }
-        if a.cross_tokenizer != CrossTokenizer.none:
-            return self.cross_tokenizer_loss_sum(self.full_vocabulary(logits_BTv), micro, kwargs["divergence"])
-        # Padded vocabulary columns are not tokens: they are cut off, never given mass.
-        logits_BTv = logits_BTv[..., self.vocab_shard]
-        if self.hidden:
-            return self.hidden_loss_sum(logits_BTv, micro, kwargs["divergence"])
-        batch = (micro.teacher_logprobs_BTK, micro.teacher_ids_BTK, micro.loss_mask_BT)
-        if self.layout.tp_size == 1:
-            return gkd_loss_sum(logits_BTv, *batch, **kwargs)
-        return vocab_parallel_gkd_loss_sum(
-            logits_BTv,
-            *batch,
-            vocab_start=self.vocab_start,
-            vocab_size=self.vocab_size,
-            group=self.tp_group,
-            **kwargs,
-        )
-
-    def hidden_loss_sum(self, logits_BTv: Tensor, micro: MicroBatch, divergence: str) -> tuple[Tensor, Tensor]:
-        """The divergence over the whole vocabulary, the teacher's logits from its hidden states (same on all TP ranks)."""
-        if micro.teacher_hidden_BTH is None or self.teacher_head_vH is None:
-            raise ValueError("teacher.output=hidden but the micro-batch carries no teacher hidden states")
-        a = self.cfg.algorithm
-        return hidden_gkd_loss_sum(
-            logits_BTv,
-            micro.teacher_hidden_BTH,
-            self.teacher_head_vH,
-            micro.loss_mask_BT,
-            divergence=divergence,  # type: ignore[arg-type]
-            beta=a.beta,
-            temperature=a.temperature,
-            group=self.tp_group if self.layout.tp_size > 1 else None,
-        )
+        return self.target.loss_sum(self, logits_BTv, micro, divergence or self.cfg.algorithm.divergence.value)
 
     def full_vocabulary(self, logits_BTv: Tensor) -> Tensor:
         """[B, T, V] logits over the whole (unpadded) vocabulary from this rank's shard [B, T, V_padded / tp].
@@ -245,29 +177,6 @@ class ActorObjective:
 
         # The shards are of equal (padded) width: concatenated they are [.., V_padded]; the padding is cut off.
         return gather_from_tensor_model_parallel_region(logits_BTv, group=self.tp_group)[..., : self.vocab_size]
-
-    def cross_tokenizer_loss_sum(self, logits_BTV: Tensor, micro: MicroBatch, divergence: str) -> tuple[Tensor, Tensor]:
-        """algorithm.cross_tokenizer: the per-span terms of recipe_gkd/losses/cross_tokenizer.py over the whole
-        vocabulary (`full_vocabulary`), the same on every TP rank."""
-        if micro.span_len_BT is None:
-            raise ValueError(
-                "algorithm.cross_tokenizer but the micro-batch carries no spans (a same-tokenizer scorer?)"
-            )
-        a = self.cfg.algorithm
-        return cross_tokenizer_loss_sum(
-            logits_BTV,
-            micro.target_ids_BT,
-            micro.teacher_logprobs_BTK,
-            micro.teacher_ids_BTK,
-            micro.teacher_tail_BT,
-            micro.teacher_sampled_BT,
-            micro.span_len_BT,
-            micro.loss_mask_BT,
-            objective=a.cross_tokenizer.value,
-            divergence=divergence,  # type: ignore[arg-type]
-            beta=a.beta,
-            temperature=a.temperature,
-        )
 
 
 def local_vocab_slice(vocab_size: int, layout: RankLayout) -> tuple[int, slice]:

@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from recipe_gkd.config import CrossTokenizer, GKDConfig
+from recipe_gkd.config import GKDConfig
 from recipe_gkd.rollout.engine import Scorer
-from recipe_gkd.rollout.scoring import ScoringPlan
+from recipe_gkd.targets import build_target
 from recipe_gkd.teachers_config import record_teacher, teacher_views
 from teacher_server.protocol import TeacherTopK
 
@@ -31,8 +31,8 @@ class TeacherSet:
     def __init__(self, cfg: GKDConfig, scorers: Mapping[str, Scorer]) -> None:
         self.cfg = cfg
         self.scorers = dict(scorers)
-        # What each request asks for (algorithm.support), the same for every teacher: chosen once.
-        self.plan = ScoringPlan.from_config(cfg)
+        # What each request asks for and how its reply is unpacked (the target kind), the same for every teacher.
+        self.target = build_target(cfg)
         # One thread per teacher: each client is used by one thread at a time (the worker holds its teacher lock).
         self._pool = ThreadPoolExecutor(len(self.scorers), "teacher") if len(self.scorers) > 1 else None
 
@@ -42,21 +42,13 @@ class TeacherSet:
 
         `addresses` overrides a teacher's own address (an autostarted server's bound one).
         """
-        from recipe_gkd.rollout.teacher import TeacherScorer
-
-        # algorithm.cross_tokenizer: every teacher is scored in its own tokens (any tokenizer accepted).
-        if cfg.algorithm.cross_tokenizer != CrossTokenizer.none:
-            from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
-
-            make: Callable[[GKDConfig, str | None], Any] = lambda v, a: CrossTokenizerScorer.connect(v, tokenizer, a)  # noqa: E731
-        else:
-            make = lambda v, a: TeacherScorer(v, tokenizer, a)  # noqa: E731
+        target = build_target(cfg)
         views = teacher_views(cfg)
         scorers: dict[str, Any] = {}
         try:
             for name, view in views.items():
                 address = (addresses or {}).get(name)
-                scorers[name] = _named(name, len(views) > 1, lambda v=view, a=address: make(v, a))
+                scorers[name] = _named(name, len(views) > 1, lambda v=view, a=address: target.connect(v, tokenizer, a))
         except BaseException:
             for connected in scorers.values():  # the teachers checked before the one that failed
                 connected.close()
@@ -75,7 +67,7 @@ class TeacherSet:
         student_topk: list[np.ndarray | None],
         records: list[dict[str, Any]] | None = None,
     ) -> list[TeacherTopK]:
-        """Sequence i scored by teacher `teachers[i]` as the plan asks (student_topk[i]: the engine's top ids
+        """Sequence i scored by teacher `teachers[i]` as the target kind asks (student_topk[i]: the engine's top ids
         of sequence i, for algorithm.support=union; records[i]: its data record, for algorithm.cross_tokenizer);
         the results in the order of `sequences`."""
         groups: dict[str, list[int]] = {}
@@ -90,7 +82,7 @@ class TeacherSet:
             return _named(
                 name,
                 several,
-                lambda: self.plan.score(
+                lambda: self.target.score(
                     scorer,
                     [sequences[i] for i in rows],
                     [score_from[i] for i in rows],

@@ -248,10 +248,8 @@ class RolloutWorker:
                 teacher_topk_ids=scored.topk_ids,
                 teacher_tail_logmass=scored.tail_logmass,
                 teacher_sampled_logprob=scored.sampled_logprob,
-                teacher_hidden=scored.hidden_states,
-                # algorithm.cross_tokenizer: the span structure of the student's response (cross_tokenizer/targets.py).
-                span_len=getattr(scored, "span_len", None),
-                alignment=getattr(scored, "counts", None),
+                # The target kind's own arrays (the teacher's hidden states, the cross-tokenizer spans), if any.
+                payload=self.teachers.target.payload(scored),
                 rollout_logprobs=rollout_lp,
                 reward=self._reward(prompt, response),
                 teacher=teacher,
@@ -394,7 +392,7 @@ def summarize(step: int, weight_version: int, sequences: list[Sequence], timings
         elif seq.reward is not None:
             stats.offpolicy_reward_sum += seq.reward
             stats.offpolicy_rewarded += 1
-        for key, value in (seq.alignment or {}).items():
+        for key, value in (seq.payload.counts() if seq.payload is not None else {}).items():
             stats.alignment[key] = stats.alignment.get(key, 0.0) + value
         if seq.on_policy and seq.rollout_logprobs is not None:
             stats.onpolicy_tokens += seq.num_response_tokens

@@ -1,7 +1,7 @@
 """algorithm.support=union against independent float64 references.
 
 The teacher's side goes through what production uses: the reference scorer (scores_from_logprobs,
-what a backend returns for named ids) and the rollout worker's ScoringPlan merge (union_scores).
+what a backend returns for named ids) and the union target's merge (recipe_gkd/targets/union.py union_scores).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from recipe_gkd.batch import EXCLUDED_ID
 from recipe_gkd.losses import DIVERGENCES, gkd_loss
-from recipe_gkd.rollout.scoring import union_scores
+from recipe_gkd.targets.union import union_scores
 from teacher_server.protocol import TeacherTopK, scores_from_logprobs
 
 pytestmark = pytest.mark.timeout(120)

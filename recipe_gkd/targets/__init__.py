@@ -1,0 +1,55 @@
+"""Target kinds: what a teacher is asked for and what the loss makes of it, one class per kind.
+
+`build_target(cfg)` is the one place the run's kind is chosen from the config (teacher.output,
+algorithm.cross_tokenizer, algorithm.support); the rollout worker, the collator, the actor's objective and the
+loop's metric rows hold the object and never test the kind. Adding a kind: its own module and one line in KINDS.
+
+| kind | module | the teacher sends | payload | loss on the actor |
+|---|---|---|---|---|
+| teacher_topk | base.py | top-k + exact tail + sampled logprob | none | over the top-k + tail (TP: vocab-parallel) |
+| union | union.py | also logprobs at the student's top-k ids | none | the same over K + k_s columns |
+| hidden | hidden.py | final hidden states | HiddenStates | over the whole vocabulary (teacher head) |
+| cross_tokenizer | spans.py | a text reply in its own tokens, aligned | Spans | per span over the whole vocabulary |
+
+The sampled-token reverse KL (algorithm.divergence=sampled_reverse_kl) is a divergence, not a kind: it combines
+with every kind that sends the sampled token's logprob; `sampled_objective` is its one choice point.
+"""
+
+from __future__ import annotations
+
+from recipe_gkd.config import CrossTokenizer, Divergence, GKDConfig, Support, TeacherOutput
+from recipe_gkd.targets.base import Target
+from recipe_gkd.targets.hidden import Hidden
+from recipe_gkd.targets.spans import CrossTokenizerSpans
+from recipe_gkd.targets.union import Union
+
+KINDS: dict[str, type[Target]] = {
+    Target.name: Target,
+    Union.name: Union,
+    Hidden.name: Hidden,
+    CrossTokenizerSpans.name: CrossTokenizerSpans,
+}
+
+
+def target_kind(cfg: GKDConfig) -> str:
+    """The run's target kind (config validation, config/rules.py, has refused the combinations that mix them)."""
+    if cfg.algorithm.cross_tokenizer != CrossTokenizer.none:
+        return CrossTokenizerSpans.name
+    if cfg.teacher.output == TeacherOutput.hidden:
+        return Hidden.name
+    if cfg.algorithm.support == Support.union:
+        return Union.name
+    return Target.name
+
+
+def build_target(cfg: GKDConfig) -> Target:
+    """The run's target kind, built once."""
+    return KINDS[target_kind(cfg)](cfg)
+
+
+def sampled_objective(cfg: GKDConfig) -> bool:
+    """The sampled-token reverse KL (else a divergence over the kind's targets)."""
+    return cfg.algorithm.divergence == Divergence.sampled_reverse_kl
+
+
+__all__ = ["KINDS", "Target", "build_target", "sampled_objective", "target_kind"]

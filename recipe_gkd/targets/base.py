@@ -1,0 +1,116 @@
+"""What every target kind does, and the default: the teacher's top-k (+ its exact tail) over the student's tokens.
+
+A target kind is one class holding the whole behaviour of one way of asking a teacher for targets:
+
+- on the rollout worker, the scorer it connects (`connect`), the request it sends and how it unpacks the reply
+  (`score`), and its own per-response arrays in the data contract (`payload`: one optional payload per kind);
+- in the driver, the metric columns its replies allow (`sends_topk`, `sends_logprobs`);
+- on the actor, what it loads (`setup_actor`), its loss sum over a micro-batch (`loss_sum`), the per-token
+  advantages of the sampled-token objective (`sampled_inputs`) and whether evaluation has a forward KL (`evaluates_kl`).
+
+recipe_gkd/targets/__init__.py builds the run's kind once from the config; callers hold the object.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from recipe_gkd.config import GKDConfig
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from recipe_gkd.actor.collate import MicroBatch
+    from recipe_gkd.actor.objective import ActorObjective
+    from recipe_gkd.batch import TargetPayload
+    from recipe_gkd.rollout.engine import Scorer
+    from teacher_server.protocol import TeacherTopK
+
+
+class Target:
+    """The teacher's top-k over the student's vocabulary (algorithm.support=teacher_topk): one request per step."""
+
+    name: ClassVar[str] = "teacher_topk"
+
+    def __init__(self, cfg: GKDConfig) -> None:
+        self.cfg = cfg
+
+    # ------------------------------------------------------------------ rollout worker
+
+    def connect(self, view: GKDConfig, tokenizer: Any, address: str | None) -> Scorer:
+        """The scorer of teacher `view` (its section as `teacher:`), checked against the student's tokenizer."""
+        from recipe_gkd.rollout.teacher import TeacherScorer
+
+        return TeacherScorer(view, tokenizer, address)
+
+    def score(
+        self,
+        scorer: Scorer,
+        sequences: list[np.ndarray],
+        score_from: list[int],
+        student_topk: list[np.ndarray | None],
+        records: list[dict[str, Any]] | None,
+    ) -> list[TeacherTopK]:
+        """The teacher's scores of every sequence from score_from on, in this kind's columns.
+
+        student_topk: per sequence the engine's [n_scored, k_s] top ids (None: not sampled by the student).
+        records: the sequences' data records (their prompts, for a teacher scored in its own tokens).
+        """
+        return scorer.score(sequences, score_from)
+
+    def payload(self, scored: TeacherTopK) -> TargetPayload | None:
+        """This kind's own arrays of one scored response for its Sequence (None: the common teacher arrays only)."""
+        return None
+
+    # ------------------------------------------------------------------ metric columns
+
+    def sends_topk(self) -> bool:
+        """Whether the replies carry a top-k over the student's vocabulary (and so a top-k mass to report)."""
+        return self.cfg.teacher.top_k > 0
+
+    def sends_logprobs(self) -> bool:
+        """Whether the replies carry the sampled tokens' logprobs."""
+        return True
+
+    # ------------------------------------------------------------------ actor
+
+    def setup_actor(self, objective: ActorObjective) -> None:
+        """Load what the loss needs on this rank, once (nothing for a top-k)."""
+
+    def evaluates_kl(self) -> bool:
+        """Whether evaluation can compute KL(teacher || student) (not from the sampled token alone)."""
+        return bool(self.cfg.teacher.top_k)
+
+    def loss_sum(
+        self, objective: ActorObjective, logits_BTv: Tensor, micro: MicroBatch, divergence: str
+    ) -> tuple[Tensor, Tensor]:
+        """Sum of per-token divergences over the micro-batch's loss tokens (same on all TP ranks)."""
+        from recipe_gkd.losses import gkd_loss_sum, vocab_parallel_gkd_loss_sum
+
+        a = self.cfg.algorithm
+        kwargs: dict[str, Any] = {
+            "divergence": divergence,
+            "beta": a.beta,
+            "temperature": a.temperature,
+            "tail": a.tail,
+            "teacher_tail_logmass": micro.teacher_tail_BT,
+        }
+        # Padded vocabulary columns are not tokens: they are cut off, never given mass.
+        logits_BTv = logits_BTv[..., objective.vocab_shard]
+        batch = (micro.teacher_logprobs_BTK, micro.teacher_ids_BTK, micro.loss_mask_BT)
+        if objective.layout.tp_size == 1:
+            return gkd_loss_sum(logits_BTv, *batch, **kwargs)
+        return vocab_parallel_gkd_loss_sum(
+            logits_BTv,
+            *batch,
+            vocab_start=objective.vocab_start,
+            vocab_size=objective.vocab_size,
+            group=objective.tp_group,
+            **kwargs,
+        )
+
+    def sampled_inputs(self, micro: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        """The sampled-token objective's loss mask and advantage arguments (none: log t - log s_old per token)."""
+        return micro.loss_mask_BT, {}

@@ -1,0 +1,133 @@
+"""algorithm.cross_tokenizer (span / uld): a teacher of another tokenizer, scored in its own tokens.
+
+The scorer is a CrossTokenizerScorer (recipe_gkd/cross_tokenizer/route.py): it sends each record's prompt and the
+decoded response as text and maps the reply onto the student's tokens by byte spans. Its payload is the span
+structure of the response (and its alignment counts, for the metrics); on the actor every loss is per span over
+the whole vocabulary (recipe_gkd/losses/cross_tokenizer.py), and the sampled-token objective's advantage is the
+span's (losses.span_advantages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+from recipe_gkd.config import GKDConfig
+from recipe_gkd.rollout.engine import Scorer
+from recipe_gkd.targets.base import Target
+from teacher_server.protocol import TeacherTopK
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from recipe_gkd.actor.collate import MicroBatch
+    from recipe_gkd.actor.objective import ActorObjective
+
+
+@runtime_checkable
+class RecordScorer(Protocol):
+    """A teacher scored in its own tokens: the records' prompts and the responses as text."""
+
+    def score_records(
+        self, sequences: list[np.ndarray], score_from: list[int], records: list[dict[str, Any]]
+    ) -> list[TeacherTopK]: ...
+
+
+@dataclass
+class Spans:
+    """The payload: per response token, > 0 at the first token of an aligned span (its token count), 0 inside one,
+    -1 unaligned (recipe_gkd/cross_tokenizer/targets.py); the teacher arrays hold the span's values at its first
+    token. `alignment`: the response's alignment counts (metrics only)."""
+
+    span_len_N: np.ndarray  # int32 [L - response_start]
+    alignment: dict[str, float] = field(default_factory=dict)
+
+    def rows(self) -> int:
+        return int(self.span_len_N.shape[0])
+
+    def counts(self) -> dict[str, float]:
+        return self.alignment
+
+    @staticmethod
+    def collate(payloads: SequenceOf[Any], rows: SequenceOf[slice], seq_len: int) -> np.ndarray:
+        """int64 [B, T]: each sequence's span structure at its loss positions `rows[b]` (-1 off the response)."""
+        out_BT = np.full((len(payloads), seq_len), -1, dtype=np.int64)
+        for b, (payload, predicted) in enumerate(zip(payloads, rows, strict=True)):
+            out_BT[b, predicted] = payload.span_len_N
+        return out_BT
+
+
+class CrossTokenizerSpans(Target):
+    """Targets aligned by byte spans from a teacher of another tokenizer (algorithm.cross_tokenizer=span or uld)."""
+
+    name: ClassVar[str] = "cross_tokenizer"
+
+    def connect(self, view: GKDConfig, tokenizer: Any, address: str | None) -> Scorer:
+        """Every teacher is scored in its own tokens (any tokenizer accepted)."""
+        from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
+
+        return CrossTokenizerScorer.connect(view, tokenizer, address)  # type: ignore[return-value]
+
+    def score(
+        self,
+        scorer: Scorer,
+        sequences: list[np.ndarray],
+        score_from: list[int],
+        student_topk: list[np.ndarray | None],
+        records: list[dict[str, Any]] | None,
+    ) -> list[TeacherTopK]:
+        if records is None or not isinstance(scorer, RecordScorer):
+            raise ValueError("algorithm.cross_tokenizer needs a CrossTokenizerScorer and each sequence's record")
+        return scorer.score_records(sequences, score_from, records)
+
+    def payload(self, scored: TeacherTopK) -> Spans:
+        span_len, counts = getattr(scored, "span_len", None), getattr(scored, "counts", None)
+        if span_len is None:
+            raise ValueError(
+                "algorithm.cross_tokenizer but the scorer's reply carries no spans (a same-tokenizer one?)"
+            )
+        return Spans(span_len, dict(counts or {}))
+
+    def sends_topk(self) -> bool:
+        return False  # a top-k over the student's vocabulary on shared spans only
+
+    def loss_sum(
+        self, objective: ActorObjective, logits_BTv: Tensor, micro: MicroBatch, divergence: str
+    ) -> tuple[Tensor, Tensor]:
+        """The per-span terms of recipe_gkd/losses/cross_tokenizer.py over the whole vocabulary, the same on every
+        TP rank (ActorObjective.full_vocabulary)."""
+        from recipe_gkd.losses import cross_tokenizer_loss_sum
+
+        if micro.payload is None:
+            raise ValueError(
+                "algorithm.cross_tokenizer but the micro-batch carries no spans (a same-tokenizer scorer?)"
+            )
+        a = self.cfg.algorithm
+        return cross_tokenizer_loss_sum(
+            objective.full_vocabulary(logits_BTv),
+            micro.target_ids_BT,
+            micro.teacher_logprobs_BTK,
+            micro.teacher_ids_BTK,
+            micro.teacher_tail_BT,
+            micro.teacher_sampled_BT,
+            micro.payload,
+            micro.loss_mask_BT,
+            objective=a.cross_tokenizer.value,
+            divergence=divergence,  # type: ignore[arg-type]
+            beta=a.beta,
+            temperature=a.temperature,
+        )
+
+    def sampled_inputs(self, micro: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        """Each token's advantage is its span's."""
+        from recipe_gkd.losses import span_advantages
+
+        if micro.payload is None:
+            raise ValueError("algorithm.cross_tokenizer but the micro-batch carries no spans")
+        advantage, use, mask_BT = span_advantages(
+            micro.teacher_sampled_BT, micro.rollout_logprobs_BT, micro.payload, micro.loss_mask_BT
+        )
+        return mask_BT, {"advantage": advantage, "advantage_mask": use}
