@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 # A teacher column that is no outcome (algorithm.support=union: a student id the teacher's top-k
 # already holds): its logprob is -inf and the loss gives it zero mass on both sides.
@@ -37,8 +40,8 @@ class TargetPayload(Protocol):
         ...
 
     @staticmethod
-    def collate(payloads: SequenceOf[TargetPayload], rows: SequenceOf[slice], seq_len: int) -> np.ndarray:
-        """The payloads of a micro-batch as one [B, seq_len, ...] array, sequence b's rows at positions rows[b]."""
+    def collate(payloads: SequenceOf[TargetPayload], rows: SequenceOf[slice], seq_len: int) -> Tensor:
+        """The payloads of a micro-batch as one [B, seq_len, ...] tensor, sequence b's rows at positions rows[b]."""
         ...
 
 

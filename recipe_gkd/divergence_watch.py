@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipe_gkd.config import Divergence, GKDConfig
+from recipe_gkd.config import GKDConfig
 from recipe_gkd.metrics import METRICS_FILE, read_metrics
+from recipe_gkd.targets import sampled_objective
 
 # The start: the mean of the first steps (one step alone is one batch's noise).
 START_STEPS = 3
@@ -44,7 +45,7 @@ class DivergenceWatch:
 
     @classmethod
     def for_config(cls, cfg: GKDConfig) -> DivergenceWatch:
-        sampled = cfg.algorithm.divergence == Divergence.sampled_reverse_kl
+        sampled = sampled_objective(cfg)
         return cls(sampled=sampled, lr=cfg.actor.optim.lr, ratio_clip=cfg.algorithm.ratio_clip)
 
     @classmethod

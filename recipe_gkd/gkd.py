@@ -35,10 +35,8 @@ from recipe_gkd import checkpoint, console
 from recipe_gkd.batch import RolloutStats, actor_rank_of
 from recipe_gkd.config import (
     PIPELINE_DEPTH,
-    CrossTokenizer,
     Divergence,
     GKDConfig,
-    TeacherOutput,
     to_dict,
     weight_transport,
 )
@@ -57,6 +55,7 @@ from recipe_gkd.pools import Pending, Pools, RolloutPool, ShardHandle
 from recipe_gkd.ray_cluster import ray_cluster
 from recipe_gkd.ray_pools import launch_pools
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
+from recipe_gkd.targets import Target, build_target
 from recipe_gkd.teachers_config import teacher_key, teacher_names, teacher_sections
 from recipe_gkd.weight_sync import SYNC_TOLERANCE, WeightSyncError, check_due, logprob_diffs, worst_tensor
 
@@ -178,6 +177,7 @@ def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | N
     metrics.start_progress(first)
     pipeline = RolloutPipeline(cfg, pools, first)
     watch = DivergenceWatch.for_run(cfg, first)
+    target = build_target(cfg)  # the target kind: which columns its teacher replies allow
     for step in range(first, cfg.trainer.total_steps):
         start = time.perf_counter()
         rollout = next_batch(cfg, pools, pipeline, step, version)  # launches the work the schedule overlaps
@@ -187,7 +187,7 @@ def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | N
         sync = pools.weights.push(version + 1)
         version += 1
         sync |= check_sync(cfg, pools, version)
-        row = step_row(cfg, step, version, rollout, stats, sync, time.perf_counter() - start)
+        row = step_row(cfg, target, step, version, rollout, stats, sync, time.perf_counter() - start)
         if cfg.debug.log_memory:
             row.update(memory_row(rollout, stats))
         metrics.log_step(row)
@@ -427,6 +427,7 @@ def export_student(cfg: GKDConfig, pools: Pools) -> Path:
 
 def step_row(
     cfg: GKDConfig,
+    target: Target,
     step: int,
     version: int,
     rollout: Rollout,
@@ -450,15 +451,16 @@ def step_row(
         "offpolicy_reward": _ratio(rollout.stats, "offpolicy_reward_sum", "offpolicy_rewarded"),
         "response_tokens": sum(s.num_response_tokens for s in rollout.stats),
         "sequences": sum(s.num_sequences for s in rollout.stats),
-        # None where no top-k travels (teacher.top_k=0, teacher.output=hidden: the whole vocabulary).
+        # None where no top-k over the student's vocabulary travels (the target kind says: teacher.top_k=0, hidden
+        # states, spans across tokenizers).
         "teacher_topk_mass": (
-            _ratio(rollout.stats, "teacher_topk_mass_sum", "num_response_tokens") if _sends_topk(cfg) else None
+            _ratio(rollout.stats, "teacher_topk_mass_sum", "num_response_tokens") if target.sends_topk() else None
         ),
-        # None under teacher.output=hidden: the server sends hidden states only, no logprob (the loss is exact).
+        # None where the replies carry no sampled token's logprob (hidden states only: the loss is exact).
         "teacher_sampled_logprob": (
-            _ratio(rollout.stats, "teacher_sampled_logprob_sum", "onpolicy_tokens") if _sends_logprobs(cfg) else None
+            _ratio(rollout.stats, "teacher_sampled_logprob_sum", "onpolicy_tokens") if target.sends_logprobs() else None
         ),
-        "sampled_reverse_kl": sampled_reverse_kl(cfg, rollout.stats) if _sends_logprobs(cfg) else None,
+        "sampled_reverse_kl": sampled_reverse_kl(cfg, rollout.stats) if target.sends_logprobs() else None,
         # algorithm.divergence=sampled_reverse_kl: token means of A = log t - log s_old and of s_theta / s_old.
         **{key: train.get(key) for key in POLICY_KEYS},
         "teacher_ids_folded": train.get("teacher_ids_folded"),
@@ -529,18 +531,6 @@ def sampled_reverse_kl(cfg: GKDConfig, stats: list[RolloutStats]) -> float | Non
     student = _ratio(stats, "rollout_logprob_sum", "onpolicy_tokens")
     teacher = _ratio(stats, "teacher_sampled_logprob_sum", "onpolicy_tokens")
     return None if student is None or teacher is None else student - teacher
-
-
-def _sends_logprobs(cfg: GKDConfig) -> bool:
-    """Whether the teacher's replies carry the sampled tokens' logprobs (not under teacher.output=hidden)."""
-    return cfg.teacher.output == TeacherOutput.topk
-
-
-def _sends_topk(cfg: GKDConfig) -> bool:
-    """Whether the teacher's replies carry a top-k over the student's vocabulary (and so a top-k mass to report);
-    across tokenizers (algorithm.cross_tokenizer) they do only on shared spans."""
-    plain = cfg.algorithm.cross_tokenizer == CrossTokenizer.none
-    return cfg.teacher.top_k > 0 and cfg.teacher.output == TeacherOutput.topk and plain
 
 
 def _ratio(stats: list[RolloutStats], numerator: str, denominator: str) -> float | None:

@@ -23,12 +23,13 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.batch import TrainShard, only_teacher
-from recipe_gkd.config import ConfigError, GKDConfig, TeacherOutput, actor_world_size, rollout_engines
+from recipe_gkd.config import ConfigError, GKDConfig, actor_world_size, rollout_engines
 from recipe_gkd.pools import Pending, Pools
 from recipe_gkd.ports import reserve_ports
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.rollout.worker import RolloutWorker
+from recipe_gkd.targets import build_target
 from recipe_gkd.teachers_config import teacher_views
 from recipe_gkd.weight_sync import MIB, TimedIterator, iter_buckets
 from teacher_server.protocol import TeacherTopK
@@ -154,11 +155,9 @@ class InProcessTeacher:
             model_path=t.model_path, max_top_k=t.max_top_k, max_batch_tokens=t.max_batch_tokens, dtype=t.dtype
         )
         self.backend = load_backend("hf", options)
-        self.top_k, self.temperature = t.top_k, t.temperature
-        # teacher.output=hidden: what TeacherClient.from_config asks the server for (no top-k, the hidden states).
-        self.hidden_dtype = t.client.hidden_dtype if t.output == TeacherOutput.hidden else ""
-        if self.hidden_dtype:
-            self.top_k = 0
+        # What TeacherClient.from_config asks the server for (the target kind's: e.g. hidden states, no top-k).
+        request = build_target(cfg).request_options(cfg)
+        self.top_k, self.hidden_dtype, self.temperature = request["top_k"], request["hidden_dtype"], t.temperature
 
     def score(
         self, sequences: list[np.ndarray], score_from: list[int], named_ids: list[np.ndarray] | None = None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from recipe_gkd.config import ConfigError, GKDConfig, check_local_paths, load_config, to_yaml
 from recipe_gkd.placement import build_plan, format_plan
-from teacher_server.config import TeacherBackend, TeacherOutput
+from teacher_server.config import TeacherBackend
 
 EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
@@ -51,13 +51,11 @@ def check_student_split(cfg: GKDConfig) -> None:
 
 
 def check_teacher_head(cfg: GKDConfig) -> None:
-    """teacher.output=hidden: the teacher's head is there and covers the student's vocabulary (before Ray starts)."""
-    if cfg.teacher.output != TeacherOutput.hidden:
-        return
-    from recipe_gkd.actor import hf_arch
-    from recipe_gkd.actor.teacher_head import find_teacher_head
+    """What the target kind reads on the actor is there (teacher.output=hidden: the teacher's head, covering the
+    student's vocabulary), before Ray starts."""
+    from recipe_gkd.targets import build_target
 
-    find_teacher_head(cfg.teacher.model_path, hf_arch.read_student_arch(cfg.model.student_path).vocab_size)
+    build_target(cfg).check_before_start()
 
 
 def report_memory_plan(cfg: GKDConfig) -> bool:

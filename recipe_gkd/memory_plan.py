@@ -38,8 +38,9 @@ from recipe_gkd.config import (
 )
 from recipe_gkd.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
 from recipe_gkd.model_shape import Shape, read_shape
+from recipe_gkd.targets import build_target
 from recipe_gkd.teachers_config import teacher_key, teacher_views
-from teacher_server.config import TeacherBackend, TeacherLocation, TeacherOutput
+from teacher_server.config import TeacherBackend, TeacherLocation
 
 GIB = 1024**3
 # CUDA context, cuBLAS workspaces, NCCL buffers and allocator slack on every actor GPU.
@@ -388,8 +389,8 @@ def build_memory_plan(cfg: GKDConfig, query: GpuQuery | None = None) -> MemoryPl
     roles: list[RoleMemory] = []
     student = read_shape(cfg.model.student_path, "model.student_path", skipped)
     if student is not None:
-        hidden = cfg.teacher.output == TeacherOutput.hidden
-        teacher = read_shape(cfg.teacher.model_path, "teacher.model_path", skipped) if hidden else None
+        on_actor = build_target(cfg).teacher_on_actor  # the target kind's teacher head on the actor's last stage
+        teacher = read_shape(cfg.teacher.model_path, "teacher.model_path", skipped) if on_actor else None
         roles.append(actor_memory(cfg, student, teacher))
         if cfg.rollout.backend == RolloutBackend.vllm:
             roles.append(rollout_memory(cfg, student))

@@ -171,7 +171,7 @@ def _collate_payloads(sequences: SequenceOf[Sequence], rows: SequenceOf[slice], 
     kind = kinds.pop()
     if kind is type(None):
         return None
-    return torch.from_numpy(kind.collate([s.payload for s in sequences], rows, seq_len))
+    return kind.collate([s.payload for s in sequences], rows, seq_len)
 
 
 def _check_sequence(seq: Sequence) -> None:

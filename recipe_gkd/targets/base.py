@@ -33,6 +33,8 @@ class Target:
     """The teacher's top-k over the student's vocabulary (algorithm.support=teacher_topk): one request per step."""
 
     name: ClassVar[str] = "teacher_topk"
+    # Whether the actor holds a part of the teacher (its output head): the memory plan counts it on the last stage.
+    teacher_on_actor: ClassVar[bool] = False
 
     def __init__(self, cfg: GKDConfig) -> None:
         self.cfg = cfg
@@ -44,6 +46,10 @@ class Target:
         from recipe_gkd.rollout.teacher import TeacherScorer
 
         return TeacherScorer(view, tokenizer, address)
+
+    def request_options(self, view: GKDConfig) -> dict[str, Any]:
+        """What a request to teacher `view` asks for beside the tokens (as TeacherClient.from_config asks it)."""
+        return {"top_k": view.teacher.top_k, "hidden_dtype": ""}
 
     def score(
         self,
@@ -75,6 +81,9 @@ class Target:
         return True
 
     # ------------------------------------------------------------------ actor
+
+    def check_before_start(self) -> None:
+        """Refuse, before Ray starts, what `setup_actor` would fail on (ConfigError naming the key; nothing here)."""
 
     def setup_actor(self, objective: ActorObjective) -> None:
         """Load what the loss needs on this rank, once (nothing for a top-k)."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from recipe_gkd.config import Precision
+from recipe_gkd.config import GKDConfig, Precision
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.targets.base import Target
 from teacher_server.protocol import TeacherTopK
@@ -39,22 +39,29 @@ class HiddenStates:
         return {}
 
     @staticmethod
-    def collate(payloads: SequenceOf[Any], rows: SequenceOf[slice], seq_len: int) -> np.ndarray:
+    def collate(payloads: SequenceOf[Any], rows: SequenceOf[slice], seq_len: int) -> Tensor:
         """float32 [B, T, H]: each sequence's hidden states at its loss positions `rows[b]` (0 elsewhere)."""
+        import torch
+
         sizes = {int(p.hidden_NH.shape[-1]) for p in payloads}
         if len(sizes) != 1:
             raise ValueError(f"sequences disagree on the teacher's hidden states: widths {sizes} (teacher.output)")
         out_BTH = np.zeros((len(payloads), seq_len, sizes.pop()), dtype=np.float32)
         for b, (payload, predicted) in enumerate(zip(payloads, rows, strict=True)):
             out_BTH[b, predicted] = payload.hidden_NH
-        return out_BTH
+        return torch.from_numpy(out_BTH)
 
 
 class Hidden(Target):
     """The whole vocabulary from the teacher's hidden states and its output head (teacher.output=hidden)."""
 
     name: ClassVar[str] = "hidden"
+    teacher_on_actor: ClassVar[bool] = True
     head_vH: Tensor | None = None  # this rank's rows of the teacher's head (None off the last stage)
+
+    def request_options(self, view: GKDConfig) -> dict[str, Any]:
+        """The hidden states in the client's wire dtype, and no top-k."""
+        return {"top_k": 0, "hidden_dtype": view.teacher.client.hidden_dtype}
 
     def score(
         self,
@@ -81,6 +88,15 @@ class Hidden(Target):
 
     def evaluates_kl(self) -> bool:
         return True
+
+    def check_before_start(self) -> None:
+        """The teacher's head is there and covers the student's vocabulary."""
+        from recipe_gkd.actor import hf_arch
+        from recipe_gkd.actor.teacher_head import find_teacher_head
+
+        find_teacher_head(
+            self.cfg.teacher.model_path, hf_arch.read_student_arch(self.cfg.model.student_path).vocab_size
+        )
 
     def setup_actor(self, objective: ActorObjective) -> None:
         """This rank's rows of the teacher's output head [v, H] (None off the last pipeline stage: no loss there)."""

@@ -52,12 +52,14 @@ class Spans:
         return self.alignment
 
     @staticmethod
-    def collate(payloads: SequenceOf[Any], rows: SequenceOf[slice], seq_len: int) -> np.ndarray:
+    def collate(payloads: SequenceOf[Any], rows: SequenceOf[slice], seq_len: int) -> Tensor:
         """int64 [B, T]: each sequence's span structure at its loss positions `rows[b]` (-1 off the response)."""
+        import torch
+
         out_BT = np.full((len(payloads), seq_len), -1, dtype=np.int64)
         for b, (payload, predicted) in enumerate(zip(payloads, rows, strict=True)):
             out_BT[b, predicted] = payload.span_len_N
-        return out_BT
+        return torch.from_numpy(out_BT)
 
 
 class CrossTokenizerSpans(Target):
