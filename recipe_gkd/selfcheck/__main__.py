@@ -1,0 +1,5 @@
+import sys
+
+from recipe_gkd.selfcheck import main
+
+sys.exit(main())
