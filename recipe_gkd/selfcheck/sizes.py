@@ -27,6 +27,7 @@ class Sizes:
     loop_steps: int
     loop_batch: int
     loop_new_tokens: int
+    estimate_scale: float  # the checks' seconds here against one H100's at the GPU sizes (the budget's estimates)
 
 
 GPU = Sizes(
@@ -43,6 +44,7 @@ GPU = Sizes(
     loop_steps=3,
     loop_batch=16,
     loop_new_tokens=128,
+    estimate_scale=1.0,
 )
 # The rehearsal on a CPU: every code path of the GPU run, at sizes two cores finish in about a minute.
 CPU = Sizes(
@@ -59,6 +61,7 @@ CPU = Sizes(
     loop_steps=2,
     loop_batch=4,
     loop_new_tokens=8,
+    estimate_scale=0.25,
 )
 # The suite's case: the same code at the smallest sizes that still have a vocabulary wider than the top-k.
 TINY = Sizes(
@@ -75,5 +78,6 @@ TINY = Sizes(
     loop_steps=2,
     loop_batch=2,
     loop_new_tokens=4,
+    estimate_scale=0.02,
 )
 SIZES = {s.name: s for s in (GPU, CPU, TINY)}

@@ -34,11 +34,11 @@ SMI_QUERY = "index,uuid,memory.total,mig.mode.current"
 # skips a check whose estimate no longer fits. The actor's include building the model once (~30 s).
 GPU_ESTIMATE_S = {
     "device": 5.0,
-    "actor": 60.0,
+    "actor": 30.0,
     "loss_topk": 20.0,
     "loss_hidden": 20.0,
     "loss_span": 30.0,
-    "loop": 120.0,
+    "loop": 90.0,
 }
 
 
@@ -51,13 +51,12 @@ class StageCheck:
     run: Callable[[], Check]
 
 
-def stage0_checks(out: Path, sizes: Sizes) -> list[StageCheck]:
+def stage0_checks(out: Path, models: Path, sizes: Sizes) -> list[StageCheck]:
     """Every check of stage 0 in the order it runs (cheap and independent first, the whole loop last)."""
     from recipe_gkd.selfcheck import stage0_actor
 
-    scale = 1.0 if sizes.device == "cuda" else 0.25
-    est = {k: v * scale for k, v in GPU_ESTIMATE_S.items()}
-    checks = [StageCheck("device", est["device"], lambda: device_check(out, sizes))]
+    est = {k: v * sizes.estimate_scale for k, v in GPU_ESTIMATE_S.items()}
+    checks = [StageCheck("device", est["device"], lambda: device_check(out, models, sizes))]
     checks += [
         StageCheck(f"loss_{kind}", est[f"loss_{kind}"], lambda kind=kind: loss_check(kind, sizes))  # type: ignore[misc]
         for kind in ("topk", "hidden", "span")
@@ -66,22 +65,28 @@ def stage0_checks(out: Path, sizes: Sizes) -> list[StageCheck]:
         StageCheck(
             f"actor_topk_recompute_{r}",
             est["actor"],
-            lambda r=r: stage0_actor.actor_check(out, sizes, r, "topk"),  # type: ignore[misc]
+            lambda r=r: stage0_actor.actor_check(out, models, sizes, r, "topk"),  # type: ignore[misc]
         )
         for r in RECOMPUTE
     ]
     checks.append(
         StageCheck(
-            "actor_hidden_recompute_none", est["actor"], lambda: stage0_actor.actor_check(out, sizes, "none", "hidden")
+            "actor_hidden_recompute_none",
+            est["actor"],
+            lambda: stage0_actor.actor_check(out, models, sizes, "none", "hidden"),
         )
     )
-    checks.append(StageCheck("loop", est["loop"], lambda: stage0_actor.loop_check(out, sizes)))
+    checks.append(StageCheck("loop", est["loop"], lambda: stage0_actor.loop_check(out, models, sizes)))
     return checks
 
 
-def run_checks(checks: list[StageCheck], budget_s: float) -> tuple[list[Check], dict[str, str]]:
+def run_checks(
+    checks: list[StageCheck], budget_s: float, after_each: Callable[[list[Check], dict[str, str]], None]
+) -> tuple[list[Check], dict[str, str]]:
     """Run each check in turn, isolated (an exception becomes a failed check with its traceback), within
-    `budget_s` seconds in all: a check whose estimate exceeds what is left is skipped, with the reason."""
+    `budget_s` seconds in all: a check whose estimate exceeds what is left is skipped, with the reason.
+    `after_each(done, skipped)` gets the record so far (written at once: a run killed by an outer timeout
+    keeps what it finished), the checks not reached yet listed as skipped."""
     start = time.perf_counter()
     done: list[Check] = []
     skipped: dict[str, str] = {}
@@ -100,6 +105,8 @@ def run_checks(checks: list[StageCheck], budget_s: float) -> tuple[list[Check], 
             result = Check(check.name, "failed", time.perf_counter() - began, detail=traceback.format_exc())
             release_gpu_memory()
         done.append(result)
+        pending = {c.name: "not reached (the run stopped before it)" for c in checks[checks.index(check) + 1 :]}
+        after_each(done, skipped | pending)
         last = result.detail.strip().splitlines()[-1:] if result.status == "failed" else []
         print(f"[selfcheck] {check.name}: {result.status} in {result.seconds:.1f} s {''.join(last)[:300]}", flush=True)
     return done, skipped
@@ -120,7 +127,7 @@ def release_gpu_memory() -> None:
 # ----------------------------------------------------------------------------- the device
 
 
-def device_check(out: Path, sizes: Sizes) -> Check:
+def device_check(out: Path, models: Path, sizes: Sizes) -> Check:
     """nvidia-smi and CUDA's view of GPU 0, and the GPU size the memory plan budgets (cluster.gpu_memory_gib=0)."""
     import torch
 
@@ -140,7 +147,7 @@ def device_check(out: Path, sizes: Sizes) -> Check:
         figures["cuda_name"] = torch.cuda.get_device_name(0)
     else:
         figures["cuda"] = "not available"
-    cfg = stage0_config(out, sizes, "device", "cluster.gpu_memory_gib=0")
+    cfg = stage0_config(out, models, sizes, "device", "cluster.gpu_memory_gib=0")
     planned = plan_gpu_memory(cfg)
     figures |= {"plan_gpu_gib": planned.gib, "plan_source": planned.source}
     if "cuda_total_gib" in figures:
@@ -172,7 +179,7 @@ def loss_check(kind: str, sizes: Sizes) -> Check:
 def one_loss(kind: str, sizes: Sizes, tokens: int) -> dict[str, Any]:
     import torch
 
-    device, vocab, k = sizes.device, sizes.loss_vocab, sizes.top_k
+    device, vocab = sizes.device, sizes.loss_vocab
     generator = torch.Generator(device=device).manual_seed(0)
     if device == "cuda":
         torch.cuda.empty_cache()

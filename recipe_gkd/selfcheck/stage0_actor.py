@@ -29,11 +29,12 @@ WORDS = ("abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy",
 RESERVE_PART = "CUDA context, NCCL, allocator reserve"
 
 
-def student_model(out: Path, sizes: Sizes) -> Path:
-    """The random model of the stage's shape (Qwen3 family, char tokenizer), built once under `out`."""
+def student_model(models: Path, sizes: Sizes) -> Path:
+    """The random model of the stage's shape (Qwen3 family, char tokenizer), built once under `models`
+    (kept between runs: a rerun skips building it)."""
     from recipe_gkd.tiny_models import build_tiny_causal_lm
 
-    target = out / "models" / f"student_{sizes.name}"
+    target = models / f"student_{sizes.name}"
     if not (target / "config.json").is_file():
         build_tiny_causal_lm(target, seed=0, spec=sizes.student, family="qwen3")
     return target
@@ -46,10 +47,10 @@ def prompts(out: Path) -> Path:
     return path
 
 
-def stage0_config(out: Path, sizes: Sizes, run: str, *overrides: str) -> GKDConfig:
+def stage0_config(out: Path, models: Path, sizes: Sizes, run: str, *overrides: str) -> GKDConfig:
     """The one-GPU preset (or its CPU twin) with the HF engines, the stage's model and sizes, bf16 and the
     distributed optimizer; teacher = student (one model to build, and the teacher head has the student's vocabulary)."""
-    student, data = student_model(out, sizes), prompts(out)
+    student, data = student_model(models, sizes), prompts(out)
     base = [
         f"model.student_path={student}",
         f"teacher.model_path={student}",
@@ -132,14 +133,14 @@ def plan_lines(cfg: GKDConfig) -> dict[str, float]:
     return {name: b / GIB for name, b in [*role.parts, *role.outside]}
 
 
-def actor_check(out: Path, sizes: Sizes, recompute: str, output: str) -> Check:
+def actor_check(out: Path, models: Path, sizes: Sizes, recompute: str, output: str) -> Check:
     import torch
 
     from recipe_gkd.actor.worker import actor_worker_class
     from recipe_gkd.ports import reserve_ports
 
     name = f"actor_{output}_recompute_{recompute}"
-    cfg = stage0_config(out, sizes, name, f"actor.megatron.recompute={recompute}", f"teacher.output={output}")
+    cfg = stage0_config(out, models, sizes, name, f"actor.megatron.recompute={recompute}", f"teacher.output={output}")
     on_gpu = sizes.device == "cuda"
     start = time.perf_counter()
     if on_gpu:
@@ -180,7 +181,7 @@ def actor_check(out: Path, sizes: Sizes, recompute: str, output: str) -> Check:
 # ----------------------------------------------------------------------------- the loop
 
 
-def loop_check(out: Path, sizes: Sizes) -> Check:
+def loop_check(out: Path, models: Path, sizes: Sizes) -> Check:
     import torch
 
     from recipe_gkd import gkd
@@ -190,6 +191,7 @@ def loop_check(out: Path, sizes: Sizes) -> Check:
 
     cfg = stage0_config(
         out,
+        models,
         sizes,
         "loop",
         f"trainer.total_steps={sizes.loop_steps}",
