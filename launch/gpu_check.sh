@@ -3,7 +3,7 @@
 # stack, no network, a few MiB carried per call. Stage 0 needs only the small wheels in launch/gpu_check_wheels.json.
 #
 #   launch/gpu_check.sh prepare DIR [--python 3.12]   # connected machine: download the wheels into DIR/wheels
-#   launch/gpu_check.sh run DIR OUT [--budget-s 300]   # GPU machine: install them into DIR/site, run stage 0 -> OUT
+#   launch/gpu_check.sh run DIR OUT [--budget-s 330]   # GPU machine: install them into DIR/site, run stage 0 -> OUT
 #   launch/gpu_check.sh check DIR                      # the size rule alone (DIR + the working tree <= 60 MiB)
 #
 # prepare: `pip download --no-deps --only-binary=:all:` of exactly the pins in launch/gpu_check_wheels.json for
@@ -34,7 +34,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 RECORD=$ROOT/launch/gpu_check_wheels.json
 LIMIT_MIB=60
-STAGE0_BUDGET_S=300
+STAGE0_BUDGET_S=330
 
 usage() { sed -n '2,8p' "$0"; exit 2; }
 

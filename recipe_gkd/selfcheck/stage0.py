@@ -6,6 +6,7 @@ no longer fits in what is left is recorded as skipped with the seconds it lacked
 
 - `device`: nvidia-smi's index, uuid, memory.total and MIG mode beside `torch.cuda.mem_get_info()` and the
   visible-device variables: the size the memory plan reads (recipe_gkd/gpu_memory.py) against what CUDA gives;
+- `model`: the random model of the stage's shape built offline from a transformers config (kept for a rerun);
 - `actor_*`: recipe_gkd/selfcheck/stage0_actor.py `actor_check`, one per actor.megatron.recompute
   (teacher.output=topk) and one with teacher.output=hidden;
 - `loss_topk`, `loss_hidden`, `loss_span`: forward + backward of the three losses on fp32 logits (what megatron's
@@ -34,6 +35,7 @@ SMI_QUERY = "index,uuid,memory.total,mig.mode.current"
 # skips a check whose estimate no longer fits. The actor's include building the model once (~30 s).
 GPU_ESTIMATE_S = {
     "device": 5.0,
+    "model": 40.0,
     "actor": 30.0,
     "loss_topk": 20.0,
     "loss_hidden": 20.0,
@@ -57,6 +59,7 @@ def stage0_checks(out: Path, models: Path, sizes: Sizes) -> list[StageCheck]:
 
     est = {k: v * sizes.estimate_scale for k, v in GPU_ESTIMATE_S.items()}
     checks = [StageCheck("device", est["device"], lambda: device_check(out, models, sizes))]
+    checks.append(StageCheck("model", est["model"], lambda: stage0_actor.model_check(models, sizes)))
     checks += [
         StageCheck(f"loss_{kind}", est[f"loss_{kind}"], lambda kind=kind: loss_check(kind, sizes))  # type: ignore[misc]
         for kind in ("topk", "hidden", "span")

@@ -29,15 +29,35 @@ WORDS = ("abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy",
 RESERVE_PART = "CUDA context, NCCL, allocator reserve"
 
 
+def student_dir(models: Path, sizes: Sizes) -> Path:
+    return models / f"student_{sizes.name}"
+
+
 def student_model(models: Path, sizes: Sizes) -> Path:
     """The random model of the stage's shape (Qwen3 family, char tokenizer), built once under `models`
     (kept between runs: a rerun skips building it)."""
     from recipe_gkd.tiny_models import build_tiny_causal_lm
 
-    target = models / f"student_{sizes.name}"
+    target = student_dir(models, sizes)
     if not (target / "config.json").is_file():
         build_tiny_causal_lm(target, seed=0, spec=sizes.student, family="qwen3")
     return target
+
+
+def model_check(models: Path, sizes: Sizes) -> Check:
+    """Build the stage's random model (or find it from an earlier run): seconds, parameters, bytes on disk."""
+    start = time.perf_counter()
+    built = not (student_dir(models, sizes) / "config.json").is_file()
+    target = student_model(models, sizes)
+    figures = {
+        "path": str(target),
+        "built_now": built,
+        "disk_gib": sum(f.stat().st_size for f in target.glob("*.safetensors")) / GIB,
+        "hidden": sizes.student.hidden_size,
+        "layers": sizes.student.num_layers,
+        "vocab": sizes.student.vocab_size,
+    }
+    return Check("model", "passed", time.perf_counter() - start, figures)
 
 
 def prompts(out: Path) -> Path:
@@ -49,8 +69,9 @@ def prompts(out: Path) -> Path:
 
 def stage0_config(out: Path, models: Path, sizes: Sizes, run: str, *overrides: str) -> GKDConfig:
     """The one-GPU preset (or its CPU twin) with the HF engines, the stage's model and sizes, bf16 and the
-    distributed optimizer; teacher = student (one model to build, and the teacher head has the student's vocabulary)."""
-    student, data = student_model(models, sizes), prompts(out)
+    distributed optimizer; teacher = student (one model to build, and the teacher head has the student's vocabulary).
+    The model is `model_check`'s: a check that loads it builds it first if that check did not run."""
+    student, data = student_dir(models, sizes), prompts(out)
     base = [
         f"model.student_path={student}",
         f"teacher.model_path={student}",
@@ -140,6 +161,7 @@ def actor_check(out: Path, models: Path, sizes: Sizes, recompute: str, output: s
     from recipe_gkd.ports import reserve_ports
 
     name = f"actor_{output}_recompute_{recompute}"
+    student_model(models, sizes)
     cfg = stage0_config(out, models, sizes, name, f"actor.megatron.recompute={recompute}", f"teacher.output={output}")
     on_gpu = sizes.device == "cuda"
     start = time.perf_counter()
@@ -189,6 +211,7 @@ def loop_check(out: Path, models: Path, sizes: Sizes) -> Check:
     from recipe_gkd.metrics import MetricsLogger, read_metrics
     from recipe_gkd.selfcheck.full import export_bytes, run_figures
 
+    student_model(models, sizes)
     cfg = stage0_config(
         out,
         models,

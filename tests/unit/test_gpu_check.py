@@ -176,7 +176,7 @@ def test_stage0_runs_with_the_image_and_the_recorded_wheels_alone(repo_root: Pat
     failed = {c["name"]: c["detail"][-800:] for c in result["checks"] if c["status"] != "passed"}
     assert done.returncode == 0 and not failed, f"{failed}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
     names = [c["name"] for c in result["checks"]]
-    assert names[0] == "device" and "loop" in names and len(names) == 9 and not result["skipped"], names
+    assert names[0] == "device" and "loop" in names and len(names) == 10 and not result["skipped"], names
     loop = next(c for c in result["checks"] if c["name"] == "loop")["figures"]
     assert loop["steps"] == 2 and all(d is not None for d in loop["sync_logprob_diff_per_step"])
     imported = set(json.loads(imported_file.read_text()))

@@ -130,3 +130,69 @@ def test_torch_pin_reads_the_wheels_metadata(repo_root: Path, tmp_path: Path) ->
             [sys.executable, str(repo_root / "launch" / "torch_pin.py"), str(wheel)], capture_output=True, text=True
         )
         assert done.stdout.strip() == pin
+
+
+# ----------------------------------------------------------------------------- stage 0 (no Ray, no vLLM)
+
+
+def test_stage0_a_failing_check_keeps_its_traceback_and_the_rest_still_run(tmp_path: Path) -> None:
+    """A check that raises (an unknown loss kind) is recorded failed with its traceback; the next one runs, and
+    the record written after each check names the checks not reached yet."""
+    from recipe_gkd.selfcheck.record import Check
+    from recipe_gkd.selfcheck.sizes import TINY
+    from recipe_gkd.selfcheck.stage0 import StageCheck, loss_check, run_checks
+
+    written: list[tuple[list[str], dict[str, str]]] = []
+
+    def after_each(done: list[Check], skipped: dict[str, str]) -> None:
+        written.append(([c.status for c in done], dict(skipped)))
+
+    checks = [
+        StageCheck("loss_warp", 0.0, lambda: loss_check("warp", TINY)),
+        StageCheck("loss_topk", 0.0, lambda: loss_check("topk", TINY)),
+    ]
+    done, skipped = run_checks(checks, budget_s=60.0, after_each=after_each)
+    assert [c.status for c in done] == ["failed", "passed"] and not skipped
+    assert "KeyError: 'warp'" in done[0].detail and "Traceback" in done[0].detail
+    assert written[0] == (["failed"], {"loss_topk": "not reached (the run stopped before it)"})
+    assert written[1] == (["failed", "passed"], {})
+
+
+def test_stage0_skips_what_its_time_budget_cannot_hold(tmp_path: Path) -> None:
+    from recipe_gkd.selfcheck.record import Check
+    from recipe_gkd.selfcheck.sizes import TINY
+    from recipe_gkd.selfcheck.stage0 import StageCheck, loss_check, run_checks
+
+    checks = [
+        StageCheck("loss_topk", 1.0, lambda: loss_check("topk", TINY)),
+        StageCheck("loop", 100.0, lambda: Check("loop", "passed")),
+    ]
+    done, skipped = run_checks(checks, budget_s=30.0, after_each=lambda done, skipped: None)
+    assert [c.name for c in done] == ["loss_topk"]
+    assert skipped["loop"].startswith("time budget: ") and skipped["loop"].endswith("of 30 s, estimated 100 s")
+
+
+def test_stage0_device_facts_and_losses_on_a_cpu(tmp_path: Path) -> None:
+    """Without a GPU: no nvidia-smi rows, CUDA not available, and the plan's fallback size (an 80 GB card) said
+    with its reason; the losses at the tiny sizes are finite, each with its plan line."""
+    assert (
+        selfcheck.main(["--stage", "0", "--sizes", "tiny", "--out", str(tmp_path), "--only", "device,loss_hidden"]) == 0
+    )
+    record = json.loads((tmp_path / "selfcheck.json").read_text())
+    device, hidden = record["checks"]
+    assert device["figures"]["cuda"] == "not available" and device["figures"]["plan_gpu_gib"] == 79.0
+    assert "no GPU here" in device["figures"]["plan_source"]
+    assert hidden["status"] == "passed" and 0 < hidden["figures"]["T64_loss"] < 10
+    # The hidden loss's plan line: the logits' buffers at T=64, V=2048 plus the chunk buffers (256 MiB).
+    assert hidden["figures"]["T64_plan_gib"] == pytest.approx(64 * 2048 * 18 / 2**30 + 0.25)
+    assert record["skipped"]["loop"] == "not asked for (--only)"
+    assert "stage 0 (tiny sizes" in (tmp_path / "selfcheck.md").read_text()
+
+
+def test_stage0_refuses_unknown_checks_and_gpu_sizes_without_a_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert selfcheck.main(["--stage", "0", "--out", str(tmp_path), "--only", "warp_drive"]) == 2
+    assert "actor_topk_recompute_selective" in capsys.readouterr().err
+    assert selfcheck.main(["--stage", "0", "--out", str(tmp_path), "--sizes", "gpu"]) == 2
+    assert "--sizes gpu needs a CUDA GPU" in capsys.readouterr().err
