@@ -162,12 +162,18 @@ def device_check(out: Path, models: Path, sizes: Sizes) -> Check:
 
 
 def loss_check(kind: str, sizes: Sizes) -> Check:
-    """One loss, forward + backward, at each of the stage's token counts."""
+    """One loss, forward + backward, at each of the stage's token counts (out of memory at one is recorded there)."""
+    import torch
+
     figures: dict[str, Any] = {"vocab": sizes.loss_vocab, "top_k": sizes.top_k}
     start = time.perf_counter()
     ok = True
     for tokens in sizes.loss_tokens:
-        row = one_loss(kind, sizes, tokens)
+        try:
+            row = one_loss(kind, sizes, tokens)
+        except torch.OutOfMemoryError as err:  # a finding at this size: the smaller sizes' figures stay
+            release_gpu_memory()
+            row = {"finite": False, "out_of_memory": str(err).splitlines()[0][:300]}
         ok = ok and row.pop("finite")
         figures |= {f"T{tokens}_{k}": v for k, v in row.items()}
     return Check(

@@ -95,7 +95,9 @@ def stage0_config(out: Path, models: Path, sizes: Sizes, run: str, *overrides: s
         "debug.log_memory=true",
     ]
     if sizes.device == "cuda":
-        base += [f"actor.gpu_memory_utilization={ACTOR_SHARE}", f"teacher.max_model_len={sizes.prompt_len * 4 + 1}"]
+        # teacher.max_model_len: the longest sequence it scores, plus the one token vLLM samples (the preset's rule).
+        max_len = sizes.prompt_len + sizes.response_len + 1
+        base += [f"actor.gpu_memory_utilization={ACTOR_SHARE}", f"teacher.max_model_len={max_len}"]
     return load_config(PRESETS[sizes.device], [*base, *overrides])
 
 

@@ -196,3 +196,20 @@ def test_stage0_refuses_unknown_checks_and_gpu_sizes_without_a_gpu(
     assert "actor_topk_recompute_selective" in capsys.readouterr().err
     assert selfcheck.main(["--stage", "0", "--out", str(tmp_path), "--sizes", "gpu"]) == 2
     assert "--sizes gpu needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("output", ["topk", "hidden"])
+def test_stage0_gpu_configs_validate_here(tmp_path: Path, output: str) -> None:
+    """What stage 0 runs on the GPU is a valid config (found here, not in the GPU's minutes): the one-GPU preset with
+    the HF engines, bf16, the distributed optimizer, each recompute setting, the stage's sizes."""
+    from recipe_gkd.config import Device, Precision
+    from recipe_gkd.selfcheck.sizes import GPU
+    from recipe_gkd.selfcheck.stage0_actor import stage0_config
+
+    for recompute in ("none", "selective", "full"):
+        overrides = (f"actor.megatron.recompute={recompute}", f"teacher.output={output}")
+        cfg = stage0_config(tmp_path, tmp_path / "models", GPU, "a", *overrides)
+        assert cfg.actor.megatron.recompute.value == recompute and cfg.teacher.output.value == output
+        assert cfg.cluster.device == Device.cuda and cfg.actor.precision == Precision.bf16
+        assert cfg.actor.megatron.distributed_optimizer and cfg.actor.max_tokens_per_micro_batch == 4096
+        assert cfg.teacher.max_model_len >= cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens + 1
