@@ -5,6 +5,8 @@
 #   launch/gpu_check.sh prepare DIR [--python 3.12]   # connected machine: download the wheels into DIR/wheels
 #   launch/gpu_check.sh run DIR OUT [--budget-s 330]   # GPU machine: install them into DIR/site, run stage 0 -> OUT
 #   launch/gpu_check.sh check DIR                      # the size rule alone (DIR + the working tree <= 60 MiB)
+#   launch/gpu_check.sh split SRC PARTS [--part-mib 55] # stage 1: SRC's files as numbered parts + SHA256SUMS
+#   launch/gpu_check.sh join PARTS DEST                # stage 1, on the machine: every part checked, SRC rebuilt
 #
 # prepare: `pip download --no-deps --only-binary=:all:` of exactly the pins in launch/gpu_check_wheels.json for
 # that Python on manylinux x86_64; at the recorded Python each file must match its recorded sha256. It refuses,
@@ -36,7 +38,7 @@ RECORD=$ROOT/launch/gpu_check_wheels.json
 LIMIT_MIB=60
 STAGE0_BUDGET_S=330
 
-usage() { sed -n '2,8p' "$0"; exit 2; }
+usage() { sed -n '2,10p' "$0"; exit 2; }
 
 # The tracked files' bytes (what the device tool copies of the working tree) plus DIR's; refuse over the limit.
 size_rule() {
@@ -99,11 +101,58 @@ run() {
   return $rc
 }
 
+# Stage 1's transfer: SRC's files (wheels: zip-compressed already) in one uncompressed tar stream, cut into
+# PARTS/part.NNN of at most --part-mib each; PARTS/SHA256SUMS holds every part's hash and the whole stream's.
+split_parts() {
+  local src=$1 parts=$2; shift 2
+  local part_mib=55
+  while [[ $# -gt 0 ]]; do
+    case $1 in
+      --part-mib) part_mib=$2; shift 2 ;;
+      *) usage ;;
+    esac
+  done
+  [[ -d "$src" ]] || { echo "split: no directory $src" >&2; exit 2; }
+  mkdir -p "$parts"
+  rm -f "$parts"/part.* "$parts/SHA256SUMS"
+  # Bytes, not MiB units of split's own: --part-mib may be fractional (the suite cuts kilobytes).
+  local bytes
+  bytes=$("$PY" -c 'import sys; print(max(1, int(float(sys.argv[1]) * 2**20)))' "$part_mib")
+  tar -C "$src" -cf - . | split -d -a 3 -b "$bytes" - "$parts/part."
+  # Each part's hash, and the joined stream's (a part out of order or from another split fails it).
+  (cd "$parts" && sha256sum part.* && cat part.* | sha256sum | awk '{print $1 "  whole"}') > "$parts/SHA256SUMS.tmp"
+  mv "$parts/SHA256SUMS.tmp" "$parts/SHA256SUMS"
+  echo "split $(du -sb "$src" | cut -f1) bytes of $src into $(ls "$parts"/part.* | wc -l) parts of <= $part_mib MiB"
+}
+
+join_parts() {
+  local parts=$1 dest=$2
+  [[ -f "$parts/SHA256SUMS" ]] || { echo "join: no $parts/SHA256SUMS (split writes it)" >&2; exit 2; }
+  local missing=()
+  while read -r _ name; do
+    [[ $name == whole ]] && continue
+    [[ -f "$parts/$name" ]] || missing+=("$name")
+  done < "$parts/SHA256SUMS"
+  if [[ ${#missing[@]} -gt 0 ]]; then
+    echo "join: missing ${missing[*]} (carry each one in a call of its own)" >&2
+    exit 1
+  fi
+  (cd "$parts" && grep -v '  whole$' SHA256SUMS | sha256sum --check --quiet) || { echo "join: a part is damaged" >&2; exit 1; }
+  local whole
+  whole=$(cat "$parts"/part.* | sha256sum | cut -d' ' -f1)
+  [[ "$whole" == "$(awk '$2 == "whole" {print $1}' "$parts/SHA256SUMS")" ]] || { echo "join: the joined stream differs" >&2; exit 1; }
+  mkdir -p "$dest"
+  cat "$parts"/part.* | tar -C "$dest" -xf -
+  echo "joined $(ls "$parts"/part.* | wc -l) parts into $dest"
+}
+
 [[ $# -ge 2 ]] || usage
 cmd=$1; shift
 case $cmd in
   prepare) prepare "$@" ;;
   run) [[ $# -ge 2 ]] || usage; run "$@" ;;
   check) size_rule "$1" ;;
+  split) [[ $# -ge 2 ]] || usage; split_parts "$@" ;;
+  join) [[ $# -ge 2 ]] || usage; join_parts "$@" ;;
   *) usage ;;
 esac

@@ -182,3 +182,41 @@ def test_stage0_runs_with_the_image_and_the_recorded_wheels_alone(repo_root: Pat
     imported = set(json.loads(imported_file.read_text()))
     unused = {w["name"] for w in wheels if not set(w["imports"]) & imported}
     assert not unused, f"carried but never imported by stage 0: {unused}"
+
+
+def gpu_check(repo_root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    script = str(repo_root / "launch" / "gpu_check.sh")
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}
+    return subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_stage1_parts_split_and_join_back_and_a_missing_or_damaged_part_is_refused(
+    repo_root: Path, tmp_path: Path
+) -> None:
+    """Stage 1's transfer in parts of at most --part-mib, each checked on the machine before anything installs."""
+    import os
+    import random
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    rng = random.Random(0)
+    files = {"ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl": 300_000, "sub/b.whl": 12_345}
+    for name, size in files.items():
+        (src / name).write_bytes(rng.randbytes(size))
+    parts = tmp_path / "parts"
+    done = gpu_check(repo_root, "split", str(src), str(parts), "--part-mib", "0.1")
+    assert done.returncode == 0, done.stderr
+    cut = sorted(p for p in parts.iterdir() if p.name.startswith("part."))
+    assert len(cut) == 4 and all(p.stat().st_size <= 0.1 * MIB for p in cut)
+    done = gpu_check(repo_root, "join", str(parts), str(tmp_path / "dest"))
+    assert done.returncode == 0, done.stderr
+    assert all((tmp_path / "dest" / n).read_bytes() == (src / n).read_bytes() for n in files)
+    # A part one byte off, then a part that never arrived: refused, naming it, nothing unpacked.
+    damaged = bytearray(cut[1].read_bytes())
+    damaged[10] ^= 1
+    cut[1].write_bytes(bytes(damaged))
+    done = gpu_check(repo_root, "join", str(parts), str(tmp_path / "dest2"))
+    assert done.returncode == 1 and "part.001: FAILED" in done.stdout and not (tmp_path / "dest2").exists()
+    os.remove(cut[2])
+    done = gpu_check(repo_root, "join", str(parts), str(tmp_path / "dest3"))
+    assert done.returncode == 1 and "missing part.002" in done.stderr
