@@ -6,6 +6,7 @@ no longer fits in what is left is recorded as skipped with the seconds it lacked
 
 - `device`: nvidia-smi's index, uuid, memory.total and MIG mode beside `torch.cuda.mem_get_info()` and the
   visible-device variables: the size the memory plan reads (recipe_gkd/gpu_memory.py) against what CUDA gives;
+  and every installed distribution into <out>/image_packages.txt (what stage 1 must carry is the rest);
 - `model`: the random model of the stage's shape built offline from a transformers config (kept for a rerun);
 - `actor_*`: recipe_gkd/selfcheck/stage0_actor.py `actor_check`, one per actor.megatron.recompute
   (teacher.output=topk) and one with teacher.output=hidden;
@@ -22,6 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +152,10 @@ def device_check(out: Path, models: Path, sizes: Sizes) -> Check:
         figures["cuda_name"] = torch.cuda.get_device_name(0)
     else:
         figures["cuda"] = "not available"
+    # What the image holds (name==version): stage 1's carry is what vLLM and Ray need beyond it.
+    packages = sorted(f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions() if d.metadata["Name"])
+    (out / "image_packages.txt").write_text("".join(f"{p}\n" for p in packages))
+    figures["installed_distributions"] = len(packages)
     cfg = stage0_config(out, models, sizes, "device", "cluster.gpu_memory_gib=0")
     planned = plan_gpu_memory(cfg)
     figures |= {"plan_gpu_gib": planned.gib, "plan_source": planned.source}

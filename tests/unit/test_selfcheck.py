@@ -182,6 +182,10 @@ def test_stage0_device_facts_and_losses_on_a_cpu(tmp_path: Path) -> None:
     device, hidden = record["checks"]
     assert device["figures"]["cuda"] == "not available" and device["figures"]["plan_gpu_gib"] == 79.0
     assert "no GPU here" in device["figures"]["plan_source"]
+    packages = (tmp_path / "image_packages.txt").read_text().splitlines()
+    assert len(packages) == device["figures"]["installed_distributions"] and any(
+        p.startswith("torch==") for p in packages
+    )
     assert hidden["status"] == "passed" and 0 < hidden["figures"]["T64_loss"] < 10
     # The hidden loss's plan line: the logits' buffers at T=64, V=2048 plus the chunk buffers (256 MiB).
     assert hidden["figures"]["T64_plan_gib"] == pytest.approx(64 * 2048 * 18 / 2**30 + 0.25)
