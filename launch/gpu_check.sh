@@ -5,7 +5,7 @@
 #   launch/gpu_check.sh prepare DIR [--python 3.12]   # connected machine: download the wheels into DIR/wheels
 #   launch/gpu_check.sh run DIR OUT [--budget-s 330]   # GPU machine: install them into DIR/site, run stage 0 -> OUT
 #   launch/gpu_check.sh check DIR                      # the size rule alone (DIR + the working tree <= 60 MiB)
-#   launch/gpu_check.sh split SRC PARTS [--part-mib 55] # stage 1: SRC's files as numbered parts + SHA256SUMS
+#   launch/gpu_check.sh split SRC PARTS [--part-mib 32] # stage 1: SRC's files as numbered parts + SHA256SUMS
 #   launch/gpu_check.sh join PARTS DEST                # stage 1, on the machine: every part checked, SRC rebuilt
 #
 # prepare: `pip download --no-deps --only-binary=:all:` of exactly the pins in launch/gpu_check_wheels.json for
@@ -16,20 +16,26 @@
 # models built once under DIR/models (kept between warm calls: a rerun skips building them).
 # Keep DIR under the git-ignored .gpu_carry/ so it travels beside the working tree.
 #
-# Stage 1 (Ray and vLLM; planned, not run yet). Ray's wheel (~79 MB) and vLLM's (~300-400 MB) cannot travel in
-# one call of 64 MiB. Plan, on a machine that stays warm between calls (ignored files are kept while warm, ~30 s
-# idle after each call; 15 device minutes in all, its start included):
-#   0. here: `pip download` ray==2.60.0, vllm (the release that pins the image's torch: 0.24.0 pins 2.11.0) and
-#      their missing dependencies for 3.12 (launch/gpu_wheels.sh resolves them); `split` them into numbered
-#      parts of 55 MiB (split -b 55M) with a sha256 list; expect ~8 parts (~440 MB), so ~8 calls.
-#   1. stage 0 first (one call of ~6 min plus the machine's start, ~2 min; a rerun only if it failed);
-#   2. then only with >= 8 minutes left: one call per part, each copying its part from the carry to
-#      DIR/parts/ (a call of ~20-40 s each, the transfer dominating: measure it on the first one);
-#   3. `join`: cat the parts, check each sha256, `pip install --no-index --no-deps --target DIR/site1` (~60 s);
-#   4. `python -m recipe_gkd.selfcheck --stage 1 --only colocated_vllm --steps 3` (1x1_colocated, random weights,
-#      ~3-4 min: vLLM's engine start dominates) with PYTHONPATH=repo:DIR/site:DIR/site1.
-#   Budget: start 2 + stage 0 6 + 8 parts x 0.5 + join/install 1 + stage 1 4 = ~17 min > 15: stage 1 needs its own
-#   session (start 2 + parts 4 + install 1 + run 4 = ~11 min), or a smaller vLLM part set.
+# Stage 1 (Ray and vLLM; planned, not run yet). Each call carries the working tree (~25 MiB) plus what `carry`
+# names, 64 MiB in all: a part is at most 60 - tree = ~32 MiB (`split` refuses more). Measured for Python 3.12,
+# vLLM 0.24.0, torch 2.11.0 (docs/gpu_splits.md): the whole GPU stack is 176 wheels, 1.3 GB, the largest
+# flashinfer-cubin 427 MB, vllm 267 MB, ray 76 MB; stage 0's <out>/image_packages.txt says what the image has.
+# Order and minutes (15 device minutes per session, the machine's start ~2 min counted; ignored files stay
+# on the machine while it is warm, so parts accumulate over consecutive calls):
+#   0. here: launch/gpu_wheels.sh DIR1 resolves the stack; drop what image_packages.txt holds, and
+#      flashinfer-* (vLLM's FLASH_ATTN backend ships inside the vllm wheel: run with VLLM_ATTENTION_BACKEND=
+#      FLASH_ATTN, VLLM_USE_FLASHINFER_SAMPLER=0; reasoned, not measured); expect vllm + ray + ~40 small
+#      wheels, ~400 MB; `split DIR1 .gpu_carry/parts` -> ~13 parts of 32 MiB, each with its sha256.
+#   1. session A (this script's `run`): stage 0 only, ~2 min start + <= 6.5 min, a rerun of the failed checks
+#      (--only) if it fits. Stage 1 does not fit beside it.
+#   2. session B: one call per part, carry=[".gpu_carry/parts/part.NNN", ".gpu_carry/parts/SHA256SUMS"],
+#      command `ls -l .gpu_carry/parts` (measure the first call's seconds: ~20-30 s each is the guess,
+#      13 parts ~6 min); never pause over ~25 s between calls (the machine goes back when idle);
+#   3. then `join .gpu_carry/parts .gpu_carry/stage1`, `pip install --no-index --no-deps --target
+#      .gpu_carry/site1 .gpu_carry/stage1/*.whl` (~1 min), and with PYTHONPATH=repo:.gpu_carry/site:.gpu_carry/site1
+#      `python -m recipe_gkd.selfcheck --stage 1 --only colocated_vllm --steps 3` (the one-GPU preset with
+#      random weights built offline, ~3-4 min, vLLM's engine start dominating): ~2 + 6 + 1 + 4 = ~13 min.
+#   A part lost (the machine went back between calls) shows in `join` ("missing part.NNN"): start over.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -105,7 +111,7 @@ run() {
 # PARTS/part.NNN of at most --part-mib each; PARTS/SHA256SUMS holds every part's hash and the whole stream's.
 split_parts() {
   local src=$1 parts=$2; shift 2
-  local part_mib=55
+  local part_mib=32
   while [[ $# -gt 0 ]]; do
     case $1 in
       --part-mib) part_mib=$2; shift 2 ;;
@@ -113,6 +119,14 @@ split_parts() {
     esac
   done
   [[ -d "$src" ]] || { echo "split: no directory $src" >&2; exit 2; }
+  # A part travels with the working tree in one call: both within the limit.
+  local tree_mib
+  tree_mib=$("$PY" "$ROOT/launch/gpu_check_size.py" --root "$ROOT" --tree-mib)
+  if "$PY" -c 'import sys; sys.exit(float(sys.argv[1]) + float(sys.argv[2]) <= float(sys.argv[3]))' \
+      "$part_mib" "$tree_mib" "$LIMIT_MIB"; then
+    echo "split: parts of $part_mib MiB + the working tree's $tree_mib MiB exceed $LIMIT_MIB MiB; pass a smaller --part-mib" >&2
+    exit 2
+  fi
   mkdir -p "$parts"
   rm -f "$parts"/part.* "$parts/SHA256SUMS"
   # Bytes, not MiB units of split's own: --part-mib may be fractional (the suite cuts kilobytes).

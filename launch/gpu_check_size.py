@@ -5,6 +5,7 @@
     python launch/gpu_check_size.py --record launch/gpu_check_wheels.json --carry DIR --python 3.12
     python launch/gpu_check_size.py --pins launch/gpu_check_wheels.json            # "name==version ..."
     python launch/gpu_check_size.py --recorded-python launch/gpu_check_wheels.json
+    python launch/gpu_check_size.py --root REPO --tree-mib                          # the tracked files' MiB
 
 Standard library only: it runs before anything is installed.
 """
@@ -106,12 +107,16 @@ def main() -> int:
     parser.add_argument("--verify", type=Path)
     parser.add_argument("--record", type=Path)
     parser.add_argument("--python", default="")
+    parser.add_argument("--tree-mib", action="store_true")
     args = parser.parse_args()
     if args.pins:
         print(" ".join(f"{w['name']}=={w['version']}" for w in json.loads(args.pins.read_text())["wheels"]))
         return 0
     if args.recorded_python:
         print(json.loads(args.recorded_python.read_text())["python"])
+        return 0
+    if args.tree_mib and args.root:
+        print(f"{sum(b for b, _ in tracked_files(args.root)) / MIB:.2f}")
         return 0
     if args.carry is None:
         parser.error("--carry DIR is needed")
