@@ -20,10 +20,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from recipe_gkd.selfcheck.full import GPU_ONLY, cpu_checks, gpu_checks, run_figures, sync_tolerance_figures
+from recipe_gkd.selfcheck.full import (
+    GPU_ONLY,
+    WORDS,
+    cpu_checks,
+    export_bytes,
+    gpu_checks,
+    run_figures,
+    sync_tolerance_figures,
+)
 from recipe_gkd.selfcheck.record import Check, Machine, describe_machine, write_record
 
-__all__ = ["Check", "Machine", "main", "run_figures", "sync_tolerance_figures"]
+__all__ = ["WORDS", "Check", "Machine", "export_bytes", "main", "run_figures", "sync_tolerance_figures"]
 
 # Stage 0's default budget: on a GPU lent for 15 minutes in all (its start included), one run and a rerun
 # (launch/gpu_check.sh runs it under a `timeout` a minute longer).

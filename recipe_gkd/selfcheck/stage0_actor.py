@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import CONFIG_DIR, GKDConfig, load_config, to_yaml
+from recipe_gkd.selfcheck.full import prompts_file
 from recipe_gkd.selfcheck.record import GIB, Check
 from recipe_gkd.selfcheck.sizes import Sizes
 
 PRESETS = {"cuda": CONFIG_DIR / "presets" / "1x1_colocated.yaml", "cpu": CONFIG_DIR / "presets" / "cpu_colocated.yaml"}
 # Stage 0 holds the GPU alone (one process, every role in it): the actor's cap leaves room for nothing else.
 ACTOR_SHARE = 0.9
-WORDS = ("abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd")
 # The plan's part that the caching allocator never sees (the CUDA context is outside torch's counters).
 RESERVE_PART = "CUDA context, NCCL, allocator reserve"
 
@@ -60,18 +60,11 @@ def model_check(models: Path, sizes: Sizes) -> Check:
     return Check("model", "passed", time.perf_counter() - start, figures)
 
 
-def prompts(out: Path) -> Path:
-    path = out / "prompts.jsonl"
-    rows = [f'{{"prompt": "rev:{w}", "response": "{w[::-1]}", "answer": "{w[::-1]}"}}\n' for w in WORDS * 6]
-    path.write_text("".join(rows))
-    return path
-
-
 def stage0_config(out: Path, models: Path, sizes: Sizes, run: str, *overrides: str) -> GKDConfig:
     """The one-GPU preset (or its CPU twin) with the HF engines, the stage's model and sizes, bf16 and the
     distributed optimizer; teacher = student (one model to build, and the teacher head has the student's vocabulary).
     The model is `model_check`'s: a check that loads it builds it first if that check did not run."""
-    student, data = student_dir(models, sizes), prompts(out)
+    student, data = student_dir(models, sizes), prompts_file(out)
     base = [
         f"model.student_path={student}",
         f"teacher.model_path={student}",
