@@ -92,7 +92,12 @@ run() {
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     local start=$SECONDS
     rm -rf "$dir/site"
-    "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$dir/site" "$dir"/wheels/*.whl
+    if "$PY" -m pip --version > /dev/null 2>&1; then
+      "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$dir/site" "$dir"/wheels/*.whl
+    else
+      # An image without pip: these wheels carry no scripts or data directories, so unpacking is their install.
+      for wheel in "$dir"/wheels/*.whl; do "$PY" -m zipfile -e "$wheel" "$dir/site"; done
+    fi
     echo "$want" > "$stamp"
     echo "installed $(ls "$dir"/wheels | wc -l) wheels into $dir/site in $((SECONDS - start)) s"
   fi
