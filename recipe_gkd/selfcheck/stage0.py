@@ -136,6 +136,7 @@ def device_check(out: Path, models: Path, sizes: Sizes) -> Check:
     """nvidia-smi and CUDA's view of GPU 0, and the GPU size the memory plan budgets (cluster.gpu_memory_gib=0)."""
     import torch
 
+    from recipe_gkd.config import ConfigError
     from recipe_gkd.gpu_memory import plan_gpu_memory
     from recipe_gkd.selfcheck.stage0_actor import stage0_config
 
@@ -157,7 +158,12 @@ def device_check(out: Path, models: Path, sizes: Sizes) -> Check:
     (out / "image_packages.txt").write_text("".join(f"{p}\n" for p in packages))
     figures["installed_distributions"] = len(packages)
     cfg = stage0_config(out, models, sizes, "device", "cluster.gpu_memory_gib=0")
-    planned = plan_gpu_memory(cfg)
+    try:
+        planned = plan_gpu_memory(cfg)
+    except ConfigError as err:
+        # The plan cannot map GPU 0 to what nvidia-smi lists (a MIG or UUID mask it does not read): the finding,
+        # recorded beside the device facts above.
+        return Check("device", "failed", time.perf_counter() - start, figures, detail=f"memory plan: {err}")
     figures |= {"plan_gpu_gib": planned.gib, "plan_source": planned.source}
     if "cuda_total_gib" in figures:
         figures["plan_minus_cuda_gib"] = planned.gib - figures["cuda_total_gib"]

@@ -217,3 +217,41 @@ def test_stage0_gpu_configs_validate_here(tmp_path: Path, output: str) -> None:
         assert cfg.cluster.device == Device.cuda and cfg.actor.precision == Precision.bf16
         assert cfg.actor.megatron.distributed_optimizer and cfg.actor.max_tokens_per_micro_batch == 4096
         assert cfg.teacher.max_model_len >= cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens + 1
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+# nvidia-smi as an H100 node of two GPUs prints it (csv, noheader; nounits for the memory plan's query)
+case "$1" in
+  --query-gpu=index,uuid,memory.total) printf '0, GPU-aaaa, 81559\\n1, GPU-bbbb, 81559\\n' ;;
+  --query-gpu=index,uuid,memory.total,mig.mode.current) printf '0, GPU-aaaa, 81559 MiB, Disabled\\n1, GPU-bbbb, 81559 MiB, Enabled\\n' ;;
+  *) exit 9 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize(("visible", "plan_gib"), [(None, 79.6), ("GPU-bbbb", 79.6), ("MIG-0c1d", None)])
+def test_stage0_device_check_reads_what_the_memory_plan_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, visible: str | None, plan_gib: float | None
+) -> None:
+    """The device check records nvidia-smi's rows and the size the plan reads through CUDA_VISIBLE_DEVICES; a mask
+    the plan cannot map (a MIG instance) is a failed check with the plan's message, the device facts kept."""
+    from recipe_gkd.selfcheck.sizes import TINY
+    from recipe_gkd.selfcheck.stage0 import device_check
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    check = device_check(tmp_path, tmp_path / "models", TINY)
+    assert check.figures["nvidia_smi"][1] == "1, GPU-bbbb, 81559 MiB, Enabled"
+    assert check.figures["CUDA_VISIBLE_DEVICES"] == (visible or "(unset)")
+    if plan_gib is None:
+        assert check.status == "failed" and "memory plan: " in check.detail and "MIG-0c1d" in check.detail
+    else:
+        assert check.status == "passed" and check.figures["plan_gpu_gib"] == plan_gib
+        assert check.figures["plan_source"] == f"GPU {visible or '0'} of this node (nvidia-smi)"
