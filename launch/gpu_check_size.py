@@ -24,8 +24,9 @@ SHOWN = 8  # the largest files named when the rule refuses
 
 
 def tracked_files(root: Path) -> list[tuple[int, str]]:
-    """(bytes, path) of every file git tracks under `root` (what the device tool copies of the working tree)."""
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True, timeout=60)
+    """(bytes, path) of every file of the working tree that travels: tracked, or untracked and not ignored."""
+    listing = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    out = subprocess.run(listing, cwd=root, capture_output=True, check=True, timeout=60)
     files = [root / name for name in out.stdout.decode().split("\0") if name]
     return [(f.stat().st_size, str(f.relative_to(root))) for f in files if f.is_file()]
 

@@ -26,7 +26,13 @@ def record(repo_root: Path) -> dict:
 
 
 def tracked_bytes(repo_root: Path) -> int:
-    names = subprocess.run(["git", "ls-files", "-z"], cwd=repo_root, capture_output=True, check=True, timeout=60)
+    names = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=repo_root,
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
     files = [repo_root / n for n in names.stdout.decode().split("\0") if n]
     return sum(f.stat().st_size for f in files if f.is_file())
 
