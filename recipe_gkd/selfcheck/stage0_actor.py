@@ -6,11 +6,13 @@
   `actor_memory`, less its CUDA-context reserve, which the allocator does not count).
 - `loop_check`: `gkd.train` on the in-process pools (recipe_gkd/local_pools.py): HF rollout, the teacher
   server's HF backend called in-process, the actor, the weight sync into the HF engine every step with its
-  logprob probe: per-phase seconds, tokens/s generated and scored, the sync difference after every step.
+  logprob probe: per-phase seconds, tokens/s generated and scored, the sync difference after every step
+  (the run directory, with the student's final export, lies beside the models; its metrics go to <out>/loop).
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -215,8 +217,13 @@ def loop_check(out: Path, models: Path, sizes: Sizes) -> Check:
         f"trainer.total_steps={sizes.loop_steps}",
         f"data.train_batch_size={sizes.loop_batch}",
         f"rollout.sampling.max_new_tokens={sizes.loop_new_tokens}",
+        # The run ends with an HF export of the student (GiBs at the GPU sizes): beside the models, not in `out`,
+        # whose files come back from the machine; the record takes the metrics.
+        f"trainer.run_dir={models / 'loop_run'}",
     )
     run_dir = Path(cfg.trainer.run_dir)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a rerun's metrics start empty
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "resolved_config.yaml").write_text(to_yaml(cfg))
     on_gpu = sizes.device == "cuda"
@@ -234,6 +241,9 @@ def loop_check(out: Path, models: Path, sizes: Sizes) -> Check:
         if on_gpu:
             torch.cuda.set_per_process_memory_fraction(1.0)
     rows = read_metrics(run_dir)
+    (out / "loop").mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "resolved_config.yaml"):
+        shutil.copy(run_dir / name, out / "loop" / name)
     figures: dict[str, Any] = {"setup_s": setup_s} | run_figures(run_dir, export_bytes(cfg.model.student_path))
     figures["sync_logprob_diff_per_step"] = [r.get("sync_logprob_diff") for r in rows]
     figures["loss_per_step"] = [r["loss"] for r in rows]
