@@ -3,7 +3,7 @@
 # stack, no network, a few MiB carried per call. Stage 0 needs only the small wheels in launch/gpu_check_wheels.json.
 #
 #   launch/gpu_check.sh prepare DIR [--python 3.12]   # connected machine: download the wheels into DIR/wheels
-#   launch/gpu_check.sh run DIR OUT [--budget-s 330]   # GPU machine: install them into DIR/site, run stage 0 -> OUT
+#   launch/gpu_check.sh run DIR OUT [--budget-s 330] [--only NAME,...]  # GPU machine: install, run stage 0 -> OUT
 #   launch/gpu_check.sh check DIR                      # the size rule alone (DIR + the working tree <= 60 MiB)
 #   launch/gpu_check.sh split SRC PARTS [--part-mib 32] # stage 1: SRC's files as numbered parts + SHA256SUMS
 #   launch/gpu_check.sh join PARTS DEST                # stage 1, on the machine: every part checked, SRC rebuilt
@@ -77,11 +77,12 @@ prepare() {
 }
 
 run() {
-  local dir out budget=$STAGE0_BUDGET_S
+  local dir out budget=$STAGE0_BUDGET_S only=()
   dir=$(cd "$1" && pwd); out=$2; shift 2
   while [[ $# -gt 0 ]]; do
     case $1 in
       --budget-s) budget=$2; shift 2 ;;
+      --only) only=(--only "$2"); shift 2 ;;
       *) usage ;;
     esac
   done
@@ -107,7 +108,7 @@ run() {
   # written after each finished check stays.
   local rc=0
   timeout --kill-after=10 "$((budget + 60))" "$PY" -m recipe_gkd.selfcheck --stage 0 --out "$out" \
-    --models "$dir/models" --budget-s "$budget" || rc=$?
+    --models "$dir/models" --budget-s "$budget" "${only[@]}" || rc=$?
   [[ $rc -eq 124 || $rc -eq 137 ]] && echo "stage 0 stopped by its timeout ($((budget + 60)) s); the record holds what finished" >&2
   return $rc
 }
