@@ -42,6 +42,26 @@ def write_resolved_config(cfg: GKDConfig) -> Path:
     return path
 
 
+def format_run(cfg: GKDConfig) -> str:
+    """The run a launch makes (steps, schedule, learning rate, evaluation, checkpoints), in one line."""
+    tr = cfg.trainer
+    evaluation = (
+        f"evaluation every {tr.eval_every} steps on the first {cfg.data.eval_batch_size} records of "
+        f"{', '.join(cfg.data.eval_files)}"
+        if tr.eval_every
+        else "no evaluation (trainer.eval_every=0)"
+    )
+    checkpoints = (
+        f"a checkpoint every {tr.save_every} steps, the last {tr.keep_last} kept in {tr.run_dir}/checkpoints"
+        if tr.save_every
+        else "no checkpoints (trainer.save_every=0): a stopped run starts again from step 0"
+    )
+    return (
+        f"run: {tr.total_steps} steps, schedule {cfg.algorithm.schedule.value}, lr {cfg.actor.optim.lr:g}; "
+        f"{evaluation}; {checkpoints}"
+    )
+
+
 def check_student_split(cfg: GKDConfig) -> None:
     """The student's architecture and the actor's TP x PP split fit together (before Ray starts)."""
     from recipe_gkd.actor import hf_arch
@@ -110,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     print(format_plan(plan), flush=True)
+    print(format_run(cfg), flush=True)
     if args.dry_run:
         # Model references are read where they are (a directory, or the HF cache): nothing is downloaded.
         if not report_memory_plan(cfg):
