@@ -62,6 +62,21 @@ def format_run(cfg: GKDConfig) -> str:
     )
 
 
+def terminated_line(cfg: GKDConfig) -> str:
+    """The one line a run stopped by SIGTERM prints, once its workers and teacher are stopped."""
+    from recipe_gkd.checkpoint import COMPLETE_FILE, list_checkpoints
+
+    # The marker only (written last, after the checksums): verifying every checksum of a GPU run's checkpoint
+    # would read tens of GB inside slurm's KillWait.
+    complete = [p for p in list_checkpoints(cfg.trainer.run_dir) if (p / COMPLETE_FILE).is_file()]
+    kept = (
+        f"the last checkpoint {complete[-1]} is kept (the same command resumes from it)"
+        if complete
+        else "no checkpoint was written (trainer.save_every), a rerun starts from step 0"
+    )
+    return f"stopped by SIGTERM: the run's workers and teacher are stopped; {kept}"
+
+
 def check_student_split(cfg: GKDConfig) -> None:
     """The student's architecture and the actor's TP x PP split fit together (before Ray starts)."""
     from recipe_gkd.actor import hf_arch
@@ -157,10 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_CONFIG
     write_resolved_config(cfg)
     from recipe_gkd.gkd import RunDiverged, RunStopped, run
+    from recipe_gkd.stop_signal import EXIT_TERMINATED, RunTerminated, stop_on_sigterm
     from recipe_gkd.watchdog import PhaseTimeoutError
 
+    stop_on_sigterm()  # before the teacher autostarts: a SIGTERM then stops it too
     try:
         run(cfg, plan)
+    except RunTerminated:
+        print(terminated_line(cfg), file=sys.stderr, flush=True)
+        return EXIT_TERMINATED
     except RunStopped as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_STOPPED

@@ -35,6 +35,7 @@ from recipe_gkd.placement import (
     check_ray_gpus,
     node_resource,
 )
+from recipe_gkd.stop_signal import stop_on_sigterm
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -96,6 +97,7 @@ def ray_cluster(cfg: GKDConfig, plan: PlacementPlan) -> Iterator[None]:
             _node_ip_address=LOCAL_IP,
             **job,
         )
+    stop_on_sigterm()  # ray.init took SIGTERM (its C++ handler exits 15 past this block's finally)
     try:
         check_ray_gpus(plan, ray.nodes())
         yield
