@@ -268,10 +268,12 @@ def test_driver_memory_does_not_grow_with_the_dataset(facet_runs: dict[str, Path
 
 @pytest.mark.slow
 def test_models_given_as_hub_ids_from_an_offline_cache(facet_runs: dict[str, Path]) -> None:
-    """Student and teacher as hub ids (one @revision), read from a huggingface_hub cache with HF_HUB_OFFLINE=1."""
+    """Student and teacher as hub ids (one @revision), read from a huggingface_hub cache with HF_HUB_OFFLINE=1. The
+    driver pins each to its commit and ships the pin, never its own cache's path: the workers resolved the pins."""
     resolved = (facet_runs["small"] / "resolved_config.yaml").read_text()
-    assert str(facet_runs["hub"] / "models--tiny--student" / "snapshots" / ("a" * 40)) in resolved
-    assert str(facet_runs["hub"] / "models--tiny--teacher" / "snapshots" / ("a" * 40)) in resolved
+    assert f"student_path: tiny/student@{'a' * 40}" in resolved
+    assert f"model_path: tiny/teacher@{'a' * 40}" in resolved
+    assert str(facet_runs["hub"]) not in resolved
 
 
 @pytest.mark.slow

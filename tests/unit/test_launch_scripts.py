@@ -112,3 +112,26 @@ def test_start_teacher_and_run_gkd_take_the_same_list(stand_ins: Path) -> None:
     assert driver.stdout.split() == ["python", "-m", "recipe_gkd.main", *driver_args]
     cfg = load_config(PRESET, driver_args[2:])
     assert (cfg.teacher.top_k, cfg.teacher.replicas, cfg.rollout.gpus_per_node) == (32, 3, 1)
+
+
+def test_start_teacher_with_a_hub_id_not_downloaded_says_how_to_get_it(tmp_path: Path) -> None:
+    """start_teacher.sh reads the cache only (HF_HUB_OFFLINE=1): a teacher not downloaded on this node is one line,
+    exit 2, with the command that downloads it (or a shared HF_HOME), before anything starts."""
+    import socket
+
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "PYTHON": sys.executable, "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("HF_HUB_OFFLINE", None)
+    proc = subprocess.run(
+        [str(LAUNCH / "start_teacher.sh"), "--config", str(PRESET)],
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("teacher_server: config error at `teacher.model_path`: "), lines
+    assert f"Qwen/Qwen3-8B is not in the Hugging Face cache of node {socket.gethostname()}" in lines[0]
+    assert "(hf download Qwen/Qwen3-8B)" in lines[0] and "HF_HOME" in lines[0]
+    assert "READY" not in proc.stdout
