@@ -183,3 +183,19 @@ def test_only_the_processes_that_read_a_teacher_need_its_files(offline_cache: Pa
     assert "teacher.model_path" not in [r.key for r in model_refs(hidden, Reader.rollout)]
     demo = load_config(None)  # autostarted on the driver's node, and read for the CPU teacher accuracy
     assert "teacher.model_path" in [r.key for r in model_refs(demo, Reader.driver)]
+
+
+def test_the_ray_actor_worker_resolves_the_pins_before_it_loads_anything(
+    offline_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from recipe_gkd.config import load_config
+    from recipe_gkd.main import resolve_config_models
+    from recipe_gkd.ray_pools import ray_actor_worker_class
+
+    cfg = load_config(None, ["model.student_path=tiny-org/Tiny-LM"])
+    resolve_config_models(cfg)
+    use_cache(monkeypatch, tmp_path / "empty_hub")
+    actor = ray_actor_worker_class()(cfg, 0, 1, "127.0.0.1", 1)  # port 1: nothing may connect before the check
+    with pytest.raises(ConfigError) as info:
+        actor.setup()
+    assert info.value.key == "model.student_path" and "hf download tiny-org/Tiny-LM" in str(info.value)
