@@ -35,7 +35,7 @@ from recipe_gkd.placement import (
     check_ray_gpus,
     node_resource,
 )
-from recipe_gkd.stop_signal import stop_on_sigterm
+from recipe_gkd.stop_signal import current_sigterm_handler, restore_sigterm, stop_on_sigterm
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -80,6 +80,7 @@ def ray_cluster(cfg: GKDConfig, plan: PlacementPlan) -> Iterator[None]:
 
     store = object_store_mib(cfg) * MIB
     job = {"runtime_env": worker_runtime_env(cfg)}
+    before_ray = current_sigterm_handler()
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address, log_to_driver=True, **job)
     elif cfg.cluster.fake_gpus and plan.nnodes > 1:
@@ -105,6 +106,7 @@ def ray_cluster(cfg: GKDConfig, plan: PlacementPlan) -> Iterator[None]:
         ray.shutdown()
         if fake_cluster is not None:
             fake_cluster.shutdown()
+        restore_sigterm(before_ray)  # an in-process caller gets back the handler it had
 
 
 class SpillWatch:

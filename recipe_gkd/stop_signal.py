@@ -12,7 +12,12 @@ teacher) like any error; the driver then says so in one line and exits EXIT_TERM
 from __future__ import annotations
 
 import signal
+import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
+
+Handler = Callable[[int, FrameType | None], Any] | int | None
 
 # 128 + SIGTERM: what a shell reports for a process ended by SIGTERM, and what slurm records.
 EXIT_TERMINATED = 128 + signal.SIGTERM
@@ -23,14 +28,34 @@ class RunTerminated(BaseException):
     recovery paths (a teacher retry, a report that tolerates a failure) may swallow it."""
 
 
+_terminating = threading.Event()
+
+
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     # A second SIGTERM (slurm repeats it, a user presses twice) must not cut the cleanup of the first short;
     # what stops a hung cleanup is SIGKILL (slurm sends it after KillWait).
+    _terminating.set()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise RunTerminated
 
 
 def stop_on_sigterm() -> None:
     """From now on SIGTERM raises RunTerminated in the main thread. Call it at the start of a run and again
-    right after ray.init (which installs its own handlers)."""
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    right after ray.init (which installs its own handlers). Only the main thread may set a handler (as Ray's own
+    `init` does, it is left alone elsewhere: a run driven from another thread keeps the handler it had)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def current_sigterm_handler() -> Handler:
+    """The SIGTERM handler Python knows now, to put back with restore_sigterm once the run's Ray is shut down."""
+    return signal.getsignal(signal.SIGTERM)
+
+
+def restore_sigterm(handler: Handler) -> None:
+    """Put back `handler` (from current_sigterm_handler); None (set outside Python) is left as it is, and so is the
+    ignored SIGTERM of a run already stopping (the rest of its cleanup runs to the end)."""
+    if _terminating.is_set():
+        return
+    if handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
