@@ -220,6 +220,7 @@ FACETS = [
     "trainer.total_steps=1",
     "debug.log_memory=true",
     "trainer.eval_every=0",
+    "trainer.save_every=1",
 ]
 
 
@@ -274,6 +275,24 @@ def test_models_given_as_hub_ids_from_an_offline_cache(facet_runs: dict[str, Pat
     assert f"student_path: tiny/student@{'a' * 40}" in resolved
     assert f"model_path: tiny/teacher@{'a' * 40}" in resolved
     assert str(facet_runs["hub"]) not in resolved
+
+
+@pytest.mark.slow
+def test_export_of_a_run_with_pinned_hub_ids(
+    facet_runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """recipe_gkd.export reads the run's pins from this machine's cache: the export equals the run's own."""
+    from huggingface_hub import constants
+    from safetensors.numpy import load_file
+
+    from recipe_gkd.export import main as export_main
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(facet_runs["hub"]))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert export_main(["--run-dir", str(facet_runs["small"]), "--out", str(tmp_path / "out")]) == 0
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    final = load_file(str(facet_runs["small"] / "final_student" / "model.safetensors"))
+    assert exported.keys() == final.keys() and all(np.array_equal(exported[k], final[k]) for k in final)
 
 
 @pytest.mark.slow
