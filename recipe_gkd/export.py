@@ -47,8 +47,10 @@ EXPORT_OVERRIDES = (
 def export(run_dir: Path, out: Path, path: Path | None = None) -> Path:
     """Write the student of checkpoint `path` (default: the newest complete one) to `out`."""
     from recipe_gkd.actor.megatron_actor import MegatronActor
+    from recipe_gkd.model_pins import Reader, on_this_node
 
-    cfg = load_config(run_dir / "resolved_config.yaml", EXPORT_OVERRIDES)
+    # The run's pinned hub ids (org/name@commit), read from this machine's Hugging Face cache.
+    cfg = on_this_node(load_config(run_dir / "resolved_config.yaml", EXPORT_OVERRIDES), Reader.actor)
     chosen = path or _newest(run_dir)
     problem = checkpoint.verify(chosen)
     if problem:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from recipe_gkd.config import ConfigError, GKDConfig, check_local_paths, load_config, to_yaml
 from recipe_gkd.placement import build_plan, format_plan
-from teacher_server.config import TeacherBackend
 
 EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
@@ -40,6 +39,41 @@ def write_resolved_config(cfg: GKDConfig) -> Path:
     path = run_dir / "resolved_config.yaml"
     path.write_text(to_yaml(cfg))
     return path
+
+
+def format_run(cfg: GKDConfig) -> str:
+    """The run a launch makes (steps, schedule, learning rate, evaluation, checkpoints), in one line."""
+    tr = cfg.trainer
+    evaluation = (
+        f"evaluation every {tr.eval_every} steps on the first {cfg.data.eval_batch_size} records of "
+        f"{', '.join(cfg.data.eval_files)}"
+        if tr.eval_every
+        else "no evaluation (trainer.eval_every=0)"
+    )
+    checkpoints = (
+        f"a checkpoint every {tr.save_every} steps, the last {tr.keep_last} kept in {tr.run_dir}/checkpoints"
+        if tr.save_every
+        else "no checkpoints (trainer.save_every=0): a stopped run starts again from step 0"
+    )
+    return (
+        f"run: {tr.total_steps} steps, schedule {cfg.algorithm.schedule.value}, lr {cfg.actor.optim.lr:g}; "
+        f"{evaluation}; {checkpoints}"
+    )
+
+
+def terminated_line(cfg: GKDConfig) -> str:
+    """The one line a run stopped by SIGTERM prints, once its workers and teacher are stopped."""
+    from recipe_gkd.checkpoint import COMPLETE_FILE, list_checkpoints
+
+    # The marker only (written last, after the checksums): verifying every checksum of a GPU run's checkpoint
+    # would read tens of GB inside slurm's KillWait.
+    complete = [p for p in list_checkpoints(cfg.trainer.run_dir) if (p / COMPLETE_FILE).is_file()]
+    kept = (
+        f"the last checkpoint {complete[-1]} is kept (the same command resumes from it)"
+        if complete
+        else "no checkpoint was written (trainer.save_every), a rerun starts from step 0"
+    )
+    return f"stopped by SIGTERM: the run's workers and teacher are stopped; {kept}"
 
 
 def check_student_split(cfg: GKDConfig) -> None:
@@ -108,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     print(format_plan(plan), flush=True)
+    print(format_run(cfg), flush=True)
     if args.dry_run:
         # Model references are read where they are (a directory, or the HF cache): nothing is downloaded.
         if not report_memory_plan(cfg):
@@ -117,27 +152,34 @@ def main(argv: list[str] | None = None) -> int:
     from recipe_gkd.actor.hf_arch import UnsupportedModelError
     from recipe_gkd.data import check_record_fields, check_record_teachers
     from recipe_gkd.memory_plan import object_store_mib
+    from recipe_gkd.model_pins import Reader, on_this_node
     from recipe_gkd.shm import check_shared_memory
 
     try:
-        resolve_config_models(cfg)  # hub ids -> their snapshot directories in the HF cache
-        check_local_paths(cfg)
-        check_record_fields(cfg)
-        check_record_teachers(cfg)
-        check_student_split(cfg)
-        check_teacher_head(cfg)
-        check_shared_memory(cfg, object_store_mib(cfg))
+        resolve_config_models(cfg)  # hub ids -> org/name@<commit>: each worker resolves the pin on its own node
+        local = on_this_node(cfg, Reader.driver)  # what this process checks: the pins in this node's cache
+        check_local_paths(local)
+        check_record_fields(local)
+        check_record_teachers(local)
+        check_student_split(local)
+        check_teacher_head(local)
+        check_shared_memory(local, object_store_mib(local))
     except (ConfigError, UnsupportedModelError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    if not report_memory_plan(cfg):
+    if not report_memory_plan(local):
         return EXIT_BAD_CONFIG
     write_resolved_config(cfg)
     from recipe_gkd.gkd import RunDiverged, RunStopped, run
+    from recipe_gkd.stop_signal import EXIT_TERMINATED, RunTerminated, stop_on_sigterm
     from recipe_gkd.watchdog import PhaseTimeoutError
 
+    stop_on_sigterm()  # before the teacher autostarts: a SIGTERM then stops it too
     try:
         run(cfg, plan)
+    except RunTerminated:
+        print(terminated_line(cfg), file=sys.stderr, flush=True)
+        return EXIT_TERMINATED
     except RunStopped as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_STOPPED
@@ -158,24 +200,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def resolve_config_models(cfg: GKDConfig) -> None:
-    """Replace every hub id in the config's model references by its snapshot directory (in place)."""
-    from recipe_gkd.config.rules import require_built_asset
-    from teacher_server.model_refs import resolve_model_ref
+    """Pin every hub id the run's processes read to the commit this node's cache holds (in place); the config the
+    workers get carries the pins, each resolves them on its own node (recipe_gkd/model_pins.py)."""
+    from recipe_gkd.model_pins import pin_models
 
-    def resolve(ref: str, key: str) -> str:
-        require_built_asset(ref, key)  # a missing repo-built model: the command that builds it, not a hub lookup
-        return resolve_model_ref(ref, key)
-
-    cfg.model.student_path = resolve(cfg.model.student_path, "model.student_path")
-    cfg.model.tokenizer_path = resolve_model_ref(cfg.model.tokenizer_path, "model.tokenizer_path")
-    from recipe_gkd.teachers_config import teacher_key
-
-    sections = [("default", cfg.teacher), *cfg.teachers.items()]  # with teachers:, teacher: is the first one's copy
-    for name, section in sections:
-        if section.backend != TeacherBackend.openai:
-            # backend=openai: the served model's name (or a local tokenizer directory), never downloaded here.
-            key = teacher_key(cfg, name, "model_path") if name in cfg.teachers else "teacher.model_path"
-            section.model_path = resolve(section.model_path, key)
+    pin_models(cfg)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from recipe_gkd.placement import (
     check_ray_gpus,
     node_resource,
 )
+from recipe_gkd.stop_signal import current_sigterm_handler, restore_sigterm, stop_on_sigterm
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -79,6 +80,7 @@ def ray_cluster(cfg: GKDConfig, plan: PlacementPlan) -> Iterator[None]:
 
     store = object_store_mib(cfg) * MIB
     job = {"runtime_env": worker_runtime_env(cfg)}
+    before_ray = current_sigterm_handler()
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address, log_to_driver=True, **job)
     elif cfg.cluster.fake_gpus and plan.nnodes > 1:
@@ -96,6 +98,7 @@ def ray_cluster(cfg: GKDConfig, plan: PlacementPlan) -> Iterator[None]:
             _node_ip_address=LOCAL_IP,
             **job,
         )
+    stop_on_sigterm()  # ray.init took SIGTERM (its C++ handler exits 15 past this block's finally)
     try:
         check_ray_gpus(plan, ray.nodes())
         yield
@@ -103,6 +106,7 @@ def ray_cluster(cfg: GKDConfig, plan: PlacementPlan) -> Iterator[None]:
         ray.shutdown()
         if fake_cluster is not None:
             fake_cluster.shutdown()
+        restore_sigterm(before_ray)  # an in-process caller gets back the handler it had
 
 
 class SpillWatch:

@@ -37,6 +37,7 @@ from recipe_gkd.config import (
     weight_transport,
 )
 from recipe_gkd.memory_plan import object_store_mib
+from recipe_gkd.model_pins import Reader, on_this_node
 from recipe_gkd.placement import PlacementPlan, Slot
 from recipe_gkd.pools import Pending, Pools, Produced
 from recipe_gkd.ports import reserve_ports
@@ -75,6 +76,11 @@ def wait_done(refs: list[Any], timeout_s: float, phase: str) -> None:
 class RayRolloutWorker(RolloutWorker):
     """The rollout worker with its shards put into Ray's object store and its buckets fetched from it."""
 
+    def setup(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        # The driver's pinned hub ids, resolved in this node's cache before anything loads (recipe_gkd/model_pins.py).
+        self.cfg = on_this_node(self.cfg, Reader.rollout)
+        return super().setup(*args, **kwargs)
+
     def produce(self, step: int, dp_size: int) -> Produced:  # type: ignore[override]
         return _put_shards(super().produce(step, dp_size))
 
@@ -110,6 +116,11 @@ def ray_actor_worker_class() -> type:
     from recipe_gkd.actor.worker import actor_worker_class
 
     class RayActorWorker(actor_worker_class()):  # type: ignore[misc]
+        def setup(self) -> dict[str, Any]:
+            # The driver's pinned hub ids, resolved in this node's cache before anything loads.
+            self.cfg = on_this_node(self.cfg, Reader.actor)
+            return super().setup()
+
         def train_refs(self, shard_refs: list[Any]) -> dict[str, float]:
             """Train on the TrainShards behind `shard_refs` (one per rollout worker)."""
             import ray

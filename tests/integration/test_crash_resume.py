@@ -200,3 +200,40 @@ def assert_export_on_demand_equals_the_final_export(run_dir: Path, out: Path) ->
     assert exported.keys() == final.keys()
     assert all(np.array_equal(exported[k], final[k]) for k in final)
     assert export_main(["--run-dir", str(run_dir.parent / "nothing"), "--out", str(out)]) == 2
+
+
+@pytest.mark.slow
+def test_sigterm_stops_workers_and_teacher_keeps_the_checkpoint_and_exits_143(
+    inputs: dict[str, Path], tmp_path: Path
+) -> None:
+    """SIGTERM to the driver alone (slurm's scancel, `kill PID`): Ray's own handler, installed by ray.init, would end
+    the driver with 15 and a C++ stack, past the run's cleanup. The run stops its workers and the autostarted
+    teacher, keeps the last complete checkpoint, says so in one line and exits 143; nothing it started lives on."""
+    run_dir = tmp_path / "run"
+    tag = uuid.uuid4().hex
+    log = tmp_path / "terminated.log"
+    cmd = cli(inputs, run_dir, "algorithm.schedule=one_step_off", "trainer.total_steps=1000")
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env_with(tag), start_new_session=True)
+    try:
+        wait_for_rows(proc, run_dir, SAVE_EVERY + 1)  # the checkpoint of step SAVE_EVERY is complete
+        assert proc.poll() is None, f"the run ended early:\n{log.read_text()[-3000:]}"
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    text = log.read_text()
+    assert code == 143, text[-3000:]
+    assert "SIGTERM received" not in text and "*** " not in text, "Ray's C++ handler printed its stack"
+    complete = [p for p in list_checkpoints(run_dir) if verify(p) is None]
+    assert complete, "the last checkpoint is gone"
+    lines = [line for line in text.splitlines() if "SIGTERM" in line]
+    assert lines == [
+        "stopped by SIGTERM: the run's workers and teacher are stopped; "
+        f"the last checkpoint {complete[-1]} is kept (the same command resumes from it)"
+    ], text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    leftover = wait_gone(tag)
+    assert not leftover, f"SIGTERM to the driver left processes behind: {leftover}"

@@ -220,6 +220,7 @@ FACETS = [
     "trainer.total_steps=1",
     "debug.log_memory=true",
     "trainer.eval_every=0",
+    "trainer.save_every=1",
 ]
 
 
@@ -268,10 +269,30 @@ def test_driver_memory_does_not_grow_with_the_dataset(facet_runs: dict[str, Path
 
 @pytest.mark.slow
 def test_models_given_as_hub_ids_from_an_offline_cache(facet_runs: dict[str, Path]) -> None:
-    """Student and teacher as hub ids (one @revision), read from a huggingface_hub cache with HF_HUB_OFFLINE=1."""
+    """Student and teacher as hub ids (one @revision), read from a huggingface_hub cache with HF_HUB_OFFLINE=1. The
+    driver pins each to its commit and ships the pin, never its own cache's path: the workers resolved the pins."""
     resolved = (facet_runs["small"] / "resolved_config.yaml").read_text()
-    assert str(facet_runs["hub"] / "models--tiny--student" / "snapshots" / ("a" * 40)) in resolved
-    assert str(facet_runs["hub"] / "models--tiny--teacher" / "snapshots" / ("a" * 40)) in resolved
+    assert f"student_path: tiny/student@{'a' * 40}" in resolved
+    assert f"model_path: tiny/teacher@{'a' * 40}" in resolved
+    assert str(facet_runs["hub"]) not in resolved
+
+
+@pytest.mark.slow
+def test_export_of_a_run_with_pinned_hub_ids(
+    facet_runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """recipe_gkd.export reads the run's pins from this machine's cache: the export equals the run's own."""
+    from huggingface_hub import constants
+    from safetensors.numpy import load_file
+
+    from recipe_gkd.export import main as export_main
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(facet_runs["hub"]))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert export_main(["--run-dir", str(facet_runs["small"]), "--out", str(tmp_path / "out")]) == 0
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    final = load_file(str(facet_runs["small"] / "final_student" / "model.safetensors"))
+    assert exported.keys() == final.keys() and all(np.array_equal(exported[k], final[k]) for k in final)
 
 
 @pytest.mark.slow

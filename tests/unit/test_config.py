@@ -239,7 +239,7 @@ def test_typo_suggests_the_right_key(typo: str, suggestion: str) -> None:
 
 def test_unknown_key_in_yaml_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
-    path.write_text(ONE_BY_EIGHT.read_text() + "\nalgorithm:\n  divergnce: jsd\n")
+    path.write_text(ONE_BY_EIGHT.read_text().replace("\nalgorithm:\n", "\nalgorithm:\n  divergnce: jsd\n", 1))
     err = _error([], path)
     assert "algorithm.divergence" in str(err) and str(path) in str(err)
 

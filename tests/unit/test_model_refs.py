@@ -96,3 +96,106 @@ def test_an_openai_teachers_model_name_is_never_resolved(offline_cache: Path) ->
     with pytest.raises(ConfigError) as info:
         resolve_config_models(load_config(None, ["teacher.model_path=tiny-org/Not-Cached"]))
     assert info.value.key == "teacher.model_path"
+
+
+# ----------------------------------------------------------------------------- several nodes: pin, resolve per node
+
+
+def use_cache(monkeypatch: pytest.MonkeyPatch, hub: Path) -> None:
+    """This process now reads `hub` as its node's cache (another node's, for the test)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+
+
+def test_the_driver_ships_a_pin_and_each_node_resolves_it_in_its_own_cache(
+    offline_cache: Path, tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from recipe_gkd.config import load_config
+    from recipe_gkd.main import resolve_config_models
+    from recipe_gkd.model_pins import Reader, on_this_node
+
+    cfg = load_config(None, ["model.student_path=tiny-org/Tiny-LM", "model.tokenizer_path=tiny-org/Tiny-LM@v2"])
+    resolve_config_models(cfg)
+    assert cfg.model.student_path == f"tiny-org/Tiny-LM@{COMMIT}", "pinned to the commit `main` names here"
+    assert cfg.model.tokenizer_path == f"tiny-org/Tiny-LM@{OTHER_COMMIT}"
+    # Node 1: its own cache, elsewhere, holding the same commits (and `main` moved on there: the pin still holds).
+    node1 = tmp_path / "node1_hub"
+    lay_out_cache(node1, "tiny-org/Tiny-LM", tiny_model_dir, COMMIT, ())
+    lay_out_cache(node1, "tiny-org/Tiny-LM", tiny_model_dir, OTHER_COMMIT, ("main",))
+    use_cache(monkeypatch, node1)
+    for reader in (Reader.actor, Reader.rollout):
+        local = on_this_node(cfg, reader)
+        assert Path(local.model.student_path) == node1 / "models--tiny-org--Tiny-LM" / "snapshots" / COMMIT
+        assert Path(local.model.tokenizer_path) == node1 / "models--tiny-org--Tiny-LM" / "snapshots" / OTHER_COMMIT
+    assert cfg.model.student_path == f"tiny-org/Tiny-LM@{COMMIT}", "the shipped config keeps the pin"
+
+
+def test_a_node_without_the_model_refuses_naming_key_node_and_the_download(
+    offline_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from recipe_gkd.config import load_config
+    from recipe_gkd.main import resolve_config_models
+    from recipe_gkd.model_pins import Reader, on_this_node
+
+    cfg = load_config(None, ["model.student_path=tiny-org/Tiny-LM"])
+    resolve_config_models(cfg)
+    use_cache(monkeypatch, tmp_path / "empty_hub")
+    with pytest.raises(ConfigError) as info:
+        on_this_node(cfg, Reader.rollout)
+    message = str(info.value)
+    assert info.value.key == "model.student_path" and "\n" not in message
+    assert f"tiny-org/Tiny-LM@{COMMIT} is not in the Hugging Face cache of node {socket.gethostname()}" in message
+    assert f"hf download tiny-org/Tiny-LM --revision {COMMIT}" in message and "HF_HOME" in message
+
+
+def test_the_ray_rollout_worker_resolves_the_pins_before_it_loads_anything(
+    offline_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from recipe_gkd.config import load_config
+    from recipe_gkd.main import resolve_config_models
+    from recipe_gkd.ray_pools import RayRolloutWorker
+
+    cfg = load_config(None, ["model.student_path=tiny-org/Tiny-LM"])
+    resolve_config_models(cfg)
+    use_cache(monkeypatch, tmp_path / "empty_hub")  # the worker's node has no copy
+    worker = RayRolloutWorker(cfg, 0, 1)
+    with pytest.raises(ConfigError) as info:
+        worker.setup(None, {})
+    assert info.value.key == "model.student_path"
+    assert "hf download tiny-org/Tiny-LM" in str(info.value)
+    assert worker.engine is None, "nothing loaded"
+
+
+def test_only_the_processes_that_read_a_teacher_need_its_files(offline_cache: Path) -> None:
+    """A teacher served by its own server on another node is resolved there; the actor reads its head only with
+    teacher.output=hidden, the rollout its tokenizer only across tokenizers."""
+    from recipe_gkd.config import CONFIG_DIR, load_config
+    from recipe_gkd.model_pins import Reader, model_refs
+
+    two_nodes = load_config(CONFIG_DIR / "presets" / "2x8_a8_r4_t4.yaml")
+    for reader in Reader:
+        assert [r.key for r in model_refs(two_nodes, reader)] == ["model.student_path", "model.tokenizer_path"]
+    hidden = load_config(CONFIG_DIR / "presets" / "2x8_a8_r4_t4.yaml", ["teacher.output=hidden"])
+    assert "teacher.model_path" in [r.key for r in model_refs(hidden, Reader.actor)]
+    assert "teacher.model_path" not in [r.key for r in model_refs(hidden, Reader.rollout)]
+    demo = load_config(None)  # autostarted on the driver's node, and read for the CPU teacher accuracy
+    assert "teacher.model_path" in [r.key for r in model_refs(demo, Reader.driver)]
+
+
+def test_the_ray_actor_worker_resolves_the_pins_before_it_loads_anything(
+    offline_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from recipe_gkd.config import load_config
+    from recipe_gkd.main import resolve_config_models
+    from recipe_gkd.ray_pools import ray_actor_worker_class
+
+    cfg = load_config(None, ["model.student_path=tiny-org/Tiny-LM"])
+    resolve_config_models(cfg)
+    use_cache(monkeypatch, tmp_path / "empty_hub")
+    actor = ray_actor_worker_class()(cfg, 0, 1, "127.0.0.1", 1)  # port 1: nothing may connect before the check
+    with pytest.raises(ConfigError) as info:
+        actor.setup()
+    assert info.value.key == "model.student_path" and "hf download tiny-org/Tiny-LM" in str(info.value)
