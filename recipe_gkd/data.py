@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import ANSWER_MATCHES, ConfigError, GKDConfig
-from recipe_gkd.teachers_config import record_teacher
+from recipe_gkd.teachers_config import record_teacher, records_name_teachers
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
 # A hub dataset: ORG/NAME:SPLIT or ORG/NAME/CONFIG:SPLIT (NAME:SPLIT for the few without an org).
@@ -259,8 +259,8 @@ def check_record_teachers(cfg: GKDConfig) -> None:
     """Every record of the local data files names a configured teacher in data.teacher_key, or none
     (driver side, before training; docs/teachers.md). Hugging Face datasets are checked as the rollout
     workers read them. Raises ConfigError naming data.teacher_key, the value and the file."""
-    if not cfg.teachers:
-        return  # one teacher: data.teacher_key is not read
+    if not records_name_teachers(cfg):
+        return  # `teacher:` alone: data.teacher_key is not read
     for file in [*cfg.data.train_files, *cfg.data.eval_files]:
         path = Path(file)
         if not path.is_file():

@@ -56,7 +56,7 @@ from recipe_gkd.ray_cluster import ray_cluster
 from recipe_gkd.ray_pools import launch_pools
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.targets import Target, build_target
-from recipe_gkd.teachers_config import teacher_key, teacher_names, teacher_sections
+from recipe_gkd.teachers_config import split_teachers, teacher_handles, teacher_sections
 from recipe_gkd.weight_sync import SYNC_TOLERANCE, WeightSyncError, check_due, logprob_diffs, worst_tensor
 
 FINAL_EXPORT_DIR = "final_student"
@@ -290,16 +290,13 @@ def stop_for_teacher(
     if trained_here:
         saved = f"checkpoint {checkpoint.save(cfg, pools, step, version)} saved"
     reason = str(cause).strip().splitlines()[0]
-    name = getattr(cause, "teacher", None) or teacher_names(cfg)[0]
-    where = f"{teacher_key(cfg, name, 'address')}={teacher_sections(cfg)[name].address}"
-    who = f"teacher {name!r}" if cfg.teachers else "the teacher"
+    handles = teacher_handles(cfg)
+    teacher = handles[getattr(cause, "teacher", None) or next(iter(handles))]
     # An autostarted server (a colocated one stops when its replica dies) says why in the run's log.
-    section = teacher_sections(cfg)[name]
-    log = f"teacher_server.{name}.log" if cfg.teachers else "teacher_server.log"
-    why = f" (its log: {Path(cfg.trainer.run_dir) / log})" if section.autostart else ""
+    why = f" (its log: {Path(cfg.trainer.run_dir) / teacher.log_name})" if teacher.section.autostart else ""
     return RunStopped(
-        f"teacher server down ({type(cause).__name__}: {reason}){why}; {saved}. Restart {who} at "
-        f"{where} and rerun the same command to continue"
+        f"teacher server down ({type(cause).__name__}: {reason}){why}; {saved}. Restart {teacher.who} at "
+        f"{teacher.key('address')}={teacher.address} and rerun the same command to continue"
     )
 
 
@@ -365,7 +362,8 @@ def evaluate(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, step: int) ->
 def eval_teacher_kls(cfg: GKDConfig, pools: Pools, results: list[Any]) -> dict[str, float | None]:
     """Several teachers: eval_teacher_NAME_kl, KL(teacher || student) over the held-out sequences teacher NAME
     scored (one more forward pass per teacher). None where some actor rank holds none of them."""
-    if len(cfg.teachers) < 2 or not cfg.teacher.top_k:
+    split = [h for h in teacher_handles(cfg).values() if h.metric_prefix is not None]
+    if not split or not cfg.teacher.top_k:
         return {}
     dp = pools.actor.dp_size
     held: dict[str, set[int]] = {}  # teacher -> the actor ranks holding some of its sequences
@@ -374,10 +372,10 @@ def eval_teacher_kls(cfg: GKDConfig, pools: Pools, results: list[Any]) -> dict[s
             held.setdefault(name, set()).add(actor_rank_of(worker, len(stats.sample_teachers), j, dp))
     shards = by_rank(results, dp)
     return {
-        f"eval_teacher_{name}_kl": pools.actor.eval_loss(shards, name)["forward_kl"]
-        if len(held.get(name, ())) == dp
+        f"eval_{h.metric_prefix}kl": pools.actor.eval_loss(shards, h.name)["forward_kl"]
+        if len(held.get(h.name, ())) == dp
         else None
-        for name in cfg.teachers
+        for h in split
     }
 
 
@@ -483,7 +481,7 @@ def step_row(
         **alignment_columns(rollout.stats),
         "sample_ids": sorted(i for s in rollout.stats for i in s.sample_ids),
         # Several teachers: the teacher that scored each of sample_ids (same order).
-        **sample_teachers(rollout.stats),
+        **sample_teachers(cfg, rollout.stats),
     }
 
 
@@ -491,20 +489,21 @@ def teacher_loss_columns(cfg: GKDConfig, train: dict[str, Any]) -> dict[str, flo
     """Several teachers: the actor's teacher_<name>_loss (the objective over that teacher's tokens) and, training
     with forward KL, teacher_<name>_kl, the same figure (as teacher_kl is the loss); None for a teacher absent
     from the step's batch."""
-    if len(cfg.teachers) < 2:
-        return {}
     columns: dict[str, float | None] = {}
-    for name in sorted(cfg.teachers):
-        loss = train.get(f"teacher_{name}_loss")
-        columns[f"teacher_{name}_loss"] = loss
-        columns[f"teacher_{name}_kl"] = loss if cfg.algorithm.divergence == Divergence.forward_kl else None
+    for name in split_teachers(cfg):
+        head = teacher_handles(cfg)[name].metric_prefix
+        loss = train.get(f"{head}loss")
+        columns[f"{head}loss"] = loss
+        columns[f"{head}kl"] = loss if cfg.algorithm.divergence == Divergence.forward_kl else None
     return columns
 
 
-def sample_teachers(stats: list[RolloutStats]) -> dict[str, list[str]]:
-    """{"sample_teachers": the teacher of each sorted sample id} when the run has several teachers, else {}."""
+def sample_teachers(cfg: GKDConfig, stats: list[RolloutStats]) -> dict[str, list[str]]:
+    """{"sample_teachers": the teacher of each sorted sample id} when the step's teachers have names in the rows
+    (configured under `teachers:`), else {}."""
     pairs = sorted((i, t) for s in stats for i, t in zip(s.sample_ids, s.sample_teachers, strict=True))
-    if {t for _, t in pairs} <= {"default"}:
+    handles = teacher_handles(cfg)
+    if all(handles[t].row_name is None for _, t in pairs):
         return {}
     return {"sample_teachers": [t for _, t in pairs]}
 
@@ -563,8 +562,7 @@ def teacher_service(cfg: GKDConfig) -> Iterator[Callable[[], dict[str, str]]]:
                     continue
                 ready = starting.get(name) or stack.enter_context(start_local_teacher(cfg, name))
                 bound[name] = ready()
-                who = f"teacher {name!r} server" if cfg.teachers else "teacher server"
-                print(f"{who} autostarted at {bound[name]}", flush=True)
+                print(f"{teacher_handles(cfg)[name].server} autostarted at {bound[name]}", flush=True)
             return bound
 
         yield addresses

@@ -39,7 +39,7 @@ from recipe_gkd.config import (
 from recipe_gkd.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
 from recipe_gkd.model_shape import Shape, read_shape
 from recipe_gkd.targets import build_target
-from recipe_gkd.teachers_config import teacher_key, teacher_views
+from recipe_gkd.teachers_config import TeacherHandle, teacher_handles, teacher_views
 from teacher_server.config import TeacherBackend, TeacherLocation
 
 GIB = 1024**3
@@ -343,15 +343,16 @@ def rollout_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
     return memory
 
 
-def teacher_memory(cfg: GKDConfig, shape: Shape, name: str = "") -> RoleMemory:
-    """A teacher replica's GPU (`cfg`: a teacher's view; `name`: of a run with several teachers, else "")."""
+def teacher_memory(cfg: GKDConfig, shape: Shape, handle: TeacherHandle | None = None) -> RoleMemory:
+    """A teacher replica's GPU (`cfg`: a teacher's view; `handle`: the teacher in the run, which names its keys)."""
+    handle = handle or next(iter(teacher_handles(cfg).values()))
     t = cfg.teacher
     max_len = t.max_model_len or shape.max_position_embeddings
     # teacher.dtype auto: vLLM keeps a 16-bit checkpoint's dtype and casts an fp32 one to fp16
     # (vllm/config/model.py, ModelConfig.dtype).
     dtype_bytes = 4 if t.dtype == "float32" else 2
     memory = vllm_memory(
-        f"teacher {name} GPU" if name else "teacher GPU",
+        f"{handle.label} GPU",
         t.replicas * t.gpus_per_replica,
         shape,
         t.gpus_per_replica,
@@ -367,9 +368,9 @@ def teacher_memory(cfg: GKDConfig, shape: Shape, name: str = "") -> RoleMemory:
         else:
             memory.key = "teacher.gpu_memory_utilization"
             memory.problem += ": lower teacher.gpu_memory_utilization (or teacher.max_model_len)"
-        if name:
-            memory.key = memory.key.replace("teacher.", f"teachers.{name}.")
-            memory.problem = memory.problem.replace("teacher.", f"teachers.{name}.")
+        # The teacher's own keys (teachers.NAME.X in a run of several).
+        memory.key = memory.key.replace("teacher.", f"{handle.key_prefix}.")
+        memory.problem = memory.problem.replace("teacher.", f"{handle.key_prefix}.")
     return memory
 
 
@@ -397,17 +398,18 @@ def build_memory_plan(cfg: GKDConfig, query: GpuQuery | None = None) -> MemoryPl
         else:
             skipped.append("rollout: rollout.backend=hf is not planned (vllm is the GPU backend)")
     # Every teacher on its own replicas (several teachers: each named, its keys under teachers.NAME).
+    handles = teacher_handles(cfg)
     for name, view in teacher_views(cfg).items():
-        label = f"teacher {name}" if cfg.teachers else "teacher"
+        h = handles[name]
         t = view.teacher
         if t.location == TeacherLocation.remote:
-            skipped.append(f"{label}: {teacher_key(cfg, name, 'location')}=remote, planned where it runs")
+            skipped.append(f"{h.label}: {h.key('location')}=remote, planned where it runs")
         elif t.backend != TeacherBackend.vllm:
-            skipped.append(f"{label}: {teacher_key(cfg, name, 'backend')}=hf is not planned (vllm is the GPU backend)")
+            skipped.append(f"{h.label}: {h.key('backend')}=hf is not planned (vllm is the GPU backend)")
         else:
-            teacher_shape = read_shape(t.model_path, teacher_key(cfg, name, "model_path"), skipped)
+            teacher_shape = read_shape(t.model_path, h.key("model_path"), skipped)
             if teacher_shape is not None:
-                roles.append(teacher_memory(view, teacher_shape, name if cfg.teachers else ""))
+                roles.append(teacher_memory(view, teacher_shape, h))
     if cfg.cluster.colocate:
         roles.insert(0, colocated_gpu(cfg, roles))
     return MemoryPlan(roles=roles, skipped=skipped, gpu_memory_gib=gpu.gib, gpu_memory_source=gpu.source)

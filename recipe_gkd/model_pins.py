@@ -13,13 +13,15 @@ Local directories pass unchanged (they must exist at the same path on every node
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any
 
-from recipe_gkd.config import CrossTokenizer, Device, GKDConfig
-from recipe_gkd.teachers_config import teacher_key
-from teacher_server.config import TeacherBackend, TeacherOutput
+from recipe_gkd.config import Device, GKDConfig
+from recipe_gkd.targets import build_target
+from recipe_gkd.teachers_config import teacher_handles
+from teacher_server.config import TeacherBackend
 
 
 class Reader(enum.Enum):
@@ -54,7 +56,9 @@ def model_refs(cfg: GKDConfig, reader: Reader) -> list[ModelRef]:
     ]
     # With `teachers:`, `teacher:` is the first one's copy: both are kept in step.
     sections = [("teacher.model_path", cfg.teacher)]
-    sections += [(teacher_key(cfg, name, "model_path"), section) for name, section in cfg.teachers.items()]
+    sections += [
+        (h.key("model_path"), h.section) for h in teacher_handles(cfg).values() if h.section is not cfg.teacher
+    ]
     for key, section in sections:
         # backend=openai: the served model's name (or a local tokenizer directory), never resolved here.
         if section.backend != TeacherBackend.openai and _reads_teacher(cfg, section, reader):
@@ -63,10 +67,12 @@ def model_refs(cfg: GKDConfig, reader: Reader) -> list[ModelRef]:
 
 
 def _reads_teacher(cfg: GKDConfig, section: Any, reader: Reader) -> bool:
-    head_on_actor = section.output == TeacherOutput.hidden  # recipe_gkd/actor/objective.py: find_teacher_head
-    # The rollout worker reads the teacher's tokenizer across tokenizers (recipe_gkd/cross_tokenizer/route.py) and,
-    # in a CPU run with an HF teacher, the teacher itself for its held-out accuracy (rollout/worker.py).
-    on_rollout = cfg.algorithm.cross_tokenizer != CrossTokenizer.none or (
+    # The target kind of this teacher's section: its head on the actor (recipe_gkd/targets/hidden.py setup_actor),
+    # its tokenizer on the rollout worker across tokenizers (recipe_gkd/cross_tokenizer/route.py); and, in a CPU run
+    # with an HF teacher, the rollout worker reads the teacher itself for its held-out accuracy (rollout/worker.py).
+    target = build_target(dataclasses.replace(cfg, teacher=section))
+    head_on_actor = target.teacher_on_actor
+    on_rollout = target.teacher_tokenizer_on_rollout or (
         cfg.cluster.device == Device.cpu and section.backend == TeacherBackend.hf and cfg.trainer.eval_every > 0
     )
     if reader is Reader.actor:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from recipe_gkd.config import ConfigError, GKDConfig, TeacherLocation, node_gpus
-from recipe_gkd.teachers_config import teacher_key, teacher_sections
+from recipe_gkd.teachers_config import chosen_teacher, teacher_key, teacher_sections
 
 # Ray resource that pins a bundle to a node of the plan; `launch/ray_start.sh --node-rank i`
 # (and the fake multi-node cluster in tests) gives node i `{NODE_RESOURCE_PREFIX}i: 1`.
@@ -345,17 +345,16 @@ def teacher_argv(argv: list[str]) -> int:
         print(f"error: --node-rank {node} outside cluster.nnodes={plan.nnodes} of {config}", file=sys.stderr)
         return 2
     name = _flag(flags, "--teacher")
-    sections = teacher_sections(cfg)
-    if cfg.teachers and name not in sections:
+    teacher = chosen_teacher(cfg, name)
+    if teacher is None:
         # The server says the same; the plan below needs the name first.
-        print(f"error: {config} has several teachers {list(sections)}: pass --teacher NAME", file=sys.stderr)
+        names = list(teacher_sections(cfg))
+        print(f"error: {config} has several teachers {names}: pass --teacher NAME", file=sys.stderr)
         return 2
-    section = sections[name] if cfg.teachers else cfg.teacher
-    ids = plan.teacher_gpu_ids(node, name if cfg.teachers else None)
-    if section.location == TeacherLocation.local and not ids:
-        which = f" for teacher {name!r}" if cfg.teachers else ""
+    ids = plan.teacher_gpu_ids(node, teacher.name)
+    if teacher.section.location == TeacherLocation.local and not ids:
         print(
-            f"error: {config} gives node {node} no teacher GPUs{which}; pick a --node-rank that has some",
+            f"error: {config} gives node {node} no {teacher.label} GPUs; pick a --node-rank that has some",
             file=sys.stderr,
         )
         return 2

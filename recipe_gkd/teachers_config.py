@@ -15,6 +15,7 @@ import dataclasses
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from teacher_server.config import ConfigError, TeacherConfig, TeacherLocation, require
@@ -65,6 +66,86 @@ def teacher_views(cfg: C) -> dict[str, C]:
 def teacher_key(cfg: GKDConfig, name: str, field: str) -> str:
     """The dotted config key of `field` of teacher `name`, as the user wrote it."""
     return f"teachers.{name}.{field}" if cfg.teachers else f"teacher.{field}"
+
+
+@dataclass(frozen=True)
+class TeacherHandle:
+    """One teacher of the run, with everything that names it; a run with only `teacher:` holds one, `default`.
+
+    The names are what users and tests read, exactly as before: keys `teacher.X` for `teacher:` and
+    `teachers.NAME.X` under `teachers:` (with its own log and resolved-config files), and per-teacher metric
+    columns (`teacher_NAME_loss`, ...) and teacher-named errors only in a set of several.
+    """
+
+    name: str
+    section: TeacherConfig
+    # The dotted prefix of its keys: "teacher" or "teachers.NAME".
+    key_prefix: str
+    # Its part of file and log names: "" or ".NAME" (teacher_server.NAME.log, resolved_config.NAME.yaml).
+    file_suffix: str
+    # Its replicas' log directory in the run directory: "teacher_logs" or "teacher_logs/NAME".
+    replica_logs: str
+    # How messages and the plan call it: "the teacher" / "teacher 'NAME'", "teacher" / "teacher NAME".
+    who: str
+    label: str
+    # Prefixed to its errors' messages (several teachers: "teacher 'NAME': "), else "".
+    error_prefix: str
+    # Its per-teacher metric columns (`teacher_NAME_...`, several teachers), else None.
+    metric_prefix: str | None
+    # Its name in the rows' sample_teachers column (None for the default teacher).
+    row_name: str | None
+
+    def key(self, field: str) -> str:
+        """The dotted config key of its `field`, as the user wrote it."""
+        return f"{self.key_prefix}.{field}"
+
+    @property
+    def address(self) -> str:
+        return self.section.address
+
+    @property
+    def log_name(self) -> str:
+        """Its autostarted server's log in the run directory."""
+        return f"teacher_server{self.file_suffix}.log"
+
+    @property
+    def server(self) -> str:
+        """How the driver's lines call its server ("teacher server", "teacher 'NAME' server")."""
+        return f"{self.who.removeprefix('the ')} server"
+
+
+def teacher_handles(cfg: GKDConfig) -> dict[str, TeacherHandle]:
+    """Teacher name -> its handle, in config order: the one place that tells one teacher's names from several."""
+    named, several = bool(cfg.teachers), len(cfg.teachers) >= 2
+    return {
+        name: TeacherHandle(
+            name=name,
+            section=section,
+            key_prefix=f"teachers.{name}" if named else "teacher",
+            file_suffix=f".{name}" if named else "",
+            replica_logs=f"teacher_logs/{name}" if named else "teacher_logs",
+            who=f"teacher {name!r}" if named else "the teacher",
+            label=f"teacher {name}" if named else "teacher",
+            error_prefix=f"teacher {name!r}: " if several else "",
+            metric_prefix=f"teacher_{name}_" if several else None,
+            row_name=None if name == DEFAULT_TEACHER else name,
+        )
+        for name, section in teacher_sections(cfg).items()
+    }
+
+
+def chosen_teacher(cfg: GKDConfig, name: str | None) -> TeacherHandle | None:
+    """The teacher a launch's `--teacher NAME` picks: any name picks the one of `teacher:`; under `teachers:`
+    the one named (None: none is)."""
+    handles = teacher_handles(cfg)
+    if not cfg.teachers:
+        return handles[DEFAULT_TEACHER]
+    return handles.get(name) if name is not None else None
+
+
+def split_teachers(cfg: GKDConfig) -> list[str]:
+    """The teachers with their own metric columns (a set of several), sorted; empty for a set of one."""
+    return sorted(name for name, h in teacher_handles(cfg).items() if h.metric_prefix is not None)
 
 
 @contextmanager
@@ -146,6 +227,11 @@ def local_teacher_gpus(cfg: GKDConfig) -> int:
 def autostarted_replicas(cfg: GKDConfig) -> int:
     """Teacher server replicas the driver starts (processes on a CPU run)."""
     return sum(s.replicas for s in teacher_sections(cfg).values() if s.autostart)
+
+
+def records_name_teachers(cfg: GKDConfig) -> bool:
+    """Whether records are routed by data.teacher_key (`teachers:`); with `teacher:` that field is not read."""
+    return bool(cfg.teachers)
 
 
 def record_teacher(cfg: GKDConfig, record: dict[str, Any], where: str) -> str:

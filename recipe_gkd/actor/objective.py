@@ -25,6 +25,7 @@ from recipe_gkd.actor.layout import RankLayout
 from recipe_gkd.config import GKDConfig
 from recipe_gkd.losses import sampled_reverse_kl_loss_sum
 from recipe_gkd.targets import build_target, sampled_objective
+from recipe_gkd.teachers_config import split_teachers
 
 
 class ActorObjective:
@@ -53,7 +54,7 @@ class ActorObjective:
         # The sampled-token reverse KL (else the configured divergence over the kind's targets).
         self.sampled = sampled_objective(cfg)
         # Several teachers: the names whose rows the loss is also summed over (collate's teacher_index_B order).
-        self.teacher_names: list[str] = sorted(cfg.teachers) if len(cfg.teachers) >= 2 else []
+        self.teacher_names: list[str] = split_teachers(cfg)
 
     def train_loss(self, micro: MicroBatch, logits_BTv: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """megatron's loss function in training: (loss sum, loss tokens, logged sums)."""

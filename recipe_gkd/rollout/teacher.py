@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import GKDConfig, cpu_threads, to_yaml
-from recipe_gkd.teachers_config import DEFAULT_TEACHER, teacher_views
+from recipe_gkd.teachers_config import DEFAULT_TEACHER, teacher_handles, teacher_views
 from teacher_server.config import TeacherBackend
 from teacher_server.protocol import TeacherTopK
 from teacher_server.settings import ServerSection
@@ -87,24 +87,22 @@ def start_local_teacher(cfg: GKDConfig, name: str = DEFAULT_TEACHER) -> Iterator
     from teacher_server.launcher import start_teacher
 
     run_dir = Path(cfg.trainer.run_dir)
-    view = teacher_views(cfg)[name]
-    suffix = f".{name}" if cfg.teachers else ""
-    resolved = run_dir / f"resolved_config{suffix}.yaml"
-    if cfg.teachers:
-        resolved.write_text(to_yaml(view))  # its `teacher:` is teacher `name`'s section
-    elif not resolved.is_file():
-        resolved.write_text(to_yaml(cfg))
+    view, handle = teacher_views(cfg)[name], teacher_handles(cfg)[name]
+    resolved = run_dir / f"resolved_config{handle.file_suffix}.yaml"
+    # A teacher's own view (its `teacher:` is its section) is written here; the run's own config by main.py.
+    if view is not cfg or not resolved.is_file():
+        resolved.write_text(to_yaml(view))
     # The server reads the teacher section only: its GPUs are what this run's plan leaves to this teacher,
     # through a preset CUDA_VISIBLE_DEVICES as Ray maps the actor's and rollout's.
     gpu_ids = gpu_list(build_plan(cfg).teacher_gpu_ids(0, name))
     threads = cpu_threads(cfg)["teacher"]
-    logs = run_dir.resolve() / (f"teacher_logs/{name}" if cfg.teachers else "teacher_logs")
+    logs = run_dir.resolve() / handle.replica_logs
     with start_teacher(
         resolved,
         ([f"server.torch_threads={threads}"] if threads else []) + colocated_teacher_overrides(cfg),
         # Replica logs stay with the run.
         extra_args=["--log-dir", str(logs), *(["--gpu-ids", gpu_ids] if gpu_ids else [])],
-        log_path=run_dir / f"teacher_server{suffix}.log",
+        log_path=run_dir / handle.log_name,
         ready_timeout_s=AUTOSTART_READY_TIMEOUT_S,
     ) as server:
         yield lambda: server.ready().address

@@ -19,7 +19,7 @@ import numpy as np
 from recipe_gkd.config import GKDConfig
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.targets import build_target
-from recipe_gkd.teachers_config import record_teacher, teacher_views
+from recipe_gkd.teachers_config import record_teacher, teacher_handles, teacher_views
 from teacher_server.protocol import TeacherTopK
 
 T = TypeVar("T")
@@ -31,6 +31,8 @@ class TeacherSet:
     def __init__(self, cfg: GKDConfig, scorers: Mapping[str, Scorer]) -> None:
         self.cfg = cfg
         self.scorers = dict(scorers)
+        # What each teacher's errors are prefixed with (its name, in a set of several).
+        self.prefixes = {name: h.error_prefix for name, h in teacher_handles(cfg).items()}
         # What each request asks for and how its reply is unpacked (the target kind), the same for every teacher.
         self.target = build_target(cfg)
         # One thread per teacher: each client is used by one thread at a time (the worker holds its teacher lock).
@@ -42,13 +44,13 @@ class TeacherSet:
 
         `addresses` overrides a teacher's own address (an autostarted server's bound one).
         """
-        target = build_target(cfg)
-        views = teacher_views(cfg)
+        target, handles = build_target(cfg), teacher_handles(cfg)
         scorers: dict[str, Any] = {}
         try:
-            for name, view in views.items():
+            for name, view in teacher_views(cfg).items():
                 address = (addresses or {}).get(name)
-                scorers[name] = _named(name, len(views) > 1, lambda v=view, a=address: target.connect(v, tokenizer, a))
+                prefix = handles[name].error_prefix
+                scorers[name] = _named(name, prefix, lambda v=view, a=address: target.connect(v, tokenizer, a))
         except BaseException:
             for connected in scorers.values():  # the teachers checked before the one that failed
                 connected.close()
@@ -73,7 +75,6 @@ class TeacherSet:
         groups: dict[str, list[int]] = {}
         for i, name in enumerate(teachers):
             groups.setdefault(name, []).append(i)
-        several = len(self.scorers) > 1
 
         def run(name: str, rows: list[int]) -> list[TeacherTopK]:
             scorer = self.scorers[name]
@@ -81,7 +82,7 @@ class TeacherSet:
                 time.sleep(self.cfg.debug.teacher_latency_s)
             return _named(
                 name,
-                several,
+                self.prefixes.get(name, ""),
                 lambda: self.target.score(
                     scorer,
                     [sequences[i] for i in rows],
@@ -112,12 +113,13 @@ class TeacherSet:
                 close()
 
 
-def _named(name: str, in_message: bool, call: Callable[[], T]) -> T:
-    """`call()`, its error tagged with the teacher `name` (and, when `in_message`, named in its text)."""
+def _named(name: str, prefix: str, call: Callable[[], T]) -> T:
+    """`call()`, its error tagged with the teacher `name` and its message prefixed with `prefix` (the teacher's
+    TeacherHandle.error_prefix: its name in a set of several)."""
     try:
         return call()
     except Exception as err:
         err.teacher = name  # type: ignore[attr-defined]  # survives pickling (BaseException keeps __dict__)
-        if in_message and err.args and isinstance(err.args[0], str):
-            err.args = (f"teacher {name!r}: {err.args[0]}", *err.args[1:])
+        if prefix and err.args and isinstance(err.args[0], str):
+            err.args = (f"{prefix}{err.args[0]}", *err.args[1:])
         raise

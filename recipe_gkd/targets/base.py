@@ -35,6 +35,8 @@ class Target:
     name: ClassVar[str] = "teacher_topk"
     # Whether the actor holds a part of the teacher (its output head): the memory plan counts it on the last stage.
     teacher_on_actor: ClassVar[bool] = False
+    # Whether the rollout worker reads the teacher's tokenizer (to map its replies onto the student's tokens).
+    teacher_tokenizer_on_rollout: ClassVar[bool] = False
 
     def __init__(self, cfg: GKDConfig) -> None:
         self.cfg = cfg

@@ -66,6 +66,7 @@ class CrossTokenizerSpans(Target):
     """Targets aligned by byte spans from a teacher of another tokenizer (algorithm.cross_tokenizer=span or uld)."""
 
     name: ClassVar[str] = "cross_tokenizer"
+    teacher_tokenizer_on_rollout: ClassVar[bool] = True
 
     def connect(self, view: GKDConfig, tokenizer: Any, address: str | None) -> Scorer:
         """Every teacher is scored in its own tokens (any tokenizer accepted)."""
