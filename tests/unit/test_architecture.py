@@ -135,6 +135,27 @@ def test_the_teacher_server_imports_nothing_from_the_trainer() -> None:
     assert not offenders, f"teacher_server imports recipe_gkd: {offenders}"
 
 
+# The loop and the callers of a target kind hold it through the registry (recipe_gkd.targets: build_target), never
+# by importing a kind's own module: a kind is added in its module and the registry alone.
+TARGET_CALLERS = (
+    "recipe_gkd.gkd",
+    "recipe_gkd.rollout.worker",
+    "recipe_gkd.rollout.teacher_set",
+    "recipe_gkd.actor.collate",
+    "recipe_gkd.actor.objective",
+    "recipe_gkd.memory_plan",
+)
+
+
+@pytest.mark.parametrize("caller", TARGET_CALLERS)
+def test_the_loop_and_the_workers_import_no_target_kind_module(caller: str) -> None:
+    modules = project_modules()
+    kinds = {m for m in modules if m.startswith("recipe_gkd.targets.") and m != "recipe_gkd.targets.base"}
+    assert {"recipe_gkd.targets.hidden", "recipe_gkd.targets.spans", "recipe_gkd.targets.union"} <= kinds
+    imported = imports_of(modules[caller]) & kinds
+    assert not imported, f"{caller} imports target kind modules {sorted(imported)}: use recipe_gkd.targets"
+
+
 def test_the_product_imports_nothing_from_the_demo() -> None:
     """recipe_gkd/demo is the CPU demo's task and asset builder: the product runs on any dataset without it."""
     offenders = {
