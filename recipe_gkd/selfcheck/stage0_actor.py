@@ -103,10 +103,12 @@ def synthetic_shard(cfg: GKDConfig, sizes: Sizes, hidden_size: int, seed: int = 
     """One step's sequences with teacher targets of the stage's sizes: random ids, a top-k holding half the
     teacher's mass (the tail the other half), or final hidden states with teacher.output=hidden."""
     from recipe_gkd.batch import Sequence, TrainShard
-    from recipe_gkd.config import TeacherOutput
+    from recipe_gkd.targets import build_target
+    from recipe_gkd.targets.hidden import HiddenStates
 
     rng = np.random.default_rng(seed)
-    vocab, k, hidden = sizes.student.vocab_size, sizes.top_k, cfg.teacher.output == TeacherOutput.hidden
+    # The target kind with the teacher on the actor (teacher.output=hidden) takes hidden states, not a top-k.
+    vocab, k, hidden = sizes.student.vocab_size, sizes.top_k, build_target(cfg).teacher_on_actor
     sequences = []
     for i in range(sizes.batch):
         length = sizes.prompt_len + sizes.response_len
@@ -127,7 +129,7 @@ def synthetic_shard(cfg: GKDConfig, sizes: Sizes, hidden_size: int, seed: int = 
                 teacher_tail_logmass=np.full(r, -np.log(2.0), np.float32),
                 teacher_sampled_logprob=-rng.exponential(2.0, r).astype(np.float32),
                 rollout_logprobs=-rng.exponential(2.0, r).astype(np.float32),
-                teacher_hidden=rng.standard_normal((r, hidden_size)).astype(np.float32) if hidden else None,
+                payload=HiddenStates(rng.standard_normal((r, hidden_size)).astype(np.float32)) if hidden else None,
             )
         )
     return TrainShard(step=0, weight_version=0, sequences=sequences)
@@ -137,9 +139,10 @@ def plan_lines(cfg: GKDConfig) -> dict[str, float]:
     """The memory plan's actor lines for `cfg` (GiB), as the plan computes them for a CUDA run."""
     import dataclasses
 
-    from recipe_gkd.config import Device, TeacherOutput
+    from recipe_gkd.config import Device
     from recipe_gkd.memory_plan import actor_memory
     from recipe_gkd.model_shape import read_shape
+    from recipe_gkd.targets import build_target
 
     skipped: list[str] = []
     shape = read_shape(cfg.model.student_path, "model.student_path", skipped)
@@ -147,7 +150,7 @@ def plan_lines(cfg: GKDConfig) -> dict[str, float]:
     if shape is None:
         raise RuntimeError(f"the plan cannot read the student's shape: {skipped}")
     cuda = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device=Device.cuda, gpu_memory_gib=80.0))
-    role = actor_memory(cuda, shape, teacher if cfg.teacher.output == TeacherOutput.hidden else None)
+    role = actor_memory(cuda, shape, teacher if build_target(cfg).teacher_on_actor else None)
     return {name: b / GIB for name, b in [*role.parts, *role.outside]}
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from recipe_gkd.batch import FOLDED_BASE, Sequence, TrainShard
 from recipe_gkd.config import Attention, CrossTokenizer, Device, Divergence, GKDConfig, Precision, Recompute
+from recipe_gkd.targets.spans import Spans
 from teacher_server.protocol import scores_from_logprobs
 
 GLOBAL_BATCH = 8
@@ -87,7 +88,7 @@ def make_xtok_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -
                 folded = rng.random(top_k) < (1.0 if rng.random() < 0.3 else 0.4)
                 seq.teacher_topk_ids[t] = np.where(folded, FOLDED_BASE + np.arange(top_k), seq.teacher_topk_ids[t])
             t += length
-        seq.span_len = span_len
+        seq.payload = Spans(span_len)
     return sequences
 
 
