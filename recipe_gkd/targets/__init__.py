@@ -6,7 +6,7 @@ loop's metric rows hold the object and never test the kind. Adding a kind: its o
 
 | kind | module | the teacher sends | payload | loss on the actor |
 |---|---|---|---|---|
-| teacher_topk | base.py | top-k + exact tail + sampled logprob | none | over the top-k + tail (TP: vocab-parallel) |
+| teacher_topk | topk.py | top-k + exact tail + sampled logprob | none | over the top-k + tail (TP: vocab-parallel) |
 | union | union.py | also logprobs at the student's top-k ids | none | the same over K + k_s columns |
 | hidden | hidden.py | final hidden states | HiddenStates | over the whole vocabulary (teacher head) |
 | cross_tokenizer | spans.py | a text reply in its own tokens, aligned | Spans | per span over the whole vocabulary |
@@ -21,10 +21,11 @@ from recipe_gkd.config import CrossTokenizer, Divergence, GKDConfig, Support, Te
 from recipe_gkd.targets.base import Target
 from recipe_gkd.targets.hidden import Hidden
 from recipe_gkd.targets.spans import CrossTokenizerSpans
+from recipe_gkd.targets.topk import TopK
 from recipe_gkd.targets.union import Union
 
 KINDS: dict[str, type[Target]] = {
-    Target.name: Target,
+    TopK.name: TopK,
     Union.name: Union,
     Hidden.name: Hidden,
     CrossTokenizerSpans.name: CrossTokenizerSpans,
@@ -39,7 +40,7 @@ def target_kind(cfg: GKDConfig) -> str:
         return Hidden.name
     if cfg.algorithm.support == Support.union:
         return Union.name
-    return Target.name
+    return TopK.name
 
 
 def build_target(cfg: GKDConfig) -> Target:

@@ -1,4 +1,4 @@
-"""What every target kind does, and the default: the teacher's top-k (+ its exact tail) over the student's tokens.
+"""What every target kind does (`Target`), and what most of them share: a top-k request, no payload, every column.
 
 A target kind is one class holding the whole behaviour of one way of asking a teacher for targets:
 
@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 
 
 class Target:
-    """The teacher's top-k over the student's vocabulary (algorithm.support=teacher_topk): one request per step."""
+    """One target kind (a subclass per kind, recipe_gkd/targets/__init__.py KINDS); the defaults are the top-k's."""
 
-    name: ClassVar[str] = "teacher_topk"
+    name: ClassVar[str] = ""
     # Whether the actor holds a part of the teacher (its output head): the memory plan counts it on the last stage.
     teacher_on_actor: ClassVar[bool] = False
     # Whether the rollout worker reads the teacher's tokenizer (to map its replies onto the student's tokens).
@@ -97,30 +97,8 @@ class Target:
     def loss_sum(
         self, objective: ActorObjective, logits_BTv: Tensor, micro: MicroBatch, divergence: str
     ) -> tuple[Tensor, Tensor]:
-        """Sum of per-token divergences over the micro-batch's loss tokens (same on all TP ranks)."""
-        from recipe_gkd.losses import gkd_loss_sum, vocab_parallel_gkd_loss_sum
-
-        a = self.cfg.algorithm
-        kwargs: dict[str, Any] = {
-            "divergence": divergence,
-            "beta": a.beta,
-            "temperature": a.temperature,
-            "tail": a.tail,
-            "teacher_tail_logmass": micro.teacher_tail_BT,
-        }
-        # Padded vocabulary columns are not tokens: they are cut off, never given mass.
-        logits_BTv = logits_BTv[..., objective.vocab_shard]
-        batch = (micro.teacher_logprobs_BTK, micro.teacher_ids_BTK, micro.loss_mask_BT)
-        if objective.layout.tp_size == 1:
-            return gkd_loss_sum(logits_BTv, *batch, **kwargs)
-        return vocab_parallel_gkd_loss_sum(
-            logits_BTv,
-            *batch,
-            vocab_start=objective.vocab_start,
-            vocab_size=objective.vocab_size,
-            group=objective.tp_group,
-            **kwargs,
-        )
+        """Sum of per-token divergences over the micro-batch's loss tokens, and their count (same on all TP ranks)."""
+        raise NotImplementedError(f"target kind {self.name!r} has no loss")
 
     def sampled_inputs(self, micro: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         """The sampled-token objective's loss mask and advantage arguments (none: log t - log s_old per token)."""

@@ -17,12 +17,12 @@ import numpy as np
 
 from recipe_gkd.batch import EXCLUDED_ID
 from recipe_gkd.rollout.engine import Scorer
-from recipe_gkd.targets.base import Target
+from recipe_gkd.targets.topk import TopK
 from teacher_server.protocol import TeacherTopK
 from teacher_server.scores import repeated_named
 
 
-class Union(Target):
+class Union(TopK):
     """The teacher's top-k together with the student's top-k_s ids (algorithm.support=union)."""
 
     name: ClassVar[str] = "union"

@@ -26,6 +26,7 @@ from recipe_gkd.cross_tokenizer.targets import AlignedScores
 from recipe_gkd.targets import Target, build_target, sampled_objective
 from recipe_gkd.targets.hidden import Hidden, HiddenStates
 from recipe_gkd.targets.spans import CrossTokenizerSpans, Spans
+from recipe_gkd.targets.topk import TopK
 from recipe_gkd.targets.union import Union
 from recipe_gkd.teachers_config import chosen_teacher, split_teachers, teacher_handles
 from teacher_server.protocol import TeacherTopK
@@ -37,8 +38,8 @@ PAD, VOCAB, TOP_K, HIDDEN = 0, 50, 4, 6
 @pytest.mark.parametrize(
     ("overrides", "kind", "topk", "logprobs"),
     [
-        ([], Target, True, True),
-        (["teacher.top_k=0", "algorithm.divergence=sampled_reverse_kl"], Target, False, True),
+        ([], TopK, True, True),
+        (["teacher.top_k=0", "algorithm.divergence=sampled_reverse_kl"], TopK, False, True),
         (["algorithm.support=union", "rollout.student_top_k=4"], Union, True, True),
         (["teacher.output=hidden"], Hidden, False, False),
         (["algorithm.cross_tokenizer=span"], CrossTokenizerSpans, False, True),
@@ -151,7 +152,7 @@ def test_across_tokenizers_the_scorer_scores_records_and_the_spans_are_the_paylo
     assert payload.counts() == {"aligned_tokens": 3.0, "response_tokens": 4.0}
     with pytest.raises(ValueError, match="no spans"):
         target.payload(_Scorer().score([seq], [2])[0])
-    assert Target(load_config(None, [])).payload(reply) is None  # the top-k kind adds nothing
+    assert TopK(load_config(None, [])).payload(reply) is None  # the top-k kind adds nothing
 
 
 def _sequence(sample_id: int, length: int, start: int, payload: object | None) -> Sequence:
