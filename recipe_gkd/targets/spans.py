@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 
 from recipe_gkd.config import GKDConfig
+from recipe_gkd.cross_tokenizer.targets import AlignedScores
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.targets.base import Target
 from teacher_server.protocol import TeacherTopK
@@ -87,12 +88,11 @@ class CrossTokenizerSpans(Target):
         return scorer.score_records(sequences, score_from, records)
 
     def payload(self, scored: TeacherTopK) -> Spans:
-        span_len, counts = getattr(scored, "span_len", None), getattr(scored, "counts", None)
-        if span_len is None:
+        if not isinstance(scored, AlignedScores) or scored.span_len is None:
             raise ValueError(
                 "algorithm.cross_tokenizer but the scorer's reply carries no spans (a same-tokenizer one?)"
             )
-        return Spans(span_len, dict(counts or {}))
+        return Spans(scored.span_len, dict(scored.counts))
 
     def sends_topk(self) -> bool:
         return False  # a top-k over the student's vocabulary on shared spans only
