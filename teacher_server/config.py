@@ -149,6 +149,9 @@ class TeacherConfig:
     """hf backend: padded tokens (rows x longest sequence) per forward pass."""
     queue_depth: int = bounded(8, ge=1)
     """Requests queued per replica before the server answers `busy` instead of growing memory."""
+    ready_timeout_s: float = bounded(600.0, gt=0)
+    """The server stops, naming this key, if a replica has not loaded and answered a probe by then (a 70B teacher
+    read from network storage can take longer); an autostarted server gets this plus 120 s from the driver."""
     replica_timeout_s: float = bounded(30.0, gt=0)
     """A replica silent (no heartbeat) this long is dropped and its requests are retried elsewhere."""
     dtype: str = one_of("auto", ("auto", "float32", "bfloat16", "float16"))

@@ -40,8 +40,6 @@ class ServerSection:
     torch_threads: int = 0
     # Replica logs; empty: a new temporary directory (printed at start).
     log_dir: str = ""
-    # Startup fails if a replica has not loaded and answered a probe by then.
-    ready_timeout_s: float = 600.0
     # A replica that dies is restarted at most this many times.
     max_restarts: int = 3
 
@@ -154,8 +152,6 @@ def _validate_server(server: ServerSection, teacher: TeacherConfig) -> None:
         )
     if server.torch_threads < 0:
         raise ConfigError("server.torch_threads", f"must be >= 0, got {server.torch_threads}")
-    if server.ready_timeout_s <= 0:
-        raise ConfigError("server.ready_timeout_s", f"must be > 0, got {server.ready_timeout_s}")
     if server.max_restarts < 0:
         raise ConfigError("server.max_restarts", f"must be >= 0, got {server.max_restarts}")
     if server.gpu_ids and len(server.gpu_ids) % teacher.gpus_per_replica:

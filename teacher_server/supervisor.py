@@ -159,7 +159,7 @@ class Supervisor:
         return env
 
     def _wait_registered(self) -> None:
-        deadline = time.monotonic() + self.settings.server.ready_timeout_s
+        deadline = time.monotonic() + self.settings.teacher.ready_timeout_s
         while not self._all_registered():
             if self.stopping:
                 raise StartupError("stopped by a signal during start-up")
@@ -170,8 +170,8 @@ class Supervisor:
                     )
             if time.monotonic() > deadline:
                 slow = [c for c in self.children if not self._registered(c)]
-                limit = self.settings.server.ready_timeout_s
-                what = f"replica {slow[0].slot.name} was not ready within server.ready_timeout_s={limit}"
+                limit = self.settings.teacher.ready_timeout_s
+                what = f"replica {slow[0].slot.name} was not ready within teacher.ready_timeout_s={limit}"
                 raise StartupError(self._failure(slow[0], what))
             time.sleep(SUPERVISE_INTERVAL_S)
 

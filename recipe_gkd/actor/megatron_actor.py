@@ -55,6 +55,11 @@ from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, cp
 MEGATRON_SEED = 1234
 
 
+def group_timeout_minutes(bound_s: float) -> int:
+    """megatron's group timeout (whole minutes) that is at least the world group's `bound_s` seconds."""
+    return max(1, math.ceil(bound_s / 60.0))
+
+
 class MegatronActor:
     """One rank of the megatron student trainer (see module docstring)."""
 
@@ -222,8 +227,13 @@ class MegatronActor:
             timeout=timedelta(seconds=bound_s),
         )
         m = self.cfg.actor.megatron
+        # megatron-core 0.16.1 parallel_state.initialize_model_parallel gives every group it creates (TP, DP, PP,
+        # MP, embedding, ...) `timedelta(minutes=distributed_timeout_minutes)`, 30 by default, not the world's bound.
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp, context_parallel_size=m.cp
+            tensor_model_parallel_size=m.tp,
+            pipeline_model_parallel_size=m.pp,
+            context_parallel_size=m.cp,
+            distributed_timeout_minutes=group_timeout_minutes(bound_s),
         )
         model_parallel_cuda_manual_seed(MEGATRON_SEED)
         megatron_coords = (

@@ -28,6 +28,8 @@ TOP_K = 8
 PROBE_SHAPE = (3, 12)
 SAMPLER_SALT = 0x5A
 # What train_step reports for algorithm.divergence=sampled_reverse_kl (recipe_gkd.gkd.POLICY_KEYS).
+# Not whole minutes: megatron's groups take minutes (rounded up), the world group seconds.
+SETUP_TIMEOUT_S = 3630.0
 POLICY_KEYS = ("advantage_mean", "ratio_mean", "ratio_min", "ratio_max", "ratio_clipped_frac")
 
 
@@ -114,6 +116,7 @@ def make_cfg(model_dir: str, world: int, device: str, **actor: Any) -> GKDConfig
     cfg.cluster.device = Device(device)
     cfg.model.student_path = model_dir
     cfg.actor.gpus_per_node = world
+    cfg.debug.setup_timeout_s = SETUP_TIMEOUT_S
     cfg.actor.megatron.tp = actor.pop("tp", 1)
     cfg.actor.megatron.pp = actor.pop("pp", 1)
     cfg.actor.micro_batch_size = actor.pop("micro_batch_size", 4)
@@ -143,6 +146,7 @@ class Job:
         a = MegatronActor(cfg, self.args.rank, self.args.world, "127.0.0.1", next(self.ports))
         info = a.setup()
         self.out["info"] = np.array(json.dumps(info))
+        self.out["group_timeouts_s"] = np.array(json.dumps(group_timeouts_s(a)))
         return a
 
     def export(self, a: Any, prefix: str) -> None:
@@ -165,6 +169,14 @@ class Job:
     def save(self) -> None:
         if self.args.rank == 0:
             np.savez(Path(self.args.workdir) / f"{self.name}.npz", **self.out)
+
+
+def group_timeouts_s(a: Any) -> dict[str, float]:
+    """The timeout of the world group and of each megatron group this rank holds (gloo's own option)."""
+    import torch.distributed as dist
+
+    groups = {"world": dist.group.WORLD, "tp": a.tp_group, "dp": a.dp_group, "pp": a.pp_group, "mp": a.mp_group}
+    return {name: g._get_backend(a.device).options._timeout.total_seconds() for name, g in groups.items()}
 
 
 def optimizer_state_numel(optimizer: Any) -> int:

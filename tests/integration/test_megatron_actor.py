@@ -337,6 +337,18 @@ def test_lr_warms_up_linearly(runs: dict[str, Path]) -> None:
     np.testing.assert_allclose(result(runs, "w1", "tp1_steps")["lr"], [5e-4, 1e-3, 1e-3])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "job"), [("w1", "mb8"), ("w2", "tp2_steps"), ("w4", "tp2pp2_steps")])
+def test_megatron_groups_time_out_with_the_setup_bound(runs: dict[str, Path], world: str, job: str) -> None:
+    """debug.setup_timeout_s bounds TP, DP, PP and MP groups as it bounds the world group (megatron's default: 30 min)."""
+    timeouts = json.loads(str(result(runs, world, job)["group_timeouts_s"]))
+    assert timeouts["world"] == scenarios.SETUP_TIMEOUT_S
+    # Whole minutes at least the world's bound: 3630 s -> 61 min.
+    assert {name: t for name, t in timeouts.items() if name != "world"} == dict.fromkeys(
+        ("tp", "dp", "pp", "mp"), 3660.0
+    )
+
+
 def assert_same_update(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
     np.testing.assert_allclose(a["loss"], b["loss"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=LOSS_RTOL)
