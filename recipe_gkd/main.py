@@ -106,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         plan = build_plan(cfg)
+        report = format_plan(plan)  # a CUDA_VISIBLE_DEVICES narrower than the plan is a bad config
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    print(format_plan(plan), flush=True)
+    print(report, flush=True)
     if args.dry_run:
         # Model references are read where they are (a directory, or the HF cache): nothing is downloaded.
         if not report_memory_plan(cfg):
