@@ -55,9 +55,12 @@ def check_teacher_head(cfg: GKDConfig) -> None:
     if cfg.teacher.output != TeacherOutput.hidden:
         return
     from recipe_gkd.actor import hf_arch
-    from recipe_gkd.actor.teacher_head import find_teacher_head
+    from recipe_gkd.actor.teacher_head import find_teacher_head, tokenizer_size
 
-    find_teacher_head(cfg.teacher.model_path, hf_arch.read_student_arch(cfg.model.student_path).vocab_size)
+    student_vocab = hf_arch.read_student_arch(cfg.model.student_path).vocab_size
+    find_teacher_head(
+        cfg.teacher.model_path, student_vocab, tokenizer_size(cfg.model.tokenizer_path or cfg.model.student_path)
+    )
 
 
 def report_memory_plan(cfg: GKDConfig) -> bool:

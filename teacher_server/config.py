@@ -125,7 +125,8 @@ class TeacherConfig:
     """topk: the teacher's top-k logprobs per scored token (teacher.top_k); hidden: its final hidden state (after its
     final norm), from which the actor computes the teacher's whole distribution with the teacher's output head,
     loaded from teacher.model_path (2 x hidden_size bytes per token; every divergence exact over the vocabulary; hf
-    or vllm backend, the vllm one running a pooling-mode engine; the teacher's vocabulary must be the student's).
+    or vllm backend, the vllm one running a pooling-mode engine; the teacher's tokenizer must be the student's,
+    heads padded differently over it are compared over the ids both have).
     See docs/objectives.md."""
     top_k: int = bounded(64, ge=0, note="0: the sampled token's logprob only")
     """Teacher logprobs sent per scored token (its top-k); 0: only the logprob of the token at each position
