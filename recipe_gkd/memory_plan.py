@@ -257,11 +257,11 @@ def vllm_memory(
     cfg: GKDConfig,
     *,
     dtype_bytes: int,
-    scores: bool,
+    beyond_profile: tuple[str, float] | None,
 ) -> RoleMemory:
     """One GPU of a vLLM engine with `tp` GPUs: weights, runtime reserve, KV cache in its share; outside it the
-    process's CUDA context (+ NCCL with tp > 1) and either the prompt log-prob buffers (`scores`: a teacher)
-    or the layer the in-place weight reload materialises (a rollout engine).
+    process's CUDA context (+ NCCL with tp > 1) and `beyond_profile`, what the engine allocates that its profile
+    run did not see: a teacher's prompt log-prob buffers, a rollout engine's reloaded layer (None: nothing).
 
     Weights and KV cache are in the engine's dtype (`dtype_bytes`; vLLM's kv_cache_dtype "auto").
     """
@@ -274,9 +274,8 @@ def vllm_memory(
     outside = [("CUDA context of the vLLM process", VLLM_CUDA_CONTEXT_GIB * GIB)]
     if tp > 1:
         outside.append((f"NCCL buffers (tensor parallel {tp})", VLLM_NCCL_GIB * GIB))
-    outside.append(
-        prompt_logprob_buffers(shape, max_len, dtype_bytes) if scores else reload_layer(shape, tp, dtype_bytes)
-    )
+    if beyond_profile is not None:
+        outside.append(beyond_profile)
     kv = budget - sum(b for _, b in parts)
     per_token = shape.kv_bytes_per_token(tp, dtype_bytes)
     kv_tokens = int(kv // per_token) if kv > 0 else 0
@@ -328,7 +327,15 @@ def rollout_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
     dtype_bytes = 4 if cfg.actor.precision == Precision.fp32 else 2
     gpus = r.nnodes * r.gpus_per_node
     memory = vllm_memory(
-        "rollout GPU", gpus, shape, r.tp, r.gpu_memory_utilization, max_len, cfg, dtype_bytes=dtype_bytes, scores=False
+        "rollout GPU",
+        gpus,
+        shape,
+        r.tp,
+        r.gpu_memory_utilization,
+        max_len,
+        cfg,
+        dtype_bytes=dtype_bytes,
+        beyond_profile=reload_layer(shape, r.tp, dtype_bytes),
     )
     if not memory.fits:
         memory.key = "rollout.gpu_memory_utilization" if r.gpu_memory_utilization < 0.9 else "rollout.tp"
@@ -349,6 +356,10 @@ def teacher_memory(cfg: GKDConfig, shape: Shape, name: str = "") -> RoleMemory:
     # teacher.dtype auto: vLLM keeps a 16-bit checkpoint's dtype and casts an fp32 one to fp16
     # (vllm/config/model.py, ModelConfig.dtype).
     dtype_bytes = 4 if t.dtype == "float32" else 2
+    # A hidden-state teacher runs vLLM's pooling runner, which asks for no prompt log-probs and whose profile run
+    # pools a whole max_num_batched_tokens batch (vllm/v1/worker/gpu_model_runner.py `profile_run` ->
+    # `_dummy_pooler_run`, 0.24.0/0.33.0): the pooled states are inside its share, nothing lies beyond it.
+    hidden = t.output == TeacherOutput.hidden
     memory = vllm_memory(
         f"teacher {name} GPU" if name else "teacher GPU",
         t.replicas * t.gpus_per_replica,
@@ -358,8 +369,13 @@ def teacher_memory(cfg: GKDConfig, shape: Shape, name: str = "") -> RoleMemory:
         max_len,
         cfg,
         dtype_bytes=dtype_bytes,
-        scores=True,
+        beyond_profile=None if hidden else prompt_logprob_buffers(shape, max_len, dtype_bytes),
     )
+    if hidden:
+        memory.notes.append(
+            "teacher.output=hidden: a pooling engine, no prompt log-probs; its profile run pools a full batch "
+            "(the runtime reserve holds it)"
+        )
     if not memory.fits:
         if memory.problem.startswith("the KV cache"):
             memory.key = "teacher.max_model_len" if not t.max_model_len else "teacher.gpus_per_replica"

@@ -385,13 +385,23 @@ def test_each_vllm_process_has_its_context_and_the_rollout_its_reload_layer_outs
     shape = model_shape.shape_from_config(QWEN25_7B)
     cfg = load_config(REMOTE_PRESET)
     for tp, nccl in ((1, 0.0), (2, 0.5)):
-        role = memory_plan.vllm_memory("rollout GPU", 4, shape, tp, 0.5, 4096, cfg, dtype_bytes=2, scores=False)
+        role = memory_plan.vllm_memory(
+            "rollout GPU",
+            4,
+            shape,
+            tp,
+            0.5,
+            4096,
+            cfg,
+            dtype_bytes=2,
+            beyond_profile=memory_plan.reload_layer(shape, tp, 2),
+        )
         outside = dict(role.outside)
         assert outside["CUDA context of the vLLM process"] == 0.5 * memory_plan.GIB
         assert outside.get(f"NCCL buffers (tensor parallel {tp})", 0.0) == nccl * memory_plan.GIB
         (reload,) = [b for n, b in outside.items() if n.startswith("in-place reload")]
         assert reload == 152064 * 3584 * 2 / tp
-    teacher = memory_plan.vllm_memory("teacher GPU", 4, shape, 1, 0.5, 4096, cfg, dtype_bytes=2, scores=True)
+    teacher = memory_plan.teacher_memory(cfg, shape)
     assert not any(n.startswith("in-place reload") for n, _ in teacher.outside)  # a teacher is never reloaded
 
 
@@ -469,3 +479,21 @@ def test_two_colocated_teachers_are_checked_each(
     with pytest.raises(ConfigError) as err:
         load_config(two_colocated_teachers(tmp_path, **shares), overrides)
     assert err.value.key == key, str(err.value)
+
+
+def test_a_hidden_state_teacher_is_charged_no_prompt_logprob_buffers(hub_cache: Path) -> None:
+    """teacher.output=hidden runs a pooling engine that asks for no prompt log-probs (its profile run pools a full
+    batch inside its share): on the one-GPU preset the 3.1 GB of the log-prob teacher's buffers are not charged."""
+    plans = {
+        output: memory_plan.build_memory_plan(load_config(COLOCATED, [f"teacher.output={output}"]))
+        for output in ("topk", "hidden")
+    }
+    teachers = {o: next(r for r in p.roles if r.role == "teacher GPU") for o, p in plans.items()}  # type: ignore[union-attr]
+    (buffers,) = [b for n, b in teachers["topk"].outside if n.startswith("prompt log-prob buffers")]
+    cfg = load_config(COLOCATED)
+    shape = model_shape.shape_from_config(HUB_MODELS[cfg.teacher.model_path])
+    tokens = min(cfg.teacher.max_model_len or shape.max_position_embeddings, memory_plan.VLLM_BATCHED_TOKENS)
+    assert buffers == tokens * shape.vocab_size * (2 + 4 + 4) and buffers / 1e9 == pytest.approx(3.1, abs=0.05)
+    assert teachers["hidden"].outside == [("CUDA context of the vLLM process", 0.5 * memory_plan.GIB)]
+    gpus = {o: p.roles[0] for o, p in plans.items()}  # type: ignore[union-attr]
+    assert gpus["topk"].total - gpus["hidden"].total == pytest.approx(buffers)
