@@ -190,7 +190,7 @@ class ReplicaStats(msgspec.Struct):
     name: str
     pid: int
     host: str
-    gpu_ids: list[int]
+    gpu_ids: list[str]  # indices or UUIDs (GPU-..., MIG-...), as the replica's CUDA_VISIBLE_DEVICES has them
     # Requests sent to the replica and not answered yet (its queue depth).
     queue_depth: int
     requests: int
@@ -228,7 +228,7 @@ class Register(msgspec.Struct, tag="register"):
     name: str
     pid: int
     host: str
-    gpu_ids: list[int]
+    gpu_ids: list[str]  # indices or UUIDs (GPU-..., MIG-...), as the replica's CUDA_VISIBLE_DEVICES has them
     model_id: str
     vocab_size: int
     tokenizer_hash: str

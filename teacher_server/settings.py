@@ -29,10 +29,11 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 class ServerSection:
     """Server-only knobs (the `server:` section of a standalone yaml, `server.*` overrides)."""
 
-    # Node-local GPU ids for this node's replicas, split by teacher.gpus_per_replica. Empty:
+    # Node-local GPU ids for this node's replicas, split by teacher.gpus_per_replica: what each replica's
+    # CUDA_VISIBLE_DEVICES gets, so indices or the UUIDs of a UUID mask (GPU-..., MIG-...). Empty:
     # 0..replicas*gpus_per_replica-1 (a teacher yaml, or a preset whose teacher is remote); a preset
     # with a local teacher needs them (launch/start_teacher.sh passes the plan's).
-    gpu_ids: list[int] = field(default_factory=list)
+    gpu_ids: list[str] = field(default_factory=list)
     # Where replicas connect (and `--join` points). Empty: teacher.address with port + 1
     # (an ephemeral port when teacher.address has port 0).
     replica_address: str = ""
@@ -54,7 +55,7 @@ class TeacherFile:
 class ReplicaSlot:
     name: str
     node: int
-    gpu_ids: tuple[int, ...]
+    gpu_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ def _slots(teacher: TeacherConfig, server: ServerSection, node_rank: int) -> tup
     if server.gpu_ids:
         groups = [tuple(server.gpu_ids[i : i + gpr]) for i in range(0, len(server.gpu_ids), gpr)]
     else:
-        groups = [tuple(range(r * gpr, (r + 1) * gpr)) for r in range(teacher.replicas)]
+        groups = [tuple(str(g) for g in range(r * gpr, (r + 1) * gpr)) for r in range(teacher.replicas)]
     return tuple(ReplicaSlot(f"n{node_rank}-r{i}", node_rank, g) for i, g in enumerate(groups))
 
 

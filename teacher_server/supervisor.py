@@ -150,7 +150,7 @@ class Supervisor:
         if slot.gpu_ids:
             # --gpu-ids are the node's device ids, already mapped through any CUDA_VISIBLE_DEVICES the
             # trainer met (recipe_gkd.placement.physical_gpu_ids), so they replace this process's mask.
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in slot.gpu_ids)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpu_ids)
         if self.settings.server.torch_threads:
             env["OMP_NUM_THREADS"] = str(self.settings.server.torch_threads)
         # Never download: the model directory is all a replica may read.
