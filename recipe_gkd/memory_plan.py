@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from recipe_gkd.config import (
+    PIPELINE_DEPTH,
     ConfigError,
     Device,
     GKDConfig,
@@ -48,6 +49,8 @@ ACTOR_RESERVE_GIB = 2.5
 # in all (recipe_gkd/losses/hidden.py; the same numbers, kept here so a dry run imports no torch).
 HIDDEN_LOSS_CHUNK_BYTES = 256 * 2**20
 HIDDEN_CHUNK_BUFFERS = 5
+# The wire's 16-bit hidden states, kept so from the client to the teacher's head (teacher_server/hidden_codec.py).
+HIDDEN_WIRE_BYTES = 2
 # vLLM outside weights and KV cache: CUDA graphs, sampler, activations of its profile run.
 VLLM_RESERVE_GIB = 2.0
 # vLLM's default max_num_batched_tokens for the offline LLM class on H100/H200 (vllm/engine/arg_utils.py).
@@ -214,7 +217,12 @@ def _teacher_head_parts(teacher: Shape | None, vocab_shard: int, tokens: int, ac
         return []
     return [
         (f"teacher output head ({vocab_shard} rows x {teacher.hidden_size})", vocab_shard * teacher.hidden_size * act),
-        (f"teacher hidden states ({tokens} tokens x {teacher.hidden_size}, fp32)", tokens * teacher.hidden_size * 4),
+        (
+            # The micro-batch's dense [B, T, H] and the loss rows gathered from it (saved for backward), 16-bit:
+            # one micro-batch at a time (recipe_gkd/actor/collate.py LazyMicroBatches).
+            f"teacher hidden states ({tokens} tokens x {teacher.hidden_size}, 16-bit, and the loss rows' copy)",
+            2 * tokens * teacher.hidden_size * HIDDEN_WIRE_BYTES,
+        ),
         (
             "hidden-state loss chunk buffers (fp32)",
             min(HIDDEN_LOSS_CHUNK_BYTES, tokens * vocab_shard * 4 * HIDDEN_CHUNK_BUFFERS),
@@ -509,7 +517,8 @@ OBJECT_STORE_SHARDS_MIB = 128
 
 
 def object_store_mib(cfg: GKDConfig) -> int:
-    """cluster.ray_object_store_mb, or (0) twice the student's export plus room for the shards.
+    """cluster.ray_object_store_mb, or (0) twice the student's export plus room for the shards, plus the
+    teacher's hidden states of the batches in flight (teacher.output=hidden).
 
     An object-store sync puts a whole version (in the training dtype: fp32 or bf16) before the engines
     have read it, and the next version may be put before the last reference to the previous one is
@@ -518,11 +527,23 @@ def object_store_mib(cfg: GKDConfig) -> int:
     """
     if cfg.cluster.ray_object_store_mb:
         return cfg.cluster.ray_object_store_mb
-    if weight_transport(cfg) != WeightTransport.object_store:
-        return OBJECT_STORE_MIN_MIB  # the weights go over a collective, one bucket at a time
-    skipped: list[str] = []
-    shape = read_shape(cfg.model.student_path, "model.student_path", skipped)
-    if shape is None:
-        return OBJECT_STORE_MIN_MIB
-    export_mib = shape.num_params() * (2 if cfg.actor.precision == Precision.bf16 else 4) / 2**20
-    return max(OBJECT_STORE_MIN_MIB, math.ceil(2 * export_mib) + OBJECT_STORE_SHARDS_MIB)
+    base = OBJECT_STORE_MIN_MIB
+    if weight_transport(cfg) == WeightTransport.object_store:  # else the weights go over a collective, by buckets
+        shape = read_shape(cfg.model.student_path, "model.student_path", [])
+        if shape is not None:
+            export_mib = shape.num_params() * (2 if cfg.actor.precision == Precision.bf16 else 4) / 2**20
+            base = max(OBJECT_STORE_MIN_MIB, math.ceil(2 * export_mib) + OBJECT_STORE_SHARDS_MIB)
+    return base + math.ceil(hidden_shard_bytes(cfg) / 2**20)
+
+
+def hidden_shard_bytes(cfg: GKDConfig) -> int:
+    """teacher.output=hidden: the hidden states the rollout shards of the batches in flight carry through the object
+    store, 2 bytes a value (recipe_gkd/batch.py HiddenStates), at most max_new_tokens a sequence (0 otherwise)."""
+    if cfg.teacher.output != TeacherOutput.hidden:
+        return 0
+    teacher = read_shape(cfg.teacher.model_path, "teacher.model_path", [])
+    if teacher is None:
+        return 0
+    batches = 1 + PIPELINE_DEPTH[cfg.algorithm.schedule]
+    tokens = cfg.data.train_batch_size * cfg.rollout.sampling.max_new_tokens
+    return batches * tokens * teacher.hidden_size * HIDDEN_WIRE_BYTES

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from recipe_gkd.actor import checkpointing, hf_arch, hf_convert, mcore_model
-from recipe_gkd.actor.collate import MicroBatch, collate, split_by_token_budget, split_micro_batches
+from recipe_gkd.actor.collate import LazyMicroBatches, MicroBatch, split_by_token_budget, split_micro_batches
 from recipe_gkd.actor.layout import rank_layout
 from recipe_gkd.actor.objective import ActorObjective, sum_from_last_stage
 from recipe_gkd.actor.optimizer import build_optimizer, clip_grads, wrap_ddp
@@ -342,17 +342,17 @@ class MegatronActor:
     def _folded_ids(self, sequences: list[Sequence]) -> int:
         return sum(int((s.teacher_topk_ids >= self.arch.vocab_size).sum()) for s in sequences)
 
-    def _micro_batches(self, sequences: list[Sequence]) -> list[MicroBatch]:
+    def _micro_batches(self, sequences: list[Sequence]) -> LazyMicroBatches:
         budget = self.cfg.actor.max_tokens_per_micro_batch
         if budget:
             groups = split_by_token_budget(sequences, budget)
         else:
             groups = split_micro_batches(sequences, self.cfg.actor.micro_batch_size)
-        return [collate(group, self.pad_id, self.objective.teacher_names).to(self.device) for group in groups]
+        return LazyMicroBatches(groups, self.pad_id, tuple(self.objective.teacher_names), self.device)
 
     def _run_schedule(
         self,
-        micro_batches: list[MicroBatch],
+        micro_batches: LazyMicroBatches | list[MicroBatch],
         loss_fn: Callable[..., Any],
         *,
         forward_only: bool,
@@ -371,7 +371,10 @@ class MegatronActor:
             output = model(micro.input_ids_BT, micro.position_ids_BT, None)
             return output, partial(loss_fn, micro)
 
-        shapes = [tuple(m.input_ids_BT.shape) for m in micro_batches]
+        if isinstance(micro_batches, LazyMicroBatches):
+            shapes = micro_batches.shapes
+        else:
+            shapes = [(int(m.input_ids_BT.shape[0]), int(m.input_ids_BT.shape[1])) for m in micro_batches]
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro_batches),

@@ -8,6 +8,7 @@ user's machine (config.json only, no weights, no network).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -497,3 +498,19 @@ def test_a_hidden_state_teacher_is_charged_no_prompt_logprob_buffers(hub_cache: 
     assert teachers["hidden"].outside == [("CUDA context of the vLLM process", 0.5 * memory_plan.GIB)]
     gpus = {o: p.roles[0] for o, p in plans.items()}  # type: ignore[union-attr]
     assert gpus["topk"].total - gpus["hidden"].total == pytest.approx(buffers)
+
+
+def test_the_object_store_holds_the_hidden_states_of_the_batches_in_flight(hub_cache: Path) -> None:
+    """teacher.output=hidden on 1x8_a1_r3_t4: every response token's teacher state crosses Ray's object store, in
+    the wire's 16 bits (half the float32 1.5 GiB a step), for the batch trained and those the schedule runs ahead."""
+    preset = CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"
+    topk = load_config(preset)
+    teacher_hidden = HUB_MODELS[topk.teacher.model_path]["hidden_size"]
+    per_batch = topk.data.train_batch_size * topk.rollout.sampling.max_new_tokens * teacher_hidden * 2
+    for schedule, batches in (("sync", 1), ("one_step_off", 2), ("two_step_off", 3)):
+        cfg = load_config(preset, ["teacher.output=hidden", f"algorithm.schedule={schedule}"])
+        assert memory_plan.hidden_shard_bytes(cfg) == batches * per_batch
+        assert memory_plan.object_store_mib(cfg) == memory_plan.object_store_mib(topk) + math.ceil(
+            batches * per_batch / 2**20
+        )
+    assert memory_plan.hidden_shard_bytes(topk) == 0
