@@ -408,7 +408,7 @@ def test_each_vllm_process_has_its_context_and_the_rollout_its_reload_layer_outs
 
 def test_teacher_output_hidden_counts_the_teacher_head_its_hidden_states_and_the_loss_chunks(tmp_path: Path) -> None:
     """teacher.output=hidden on a Qwen2.5-7B-shaped actor at TP 2 with a teacher of the same shape: the head's
-    rows of this rank (152064 / 2 x 3584 in bf16 = 545 MB), the micro-batch's fp32 hidden states, and the loss's
+    rows of this rank (152064 / 2 x 3584 in bf16 = 545 MB), the micro-batch's 16-bit hidden states and the loss rows' copy, and the loss's
     chunk buffers (DEFAULT_CHUNK_BYTES in all, the numbers recipe_gkd/losses/hidden.py uses)."""
     from recipe_gkd.losses import hidden as hidden_loss
     from recipe_gkd.losses import student_logits
