@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from recipe_gkd.config import (
     PIPELINE_DEPTH,
     ConfigError,
+    CrossTokenizer,
     Device,
     GKDConfig,
     Precision,
@@ -51,6 +52,12 @@ HIDDEN_LOSS_CHUNK_BYTES = 256 * 2**20
 HIDDEN_CHUNK_BUFFERS = 5
 # The wire's 16-bit hidden states, kept so from the client to the teacher's head (teacher_server/hidden_codec.py).
 HIDDEN_WIRE_BYTES = 2
+# algorithm.cross_tokenizer at actor TP > 1: the loss gathers the whole vocabulary on every rank
+# (recipe_gkd/actor/objective.py `full_vocabulary`, megatron-core 0.16.1 `_GatherFromModelParallelRegion`) from
+# Float16Module's fp32 logits. Bound: six fp32 [tokens, V] tensors at once (the gathered logits, their tempered
+# copy, the span path's log-softmax, the shared pieces' top-k loss over the same rows, and the gradients alive
+# together in backward); benchmarks/bench_cross_tokenizer_memory.py measures 16.6-18.5 B per token per id.
+XTOK_GATHERED_BYTES = 6 * 4
 # vLLM outside weights and KV cache: CUDA graphs, sampler, activations of its profile run.
 VLLM_RESERVE_GIB = 2.0
 # vLLM's default max_num_batched_tokens for the offline LLM class on H100/H200 (vllm/engine/arg_utils.py).
@@ -172,6 +179,8 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
     # Last stage: logits in the compute dtype, their fp32 copy, the loss's fp32 log-softmax and
     # the two gradients of the same size (measured on CPU: benchmarks/bench_actor_memory.py).
     logits = tokens * vocab_shard * (act + 4 * 4)
+    gathered = _gathered_vocabulary_parts(cfg, shape, tokens)
+    freed = activations + logits + sum(b for _, b in gathered)  # all gone before the optimizer steps
     # torch's AdamW (megatron-core 0.16.1's GPU optimizer without Transformer Engine or apex,
     # megatron/core/optimizer/__init__.py) steps with foreach ops: `_foreach_sqrt` of the second moments
     # makes one fp32 tensor per parameter of the optimizer's shard. Activations and logits are freed by
@@ -190,11 +199,15 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
                 f"recompute {m.recompute.value}, {m.attention.value} attention)",
                 activations,
             ),
-            (f"logits and loss buffers ({tokens} tokens x {vocab_shard} vocabulary columns)", logits),
+            (
+                f"logits and loss buffers ({tokens} tokens x {vocab_shard} vocabulary columns)",
+                logits,
+            ),
+            *gathered,
             (
                 f"optimizer step temporary (fp32 sqrt of the Adam second moments, {step_temp / GIB:.2f} GiB) "
                 "beyond the freed activations and logits",
-                max(0.0, step_temp - activations - logits),
+                max(0.0, step_temp - freed),
             ),
             *_teacher_head_parts(teacher, vocab_shard, tokens, act),
             ("CUDA context, NCCL, allocator reserve", ACTOR_RESERVE_GIB * GIB),
@@ -209,6 +222,17 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
     if role.total > role.capacity:
         role.key, role.problem = _actor_remedy(cfg, role)
     return role
+
+
+def _gathered_vocabulary_parts(cfg: GKDConfig, shape: Shape, tokens: int) -> list[tuple[str, float]]:
+    """algorithm.cross_tokenizer at actor TP > 1: the loss's whole-vocabulary buffers on every rank."""
+    if cfg.algorithm.cross_tokenizer == CrossTokenizer.none or cfg.actor.megatron.tp == 1:
+        return []
+    name = (
+        f"cross-tokenizer loss over the gathered vocabulary ({tokens} tokens x {shape.vocab_size} ids on every TP "
+        "rank: fp32 logits, their log-softmaxes and gradients)"
+    )
+    return [(name, tokens * shape.vocab_size * XTOK_GATHERED_BYTES)]
 
 
 def _teacher_head_parts(teacher: Shape | None, vocab_shard: int, tokens: int, act: int) -> list[tuple[str, float]]:

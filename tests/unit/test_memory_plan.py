@@ -514,3 +514,33 @@ def test_the_object_store_holds_the_hidden_states_of_the_batches_in_flight(hub_c
             batches * per_batch / 2**20
         )
     assert memory_plan.hidden_shard_bytes(topk) == 0
+
+
+def test_the_cross_tokenizer_loss_at_tp_2_is_counted_over_the_gathered_vocabulary(tmp_path: Path) -> None:
+    """Across tokenizers each TP rank gathers the whole vocabulary for the loss: the plan counts XTOK_GATHERED_BYTES
+    per token per id of it, which the loss's measured peak on CPU (benchmarks/bench_cross_tokenizer_memory.py: the
+    real loss, forward and backward, behind megatron's gather) must not exceed, and comes near."""
+    shape = model_shape.shape_from_config(QWEN25_7B)
+    student = [f"model.student_path={qwen7b_dir(tmp_path)}", "algorithm.cross_tokenizer=span"]
+    at_tp = {
+        tp: dict(
+            memory_plan.actor_memory(load_config(REMOTE_PRESET, [*student, f"actor.megatron.tp={tp}"]), shape).parts
+        )
+        for tp in (1, 2)
+    }
+    cfg = load_config(REMOTE_PRESET, [*student, "actor.megatron.tp=2"])
+    tokens = cfg.actor.max_tokens_per_micro_batch or cfg.actor.micro_batch_size * (
+        cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    )
+    (gathered,) = [b for n, b in at_tp[2].items() if n.startswith("cross-tokenizer loss over the gathered vocabulary")]
+    assert gathered == tokens * 152064 * memory_plan.XTOK_GATHERED_BYTES
+    assert not any(n.startswith("cross-tokenizer loss") for n in at_tp[1])
+    same_tokenizer = load_config(REMOTE_PRESET, [student[0], "actor.megatron.tp=2"])
+    assert not any(
+        n.startswith("cross-tokenizer loss") for n, _ in memory_plan.actor_memory(same_tokenizer, shape).parts
+    )
+    from benchmarks.bench_cross_tokenizer_memory import measured_bytes
+
+    for objective in ("span", "uld"):
+        measured = measured_bytes(objective, tokens=256, vocab=16384, tp=2)
+        assert 0.7 * memory_plan.XTOK_GATHERED_BYTES <= measured <= memory_plan.XTOK_GATHERED_BYTES, objective
