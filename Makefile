@@ -54,9 +54,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check recipe_gkd teacher_server tests benchmarks
 	$(VENV)/bin/ruff format --check recipe_gkd teacher_server tests benchmarks
 
-# docs/configuration.md from the schema's field docstrings (a unit test fails when it is stale).
+# docs/configuration.md from the schema's field docstrings and docs/layout.md from the modules' docstrings (a unit test fails when either is stale).
 docs: $(STAMP)
 	$(PY) -m recipe_gkd.config_reference
+	$(PY) -m recipe_gkd.layout_reference
 
 clean-venv:
 	rm -rf $(VENV)

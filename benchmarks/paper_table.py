@@ -9,8 +9,8 @@ supervised KD on the dataset's responses, 1 is fully on-policy (GKD's lambda); j
 generalized JSD with beta = 0.5. The default preset is the paper task (cpu_paper.yaml: digit
 sums in any order, recipe_gkd/demo/sum_task.py), whose assets are built first if missing.
 Prints the table in the paper's layout (rows: divergence, columns: lmbda; mean +- std over
-seeds), and writes benchmarks/results/paper_table.json, docs/paper_table.md (the table, each
-run, the curves) and docs/paper_table.png (accuracy over steps per cell, seeds averaged).
+seeds), and writes benchmarks/results/paper_table.json, docs/results/paper_table.md (the table, each
+run, the curves) and docs/results/paper_table.png (accuracy over steps per cell, seeds averaged).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 LMBDA_NAMES = {0.0: "supervised KD (lmbda=0)", 0.5: "mixed (lmbda=0.5)", 1.0: "on-policy (lmbda=1)"}
 PAPER_PRESET = ROOT / "configs" / "presets" / "cpu_paper.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "paper_table.json"
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"
 Run = dict[str, Any]
 
 
@@ -204,7 +204,7 @@ def main() -> None:
 
 
 def write_docs(payload: dict[str, Any], docs: Path) -> None:
-    """docs/paper_table.md and docs/paper_table.png from a results payload (this run's or a saved JSON)."""
+    """docs/results/paper_table.md and docs/results/paper_table.png from a results payload (this run's or a saved JSON)."""
     docs.mkdir(parents=True, exist_ok=True)
     runs = payload["runs"]
     plot(runs, docs / "paper_table.png")

@@ -58,7 +58,7 @@ The resolved config is saved as `<run_dir>/resolved_config.yaml`.
 
 This page is generated from the schema's dataclasses and their field docstrings by
 `{COMMAND}` (a test fails when it differs from what the schema generates);
-edit the docstrings in `recipe_gkd/config.py` (the `teacher` section: `teacher_server/config.py`), then rerun it.
+edit the docstrings in `recipe_gkd/config/schema.py` (the `teacher` section: `teacher_server/config.py`), then rerun it.
 Allowed values are the enum members, the choices or the bounds declared on the field; the rules that
 tie several keys together live in `validate()` and print the key to change.
 """

@@ -10,8 +10,8 @@ exported student is then scored on the held-out prompts (scoring.py): (a) KL(tea
 over the full vocabulary on the student's own greedy responses, (b) the teacher's mean token
 logprob of those responses, (c) ROUGE-L F1 against the teacher's greedy responses. A finished
 run's scores are kept in its run directory (benchmarks/results/real_pair_runs/) with the preset's
-sha256, so an interrupted grid resumes (a changed preset reruns every cell). Writes benchmarks/results/real_pair.json, docs/real_pair_table.md
-(the generated table) and docs/real_pair.png.
+sha256, so an interrupted grid resumes (a changed preset reruns every cell). Writes benchmarks/results/real_pair.json, docs/results/real_pair_table.md
+(the generated table) and docs/results/real_pair.png.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from recipe_gkd.metrics import read_metrics  # noqa: E402
 PRESET = ROOT / "configs" / "presets" / "cpu_real_pair.yaml"
 RUNS = ROOT / "benchmarks" / "results" / "real_pair_runs"
 RESULTS = ROOT / "benchmarks" / "results" / "real_pair.json"
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"
 SCORES_FILE = "real_pair_scores.json"
 EXPORT_DIR = "final_student"  # recipe_gkd.gkd.FINAL_EXPORT_DIR (not imported: it pulls in the driver)
 METRICS = {

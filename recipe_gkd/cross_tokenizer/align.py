@@ -8,10 +8,14 @@ with equal byte ranges (TRL's GOLD trainer walks them the same way, trl/experime
 may hold part of a UTF-8 character). Special handling:
 
 - the student's control tokens (its special / template tokens) have no text: they are left unaligned,
+  even where one sits between two tokens of a span (the span's rows then hold it, marked unaligned),
   except a final EOS, which is aligned one-to-one with the teacher's end of turn (the server scores that
   token after the response, conversation.py);
 - a response whose bytes do not decode as UTF-8 (a truncated multi-byte character at the end, or
-  invalid bytes the student sampled) is sent up to its last valid byte; the tokens past it are unaligned.
+  invalid bytes the student sampled) is sent up to its last whole token that ends on valid text: a
+  byte-level piece may complete text and start a character (" \xe2\x80", a space and the start of "—"),
+  and that piece's text bytes are not sent either, so both sides cover the same bytes; the tokens past
+  that point are unaligned.
 
 Unaligned student tokens get no loss (they are counted in the step's alignment metrics).
 """
@@ -28,7 +32,7 @@ from teacher_server.conversation import byte_offsets
 @dataclass(frozen=True)
 class StudentText:
     """A student response as text: the text the teacher scores, and per student token its byte range
-    in it (aligned[j] False: a control token or past the last valid UTF-8 byte)."""
+    in it (aligned[j] False: a control token, or past the last whole token ending on valid UTF-8)."""
 
     text: str
     offsets: np.ndarray  # int32 [n, 2]
@@ -43,7 +47,8 @@ class StudentText:
 
 @dataclass(frozen=True)
 class Span:
-    """Student tokens [s_lo, s_hi) and teacher tokens [t_lo, t_hi) covering the same bytes."""
+    """Student rows [s_lo, s_hi) and teacher tokens [t_lo, t_hi) covering the same bytes (a student control token
+    between two of the span's tokens lies in its rows but is not aligned: StudentText.aligned is False there)."""
 
     s_lo: int
     s_hi: int
@@ -62,12 +67,8 @@ def student_text(response_ids: np.ndarray, table: list[bytes | None], eos_id: in
     body = ids[:-1] if ends_with_eos else ids
     offsets = byte_offsets(body, table)
     raw = b"".join(table[i] or b"" for i in body if i < len(table))
-    try:
-        text = raw.decode("utf-8")
-        valid = len(raw)
-    except UnicodeDecodeError as err:
-        valid = err.start
-        text = raw[:valid].decode("utf-8")
+    valid = _whole_token_prefix(raw, offsets[:, 1])
+    text = raw[:valid].decode("utf-8")
     width = offsets[:, 1] - offsets[:, 0]
     aligned = (width > 0) & (offsets[:, 1] <= valid)
     if ends_with_eos:
@@ -76,6 +77,21 @@ def student_text(response_ids: np.ndarray, table: list[bytes | None], eos_id: in
         # The EOS stands for the end of turn only when everything before it is text the teacher saw.
         aligned = np.concatenate([aligned, [valid == len(raw)]])
     return StudentText(text, offsets.astype(np.int32), aligned.astype(bool), ends_with_eos)
+
+
+def _whole_token_prefix(raw: bytes, token_ends: np.ndarray) -> int:
+    """The longest prefix of `raw` that decodes as UTF-8 and ends where a token ends (0 when none does)."""
+    try:
+        raw.decode("utf-8")
+        return len(raw)
+    except UnicodeDecodeError as err:
+        utf8_valid = err.start
+    # Token ends within the valid bytes, latest first; one inside a character (a piece holding its first byte) is
+    # skipped: rare, and at most a character's 3 bytes back.
+    for end in sorted({int(e) for e in token_ends if e <= utf8_valid}, reverse=True):
+        if end == utf8_valid or (raw[end] & 0xC0) != 0x80:
+            return end
+    return 0
 
 
 def align_spans(student: StudentText, teacher_offsets: np.ndarray) -> list[Span]:
@@ -108,7 +124,8 @@ def align_spans(student: StudentText, teacher_offsets: np.ndarray) -> list[Span]
         else:
             s += 1
             t += 1
-            # Student tokens are consecutive within a span (an unaligned token is zero-width or past the text).
+            # The span's rows run from its first to its last aligned student token; a control token between them
+            # (zero-width, sampled inside one teacher piece) lies in them, unaligned. Tokens past the text never do.
             spans.append(Span(s_idx[s_lo], s_idx[s - 1] + 1, t_lo, t))
             s_lo, t_lo = s, t
     if has_eot:

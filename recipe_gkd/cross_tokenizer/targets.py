@@ -2,8 +2,9 @@
 
 Per student response token j (the arrays of recipe_gkd.batch.Sequence, one row per response token):
 
-- ``span_len[j]``: > 0 at the first student token of a span (its student token count), 0 at the span's
-  other tokens, -1 at an unaligned token (no loss);
+- ``span_len[j]``: > 0 at the first student token of a span (the rows the span runs over), 0 at the span's
+  other tokens, -1 at an unaligned token (no loss), a control token the student sampled inside the span too
+  (the span's sums skip it: losses/cross_tokenizer.py `span_sums` of masked values, `span_advantages`);
 - ``teacher_sampled_logprob[j]``: at a span's first token, the teacher's log-probability of the span's
   text (the sum of its token logprobs over the span; 0 at the span's other tokens), so the sums over a
   response are the teacher's logprob of the whole aligned text;
@@ -100,7 +101,8 @@ def aligned_scores(
     teacher_sampled = reply.sampled_logprob.astype(np.float64)
     shared_spans = one_to_one_tokens = 0
     for span in spans:
-        span_len[span.s_lo : span.s_hi] = 0
+        # A control token inside the span stays unaligned: no log-prob in the span's sums, no advantage.
+        span_len[span.s_lo : span.s_hi] = np.where(text.aligned[span.s_lo : span.s_hi], 0, -1)
         span_len[span.s_lo] = span.s_hi - span.s_lo
         sampled[span.s_lo] = teacher_sampled[span.t_lo : span.t_hi].sum()
         one_to_one_tokens += span.one_to_one
@@ -115,7 +117,7 @@ def aligned_scores(
         else:
             later = teacher_sampled[span.t_lo + 1 : span.t_hi].sum()
             logprobs[span.s_lo] = reply.topk_logprobs[span.t_lo] + later
-    aligned_tokens = int(sum(s.s_hi - s.s_lo for s in spans))
+    aligned_tokens = int((span_len >= 0).sum())
     counts = {
         "one_to_one_tokens": float(one_to_one_tokens),
         "shared_spans": float(shared_spans),

@@ -11,6 +11,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("recipe_gkd", "teacher_server")
 # The only modules of recipe_gkd that may import Ray (the cluster; the workers as Ray actors).
 RAY_MODULES = {"recipe_gkd.ray_cluster", "recipe_gkd.ray_pools"}
+# The only modules that may import vLLM: the rollout engine and the teacher server's backend.
+VLLM_MODULES = {"recipe_gkd.rollout.vllm", "teacher_server.backends.vllm"}
+# megatron-core stays inside the actor package.
+MEGATRON_PACKAGE = "recipe_gkd.actor"
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -100,6 +104,25 @@ def test_ray_is_imported_in_two_modules_only() -> None:
         if name.startswith("recipe_gkd") and any(m == "ray" or m.startswith("ray.") for m in imports_of(path))
     }
     assert users == RAY_MODULES, f"Ray imported outside {sorted(RAY_MODULES)}: {sorted(users - RAY_MODULES)}"
+
+
+def _importers_of(top: str) -> set[str]:
+    return {
+        name
+        for name, path in project_modules().items()
+        if any(m == top or m.startswith(top + ".") for m in imports_of(path))
+    }
+
+
+def test_vllm_is_imported_in_one_module_on_each_side() -> None:
+    users = _importers_of("vllm")
+    assert users == VLLM_MODULES, f"vLLM imported outside {sorted(VLLM_MODULES)}: {sorted(users - VLLM_MODULES)}"
+
+
+def test_megatron_is_imported_inside_the_actor_package_only() -> None:
+    users = _importers_of("megatron")
+    outside = sorted(u for u in users if not u.startswith(MEGATRON_PACKAGE + "."))
+    assert users and not outside, f"megatron imported outside {MEGATRON_PACKAGE}: {outside}"
 
 
 def test_the_teacher_server_imports_nothing_from_the_trainer() -> None:

@@ -68,3 +68,26 @@ def test_a_field_without_a_docstring_is_refused_by_name() -> None:
 def test_a_documented_dataclass_gives_its_rows() -> None:
     (row,) = walk_schema(_Documented)
     assert (row.key, row.type, row.default, row.meaning) == ("size", "int", "2", "Size of the thing | in units.")
+
+
+def test_the_layout_page_is_what_the_tree_generates() -> None:
+    from recipe_gkd import layout_reference
+
+    assert layout_reference.PAGE.read_text() == layout_reference.render(), (
+        f"docs/layout.md is stale: run `{layout_reference.COMMAND}` and commit it"
+    )
+
+
+def test_the_layout_page_refuses_a_module_without_a_docstring(tmp_path: Path) -> None:
+    from recipe_gkd import layout_reference
+
+    for package in layout_reference.PACKAGES:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text('"""The package. More words."""\n')
+    (tmp_path / "recipe_gkd" / "good.py").write_text('"""Holds a thing (e.g. a map). And more."""\n')
+    page = layout_reference.render(tmp_path)
+    assert "| `good.py` | Holds a thing (e.g. a map). |" in page
+    assert "The package." in page and "More words" not in page
+    (tmp_path / "teacher_server" / "bare.py").write_text("x = 1\n")
+    with pytest.raises(layout_reference.UndocumentedModuleError, match=r"teacher_server/bare\.py"):
+        layout_reference.render(tmp_path)

@@ -14,8 +14,12 @@ HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
 
 
 def pages(root: Path = REPO_ROOT) -> list[Path]:
-    """The pages checked: README.md and every docs/*.md."""
-    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    """The pages checked: README.md, every docs/*.md (the guides) and docs/results/*.md (the reports)."""
+    return [
+        root / "README.md",
+        *sorted((root / "docs").glob("*.md")),
+        *sorted((root / "docs" / "results").glob("*.md")),
+    ]
 
 
 def _prose(text: str) -> str:
@@ -86,3 +90,34 @@ def test_github_slug_rules() -> None:
         "the-papers-comparison-on-policy-against-supervised-kd"
     )
     assert github_slug("weight_sync") == "weight_sync"
+
+
+# What a user page must not carry: the project's own bookkeeping (issue numbers, commit ids) or one
+# machine's word ("this machine"); a measurement says what kind of machine it ran on instead.
+BOOKKEEPING = re.compile(r"\b[Ii]ssues? #?\d+\b|\bcommit [0-9a-f]{7,40}\b|\bthis machine\b")
+
+
+def test_no_issue_numbers_commit_ids_or_this_machine_in_user_pages() -> None:
+    found = {str(p.relative_to(REPO_ROOT)): BOOKKEEPING.findall(_prose(p.read_text())) for p in pages()}
+    found = {k: v for k, v in found.items() if v}
+    assert not found, found
+
+
+def test_every_page_is_linked_and_every_report_from_a_guide() -> None:
+    """README links the guides (docs/*.md), the guides link the reports (docs/results/*.md): nothing is orphaned."""
+    linked: dict[Path, set[Path]] = {}
+    for page in pages():
+        for target in LINK.findall(_prose(page.read_text())):
+            path_part = target.partition("#")[0]
+            if path_part and not re.match(r"^[a-z][a-z0-9+.-]*:", target):
+                linked.setdefault((page.parent / path_part).resolve(), set()).add(page)
+    guides = sorted((REPO_ROOT / "docs").glob("*.md"))
+    reports = sorted((REPO_ROOT / "docs" / "results").glob("*.md"))
+    orphans = [str(p.relative_to(REPO_ROOT)) for p in [*guides, *reports] if not linked.get(p.resolve())]
+    assert not orphans, f"pages no page links: {orphans}"
+    unguided = [
+        str(p.relative_to(REPO_ROOT))
+        for p in reports
+        if not any(src.parent == REPO_ROOT / "docs" for src in linked.get(p.resolve(), set()))
+    ]
+    assert not unguided, f"reports no guide links: {unguided}"

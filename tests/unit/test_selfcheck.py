@@ -130,3 +130,128 @@ def test_torch_pin_reads_the_wheels_metadata(repo_root: Path, tmp_path: Path) ->
             [sys.executable, str(repo_root / "launch" / "torch_pin.py"), str(wheel)], capture_output=True, text=True
         )
         assert done.stdout.strip() == pin
+
+
+# ----------------------------------------------------------------------------- stage 0 (no Ray, no vLLM)
+
+
+def test_stage0_a_failing_check_keeps_its_traceback_and_the_rest_still_run(tmp_path: Path) -> None:
+    """A check that raises (an unknown loss kind) is recorded failed with its traceback; the next one runs, and
+    the record written after each check names the checks not reached yet."""
+    from recipe_gkd.selfcheck.record import Check
+    from recipe_gkd.selfcheck.sizes import TINY
+    from recipe_gkd.selfcheck.stage0 import StageCheck, loss_check, run_checks
+
+    written: list[tuple[list[str], dict[str, str]]] = []
+
+    def after_each(done: list[Check], skipped: dict[str, str]) -> None:
+        written.append(([c.status for c in done], dict(skipped)))
+
+    checks = [
+        StageCheck("loss_warp", 0.0, lambda: loss_check("warp", TINY)),
+        StageCheck("loss_topk", 0.0, lambda: loss_check("topk", TINY)),
+    ]
+    done, skipped = run_checks(checks, budget_s=60.0, after_each=after_each)
+    assert [c.status for c in done] == ["failed", "passed"] and not skipped
+    assert "KeyError: 'warp'" in done[0].detail and "Traceback" in done[0].detail
+    assert written[0] == (["failed"], {"loss_topk": "not reached (the run stopped before it)"})
+    assert written[1] == (["failed", "passed"], {})
+
+
+def test_stage0_skips_what_its_time_budget_cannot_hold(tmp_path: Path) -> None:
+    from recipe_gkd.selfcheck.record import Check
+    from recipe_gkd.selfcheck.sizes import TINY
+    from recipe_gkd.selfcheck.stage0 import StageCheck, loss_check, run_checks
+
+    checks = [
+        StageCheck("loss_topk", 1.0, lambda: loss_check("topk", TINY)),
+        StageCheck("loop", 100.0, lambda: Check("loop", "passed")),
+    ]
+    done, skipped = run_checks(checks, budget_s=30.0, after_each=lambda done, skipped: None)
+    assert [c.name for c in done] == ["loss_topk"]
+    assert skipped["loop"].startswith("time budget: ") and skipped["loop"].endswith("of 30 s, estimated 100 s")
+
+
+def test_stage0_device_facts_and_losses_on_a_cpu(tmp_path: Path) -> None:
+    """Without a GPU: no nvidia-smi rows, CUDA not available, and the plan's fallback size (an 80 GB card) said
+    with its reason; the losses at the tiny sizes are finite, each with its plan line."""
+    assert (
+        selfcheck.main(["--stage", "0", "--sizes", "tiny", "--out", str(tmp_path), "--only", "device,loss_hidden"]) == 0
+    )
+    record = json.loads((tmp_path / "selfcheck.json").read_text())
+    device, hidden = record["checks"]
+    assert device["figures"]["cuda"] == "not available" and device["figures"]["plan_gpu_gib"] == 79.0
+    assert "no GPU here" in device["figures"]["plan_source"]
+    packages = (tmp_path / "image_packages.txt").read_text().splitlines()
+    assert len(packages) == device["figures"]["installed_distributions"] and any(
+        p.startswith("torch==") for p in packages
+    )
+    assert hidden["status"] == "passed" and 0 < hidden["figures"]["T64_loss"] < 10
+    # The hidden loss's plan line: the logits' buffers at T=64, V=2048 plus the chunk buffers (256 MiB).
+    assert hidden["figures"]["T64_plan_gib"] == pytest.approx(64 * 2048 * 18 / 2**30 + 0.25)
+    assert record["skipped"]["loop"] == "not asked for (--only)"
+    assert "stage 0 (tiny sizes" in (tmp_path / "selfcheck.md").read_text()
+
+
+def test_stage0_refuses_unknown_checks_and_gpu_sizes_without_a_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert selfcheck.main(["--stage", "0", "--out", str(tmp_path), "--only", "warp_drive"]) == 2
+    assert "actor_topk_recompute_selective" in capsys.readouterr().err
+    assert selfcheck.main(["--stage", "0", "--out", str(tmp_path), "--sizes", "gpu"]) == 2
+    assert "--sizes gpu needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("output", ["topk", "hidden"])
+def test_stage0_gpu_configs_validate_here(tmp_path: Path, output: str) -> None:
+    """What stage 0 runs on the GPU is a valid config (found here, not in the GPU's minutes): the one-GPU preset with
+    the HF engines, bf16, the distributed optimizer, each recompute setting, the stage's sizes."""
+    from recipe_gkd.config import Device, Precision
+    from recipe_gkd.selfcheck.sizes import GPU
+    from recipe_gkd.selfcheck.stage0_actor import stage0_config
+
+    for recompute in ("none", "selective", "full"):
+        overrides = (f"actor.megatron.recompute={recompute}", f"teacher.output={output}")
+        cfg = stage0_config(tmp_path, tmp_path / "models", GPU, "a", *overrides)
+        assert cfg.actor.megatron.recompute.value == recompute and cfg.teacher.output.value == output
+        assert cfg.cluster.device == Device.cuda and cfg.actor.precision == Precision.bf16
+        assert cfg.actor.megatron.distributed_optimizer and cfg.actor.max_tokens_per_micro_batch == 4096
+        assert cfg.teacher.max_model_len >= cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens + 1
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+# nvidia-smi as an H100 node of two GPUs prints it (csv, noheader; nounits for the memory plan's query)
+case "$1" in
+  --query-gpu=index,uuid,memory.total) printf '0, GPU-aaaa, 81559\\n1, GPU-bbbb, 81559\\n' ;;
+  --query-gpu=index,uuid,memory.total,mig.mode.current) printf '0, GPU-aaaa, 81559 MiB, Disabled\\n1, GPU-bbbb, 81559 MiB, Enabled\\n' ;;
+  *) exit 9 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize(("visible", "plan_gib"), [(None, 79.6), ("GPU-bbbb", 79.6), ("MIG-0c1d", None)])
+def test_stage0_device_check_reads_what_the_memory_plan_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, visible: str | None, plan_gib: float | None
+) -> None:
+    """The device check records nvidia-smi's rows and the size the plan reads through CUDA_VISIBLE_DEVICES; a mask
+    the plan cannot map (a MIG instance) is a failed check with the plan's message, the device facts kept."""
+    from recipe_gkd.selfcheck.sizes import TINY
+    from recipe_gkd.selfcheck.stage0 import device_check
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    check = device_check(tmp_path, tmp_path / "models", TINY)
+    assert check.figures["nvidia_smi"][1] == "1, GPU-bbbb, 81559 MiB, Enabled"
+    assert check.figures["CUDA_VISIBLE_DEVICES"] == (visible or "(unset)")
+    if plan_gib is None:
+        assert check.status == "failed" and "memory plan: " in check.detail and "MIG-0c1d" in check.detail
+    else:
+        assert check.status == "passed" and check.figures["plan_gpu_gib"] == plan_gib
+        assert check.figures["plan_source"] == f"GPU {visible or '0'} of this node (nvidia-smi)"

