@@ -3,9 +3,10 @@
 The driver applies `ray.remote` and calls every method on every actor rank (they all take part
 in collectives); tests construct it directly, one process per rank. One step:
 
-1. collate this rank's sequences into right-padded micro-batches (`actor.micro_batch_size`
-   sequences, or by tokens: `actor.max_tokens_per_micro_batch`); every TP and PP rank of a
-   data-parallel replica holds the same sequences,
+1. split this rank's sequences into micro-batches (`actor.micro_batch_size` sequences, or by
+   tokens: `actor.max_tokens_per_micro_batch`), each collated (right-padded) and moved to the
+   device only when the schedule takes it; every TP and PP rank of a data-parallel replica holds
+   the same sequences,
 2. megatron's schedule runs the micro-batches through the pipeline stages (1F1B when PP > 1,
    activation shapes exchanged per micro-batch); the last stage sums the GKD divergence over
    each micro-batch's loss tokens (vocab-parallel over TP) and backpropagates that sum,
