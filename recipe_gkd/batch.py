@@ -23,6 +23,35 @@ EXCLUDED_ID = -1
 FOLDED_BASE = 1 << 30
 
 
+@dataclass(frozen=True)
+class HiddenStates:
+    """The teacher's final hidden states [N, H] as the wire carried them: 2 bytes a value.
+
+    numpy has no bfloat16, so the values travel (and cross Ray's object store) as their 16 bits; the actor
+    reinterprets them as torch's bfloat16 / float16 (recipe_gkd/actor/collate.py), half the bytes of float32.
+    """
+
+    bits: np.ndarray  # uint16 [N, H]
+    dtype: str  # "bfloat16" or "float16" (teacher.client.hidden_dtype)
+
+    @staticmethod
+    def from_float32(values_NH: np.ndarray, dtype: str) -> HiddenStates:
+        """Values already rounded to `dtype` (the client decodes the wire to float32): re-encoded exactly."""
+        from teacher_server import hidden_codec
+
+        bits = np.frombuffer(hidden_codec.encode(values_NH, dtype), dtype="<u2").reshape(values_NH.shape)
+        return HiddenStates(bits, dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.bits.shape)
+
+    def to_float32(self) -> np.ndarray:
+        from teacher_server import hidden_codec
+
+        return hidden_codec.decode(self.bits.tobytes(), self.dtype, self.bits.shape[-1]).reshape(self.bits.shape)
+
+
 @dataclass
 class Sequence:
     """One prompt with its response and the teacher's scores for every response token."""
@@ -43,8 +72,8 @@ class Sequence:
     rollout_logprobs: np.ndarray | None = None  # float32 [L - response_start]
     reward: float | None = None  # task reward when the dataset defines an answer
     teacher: str = "default"  # the teacher that scored it (data.teacher_key; docs/teachers.md)
-    # teacher.output=hidden: the teacher's final hidden state predicting each response token (bf16/fp16 values).
-    teacher_hidden: np.ndarray | None = None  # float32 [L - response_start, H]
+    # teacher.output=hidden: the teacher's final hidden state predicting each response token, in the wire's dtype.
+    teacher_hidden: HiddenStates | None = None  # [L - response_start, H]
     # algorithm.cross_tokenizer (recipe_gkd/cross_tokenizer/targets.py): per response token, > 0 at the first
     # token of an aligned span (its token count), 0 inside one, -1 unaligned; the teacher arrays above then hold
     # the span's values at its first token. `alignment`: the response's alignment counts (metrics only).

@@ -90,9 +90,12 @@ def check_teacher_head(cfg: GKDConfig) -> None:
     if cfg.teacher.output != TeacherOutput.hidden:
         return
     from recipe_gkd.actor import hf_arch
-    from recipe_gkd.actor.teacher_head import find_teacher_head
+    from recipe_gkd.actor.teacher_head import find_teacher_head, tokenizer_size
 
-    find_teacher_head(cfg.teacher.model_path, hf_arch.read_student_arch(cfg.model.student_path).vocab_size)
+    student_vocab = hf_arch.read_student_arch(cfg.model.student_path).vocab_size
+    find_teacher_head(
+        cfg.teacher.model_path, student_vocab, tokenizer_size(cfg.model.tokenizer_path or cfg.model.student_path)
+    )
 
 
 def report_memory_plan(cfg: GKDConfig) -> bool:
@@ -141,10 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         plan = build_plan(cfg)
+        report = format_plan(plan)  # a CUDA_VISIBLE_DEVICES narrower than the plan is a bad config
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    print(format_plan(plan), flush=True)
+    print(report, flush=True)
     print(format_run(cfg), flush=True)
     if args.dry_run:
         # Model references are read where they are (a directory, or the HF cache): nothing is downloaded.

@@ -10,6 +10,7 @@ under a plain causal mask (padding only ever comes after the tokens that could s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -17,7 +18,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from recipe_gkd.batch import Sequence
+from recipe_gkd.batch import HiddenStates, Sequence
+
+HIDDEN_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -34,7 +37,7 @@ class MicroBatch:
     rollout_logprobs_BT: Tensor  # float32: the engine's logprob of it at sampling; NaN for dataset responses
     teacher_sampled_BT: Tensor  # float32: the teacher's logprob of it (0 elsewhere)
     # teacher.output=hidden: the teacher's final hidden state at each loss position (0 elsewhere).
-    teacher_hidden_BTH: Tensor | None = None  # float32
+    teacher_hidden_BTH: Tensor | None = None  # bfloat16 / float16, the wire's dtype
     # Several teachers: each row's teacher, an index into the names collate was given (per-teacher metrics).
     teacher_index_B: Tensor | None = None  # int64
     # algorithm.cross_tokenizer: the span structure (recipe_gkd/batch.py Sequence.span_len; -1 off the response).
@@ -78,8 +81,9 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: Sequenc
     target_ids_BT = np.zeros((batch, seq_len), dtype=np.int64)
     rollout_logprobs_BT = np.zeros((batch, seq_len), dtype=np.float32)
     teacher_sampled_BT = np.zeros((batch, seq_len), dtype=np.float32)
-    hidden_size = _common_hidden_size(sequences)
-    teacher_hidden_BTH = None if hidden_size is None else np.zeros((batch, seq_len, hidden_size), dtype=np.float32)
+    hidden = _common_hidden(sequences)
+    # The wire's 16-bit dtype until the teacher's head multiplies them (recipe_gkd/losses/hidden.py).
+    teacher_hidden_BTH = None if hidden is None else torch.zeros((batch, seq_len, hidden[1]), dtype=hidden[0])
     spans = _common_spans(sequences)
     span_len_BT = np.full((batch, seq_len), -1, dtype=np.int64) if spans else None
     for row, seq in enumerate(sequences):
@@ -94,8 +98,8 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: Sequenc
         loss_mask_BT[row, predicted] = True
         target_ids_BT[row, predicted] = seq.input_ids[seq.response_start :]
         teacher_sampled_BT[row, predicted] = seq.teacher_sampled_logprob
-        if teacher_hidden_BTH is not None:
-            teacher_hidden_BTH[row, predicted] = seq.teacher_hidden
+        if teacher_hidden_BTH is not None and seq.teacher_hidden is not None:
+            teacher_hidden_BTH[row, predicted] = hidden_tensor(seq.teacher_hidden)
         if span_len_BT is not None:
             span_len_BT[row, predicted] = seq.span_len
         # A dataset response has no sampling logprob: NaN, which the sampled-token loss refuses loudly.
@@ -113,10 +117,36 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: Sequenc
         target_ids_BT=torch.from_numpy(target_ids_BT),
         rollout_logprobs_BT=torch.from_numpy(rollout_logprobs_BT),
         teacher_sampled_BT=torch.from_numpy(teacher_sampled_BT),
-        teacher_hidden_BTH=None if teacher_hidden_BTH is None else torch.from_numpy(teacher_hidden_BTH),
+        teacher_hidden_BTH=teacher_hidden_BTH,
         teacher_index_B=_teacher_index(sequences, teacher_names),
         span_len_BT=None if span_len_BT is None else torch.from_numpy(span_len_BT),
     )
+
+
+@dataclass(frozen=True)
+class LazyMicroBatches:
+    """A step's micro-batches, each collated and moved to `device` only when the schedule takes it.
+
+    Collating them all first would hold every micro-batch on the device at once (with teacher.output=hidden a
+    [B, T, H] tensor each) where the memory plan counts the ones in flight. `shapes` are known without collating.
+    """
+
+    groups: list[list[Sequence]]
+    pad_id: int
+    teacher_names: tuple[str, ...]
+    device: torch.device
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """[B, T] of each micro-batch as `collate` pads it."""
+        return [(len(g), max(len(s.input_ids) for s in g) - 1) for g in self.groups]
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        for group in self.groups:
+            yield collate(group, self.pad_id, self.teacher_names).to(self.device)
 
 
 def _teacher_index(sequences: SequenceOf[Sequence], teacher_names: SequenceOf[str]) -> Tensor | None:
@@ -171,12 +201,20 @@ def _common_top_k(sequences: SequenceOf[Sequence]) -> int:
     return top_ks.pop()
 
 
-def _common_hidden_size(sequences: SequenceOf[Sequence]) -> int | None:
-    """The width of the sequences' teacher hidden states (None: none has them; all or none must)."""
-    sizes = {None if s.teacher_hidden is None else int(s.teacher_hidden.shape[-1]) for s in sequences}
-    if len(sizes) != 1:
-        raise ValueError(f"sequences disagree on the teacher's hidden states: widths {sizes} (teacher.output)")
-    return sizes.pop()
+def _common_hidden(sequences: SequenceOf[Sequence]) -> tuple[torch.dtype, int] | None:
+    """The dtype and width of the sequences' teacher hidden states (None: none has them; all or none must)."""
+    kinds = {
+        None if s.teacher_hidden is None else (s.teacher_hidden.dtype, s.teacher_hidden.shape[-1]) for s in sequences
+    }
+    if len(kinds) != 1:
+        raise ValueError(f"sequences disagree on the teacher's hidden states: {kinds} (teacher.output)")
+    kind = kinds.pop()
+    return None if kind is None else (HIDDEN_TORCH_DTYPES[kind[0]], int(kind[1]))
+
+
+def hidden_tensor(states: HiddenStates) -> Tensor:
+    """[N, H] in torch's bfloat16 / float16: the same 16 bits (copied: arrays from Ray's object store are read-only)."""
+    return torch.tensor(np.ascontiguousarray(states.bits).view(np.int16)).view(HIDDEN_TORCH_DTYPES[states.dtype])
 
 
 def _common_spans(sequences: SequenceOf[Sequence]) -> bool:

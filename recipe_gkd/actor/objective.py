@@ -24,7 +24,7 @@ from torch import Tensor
 from recipe_gkd.actor import hf_arch
 from recipe_gkd.actor.collate import MicroBatch
 from recipe_gkd.actor.layout import RankLayout
-from recipe_gkd.actor.teacher_head import find_teacher_head, load_teacher_head_shard
+from recipe_gkd.actor.teacher_head import TeacherHeadRef, find_teacher_head, load_teacher_head_shard, tokenizer_size
 from recipe_gkd.config import CrossTokenizer, Divergence, GKDConfig, Precision, TeacherOutput
 from recipe_gkd.losses import (
     cross_tokenizer_loss_sum,
@@ -56,18 +56,25 @@ class ActorObjective:
         self.device = device
         self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
         self.vocab_start, self.vocab_shard = local_vocab_slice(vocab_size, layout)
-        self.teacher_head_vH = self._teacher_head() if cfg.teacher.output == TeacherOutput.hidden else None
+        # teacher.output=hidden: this rank's columns of the ids both heads have (teacher_head.py).
+        self.hidden_shard = self.vocab_shard
+        self.teacher_head_vH: Tensor | None = None
+        if cfg.teacher.output == TeacherOutput.hidden:
+            ref = find_teacher_head(
+                cfg.teacher.model_path, vocab_size, tokenizer_size(cfg.model.tokenizer_path or cfg.model.student_path)
+            )
+            self.hidden_shard = local_vocab_slice(vocab_size, layout, ref.loss_vocab_size)[1]
+            self.teacher_head_vH = self._teacher_head(ref)
         # Several teachers: the names whose rows the loss is also summed over (collate's teacher_index_B order).
         self.teacher_names: list[str] = sorted(cfg.teachers) if len(cfg.teachers) >= 2 else []
 
-    def _teacher_head(self) -> Tensor | None:
+    def _teacher_head(self, ref: TeacherHeadRef) -> Tensor | None:
         """This rank's rows of the teacher's output head [v, H] (None off the last pipeline stage: no loss there)."""
-        ref = find_teacher_head(self.cfg.teacher.model_path, self.vocab_size)
         if not self.layout.is_last_stage:
             return None
         # The actor's compute dtype: bf16 runs multiply the teacher's hidden states in bf16, as the teacher does.
         dtype = torch.bfloat16 if self.cfg.actor.precision == Precision.bf16 else torch.float32
-        rows = self.vocab_shard.stop - self.vocab_shard.start
+        rows = self.hidden_shard.stop - self.hidden_shard.start
         return load_teacher_head_shard(ref, self.vocab_start, rows, dtype, self.device)
 
     @property
@@ -196,10 +203,10 @@ class ActorObjective:
         }
         if a.cross_tokenizer != CrossTokenizer.none:
             return self.cross_tokenizer_loss_sum(self.full_vocabulary(logits_BTv), micro, kwargs["divergence"])
+        if self.hidden:
+            return self.hidden_loss_sum(logits_BTv[..., self.hidden_shard], micro, kwargs["divergence"])
         # Padded vocabulary columns are not tokens: they are cut off, never given mass.
         logits_BTv = logits_BTv[..., self.vocab_shard]
-        if self.hidden:
-            return self.hidden_loss_sum(logits_BTv, micro, kwargs["divergence"])
         batch = (micro.teacher_logprobs_BTK, micro.teacher_ids_BTK, micro.loss_mask_BT)
         if self.layout.tp_size == 1:
             return gkd_loss_sum(logits_BTv, *batch, **kwargs)
@@ -270,12 +277,14 @@ class ActorObjective:
         )
 
 
-def local_vocab_slice(vocab_size: int, layout: RankLayout) -> tuple[int, slice]:
-    """This rank's first vocabulary id and its real (unpadded) vocabulary columns of its logits shard."""
+def local_vocab_slice(vocab_size: int, layout: RankLayout, used: int | None = None) -> tuple[int, slice]:
+    """This rank's first vocabulary id and its columns of ids below `used` (default: the real, unpadded vocabulary)
+    in its logits shard, whose width megatron pads from `vocab_size`."""
     padded = hf_arch.padded_vocab_size(vocab_size, layout.tp_size)
     shard = padded // layout.tp_size
     vocab_start = layout.tp_rank * shard
-    return vocab_start, slice(0, max(0, min(shard, vocab_size - vocab_start)))
+    end = vocab_size if used is None else min(used, vocab_size)
+    return vocab_start, slice(0, max(0, min(shard, end - vocab_start)))
 
 
 def sum_from_last_stage(

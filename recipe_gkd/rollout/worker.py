@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd.batch import RolloutStats, Sequence, TrainShard, actor_rank_of
+from recipe_gkd.batch import HiddenStates, RolloutStats, Sequence, TrainShard, actor_rank_of
 from recipe_gkd.config import GKDConfig, cpu_threads, rollout_engines
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encode_prompt, encode_response
 from recipe_gkd.metrics import worker_memory_mb
@@ -248,7 +248,7 @@ class RolloutWorker:
                 teacher_topk_ids=scored.topk_ids,
                 teacher_tail_logmass=scored.tail_logmass,
                 teacher_sampled_logprob=scored.sampled_logprob,
-                teacher_hidden=scored.hidden_states,
+                teacher_hidden=self._hidden_states(scored.hidden_states, teacher),
                 # algorithm.cross_tokenizer: the span structure of the student's response (cross_tokenizer/targets.py).
                 span_len=getattr(scored, "span_len", None),
                 alignment=getattr(scored, "counts", None),
@@ -283,6 +283,12 @@ class RolloutWorker:
 
     def _sampling_seed(self, first_position: int) -> int:
         return int(np.random.SeedSequence([self.cfg.data.seed, SAMPLE_SALT, first_position]).generate_state(1)[0])
+
+    def _hidden_states(self, values_NH: np.ndarray | None, teacher: str) -> HiddenStates | None:
+        """teacher.output=hidden: the states in the wire's 16 bits again (half the bytes through Ray's object store)."""
+        if values_NH is None:
+            return None
+        return HiddenStates.from_float32(values_NH, teacher_sections(self.cfg)[teacher].client.hidden_dtype)
 
     def _reward(self, prompt: Prompt, response: list[int]) -> float | None:
         """The decoded response against the record's answer (data.answer_match), when the dataset has one."""
