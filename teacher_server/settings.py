@@ -29,22 +29,23 @@ MOVED_KEYS = {"server.ready_timeout_s": "teacher.ready_timeout_s"}
 
 @dataclass
 class ServerSection:
-    """Server-only knobs (the `server:` section of a standalone yaml, `server.*` overrides)."""
+    """Server-only knobs (the `server:` section of a standalone yaml, `server.*` overrides of `python -m teacher_server`
+    and launch/start_teacher.sh); a run's config has no `server:` section."""
 
-    # Node-local GPU ids for this node's replicas, split by teacher.gpus_per_replica: what each replica's
-    # CUDA_VISIBLE_DEVICES gets, so indices or the UUIDs of a UUID mask (GPU-..., MIG-...). Empty:
-    # 0..replicas*gpus_per_replica-1 (a teacher yaml, or a preset whose teacher is remote); a preset
-    # with a local teacher needs them (launch/start_teacher.sh passes the plan's).
     gpu_ids: list[str] = field(default_factory=list)
-    # Where replicas connect (and `--join` points). Empty: teacher.address with port + 1
-    # (an ephemeral port when teacher.address has port 0).
+    """Node-local GPU ids for this node's replicas, split by teacher.gpus_per_replica: what each replica's
+    CUDA_VISIBLE_DEVICES gets, so indices or the UUIDs of a UUID mask (GPU-..., MIG-...). Empty:
+    0..replicas*gpus_per_replica-1 (a teacher yaml, or a preset whose teacher is remote); a preset with a local
+    teacher needs them (launch/start_teacher.sh passes the plan's)."""
     replica_address: str = ""
-    # Intra-op threads per replica on CPU; 0 keeps torch's default.
+    """Where replicas connect (and `--join` points). Empty: teacher.address with port + 1 (an ephemeral port when
+    teacher.address has port 0)."""
     torch_threads: int = 0
-    # Replica logs; empty: a new temporary directory (printed at start).
+    """Intra-op threads per replica on CPU; 0 keeps torch's default."""
     log_dir: str = ""
-    # A replica that dies is restarted at most this many times.
+    """Replica logs; empty: a new temporary directory (printed at start)."""
     max_restarts: int = 3
+    """A replica that dies is restarted at most this many times."""
 
 
 @dataclass
