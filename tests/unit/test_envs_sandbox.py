@@ -99,6 +99,12 @@ def test_output_cap(guard_box: PythonSandbox) -> None:
     assert time.monotonic() - start < SHORT.timeout_s  # stopped by the cap, not the clock
 
 
+def test_file_size_limit(guard_box: PythonSandbox) -> None:
+    over = (SandboxLimits().max_file_mib + 1) << 20
+    run = guard_box.run(f"open('big.bin', 'wb').write(bytes({over}))\nprint('written')")
+    assert "written" not in run.output and "OSError: [Errno 27] File too large" in run.output
+
+
 def test_scratch_directory_is_removed(guard_box: PythonSandbox) -> None:
     code = (
         "import os, pathlib\npathlib.Path('notes.txt').write_text('kept?')\nprint(os.getcwd())\nprint(os.listdir('.'))"
