@@ -184,6 +184,7 @@ class PythonSandbox:
 
     def run(self, code: str) -> SandboxRun:
         """Run `code` as `__main__` in a scratch directory that is removed afterwards, whatever happened."""
+        deadline = time.monotonic() + self.limits.timeout_s  # one budget for starting, running and exiting
         scratch = Path(tempfile.mkdtemp(prefix="gkd-python-tool-"))
         try:
             code_file = scratch / "tool_code.py"
@@ -198,12 +199,10 @@ class PythonSandbox:
                 start_new_session=True,  # its own process group: a timeout kills what it started too
             )
             try:
-                raw, timed_out, cut = _read_capped(
-                    proc, time.monotonic() + self.limits.timeout_s, self.limits.max_output_bytes
-                )
+                raw, timed_out, cut = _read_capped(proc, deadline, self.limits.max_output_bytes)
                 if not (timed_out or cut):
-                    try:
-                        proc.wait(timeout=max(0.0, self.limits.timeout_s))
+                    try:  # the output closed; the process may still run (it closed stdout itself)
+                        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                     except subprocess.TimeoutExpired:
                         timed_out = True
             finally:

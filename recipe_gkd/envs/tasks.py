@@ -20,7 +20,7 @@ from recipe_gkd.envs.protocol import Message, StepResult, Tool, ToolResult, tool
 from recipe_gkd.envs.sandbox import NetworkIsolation, PythonSandbox, PythonTool, SandboxLimits
 from recipe_gkd.envs.tool_calls import MalformedCall, ToolCall, tool_call_format
 
-_NUMBER = re.compile(r"-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?")
+_NUMBER = re.compile(r"-?(?:[0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)(?:[eE][+-]?[0-9]+)?")
 # Two numbers are the same answer when they agree to this relative (or, near zero, absolute) tolerance:
 # a float printed by the tool and copied by the model keeps 17 significant digits, far inside it.
 ANSWER_REL_TOL = 1e-9

@@ -114,6 +114,7 @@ def test_python_precedence_and_semantics(expression: str, value: float) -> None:
         "1e",
         "1_000",
         "0x10",
+        "\u0663 + 1",  # an Arabic-Indic digit: int() takes it, Python source does not
         "'1'",
     ],
 )

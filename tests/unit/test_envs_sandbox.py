@@ -77,6 +77,18 @@ def test_timeout_kills_the_process_and_what_it_started(guard_box: PythonSandbox)
     assert len(pids) == 2 and all(gone(pid) for pid in pids)
 
 
+def test_one_wall_budget_when_the_code_closes_its_output() -> None:
+    timeout_s = 2.5
+    box = PythonSandbox(SandboxLimits(timeout_s=timeout_s), network="socket_guard")
+    start = time.monotonic()
+    run = box.run("import os, time\nprint('bye', flush=True)\ntime.sleep(1)\nos.close(1)\nos.close(2)\ntime.sleep(600)")
+    elapsed = time.monotonic() - start
+    assert run.timed_out and run.output == "bye\n"
+    # Reading the output and waiting for the exit share the one timeout: a second full timeout after the
+    # output closed (at 1 s and more) would end past timeout_s + 1 s. The 0.8 s covers the kill and clean-up.
+    assert timeout_s <= elapsed < timeout_s + 0.8
+
+
 def test_memory_limit(guard_box: PythonSandbox) -> None:
     limit = SHORT.memory_mib << 20
     assert guard_box.run(f"x = bytearray({limit // 4}); print(len(x))").output == f"{limit // 4}\n"
