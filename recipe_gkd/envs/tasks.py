@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from recipe_gkd.envs.arithmetic import CalculatorTool
@@ -61,15 +61,16 @@ class ToolTaskEnv:
 
     def __init__(
         self,
-        tools: Sequence[Tool],
         *,
         max_turns: int = 8,
         tool_call_format_name: str = "hermes",
         prompt_key: str = "prompt",
         answer_key: str = "answer",
+        **tool_options: Any,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        tools = self.build_tools(**tool_options)
         self._tools = {tool.name: tool for tool in tools}
         self._format = tool_call_format(tool_call_format_name)
         self.max_turns = max_turns
@@ -78,6 +79,10 @@ class ToolTaskEnv:
         self._answer: Any = None
         self.turns = 0
         self.done = True
+
+    def build_tools(self) -> list[Tool]:
+        """The environment's tools, built from its own options (the keyword arguments `__init__` does not take)."""
+        raise NotImplementedError(f"{type(self).__name__} must define build_tools()")
 
     def tools(self) -> list[dict[str, Any]]:
         """The tools as `apply_chat_template(tools=...)` takes them."""
@@ -137,21 +142,8 @@ class CalculatorEnv(ToolTaskEnv):
         "Solve the problem. Use the calculator tool for arithmetic. End with the final number, alone."
     )
 
-    def __init__(
-        self,
-        *,
-        max_turns: int = 8,
-        tool_call_format_name: str = "hermes",
-        prompt_key: str = "prompt",
-        answer_key: str = "answer",
-    ) -> None:
-        super().__init__(
-            [CalculatorTool()],
-            max_turns=max_turns,
-            tool_call_format_name=tool_call_format_name,
-            prompt_key=prompt_key,
-            answer_key=answer_key,
-        )
+    def build_tools(self) -> list[Tool]:
+        return [CalculatorTool()]
 
 
 class PythonToolEnv(ToolTaskEnv):
@@ -163,27 +155,17 @@ class PythonToolEnv(ToolTaskEnv):
         "End with the final number, alone."
     )
 
-    def __init__(
+    def build_tools(
         self,
         *,
-        max_turns: int = 8,
-        tool_call_format_name: str = "hermes",
-        prompt_key: str = "prompt",
-        answer_key: str = "answer",
         tool_timeout_s: float = 10.0,
         memory_mib: int = 512,
         cpu_s: int = 10,
         max_output_bytes: int = 8192,
         network: NetworkIsolation = "namespace",
-    ) -> None:
+    ) -> list[Tool]:
+        """The sandboxed python tool: `tool_timeout_s` wall seconds per call, the other limits per call too."""
         limits = SandboxLimits(
             timeout_s=tool_timeout_s, memory_mib=memory_mib, cpu_s=cpu_s, max_output_bytes=max_output_bytes
         )
-        tool = PythonTool(PythonSandbox(limits, network=network))
-        super().__init__(
-            [tool],
-            max_turns=max_turns,
-            tool_call_format_name=tool_call_format_name,
-            prompt_key=prompt_key,
-            answer_key=answer_key,
-        )
+        return [PythonTool(PythonSandbox(limits, network=network))]
