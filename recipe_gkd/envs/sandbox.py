@@ -84,19 +84,33 @@ class SandboxRun:
             notes.append(f"output cut at {self.limits.max_output_bytes} bytes; the process was killed")
         code = self.returncode
         if code is not None and code < 0:
-            sig = signal.Signals(-code)
-            cause = f"; the CPU limit of {self.limits.cpu_s} s was hit" if sig == signal.SIGXCPU else ""
-            cause = f"; a file over {self.limits.max_file_mib} MiB was written" if sig == signal.SIGXFSZ else cause
-            notes.append(f"killed by {sig.name}{cause}")
+            notes.append(f"killed by {_signal_name(-code)}{self._signal_cause(-code)}")
         elif code:
-            cause = ""
-            if "MemoryError" in self.output:
-                cause = f"; the memory limit of {self.limits.memory_mib} MiB was hit"
+            cause = f"; the memory limit of {self.limits.memory_mib} MiB was hit" if self._memory_error() else ""
             notes.append(f"exit status {code}{cause}")
         text = self.output if self.output else ("" if notes else "(no output)")
         if notes:
             text = (text.rstrip("\n") + "\n" if text else "") + "[" + "; ".join(notes) + "]"
         return text
+
+    def _memory_error(self) -> bool:
+        """The program died of a MemoryError: a traceback whose last line names it."""
+        last_line = self.output.rstrip().rpartition("\n")[2]
+        return "Traceback (most recent call last)" in self.output and last_line.split(":")[0] == "MemoryError"
+
+    def _signal_cause(self, number: int) -> str:
+        if number == signal.SIGXCPU:
+            return f"; the CPU limit of {self.limits.cpu_s} s was hit"
+        if number == signal.SIGXFSZ:
+            return f"; a file over {self.limits.max_file_mib} MiB was written"
+        return ""
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return f"signal {number}"
 
 
 def _child_command(code_file: Path, limits: SandboxLimits, namespace: bool) -> list[str]:

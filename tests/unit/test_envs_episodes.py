@@ -96,7 +96,7 @@ def test_llama3_json_format_episode() -> None:
 
 def test_python_episode() -> None:
     network = "namespace" if namespace_available() else "socket_guard"
-    env = build_environment("python", tool_timeout_s=5.0, network=network)
+    env = build_environment("python", tool_timeout_s=60.0, network=network)  # ends by itself
     assert isinstance(env, PythonToolEnv)
     env.reset(RECORD)
     step = env.step(assistant("Let me count.\n" + call("python", code="boxes = 17\nprint(boxes * 23 + 4)")))

@@ -14,8 +14,10 @@ import pytest
 from recipe_gkd.envs import sandbox
 from recipe_gkd.envs.sandbox import PythonSandbox, PythonTool, SandboxLimits, SandboxUnavailable, namespace_available
 
-# Wall timeouts are short so the suite stays fast; the slack covers a child's start on a loaded 2-core machine.
-SHORT = SandboxLimits(timeout_s=3.0, memory_mib=256, cpu_s=2, max_output_bytes=1000)
+# Runs that end by themselves get a generous wall timeout (a child starting Python twice on a loaded 2-core
+# machine can take seconds); the runs meant to time out get a short one, which they wait for in full.
+LIMITS = SandboxLimits(timeout_s=60.0, memory_mib=256, cpu_s=20, max_output_bytes=1000)
+SHORT = SandboxLimits(timeout_s=4.0, memory_mib=256, cpu_s=2, max_output_bytes=1000)
 START_SLACK_S = 5.0
 needs_namespace = pytest.mark.skipif(not namespace_available(), reason="no unprivileged user namespaces here")
 
@@ -30,6 +32,11 @@ def gone(pid: int) -> bool:
 
 @pytest.fixture
 def guard_box() -> PythonSandbox:
+    return PythonSandbox(LIMITS, network="socket_guard")
+
+
+@pytest.fixture
+def short_box() -> PythonSandbox:
     return PythonSandbox(SHORT, network="socket_guard")
 
 
@@ -56,9 +63,13 @@ def test_output_and_exit_status(guard_box: PythonSandbox) -> None:
     )
     assert text.endswith("[exit status 1]")
     assert guard_box.run("import sys; sys.exit(3)").describe() == "[exit status 3]"
+    assert guard_box.run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)").describe() == "[killed by SIGSEGV]"
+    assert guard_box.run("import os\nos.kill(os.getpid(), 40)").describe() == "[killed by signal 40]"
+    # Printing the word is not hitting the limit.
+    assert guard_box.run("print('MemoryError')\nraise SystemExit(2)").describe() == "MemoryError\n[exit status 2]"
 
 
-def test_timeout_kills_the_process_and_what_it_started(guard_box: PythonSandbox) -> None:
+def test_timeout_kills_the_process_and_what_it_started(short_box: PythonSandbox) -> None:
     code = textwrap.dedent(
         """
         import os, subprocess, sys, time
@@ -68,7 +79,7 @@ def test_timeout_kills_the_process_and_what_it_started(guard_box: PythonSandbox)
         """
     )
     start = time.monotonic()
-    run = guard_box.run(code)
+    run = short_box.run(code)
     elapsed = time.monotonic() - start
     assert run.timed_out and run.returncode is None and run.failed
     assert run.describe().endswith(f"[timed out after {SHORT.timeout_s:g} s; the process was killed]")
@@ -83,23 +94,23 @@ def test_timeout_kills_the_process_and_what_it_started(guard_box: PythonSandbox)
 
 
 def test_one_wall_budget_when_the_code_closes_its_output() -> None:
-    timeout_s = 2.5
+    timeout_s = 5.0
     box = PythonSandbox(SandboxLimits(timeout_s=timeout_s), network="socket_guard")
     start = time.monotonic()
-    run = box.run("import os, time\nprint('bye', flush=True)\ntime.sleep(1)\nos.close(1)\nos.close(2)\ntime.sleep(600)")
+    run = box.run("import os, time\nprint('bye', flush=True)\ntime.sleep(2)\nos.close(1)\nos.close(2)\ntime.sleep(600)")
     elapsed = time.monotonic() - start
     assert run.timed_out and run.output == "bye\n"
     # Reading the output and waiting for the exit share the one timeout: a second full timeout after the
-    # output closed (at 1 s and more) would end past timeout_s + 1 s. The 0.8 s covers the kill and clean-up.
-    assert timeout_s <= elapsed < timeout_s + 0.8
+    # output closed (at 2 s and more) would end past timeout_s + 2 s. The 1.5 s covers the kill and clean-up.
+    assert timeout_s <= elapsed < timeout_s + 1.5
 
 
 def test_memory_limit(guard_box: PythonSandbox) -> None:
-    limit = SHORT.memory_mib << 20
+    limit = LIMITS.memory_mib << 20
     assert guard_box.run(f"x = bytearray({limit // 4}); print(len(x))").output == f"{limit // 4}\n"
     run = guard_box.run(f"x = bytearray({limit})\nprint('allocated')")
     assert "allocated" not in run.output and "MemoryError" in run.output
-    assert run.describe().endswith(f"[exit status 1; the memory limit of {SHORT.memory_mib} MiB was hit]")
+    assert run.describe().endswith(f"[exit status 1; the memory limit of {LIMITS.memory_mib} MiB was hit]")
 
 
 def test_cpu_limit() -> None:
@@ -108,9 +119,9 @@ def test_cpu_limit() -> None:
     assert not run.timed_out and run.describe() == "[killed by SIGXCPU; the CPU limit of 1 s was hit]"
 
 
-def test_output_cap(guard_box: PythonSandbox) -> None:
+def test_output_cap(short_box: PythonSandbox) -> None:
     start = time.monotonic()
-    run = guard_box.run("while True:\n    print('x' * 99)")
+    run = short_box.run("while True:\n    print('x' * 99)")
     assert run.output_cut and not run.timed_out and len(run.output) == SHORT.max_output_bytes
     assert run.describe().endswith(f"\n[output cut at {SHORT.max_output_bytes} bytes; the process was killed]")
     assert time.monotonic() - start < SHORT.timeout_s  # stopped by the cap, not the clock
@@ -122,7 +133,7 @@ def test_file_size_limit(guard_box: PythonSandbox) -> None:
     assert "written" not in run.output and "OSError: [Errno 27] File too large" in run.output
 
 
-def test_scratch_directory_is_removed(guard_box: PythonSandbox) -> None:
+def test_scratch_directory_is_removed(guard_box: PythonSandbox, short_box: PythonSandbox) -> None:
     code = (
         "import os, pathlib\npathlib.Path('notes.txt').write_text('kept?')\nprint(os.getcwd())\nprint(os.listdir('.'))"
     )
@@ -130,7 +141,7 @@ def test_scratch_directory_is_removed(guard_box: PythonSandbox) -> None:
     scratch = Path(run.output.splitlines()[0])
     assert "notes.txt" in run.output and scratch.name.startswith("gkd-python-tool-") and not scratch.exists()
     # Also when the run is killed.
-    killed = guard_box.run("import os, time\nprint(os.getcwd(), flush=True)\ntime.sleep(600)")
+    killed = short_box.run("import os, time\nprint(os.getcwd(), flush=True)\ntime.sleep(600)")
     assert killed.timed_out and not Path(killed.output.split()[0]).exists()
 
 
@@ -158,7 +169,7 @@ def test_socket_guard_is_not_isolation(guard_box: PythonSandbox, listener: int) 
 
 @needs_namespace
 def test_network_namespace_isolates_subprocesses_too(listener: int) -> None:
-    box = PythonSandbox(SHORT, network="namespace")
+    box = PythonSandbox(LIMITS, network="namespace")
     run = box.run(CONNECT_FROM_SUBPROCESS.format(port=listener))
     assert "connected" not in run.output and "Network is unreachable" in run.output, run.output
     assert "PermissionError" in box.run("import socket\nsocket.socket()").output  # the guard is on as well
