@@ -1,7 +1,7 @@
 """Two tool-using task environments: a question with a numeric answer, solved with the calculator or with Python.
 
 An episode: `reset(record)` gives [system, user]; each assistant turn that calls tools gets one tool message
-per call back (a malformed call, an unknown tool or bad arguments get an error message, and count as a tool
+per call back (the reasoning before `</think>` is skipped; a malformed call, an unknown tool or bad arguments get an error message, and count as a tool
 failure); the first assistant turn without a tool call ends the episode, and its reward is 1.0 when the last
 number in it equals the record's answer. The environment enforces `max_turns` itself: the assistant turn
 numbered `max_turns` ends the episode whatever it holds: an answer is scored, tool calls are not run
@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from recipe_gkd.envs.arithmetic import CalculatorTool
 from recipe_gkd.envs.protocol import Message, StepResult, Tool, ToolResult, tool_message, tool_schema
 from recipe_gkd.envs.sandbox import NetworkIsolation, PythonSandbox, PythonTool, SandboxLimits
-from recipe_gkd.envs.tool_calls import MalformedCall, ToolCall, tool_call_format
+from recipe_gkd.envs.tool_calls import MalformedCall, ToolCall, content_after_reasoning, tool_call_format
 
 _NUMBER = re.compile(r"-?(?:[0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)(?:[eE][+-]?[0-9]+)?")
 # Two numbers are the same answer when they agree to this relative (or, near zero, absolute) tolerance:
@@ -106,7 +106,7 @@ class ToolTaskEnv:
         if self.done:
             raise RuntimeError(f"step() after the episode ended; call reset() first ({self.name} environment)")
         self.turns += 1
-        text = str(assistant_message.get("content") or "")
+        text = content_after_reasoning(str(assistant_message.get("content") or ""))
         calls = self._format.parse(text)
         if not calls:
             self.done = True

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
+_THINK_END = "</think>"
 _SHOWN_CHARS = 200  # how much of a malformed call the error observation quotes back
 
 
@@ -74,6 +75,17 @@ def _decode(raw: str, arguments_keys: tuple[str, ...]) -> ParsedCall:
     except json.JSONDecodeError as err:
         return MalformedCall(raw, f"the tool call is not valid JSON ({err.msg} at character {err.pos}): {_shown(raw)}")
     return call_from_object(obj, raw, arguments_keys)
+
+
+def content_after_reasoning(text: str) -> str:
+    """The message without its reasoning: what follows the first `</think>` (Qwen3 thinking mode), else all of it.
+
+    As vLLM's `qwen3` reasoning parser splits a completion (vllm/reasoning/qwen3_reasoning_parser.py,
+    `Qwen3ReasoningParser.extract_reasoning`) before a tool parser reads the content: a call drafted while
+    thinking is not run, a number thought about is not the answer.
+    """
+    _, end, content = text.partition(_THINK_END)
+    return content if end else text
 
 
 class HermesCalls:

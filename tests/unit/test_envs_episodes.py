@@ -82,6 +82,18 @@ def test_wrong_answer_and_max_turns() -> None:
     assert (last.done, last.truncated, last.reward, last.observations, last.tool_calls) == (True, True, 0.0, [], 1)
 
 
+def test_reasoning_is_neither_run_nor_scored() -> None:
+    env = build_environment("calculator")
+    env.reset(RECORD)
+    thinking = (
+        "<think>\nI could call " + call("calculator", expression="1/0") + " but 17*23 = 391, plus 4.\n</think>\n\n"
+    )
+    step = env.step(assistant(thinking + call("calculator", expression="17*23+4")))
+    assert (step.tool_calls, step.observations) == (1, [{"role": "tool", "content": "395"}])
+    # 395 appears only in the reasoning; the answer given is 391.
+    assert env.step(assistant("<think>\nIt is 395.\n</think>\n\nThe shop has 391 pens")).reward == 0.0
+
+
 def test_llama3_json_format_episode() -> None:
     env = build_environment(
         "calculator", tool_call_format_name="llama3_json", prompt_key="question", answer_key="target"
