@@ -1,11 +1,11 @@
 """Two tool-using task environments: a question with a numeric answer, solved with the calculator or with Python.
 
 An episode: `reset(record)` gives [system, user]; each assistant turn that calls tools gets one tool message
-per call back (the reasoning before `</think>` is skipped; a malformed call, an unknown tool or bad arguments get an error message, and count as a tool
+per call back (a malformed call, an unknown tool or bad arguments get an error message, and count as a tool
 failure); the first assistant turn without a tool call ends the episode, and its reward is 1.0 when the last
-number in it equals the record's answer. The environment enforces `max_turns` itself: the assistant turn
-numbered `max_turns` ends the episode whatever it holds: an answer is scored, tool calls are not run
-(reward 0.0, `truncated`).
+number in it equals the record's answer. Reasoning before `</think>` is neither run nor scored. The
+environment enforces `max_turns` itself: the assistant turn numbered `max_turns` ends the episode whatever it
+holds: an answer is scored, tool calls are not run (reward 0.0, `truncated`).
 """
 
 from __future__ import annotations
