@@ -291,6 +291,7 @@ def _await(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
     import ray
     from ray.exceptions import GetTimeoutError, RayError
 
+    start = time.monotonic()
     try:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError:
@@ -299,6 +300,9 @@ def _await(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
             ray.cancel(ref, force=False)
         raise WeightSyncError(f"{what} did not finish within weight_sync.timeout_s={timeout_s}s{dumped}") from None
     except RayError as err:
+        if time.monotonic() - start >= timeout_s:
+            # The collective group's own timeout (the same weight_sync.timeout_s) fired in a worker before this wait's.
+            raise WeightSyncError(f"{what} did not finish within weight_sync.timeout_s={timeout_s}s: {err}") from err
         raise WeightSyncError(f"{what} failed: {err}") from err
 
 

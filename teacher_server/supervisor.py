@@ -142,7 +142,7 @@ class Supervisor:
         cmd = [sys.executable, "-m", "teacher_server.replica", "--spec", msgspec.json.encode(spec).decode()]
         with open(log_path, "ab") as log_file:  # the child keeps its own copy of the descriptor
             proc = subprocess.Popen(cmd, env=self._child_env(slot), stdout=log_file, stderr=subprocess.STDOUT)
-        log.info("replica %s: pid %d, GPUs %s, log %s", slot.name, proc.pid, slot.gpu_ids or "-", log_path)
+        log.info("replica %s: pid %d, GPUs %s, log %s", slot.name, proc.pid, ",".join(slot.gpu_ids) or "-", log_path)
         return _Child(slot, proc, log_path, log_offset, restarts)
 
     def _child_env(self, slot: ReplicaSlot) -> dict[str, str]:

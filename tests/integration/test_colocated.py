@@ -37,7 +37,7 @@ def check_one_gpu_run(proc: subprocess.CompletedProcess[str], run_dir: Path, ste
     # One role at a time: the actor, then the teacher (autostarted only now), then the rollout engine.
     order = [line for line in proc.stdout.splitlines() if "colocated set-up" in line or "autostarted at" in line]
     assert "teacher server autostarted" in order[0] and order[1].startswith("colocated set-up, one role at a time")
-    assert "GPUs [0]" in (run_dir / "teacher_server.log").read_text()
+    assert "GPUs 0, log" in (run_dir / "teacher_server.log").read_text()
     rows = read_metrics(run_dir)
     assert [r["weight_version"] for r in rows] == list(range(1, steps + 1))
     assert all(r["loss"] > 0 and r["sync_s"] > 0 for r in rows)

@@ -272,7 +272,7 @@ def _malformed_kinds(rng: np.random.Generator) -> dict[str, Callable[[], list[by
         "truncated_ids": lambda: [valid[0], valid[1][: int(rng.integers(0, len(valid[1])))]],
         "missing_ids": lambda: [valid[0]],
         "extra_frames": lambda: [*valid, garbage(32)],
-        "wrong_version": lambda: _score(version=int(rng.choice([0, 2, -1, 1 << 40]))),
+        "wrong_version": lambda: _score(version=int(rng.choice([0, P.PROTOCOL_VERSION + 1, -1, 1 << 40]))),
         "negative_ids": lambda: _score([1, 2, -int(rng.integers(1, 1 << 30)), 4, 5]),
         "out_of_vocab_ids": lambda: _score([1, 2, int(rng.integers(VOCAB, 1 << 31)), 4, 5]),
         "empty_sequences": lambda: _score([], lengths=[], score_from=[]),
