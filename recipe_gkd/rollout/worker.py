@@ -96,7 +96,8 @@ class RolloutWorker:
         if scorer is None:
             self.teachers = TeacherSet.connect(cfg, self.engine.tokenizer, teacher_addresses)
         else:
-            self.teachers = TeacherSet(cfg, scorer if isinstance(scorer, Mapping) else {DEFAULT_TEACHER: scorer})
+            scorers = scorer if isinstance(scorer, Mapping) else {DEFAULT_TEACHER: scorer}
+            self.teachers = TeacherSet(cfg, scorers, self.engine.tokenizer)
         train = Dataset(cfg.data.train_files, "data.train_files")
         self.train_stream = ShardedStream(train, cfg.data.seed, self.rank, self.world)
         self.eval_dataset = Dataset(cfg.data.eval_files, "data.eval_files") if cfg.data.eval_files else None
@@ -234,8 +235,9 @@ class RolloutWorker:
         starts = [len(p) for p in generated.prompt_ids]
         start = time.perf_counter()
         with self._teacher_lock:
+            # Each teacher's own prompt, if it has one, replaces the student's there (the rows stay the response's).
             scores = self.teachers.score(
-                teachers, ids, starts, generated.student_topk, [p.record for p in generated.prompts]
+                teachers, ids, starts, generated.student_topk, [p.record for p in generated.prompts], where
             )
         teacher_s = time.perf_counter() - start
         sequences = [
