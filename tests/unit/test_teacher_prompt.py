@@ -212,3 +212,41 @@ def test_several_teachers_each_get_their_own_prompt(tokenizer: Any, chatml_token
     hint = tokenizer(chatml("=3"), add_special_tokens=False)["input_ids"]
     assert scorers["sum"].asked == [(hint + responses[1], len(hint))]
     assert [len(s.sampled_logprob) for s in scored] == [3, 2], "one row per response token, in order"
+
+
+def test_the_openai_route_sends_the_joined_ids_and_scores_from_the_join(
+    scripted: tuple[str, list[tuple[int, object]], list[dict]], tokenizer: Any, chatml_tokenizer_dir: Path
+) -> None:
+    """teacher.backend=openai: the client sends the teacher's prompt + the student's response as the token-id prompt
+    and reads the prompt log-probs from the join on (a scripted vLLM /v1/completions answer)."""
+    from test_openai_client import MODELS, completions
+
+    from teacher_server.openai_client import OpenAITeacherClient
+
+    address, script, seen = scripted
+    vocab = len(tokenizer)
+    rng = np.random.default_rng(0)
+    record = {"prompt": "rev:abc", "hint": "the answer is cba"}
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": record["prompt"]}], add_generation_prompt=True, return_dict=False
+    )
+    response = [*tokenizer("cba", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    hint = tokenizer(chatml(record["hint"]), add_special_tokens=False)["input_ids"]
+    joined = hint + response
+    logits = rng.normal(size=(len(joined), vocab))
+    full = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    probe = (200, completions({(0, 0): full[:2]}))
+    script += [MODELS, probe, (200, completions({tuple(joined): full}))]
+    client = OpenAITeacherClient(address, top_k=2, max_inflight=1, api_key="k", model_path=str(chatml_tokenizer_dir))
+    client.connect()
+    overrides = ["data.teacher_prompt_key=hint", "data.max_teacher_prompt_length=64"]
+    cfg = load_config(DEMO, [*overrides, f"teacher.model_path={chatml_tokenizer_dir}"])
+    teachers = TeacherSet(cfg, {"default": client}, tokenizer)
+    try:
+        sequence = np.asarray(prompt + response, np.int32)
+        (scored,) = teachers.score(["default"], [sequence], [len(prompt)], [None], [record], ["record 0"])
+    finally:
+        teachers.close()
+    assert seen[-1]["body"]["prompt"] == [joined]
+    # Row i: the teacher's log-prob of response token i, predicted at the join + i.
+    np.testing.assert_allclose(scored.sampled_logprob, full[len(hint) + np.arange(len(response)), response], atol=1e-6)
