@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import ANSWER_MATCHES, ConfigError, GKDConfig
+from recipe_gkd.messages import checked_messages
 from recipe_gkd.teachers_config import record_teacher, records_name_teachers, teacher_handles
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -352,19 +353,6 @@ def encode_prompt(tokenizer: Any, record: dict[str, Any], prompt_key: str, chat_
         messages = [{"role": "user", "content": str(prompt)}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
     return list(tokenizer(str(prompt), add_special_tokens=True)["input_ids"])
-
-
-def checked_messages(messages: list[Any], key: str, field_name: str) -> list[dict[str, str]]:
-    """A chat dataset's message list (record field `field_name`), each a {"role", "content"} mapping;
-    ConfigError naming `key` otherwise."""
-    checked = []
-    for i, message in enumerate(messages):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
-            raise ConfigError(
-                key, f"{field_name!r} message {i} is not a {{'role': ..., 'content': ...}} mapping: {message!r:.200}"
-            )
-        checked.append({"role": message["role"], "content": str(message["content"])})
-    return checked
 
 
 def prompt_messages(messages: list[Any], prompt_key: str) -> list[dict[str, str]]:

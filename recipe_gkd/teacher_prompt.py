@@ -26,6 +26,7 @@ import string
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from recipe_gkd.messages import checked_messages
 from teacher_server.config import ConfigError
 
 # What a prompt value is: a plain string (one user turn) or a chat message list.
@@ -53,6 +54,11 @@ class TeacherPrompt:
 
     def describe(self) -> str:
         return "the student's prompt"
+
+    def teacher_record(self, record: dict[str, Any], where: str) -> dict[str, Any]:
+        """`record` with the teacher's prompt as its prompt (data.prompt_key), for a teacher that renders the prompt
+        itself in its own tokens (algorithm.cross_tokenizer): the record itself here."""
+        return record
 
     def join(
         self,
@@ -115,6 +121,9 @@ class PrivilegedPrompt(TeacherPrompt):
         response_ids = np.asarray(sequence[score_from:], dtype=np.int32)
         return np.concatenate([np.asarray(prompt_ids, dtype=np.int32), response_ids]), len(prompt_ids)
 
+    def teacher_record(self, record: dict[str, Any], where: str) -> dict[str, Any]:
+        return {**record, self.prompt_key: self.value(record, where)}
+
 
 class FieldPrompt(PrivilegedPrompt):
     """A record field holding the teacher's prompt: a string (one user turn) or a chat message list."""
@@ -127,8 +136,6 @@ class FieldPrompt(PrivilegedPrompt):
         return {self.field: self.key}
 
     def value(self, record: dict[str, Any], where: str) -> PromptValue:
-        from recipe_gkd.data import checked_messages
-
         value = self._field(record, self.field, where)
         if isinstance(value, list):
             return checked_messages(value, self.key, self.field)
@@ -150,8 +157,6 @@ class TemplatePrompt(PrivilegedPrompt):
         return {f: self.key for f in self.fields if f != "prompt"}
 
     def value(self, record: dict[str, Any], where: str) -> PromptValue:
-        from recipe_gkd.data import checked_messages
-
         prompt = record.get(self.prompt_key)
         if prompt is None:
             raise ConfigError("data.prompt_key", f"{where} has no field {self.prompt_key!r} (fields: {sorted(record)})")

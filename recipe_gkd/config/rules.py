@@ -533,12 +533,6 @@ def _validate_teacher_prompts(cfg: GKDConfig) -> None:
             f"is empty but {rule.key} gives {handle.who} a prompt of its own, rendered with its chat template: "
             "point it at the teacher's model (or tokenizer) files",
         )
-        require(
-            cfg.algorithm.cross_tokenizer == CrossTokenizer.none,
-            rule.key,
-            "a teacher prompt of its own is joined to the student's response ids, so the teacher must share the "
-            "student's tokenizer: algorithm.cross_tokenizer needs algorithm.cross_tokenizer=none with it",
-        )
 
 
 def _validate_trainer(cfg: GKDConfig) -> None:

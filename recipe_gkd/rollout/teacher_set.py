@@ -95,7 +95,8 @@ class TeacherSet:
 
             def call() -> list[TeacherTopK]:
                 rows_records = None if records is None else [records[i] for i in rows]
-                joined, starts = self.prompts[name].join(
+                joined, starts, rows_records = self.target.teacher_inputs(
+                    self.prompts[name],
                     [sequences[i] for i in rows],
                     [score_from[i] for i in rows],
                     rows_records,
@@ -162,6 +163,10 @@ class PromptJoin:
                 self._template = Path(section.chat_template).read_text() if section.chat_template else None
                 self._tokenizer = tokenizer
             return self._tokenizer, self._template
+
+    def records(self, records: list[dict[str, Any]], where: list[str]) -> list[dict[str, Any]]:
+        """The records as a teacher that renders prompts itself reads them: its own prompt as their prompt."""
+        return [self.rule.teacher_record(r, w) for r, w in zip(records, where, strict=True)]
 
     def join(
         self,

@@ -250,3 +250,70 @@ def test_the_openai_route_sends_the_joined_ids_and_scores_from_the_join(
     assert seen[-1]["body"]["prompt"] == [joined]
     # Row i: the teacher's log-prob of response token i, predicted at the join + i.
     np.testing.assert_allclose(scored.sampled_logprob, full[len(hint) + np.arange(len(response)), response], atol=1e-6)
+
+
+class RecordingText:
+    """A teacher of another tokenizer in this process: the replica's Renderer, keeping what it rendered."""
+
+    def __init__(self, renderer: Any) -> None:
+        self.renderer = renderer
+        self.rendered: list[tuple[Any, Any]] = []
+
+    def score_conversations(self, conversations: list[Any]) -> list[TeacherTopK]:
+        import dataclasses
+
+        from teacher_server.protocol import scores_from_logprobs
+
+        out = []
+        for conversation in conversations:
+            r = self.renderer.render(conversation)
+            self.rendered.append((conversation, r))
+            rng = np.random.default_rng(len(r.ids))
+            logits = rng.normal(size=(len(r.ids) - r.score_from, len(self.renderer.tokenizer)))
+            logprobs = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+            scored = scores_from_logprobs(logprobs, r.ids[r.score_from :], 4)
+            out.append(dataclasses.replace(scored, token_ids=r.ids[r.score_from :], byte_offsets=r.byte_offsets))
+        return out
+
+
+def test_across_tokenizers_the_teacher_renders_its_own_prompt_in_its_own_template() -> None:
+    """algorithm.cross_tokenizer: the teacher's prompt goes as the conversation's prompt, rendered by the teacher's
+    chat template (a Llama-3-shaped BPE teacher, the demo's char-tokenizer student); the response is the student's."""
+    from transformers import AutoTokenizer
+
+    from recipe_gkd.config import REPO_ROOT
+    from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
+    from recipe_gkd.data import encode_prompt
+    from teacher_server.conversation import Renderer
+
+    teacher_dir, student_dir = REPO_ROOT / "assets" / "demo_xtok" / "teacher", REPO_ROOT / "assets" / "demo" / "student"
+    if not teacher_dir.is_dir() or not student_dir.is_dir():
+        pytest.skip("the demo's assets are not built (make demo builds them)")
+    teacher_tok, student = AutoTokenizer.from_pretrained(teacher_dir), AutoTokenizer.from_pretrained(student_dir)
+    cfg = load_config(
+        None,
+        [
+            "algorithm.cross_tokenizer=span",
+            "teacher.top_k=4",
+            f"teacher.model_path={teacher_dir}",
+            "data.teacher_prompt_template='{prompt} hint: {solution}'",
+            "data.max_teacher_prompt_length=64",
+        ],
+    )
+    text_teacher = RecordingText(Renderer(teacher_tok))
+    scorer = CrossTokenizerScorer(text_teacher, student, teacher_tok, 4, cfg.data)
+    teachers = TeacherSet(cfg, {"default": scorer}, student)
+    record = {"prompt": "rev:abc", "solution": "cba"}
+    prompt = encode_prompt(student, record, "prompt", True)
+    response = [*student("cba", add_special_tokens=False)["input_ids"], student.eos_token_id]
+    sequence = np.asarray(prompt + response, np.int32)
+    try:
+        (scored,) = teachers.score(["default"], [sequence], [len(prompt)], [None], [record], ["record 0"])
+    finally:
+        teachers.close()
+    ((conversation, rendered),) = text_teacher.rendered
+    assert conversation.messages == [{"role": "user", "content": "rev:abc hint: cba"}]
+    assert conversation.response == "cba" and conversation.end_of_turn
+    own = teacher_tok.apply_chat_template(conversation.messages, add_generation_prompt=True, return_dict=False)
+    assert rendered.ids[: rendered.score_from].tolist() == own, "the teacher's own template and generation prompt"
+    assert len(scored.sampled_logprob) == len(response), "one row per student response token"
