@@ -3,6 +3,7 @@ change behaviour: a few steps of the demo per kind, each step's loss, grad norm 
 
     python benchmarks/golden_targets.py record runs/golden/before.json
     python benchmarks/golden_targets.py compare runs/golden/before.json runs/golden/after.json
+    python benchmarks/golden_targets.py dry-runs runs/golden/dry_before   # every preset's --dry-run output
 
 `record` runs every case (or the ones named with --only) on 2 intra-op threads; `compare` prints the largest
 difference per case and exits 1 when a figure differs by more than --rtol (default 0: bit-identical).
@@ -198,6 +199,20 @@ def compare(before: Path, after: Path, rtol: float) -> int:
     return 0 if worst <= rtol else 1
 
 
+def dry_runs(out: Path) -> None:
+    """Every preset's `python -m recipe_gkd.main --config PRESET --dry-run` output and exit code, one file each
+    (compare two directories with `diff -r`)."""
+    import os
+    import subprocess
+
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for preset in sorted((REPO / "configs" / "presets").glob("*.yaml")):
+        cmd = [sys.executable, "-m", "recipe_gkd.main", "--config", str(preset), "--dry-run"]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        (out / f"{preset.stem}.out").write_text(f"{proc.stdout}{proc.stderr}rc={proc.returncode}\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -208,9 +223,14 @@ def main() -> int:
     cmp.add_argument("before", type=Path)
     cmp.add_argument("after", type=Path)
     cmp.add_argument("--rtol", type=float, default=0.0)
+    dry = sub.add_parser("dry-runs")
+    dry.add_argument("out", type=Path)
     args = parser.parse_args()
     if args.cmd == "record":
         record(args.out, args.only)
+        return 0
+    if args.cmd == "dry-runs":
+        dry_runs(args.out)
         return 0
     return compare(args.before, args.after, args.rtol)
 

@@ -43,6 +43,7 @@ SECTION_PAGES: dict[str, tuple[str, ...]] = {
     "weight_sync": ("weight_sync.md",),
     "trainer": ("checkpoints_and_failures.md", "metrics.md"),
     "debug": ("memory_plan.md", "checkpoints_and_failures.md"),
+    "server": ("teacher_server.md",),
 }
 
 INTRO = f"""# Configuration reference
@@ -215,12 +216,27 @@ def render(schema: type = config.GKDConfig) -> str:
                 cells = [f"`{row.key}`", row.type, f"`{row.default}`" if row.default else "", row.allowed, row.meaning]
                 parts.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         parts.append("")
+    parts.extend(_server_section())
     aliases = "\n".join(f"| `{name}` | `{key}` |" for name, key in config.KEY_ALIASES.items())
     parts.append(
         "## Names from other recipes\n\nAn override with one of these names fails and names the key it means:\n\n"
         f"| name | key |\n|---|---|\n{aliases}\n"
     )
     return "\n".join(parts)
+
+
+def _server_section() -> list[str]:
+    """The teacher server's own `server:` keys (a standalone teacher yaml, `python -m teacher_server`)."""
+    from teacher_server.settings import ServerSection
+
+    see = ", ".join(f"[{name}]({name})" for name in SECTION_PAGES["server"])
+    parts = [f"## server\n\n{class_docstring(ServerSection)} More: {see}.\n"]
+    parts.append("| key | type | default | allowed | meaning |\n|---|---|---|---|---|")
+    for row in walk_schema(ServerSection, "server"):
+        cells = [f"`{row.key}`", row.type, f"`{row.default}`" if row.default else "", row.allowed, row.meaning]
+        parts.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    parts.append("")
+    return parts
 
 
 def main(argv: Sequence[str] | None = None) -> int:

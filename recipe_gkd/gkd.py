@@ -490,8 +490,9 @@ def teacher_loss_columns(cfg: GKDConfig, train: dict[str, Any]) -> dict[str, flo
     with forward KL, teacher_<name>_kl, the same figure (as teacher_kl is the loss); None for a teacher absent
     from the step's batch."""
     columns: dict[str, float | None] = {}
-    for name in split_teachers(cfg):
-        head = teacher_handles(cfg)[name].metric_prefix
+    handles = teacher_handles(cfg)
+    for name in split_teachers(cfg):  # sorted by name, as before
+        head = handles[name].metric_prefix
         loss = train.get(f"{head}loss")
         columns[f"{head}loss"] = loss
         columns[f"{head}kl"] = loss if cfg.algorithm.divergence == Divergence.forward_kl else None

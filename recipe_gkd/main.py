@@ -86,7 +86,7 @@ def check_student_split(cfg: GKDConfig) -> None:
 
 def check_teacher_head(cfg: GKDConfig) -> None:
     """What the target kind reads on the actor is there (teacher.output=hidden: the teacher's head, covering the
-    student's vocabulary), before Ray starts."""
+    ids the student's tokenizer produces), before Ray starts."""
     from recipe_gkd.targets import build_target
 
     build_target(cfg).check_before_start()
@@ -138,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         plan = build_plan(cfg)
+        report = format_plan(plan)  # a CUDA_VISIBLE_DEVICES narrower than the plan is a bad config
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    print(format_plan(plan), flush=True)
+    print(report, flush=True)
     print(format_run(cfg), flush=True)
     if args.dry_run:
         # Model references are read where they are (a directory, or the HF cache): nothing is downloaded.

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from recipe_gkd.config import (
+    PIPELINE_DEPTH,
     ConfigError,
     Device,
     GKDConfig,
@@ -50,6 +51,14 @@ ACTOR_RESERVE_GIB = 2.5
 # in all (recipe_gkd/losses/hidden.py; the same numbers, kept here so a dry run imports no torch).
 HIDDEN_LOSS_CHUNK_BYTES = 256 * 2**20
 HIDDEN_CHUNK_BUFFERS = 5
+# The wire's 16-bit hidden states, kept so from the client to the teacher's head (teacher_server/hidden_codec.py).
+HIDDEN_WIRE_BYTES = 2
+# algorithm.cross_tokenizer at actor TP > 1: the loss gathers the whole vocabulary on every rank
+# (recipe_gkd/actor/objective.py `full_vocabulary`, megatron-core 0.16.1 `_GatherFromModelParallelRegion`) from
+# Float16Module's fp32 logits. Bound: six fp32 [tokens, V] tensors at once (the gathered logits, their tempered
+# copy, the span path's log-softmax, the shared pieces' top-k loss over the same rows, and the gradients alive
+# together in backward); benchmarks/bench_cross_tokenizer_memory.py measures 16.6-18.5 B per token per id.
+XTOK_GATHERED_BYTES = 6 * 4
 # vLLM outside weights and KV cache: CUDA graphs, sampler, activations of its profile run.
 VLLM_RESERVE_GIB = 2.0
 # vLLM's default max_num_batched_tokens for the offline LLM class on H100/H200 (vllm/engine/arg_utils.py).
@@ -171,6 +180,8 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
     # Last stage: logits in the compute dtype, their fp32 copy, the loss's fp32 log-softmax and
     # the two gradients of the same size (measured on CPU: benchmarks/bench_actor_memory.py).
     logits = tokens * vocab_shard * (act + 4 * 4)
+    gathered = _gathered_vocabulary_parts(cfg, shape, tokens)
+    freed = activations + logits + sum(b for _, b in gathered)  # all gone before the optimizer steps
     # torch's AdamW (megatron-core 0.16.1's GPU optimizer without Transformer Engine or apex,
     # megatron/core/optimizer/__init__.py) steps with foreach ops: `_foreach_sqrt` of the second moments
     # makes one fp32 tensor per parameter of the optimizer's shard. Activations and logits are freed by
@@ -189,11 +200,15 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
                 f"recompute {m.recompute.value}, {m.attention.value} attention)",
                 activations,
             ),
-            (f"logits and loss buffers ({tokens} tokens x {vocab_shard} vocabulary columns)", logits),
+            (
+                f"logits and loss buffers ({tokens} tokens x {vocab_shard} vocabulary columns)",
+                logits,
+            ),
+            *gathered,
             (
                 f"optimizer step temporary (fp32 sqrt of the Adam second moments, {step_temp / GIB:.2f} GiB) "
                 "beyond the freed activations and logits",
-                max(0.0, step_temp - activations - logits),
+                max(0.0, step_temp - freed),
             ),
             *_teacher_head_parts(teacher, vocab_shard, tokens, act),
             ("CUDA context, NCCL, allocator reserve", ACTOR_RESERVE_GIB * GIB),
@@ -210,13 +225,30 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
     return role
 
 
+def _gathered_vocabulary_parts(cfg: GKDConfig, shape: Shape, tokens: int) -> list[tuple[str, float]]:
+    """A kind whose loss gathers the whole vocabulary (algorithm.cross_tokenizer) at actor TP > 1: its buffers on every
+    rank."""
+    if not build_target(cfg).gathers_vocabulary or cfg.actor.megatron.tp == 1:
+        return []
+    name = (
+        f"cross-tokenizer loss over the gathered vocabulary ({tokens} tokens x {shape.vocab_size} ids on every TP "
+        "rank: fp32 logits, their log-softmaxes and gradients)"
+    )
+    return [(name, tokens * shape.vocab_size * XTOK_GATHERED_BYTES)]
+
+
 def _teacher_head_parts(teacher: Shape | None, vocab_shard: int, tokens: int, act: int) -> list[tuple[str, float]]:
     """teacher.output=hidden, on the last stage: the teacher's head rows, its hidden states, the loss's chunks."""
     if teacher is None:
         return []
     return [
         (f"teacher output head ({vocab_shard} rows x {teacher.hidden_size})", vocab_shard * teacher.hidden_size * act),
-        (f"teacher hidden states ({tokens} tokens x {teacher.hidden_size}, fp32)", tokens * teacher.hidden_size * 4),
+        (
+            # The micro-batch's dense [B, T, H] and the loss rows gathered from it (saved for backward), 16-bit:
+            # one micro-batch at a time (recipe_gkd/actor/collate.py LazyMicroBatches).
+            f"teacher hidden states ({tokens} tokens x {teacher.hidden_size}, 16-bit, and the loss rows' copy)",
+            2 * tokens * teacher.hidden_size * HIDDEN_WIRE_BYTES,
+        ),
         (
             "hidden-state loss chunk buffers (fp32)",
             min(HIDDEN_LOSS_CHUNK_BYTES, tokens * vocab_shard * 4 * HIDDEN_CHUNK_BUFFERS),
@@ -259,11 +291,11 @@ def vllm_memory(
     cfg: GKDConfig,
     *,
     dtype_bytes: int,
-    scores: bool,
+    beyond_profile: tuple[str, float] | None,
 ) -> RoleMemory:
     """One GPU of a vLLM engine with `tp` GPUs: weights, runtime reserve, KV cache in its share; outside it the
-    process's CUDA context (+ NCCL with tp > 1) and either the prompt log-prob buffers (`scores`: a teacher)
-    or the layer the in-place weight reload materialises (a rollout engine).
+    process's CUDA context (+ NCCL with tp > 1) and `beyond_profile`, what the engine allocates that its profile
+    run did not see: a teacher's prompt log-prob buffers, a rollout engine's reloaded layer (None: nothing).
 
     Weights and KV cache are in the engine's dtype (`dtype_bytes`; vLLM's kv_cache_dtype "auto").
     """
@@ -276,9 +308,8 @@ def vllm_memory(
     outside = [("CUDA context of the vLLM process", VLLM_CUDA_CONTEXT_GIB * GIB)]
     if tp > 1:
         outside.append((f"NCCL buffers (tensor parallel {tp})", VLLM_NCCL_GIB * GIB))
-    outside.append(
-        prompt_logprob_buffers(shape, max_len, dtype_bytes) if scores else reload_layer(shape, tp, dtype_bytes)
-    )
+    if beyond_profile is not None:
+        outside.append(beyond_profile)
     kv = budget - sum(b for _, b in parts)
     per_token = shape.kv_bytes_per_token(tp, dtype_bytes)
     kv_tokens = int(kv // per_token) if kv > 0 else 0
@@ -330,7 +361,15 @@ def rollout_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
     dtype_bytes = 4 if cfg.actor.precision == Precision.fp32 else 2
     gpus = r.nnodes * r.gpus_per_node
     memory = vllm_memory(
-        "rollout GPU", gpus, shape, r.tp, r.gpu_memory_utilization, max_len, cfg, dtype_bytes=dtype_bytes, scores=False
+        "rollout GPU",
+        gpus,
+        shape,
+        r.tp,
+        r.gpu_memory_utilization,
+        max_len,
+        cfg,
+        dtype_bytes=dtype_bytes,
+        beyond_profile=reload_layer(shape, r.tp, dtype_bytes),
     )
     if not memory.fits:
         memory.key = "rollout.gpu_memory_utilization" if r.gpu_memory_utilization < 0.9 else "rollout.tp"
@@ -352,6 +391,10 @@ def teacher_memory(cfg: GKDConfig, shape: Shape, handle: TeacherHandle | None = 
     # teacher.dtype auto: vLLM keeps a 16-bit checkpoint's dtype and casts an fp32 one to fp16
     # (vllm/config/model.py, ModelConfig.dtype).
     dtype_bytes = 4 if t.dtype == "float32" else 2
+    # A hidden-state teacher runs vLLM's pooling runner, which asks for no prompt log-probs and whose profile run
+    # pools a whole max_num_batched_tokens batch (vllm/v1/worker/gpu_model_runner.py `profile_run` ->
+    # `_dummy_pooler_run`, 0.24.0/0.33.0): the pooled states are inside its share, nothing lies beyond it.
+    hidden = build_target(cfg).teacher_on_actor  # the teacher sends hidden states (its head is on the actor)
     memory = vllm_memory(
         f"{handle.label} GPU",
         t.replicas * t.gpus_per_replica,
@@ -361,8 +404,13 @@ def teacher_memory(cfg: GKDConfig, shape: Shape, handle: TeacherHandle | None = 
         max_len,
         cfg,
         dtype_bytes=dtype_bytes,
-        scores=True,
+        beyond_profile=None if hidden else prompt_logprob_buffers(shape, max_len, dtype_bytes),
     )
+    if hidden:
+        memory.notes.append(
+            "teacher.output=hidden: a pooling engine, no prompt log-probs; its profile run pools a full batch "
+            "(the runtime reserve holds it)"
+        )
     if not memory.fits:
         if memory.problem.startswith("the KV cache"):
             memory.key = "teacher.max_model_len" if not t.max_model_len else "teacher.gpus_per_replica"
@@ -508,7 +556,8 @@ OBJECT_STORE_SHARDS_MIB = 128
 
 
 def object_store_mib(cfg: GKDConfig) -> int:
-    """cluster.ray_object_store_mb, or (0) twice the student's export plus room for the shards.
+    """cluster.ray_object_store_mb, or (0) twice the student's export plus room for the shards, plus the
+    teacher's hidden states of the batches in flight (teacher.output=hidden).
 
     An object-store sync puts a whole version (in the training dtype: fp32 or bf16) before the engines
     have read it, and the next version may be put before the last reference to the previous one is
@@ -517,11 +566,20 @@ def object_store_mib(cfg: GKDConfig) -> int:
     """
     if cfg.cluster.ray_object_store_mb:
         return cfg.cluster.ray_object_store_mb
-    if weight_transport(cfg) != WeightTransport.object_store:
-        return OBJECT_STORE_MIN_MIB  # the weights go over a collective, one bucket at a time
-    skipped: list[str] = []
-    shape = read_shape(cfg.model.student_path, "model.student_path", skipped)
-    if shape is None:
-        return OBJECT_STORE_MIN_MIB
-    export_mib = shape.num_params() * (2 if cfg.actor.precision == Precision.bf16 else 4) / 2**20
-    return max(OBJECT_STORE_MIN_MIB, math.ceil(2 * export_mib) + OBJECT_STORE_SHARDS_MIB)
+    base = OBJECT_STORE_MIN_MIB
+    if weight_transport(cfg) == WeightTransport.object_store:  # else the weights go over a collective, by buckets
+        shape = read_shape(cfg.model.student_path, "model.student_path", [])
+        if shape is not None:
+            export_mib = shape.num_params() * (2 if cfg.actor.precision == Precision.bf16 else 4) / 2**20
+            base = max(OBJECT_STORE_MIN_MIB, math.ceil(2 * export_mib) + OBJECT_STORE_SHARDS_MIB)
+    return base + math.ceil(hidden_shard_bytes(cfg) / 2**20)
+
+
+def hidden_shard_bytes(cfg: GKDConfig) -> int:
+    """teacher.output=hidden: the hidden states the rollout shards of the batches in flight carry through the object
+    store (the target kind's payload: 2 bytes a value of recipe_gkd/targets/hidden.py HiddenStates), at most
+    max_new_tokens a sequence (0 for a kind without a payload of that size)."""
+    per_token = build_target(cfg).payload_bytes_per_token()
+    batches = 1 + PIPELINE_DEPTH[cfg.algorithm.schedule]
+    tokens = cfg.data.train_batch_size * cfg.rollout.sampling.max_new_tokens
+    return batches * tokens * per_token

@@ -27,6 +27,8 @@ NODE_RESOURCE_PREFIX = "recipe_gkd_node_"
 NODE_RESOURCE_DEMAND = 0.001
 ROLES = ("actor", "rollout")
 VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
+# The node the driver (and the placement report) runs on: the Ray head, node 0 of the plan (launch/run_gkd.sh).
+DRIVER_NODE = 0
 
 
 def visible_devices(env: Mapping[str, str] | None = None) -> tuple[str, ...] | None:
@@ -195,29 +197,44 @@ def _colocated_plan(cfg: GKDConfig) -> PlacementPlan:
 
 
 def format_plan(plan: PlacementPlan, env: Mapping[str, str] | None = None) -> str:
-    """The placement report: one line per worker and teacher replica (GPU ids of the plan, see physical_gpu_ids)."""
+    """The placement report: one line per worker and teacher replica with the CUDA_VISIBLE_DEVICES it is given.
+
+    On the driver's node that is its plan GPU ids read through the mask in `env` (this process's by default),
+    as Ray and the teacher's --gpu-ids map them (`physical_gpu_ids`); another node's rows keep the plan ids,
+    which that node's own mask (if any) maps when it starts Ray and its teacher. Raises ConfigError (naming
+    cluster.gpus_per_node) when the mask shows fewer GPUs than the plan uses.
+    """
     rows = [("role", "rank", "node", "bundle", "CUDA_VISIBLE_DEVICES")]
     names = list(dict.fromkeys(s.teacher for s in plan.teacher))
     several = len(names) > 1
     for s in plan.all_slots():
         bundle = str(plan.bundle_index(s)) if s.role != "teacher" else "-"
         role = f"teacher {s.teacher}" if s.role == "teacher" and several else s.role
-        rows.append((role, str(s.rank), str(s.node), bundle, s.cuda_visible_devices))
+        rows.append((role, str(s.rank), str(s.node), bundle, _given_ids(s.gpu_ids, s.node, env)))
     role_width = max(8, *(len(r[0]) for r in rows))
     lines = [_row(r, role_width) for r in rows]
     for node in range(plan.nnodes):
-        teacher_ids = ",".join(map(str, plan.teacher_gpu_ids(node))) or "-"
+        teacher_ids = _given_ids(plan.teacher_gpu_ids(node), node, env) or "-"
         if several:
-            each = [f"{n} {','.join(map(str, plan.teacher_gpu_ids(node, n))) or '-'}" for n in names]
+            each = [f"{n} {_given_ids(plan.teacher_gpu_ids(node, n), node, env) or '-'}" for n in names]
             teacher_ids += f" ({'; '.join(each)})"
         lines.append(f"node {node}: Ray sees {plan.ray_gpus(node)} GPUs; teacher GPUs {teacher_ids}")
         lines += [
-            f"GPU {g} of node {node} is shared (colocated): {', '.join(r)}" for g, r in plan.shared_gpus(node).items()
+            f"GPU {_given_ids((g,), node, env)} of node {node} is shared (colocated): {', '.join(r)}"
+            for g, r in plan.shared_gpus(node).items()
         ]
     mask = visible_devices(env)
-    if mask is not None:  # the ids above are the plan's; this node's devices are the mask's entries
-        lines.append(f"{VISIBLE_DEVICES_VAR}={','.join(mask)} is set here: plan GPU i is its i-th device")
+    if mask is not None:
+        note = f"{VISIBLE_DEVICES_VAR}={','.join(mask)} is set here: plan GPU i is its i-th device"
+        if plan.nnodes > 1:
+            note += f" on node {DRIVER_NODE}; the other nodes' rows show plan ids, mapped through their own mask"
+        lines.append(note)
     return "\n".join(lines)
+
+
+def _given_ids(ids: Sequence[int], node: int, env: Mapping[str, str] | None) -> str:
+    """The CUDA_VISIBLE_DEVICES value of a process on `node` with plan GPUs `ids`, as far as this node knows it."""
+    return gpu_list(ids, env) if node == DRIVER_NODE else ",".join(map(str, ids))
 
 
 def _row(cells: tuple[str, ...], role_width: int = 8) -> str:

@@ -28,7 +28,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--teacher", default="", metavar="NAME", help="a run preset with `teachers:`: serve the teacher NAME"
     )
     parser.add_argument(
-        "--gpu-ids", default="", help="explicit GPU ids, e.g. 4,5,6,7 (split by teacher.gpus_per_replica)"
+        "--gpu-ids",
+        default="",
+        help="explicit GPU ids, e.g. 4,5,6,7 or the UUIDs of a UUID mask (split by teacher.gpus_per_replica)",
     )
     parser.add_argument("--model-path", default="", help="sets teacher.model_path")
     parser.add_argument("--address", default="", help="sets teacher.address (bind address), e.g. tcp://127.0.0.1:5555")

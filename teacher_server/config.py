@@ -125,7 +125,8 @@ class TeacherConfig:
     """topk: the teacher's top-k logprobs per scored token (teacher.top_k); hidden: its final hidden state (after its
     final norm), from which the actor computes the teacher's whole distribution with the teacher's output head,
     loaded from teacher.model_path (2 x hidden_size bytes per token; every divergence exact over the vocabulary; hf
-    or vllm backend, the vllm one running a pooling-mode engine; the teacher's vocabulary must be the student's).
+    or vllm backend, the vllm one running a pooling-mode engine; the teacher's tokenizer must be the student's,
+    heads padded differently over it are compared over the ids both have).
     See docs/objectives.md."""
     top_k: int = bounded(64, ge=0, note="0: the sampled token's logprob only")
     """Teacher logprobs sent per scored token (its top-k); 0: only the logprob of the token at each position
@@ -149,6 +150,9 @@ class TeacherConfig:
     """hf backend: padded tokens (rows x longest sequence) per forward pass."""
     queue_depth: int = bounded(8, ge=1)
     """Requests queued per replica before the server answers `busy` instead of growing memory."""
+    ready_timeout_s: float = bounded(600.0, gt=0)
+    """The server stops, naming this key, if a replica has not loaded and answered a probe by then (a 70B teacher
+    read from network storage can take longer); an autostarted server gets this plus 120 s from the driver."""
     replica_timeout_s: float = bounded(30.0, gt=0)
     """A replica silent (no heartbeat) this long is dropped and its requests are retried elsewhere."""
     dtype: str = one_of("auto", ("auto", "float32", "bfloat16", "float16"))

@@ -57,7 +57,8 @@ from teacher_server.scores import (  # noqa: F401 - re-exported: the wire's resu
     tail_from_topk,
 )
 
-PROTOCOL_VERSION = 1
+# 2: replicas name their GPUs as strings (indices or GPU-/MIG- UUIDs) in Register and ReplicaStats.
+PROTOCOL_VERSION = 2
 # Wire dtypes of the top-k logprobs; decoded values are always float32.
 LOGPROB_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 # "int32": raw little-endian ids; "elias_fano": see idcodec (about 1.1 bytes per id at K=256).
@@ -190,7 +191,7 @@ class ReplicaStats(msgspec.Struct):
     name: str
     pid: int
     host: str
-    gpu_ids: list[int]
+    gpu_ids: list[str]  # indices or UUIDs (GPU-..., MIG-...), as the replica's CUDA_VISIBLE_DEVICES has them
     # Requests sent to the replica and not answered yet (its queue depth).
     queue_depth: int
     requests: int
@@ -228,7 +229,7 @@ class Register(msgspec.Struct, tag="register"):
     name: str
     pid: int
     host: str
-    gpu_ids: list[int]
+    gpu_ids: list[str]  # indices or UUIDs (GPU-..., MIG-...), as the replica's CUDA_VISIBLE_DEVICES has them
     model_id: str
     vocab_size: int
     tokenizer_hash: str

@@ -50,7 +50,7 @@ class ReplicaSpec(msgspec.Struct):
     connect: str
     backend: str
     options: BackendOptions
-    gpu_ids: list[int]
+    gpu_ids: list[str]
     secret_file: str = ""
     parent_pid: int = 0
 

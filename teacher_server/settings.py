@@ -23,27 +23,29 @@ from teacher_server.config import ConfigError, TeacherBackend, TeacherConfig, Te
 STANDALONE_KEYS = frozenset({"teacher", "server"})
 PLACEMENT_COMMAND = "python -m recipe_gkd.placement --config PRESET --node-rank N --print teacher-gpus"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+# Server keys that moved to the teacher section (a run sets them there too): named in the unknown-key error.
+MOVED_KEYS = {"server.ready_timeout_s": "teacher.ready_timeout_s"}
 
 
 @dataclass
 class ServerSection:
-    """Server-only knobs (the `server:` section of a standalone yaml, `server.*` overrides)."""
+    """Server-only knobs (the `server:` section of a standalone yaml, `server.*` overrides of `python -m teacher_server`
+    and launch/start_teacher.sh); a run's config has no `server:` section."""
 
-    # Node-local GPU ids for this node's replicas, split by teacher.gpus_per_replica. Empty:
-    # 0..replicas*gpus_per_replica-1 (a teacher yaml, or a preset whose teacher is remote); a preset
-    # with a local teacher needs them (launch/start_teacher.sh passes the plan's).
-    gpu_ids: list[int] = field(default_factory=list)
-    # Where replicas connect (and `--join` points). Empty: teacher.address with port + 1
-    # (an ephemeral port when teacher.address has port 0).
+    gpu_ids: list[str] = field(default_factory=list)
+    """Node-local GPU ids for this node's replicas, split by teacher.gpus_per_replica: what each replica's
+    CUDA_VISIBLE_DEVICES gets, so indices or the UUIDs of a UUID mask (GPU-..., MIG-...). Empty:
+    0..replicas*gpus_per_replica-1 (a teacher yaml, or a preset whose teacher is remote); a preset with a local
+    teacher needs them (launch/start_teacher.sh passes the plan's)."""
     replica_address: str = ""
-    # Intra-op threads per replica on CPU; 0 keeps torch's default.
+    """Where replicas connect (and `--join` points). Empty: teacher.address with port + 1 (an ephemeral port when
+    teacher.address has port 0)."""
     torch_threads: int = 0
-    # Replica logs; empty: a new temporary directory (printed at start).
+    """Intra-op threads per replica on CPU; 0 keeps torch's default."""
     log_dir: str = ""
-    # Startup fails if a replica has not loaded and answered a probe by then.
-    ready_timeout_s: float = 600.0
-    # A replica that dies is restarted at most this many times.
+    """Replica logs; empty: a new temporary directory (printed at start)."""
     max_restarts: int = 3
+    """A replica that dies is restarted at most this many times."""
 
 
 @dataclass
@@ -56,7 +58,7 @@ class TeacherFile:
 class ReplicaSlot:
     name: str
     node: int
-    gpu_ids: tuple[int, ...]
+    gpu_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,9 @@ def _load_standalone(raw: object, overrides: list[str], source: str) -> TeacherF
         merged = OmegaConf.merge(schema, raw, OmegaConf.from_dotlist(overrides))
     except ConfigKeyError as err:
         key = str(getattr(err, "full_key", "") or "?")
+        moved = f"; it is {MOVED_KEYS[key]} now" if key in MOVED_KEYS else ""
         raise ConfigError(
-            key, f"unknown key (from {source}); teacher yamls hold `teacher:` and `server:` sections"
+            key, f"unknown key (from {source}){moved}; teacher yamls hold `teacher:` and `server:` sections"
         ) from None
     except OmegaConfBaseException as err:
         key = str(getattr(err, "full_key", "") or "?")
@@ -154,8 +157,6 @@ def _validate_server(server: ServerSection, teacher: TeacherConfig) -> None:
         )
     if server.torch_threads < 0:
         raise ConfigError("server.torch_threads", f"must be >= 0, got {server.torch_threads}")
-    if server.ready_timeout_s <= 0:
-        raise ConfigError("server.ready_timeout_s", f"must be > 0, got {server.ready_timeout_s}")
     if server.max_restarts < 0:
         raise ConfigError("server.max_restarts", f"must be >= 0, got {server.max_restarts}")
     if server.gpu_ids and len(server.gpu_ids) % teacher.gpus_per_replica:
@@ -172,7 +173,7 @@ def _slots(teacher: TeacherConfig, server: ServerSection, node_rank: int) -> tup
     if server.gpu_ids:
         groups = [tuple(server.gpu_ids[i : i + gpr]) for i in range(0, len(server.gpu_ids), gpr)]
     else:
-        groups = [tuple(range(r * gpr, (r + 1) * gpr)) for r in range(teacher.replicas)]
+        groups = [tuple(str(g) for g in range(r * gpr, (r + 1) * gpr)) for r in range(teacher.replicas)]
     return tuple(ReplicaSlot(f"n{node_rank}-r{i}", node_rank, g) for i, g in enumerate(groups))
 
 

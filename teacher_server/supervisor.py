@@ -150,7 +150,7 @@ class Supervisor:
         if slot.gpu_ids:
             # --gpu-ids are the node's device ids, already mapped through any CUDA_VISIBLE_DEVICES the
             # trainer met (recipe_gkd.placement.physical_gpu_ids), so they replace this process's mask.
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in slot.gpu_ids)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpu_ids)
         if self.settings.server.torch_threads:
             env["OMP_NUM_THREADS"] = str(self.settings.server.torch_threads)
         # Never download: the model directory is all a replica may read.
@@ -159,7 +159,7 @@ class Supervisor:
         return env
 
     def _wait_registered(self) -> None:
-        deadline = time.monotonic() + self.settings.server.ready_timeout_s
+        deadline = time.monotonic() + self.settings.teacher.ready_timeout_s
         while not self._all_registered():
             if self.stopping:
                 raise StartupError("stopped by a signal during start-up")
@@ -170,8 +170,8 @@ class Supervisor:
                     )
             if time.monotonic() > deadline:
                 slow = [c for c in self.children if not self._registered(c)]
-                limit = self.settings.server.ready_timeout_s
-                what = f"replica {slow[0].slot.name} was not ready within server.ready_timeout_s={limit}"
+                limit = self.settings.teacher.ready_timeout_s
+                what = f"replica {slow[0].slot.name} was not ready within teacher.ready_timeout_s={limit}"
                 raise StartupError(self._failure(slow[0], what))
             time.sleep(SUPERVISE_INTERVAL_S)
 

@@ -10,6 +10,7 @@ under a plain causal mask (padding only ever comes after the tokens that could s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -36,7 +37,8 @@ class MicroBatch:
     # Several teachers: each row's teacher, an index into the names collate was given (per-teacher metrics).
     teacher_index_B: Tensor | None = None  # int64
     # The target kind's payload at the loss positions (recipe_gkd/targets): teacher.output=hidden the teacher's
-    # hidden states (float32 [B, T, H], 0 elsewhere); algorithm.cross_tokenizer the spans (int64 [B, T], -1 elsewhere).
+    # hidden states ([B, T, H] in the wire's bfloat16 / float16, 0 elsewhere); algorithm.cross_tokenizer the spans
+    # (int64 [B, T], -1 elsewhere).
     payload: Tensor | None = None
 
     def to(self, device: torch.device) -> MicroBatch:
@@ -108,6 +110,32 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: Sequenc
         teacher_index_B=_teacher_index(sequences, teacher_names),
         payload=_collate_payloads(sequences, rows, seq_len),
     )
+
+
+@dataclass(frozen=True)
+class LazyMicroBatches:
+    """A step's micro-batches, each collated and moved to `device` only when the schedule takes it.
+
+    Collating them all first would hold every micro-batch on the device at once (with teacher.output=hidden a
+    [B, T, H] tensor each) where the memory plan counts the ones in flight. `shapes` are known without collating.
+    """
+
+    groups: list[list[Sequence]]
+    pad_id: int
+    teacher_names: tuple[str, ...]
+    device: torch.device
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """[B, T] of each micro-batch as `collate` pads it."""
+        return [(len(g), max(len(s.input_ids) for s in g) - 1) for g in self.groups]
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        for group in self.groups:
+            yield collate(group, self.pad_id, self.teacher_names).to(self.device)
 
 
 def _teacher_index(sequences: SequenceOf[Sequence], teacher_names: SequenceOf[str]) -> Tensor | None:

@@ -3,9 +3,10 @@
 The driver applies `ray.remote` and calls every method on every actor rank (they all take part
 in collectives); tests construct it directly, one process per rank. One step:
 
-1. collate this rank's sequences into right-padded micro-batches (`actor.micro_batch_size`
-   sequences, or by tokens: `actor.max_tokens_per_micro_batch`); every TP and PP rank of a
-   data-parallel replica holds the same sequences,
+1. split this rank's sequences into micro-batches (`actor.micro_batch_size` sequences, or by
+   tokens: `actor.max_tokens_per_micro_batch`), each collated (right-padded) and moved to the
+   device only when the schedule takes it; every TP and PP rank of a data-parallel replica holds
+   the same sequences,
 2. megatron's schedule runs the micro-batches through the pipeline stages (1F1B when PP > 1,
    activation shapes exchanged per micro-batch); the last stage sums the GKD divergence over
    each micro-batch's loss tokens (vocab-parallel over TP) and backpropagates that sum,
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from recipe_gkd.actor import checkpointing, hf_arch, hf_convert, mcore_model
-from recipe_gkd.actor.collate import MicroBatch, collate, split_by_token_budget, split_micro_batches
+from recipe_gkd.actor.collate import LazyMicroBatches, MicroBatch, split_by_token_budget, split_micro_batches
 from recipe_gkd.actor.layout import rank_layout
 from recipe_gkd.actor.objective import ActorObjective, sum_from_last_stage
 from recipe_gkd.actor.optimizer import build_optimizer, clip_grads, wrap_ddp
@@ -53,6 +54,11 @@ from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, cp
 
 # megatron's RNG tracker needs a seed; nothing random runs (no dropout, weights from HF).
 MEGATRON_SEED = 1234
+
+
+def group_timeout_minutes(bound_s: float) -> int:
+    """megatron's group timeout (whole minutes) that is at least the world group's `bound_s` seconds."""
+    return max(1, math.ceil(bound_s / 60.0))
 
 
 class MegatronActor:
@@ -222,8 +228,13 @@ class MegatronActor:
             timeout=timedelta(seconds=bound_s),
         )
         m = self.cfg.actor.megatron
+        # megatron-core 0.16.1 parallel_state.initialize_model_parallel gives every group it creates (TP, DP, PP,
+        # MP, embedding, ...) `timedelta(minutes=distributed_timeout_minutes)`, 30 by default, not the world's bound.
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp, context_parallel_size=m.cp
+            tensor_model_parallel_size=m.tp,
+            pipeline_model_parallel_size=m.pp,
+            context_parallel_size=m.cp,
+            distributed_timeout_minutes=group_timeout_minutes(bound_s),
         )
         model_parallel_cuda_manual_seed(MEGATRON_SEED)
         megatron_coords = (
@@ -332,17 +343,17 @@ class MegatronActor:
     def _folded_ids(self, sequences: list[Sequence]) -> int:
         return sum(int((s.teacher_topk_ids >= self.arch.vocab_size).sum()) for s in sequences)
 
-    def _micro_batches(self, sequences: list[Sequence]) -> list[MicroBatch]:
+    def _micro_batches(self, sequences: list[Sequence]) -> LazyMicroBatches:
         budget = self.cfg.actor.max_tokens_per_micro_batch
         if budget:
             groups = split_by_token_budget(sequences, budget)
         else:
             groups = split_micro_batches(sequences, self.cfg.actor.micro_batch_size)
-        return [collate(group, self.pad_id, self.objective.teacher_names).to(self.device) for group in groups]
+        return LazyMicroBatches(groups, self.pad_id, tuple(self.objective.teacher_names), self.device)
 
     def _run_schedule(
         self,
-        micro_batches: list[MicroBatch],
+        micro_batches: LazyMicroBatches | list[MicroBatch],
         loss_fn: Callable[..., Any],
         *,
         forward_only: bool,
@@ -361,7 +372,10 @@ class MegatronActor:
             output = model(micro.input_ids_BT, micro.position_ids_BT, None)
             return output, partial(loss_fn, micro)
 
-        shapes = [tuple(m.input_ids_BT.shape) for m in micro_batches]
+        if isinstance(micro_batches, LazyMicroBatches):
+            shapes = micro_batches.shapes
+        else:
+            shapes = [(int(m.input_ids_BT.shape[0]), int(m.input_ids_BT.shape[1])) for m in micro_batches]
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro_batches),

@@ -180,12 +180,14 @@ class ActorObjective:
         return gather_from_tensor_model_parallel_region(logits_BTv, group=self.tp_group)[..., : self.vocab_size]
 
 
-def local_vocab_slice(vocab_size: int, layout: RankLayout) -> tuple[int, slice]:
-    """This rank's first vocabulary id and its real (unpadded) vocabulary columns of its logits shard."""
+def local_vocab_slice(vocab_size: int, layout: RankLayout, used: int | None = None) -> tuple[int, slice]:
+    """This rank's first vocabulary id and its columns of ids below `used` (default: the real, unpadded vocabulary)
+    in its logits shard, whose width megatron pads from `vocab_size`."""
     padded = hf_arch.padded_vocab_size(vocab_size, layout.tp_size)
     shard = padded // layout.tp_size
     vocab_start = layout.tp_rank * shard
-    return vocab_start, slice(0, max(0, min(shard, vocab_size - vocab_start)))
+    end = vocab_size if used is None else min(used, vocab_size)
+    return vocab_start, slice(0, max(0, min(shard, end - vocab_start)))
 
 
 def sum_from_last_stage(

@@ -5,9 +5,12 @@ get the teacher's logits over the whole vocabulary (recipe_gkd/losses/hidden.py)
 rank holds the rows of its own vocabulary shard, the same ids as its shard of the student's logits.
 The head is the checkpoint's `lm_head.weight`, or for a tied teacher its input embedding.
 
-Refused at start (ConfigError naming teacher.output, exit 2): a teacher whose vocabulary (head rows)
-differs from the student's, and a head that is more than a bias-free matmul (logit_scale,
-final_logit_softcapping), whose logits the hidden states alone would not give.
+Models of one family pad their heads differently over one tokenizer (Qwen2.5: 152064 rows from 7B up,
+151936 below): the loss compares the rows both heads have, which must hold every id the tokenizer can
+produce (`len(tokenizer)`, its added tokens included); the rows past the shorter head are padding no text
+maps to. Refused at start (ConfigError naming teacher.output, exit 2): a head shorter than the tokenizer,
+and a head that is more than a bias-free matmul (logit_scale, final_logit_softcapping), whose logits the
+hidden states alone would not give.
 """
 
 from __future__ import annotations
@@ -29,16 +32,19 @@ TIED_EMBEDDING_SUFFIX = "embed_tokens.weight"
 
 @dataclass(frozen=True)
 class TeacherHeadRef:
-    """Where the teacher's head lives and its shape [vocab, hidden]."""
+    """Where the teacher's head lives, its shape [vocab, hidden], and the vocabulary rows the loss compares."""
 
     file: Path
     name: str
     vocab_size: int
     hidden_size: int
+    # The first `loss_vocab_size` ids: the rows both heads have (every id the tokenizer produces among them).
+    loss_vocab_size: int
 
 
-def find_teacher_head(model_path: str, student_vocab_size: int) -> TeacherHeadRef:
-    """The teacher's head tensor, checked against the student's vocabulary. Raises ConfigError (teacher.output)."""
+def find_teacher_head(model_path: str, student_vocab_size: int, tokenizer_size: int) -> TeacherHeadRef:
+    """The teacher's head tensor, checked against the student's vocabulary (`student_vocab_size` embedding rows)
+    and its tokenizer (`tokenizer_size` ids). Raises ConfigError (teacher.output)."""
     model_dir = Path(model_path)
     config = json.loads((model_dir / "config.json").read_text())
     text_config = config.get("text_config", config)
@@ -66,14 +72,22 @@ def find_teacher_head(model_path: str, student_vocab_size: int) -> TeacherHeadRe
             f"input embedding *{TIED_EMBEDDING_SUFFIX}: set teacher.output=topk",
         )
     file, (vocab, hidden) = tensors[name]
-    if vocab != student_vocab_size:
+    shared = min(vocab, student_vocab_size)
+    if tokenizer_size > shared:
         raise ConfigError(
             "teacher.output",
             f"=hidden compares the two distributions id by id over one vocabulary, but the teacher's head has {vocab} "
-            f"rows and the student's vocabulary {student_vocab_size}: use a teacher with the student's vocabulary "
-            "or teacher.output=topk",
+            f"rows and the student's {student_vocab_size}, fewer than the {tokenizer_size} ids of the student's "
+            "tokenizer: use a teacher with the student's tokenizer and vocabulary, or teacher.output=topk",
         )
-    return TeacherHeadRef(file, name, vocab, hidden)
+    return TeacherHeadRef(file, name, vocab, hidden, shared)
+
+
+def tokenizer_size(path: str) -> int:
+    """The ids the tokenizer at `path` can produce (its vocabulary and added tokens)."""
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(path))
 
 
 def load_teacher_head_shard(

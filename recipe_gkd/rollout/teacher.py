@@ -11,15 +11,19 @@ import numpy as np
 
 from recipe_gkd.config import GKDConfig, cpu_threads, to_yaml
 from recipe_gkd.teachers_config import DEFAULT_TEACHER, teacher_handles, teacher_views
-from teacher_server.config import TeacherBackend
+from teacher_server.config import TeacherBackend, TeacherConfig
 from teacher_server.protocol import TeacherTopK
-from teacher_server.settings import ServerSection
 
 # The driver waits for an autostarted server's READY as long as the server itself waits for its replicas
-# to load (server.ready_timeout_s; past it the server exits naming that key, and the launcher raises with
-# its log tail), plus the server's own start-up. teacher.timeout_s is a request's limit, not a model load's:
-# a 70B vLLM teacher loads and captures its graphs in minutes.
-AUTOSTART_READY_TIMEOUT_S = ServerSection().ready_timeout_s + 120.0
+# to load (teacher.ready_timeout_s; past it the server exits naming that key, and the launcher raises with
+# its log tail), plus this margin for the server's own start-up. teacher.timeout_s is a request's limit, not a
+# model load's: a 70B vLLM teacher loads and captures its graphs in minutes.
+AUTOSTART_MARGIN_S = 120.0
+
+
+def autostart_ready_timeout_s(teacher: TeacherConfig) -> float:
+    """How long the driver waits for an autostarted server of `teacher` to print READY."""
+    return teacher.ready_timeout_s + AUTOSTART_MARGIN_S
 
 
 class TeacherScorer:
@@ -103,7 +107,7 @@ def start_local_teacher(cfg: GKDConfig, name: str = DEFAULT_TEACHER) -> Iterator
         # Replica logs stay with the run.
         extra_args=["--log-dir", str(logs), *(["--gpu-ids", gpu_ids] if gpu_ids else [])],
         log_path=run_dir / handle.log_name,
-        ready_timeout_s=AUTOSTART_READY_TIMEOUT_S,
+        ready_timeout_s=autostart_ready_timeout_s(view.teacher),
     ) as server:
         yield lambda: server.ready().address
 

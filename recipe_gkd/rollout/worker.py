@@ -251,7 +251,7 @@ class RolloutWorker:
                 teacher_tail_logmass=scored.tail_logmass,
                 teacher_sampled_logprob=scored.sampled_logprob,
                 # The target kind's own arrays (the teacher's hidden states, the cross-tokenizer spans), if any.
-                payload=self.teachers.target.payload(scored),
+                payload=self.teachers.target.payload(scored, teacher),
                 rollout_logprobs=rollout_lp,
                 reward=self._reward(prompt, response),
                 teacher=teacher,

@@ -161,7 +161,7 @@ def device_check(out: Path, models: Path, sizes: Sizes) -> Check:
     try:
         planned = plan_gpu_memory(cfg)
     except ConfigError as err:
-        # The plan cannot map GPU 0 to what nvidia-smi lists (a MIG or UUID mask it does not read): the finding,
+        # The plan cannot read GPU 0 as CUDA sees it (a mask naming no device, CUDA failing): the finding,
         # recorded beside the device facts above.
         return Check("device", "failed", time.perf_counter() - start, figures, detail=f"memory plan: {err}")
     figures |= {"plan_gpu_gib": planned.gib, "plan_source": planned.source}

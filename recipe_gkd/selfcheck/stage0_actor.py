@@ -99,12 +99,19 @@ def stage0_config(out: Path, models: Path, sizes: Sizes, run: str, *overrides: s
 # ----------------------------------------------------------------------------- the actor
 
 
+def wire_hidden_states(values_NH: np.ndarray) -> Any:
+    """Hidden states as the rollout worker hands them on: rounded to the wire's bfloat16, in its 16 bits."""
+    from recipe_gkd.targets.hidden import HiddenStates
+    from teacher_server import hidden_codec
+
+    return HiddenStates.from_float32(hidden_codec.round_to(values_NH.astype(np.float32), "bfloat16"), "bfloat16")
+
+
 def synthetic_shard(cfg: GKDConfig, sizes: Sizes, hidden_size: int, seed: int = 0) -> Any:
     """One step's sequences with teacher targets of the stage's sizes: random ids, a top-k holding half the
     teacher's mass (the tail the other half), or final hidden states with teacher.output=hidden."""
     from recipe_gkd.batch import Sequence, TrainShard
     from recipe_gkd.targets import build_target
-    from recipe_gkd.targets.hidden import HiddenStates
 
     rng = np.random.default_rng(seed)
     # The target kind with the teacher on the actor (teacher.output=hidden) takes hidden states, not a top-k.
@@ -129,7 +136,7 @@ def synthetic_shard(cfg: GKDConfig, sizes: Sizes, hidden_size: int, seed: int = 
                 teacher_tail_logmass=np.full(r, -np.log(2.0), np.float32),
                 teacher_sampled_logprob=-rng.exponential(2.0, r).astype(np.float32),
                 rollout_logprobs=-rng.exponential(2.0, r).astype(np.float32),
-                payload=HiddenStates(rng.standard_normal((r, hidden_size)).astype(np.float32)) if hidden else None,
+                payload=wire_hidden_states(rng.standard_normal((r, hidden_size))) if hidden else None,
             )
         )
     return TrainShard(step=0, weight_version=0, sequences=sequences)

@@ -36,6 +36,8 @@ class Target:
     name: ClassVar[str] = ""
     # Whether the actor holds a part of the teacher (its output head): the memory plan counts it on the last stage.
     teacher_on_actor: ClassVar[bool] = False
+    # Whether the loss gathers the whole vocabulary's logits on every TP rank (ActorObjective.full_vocabulary).
+    gathers_vocabulary: ClassVar[bool] = False
     # Whether the rollout worker reads the teacher's tokenizer (to map its replies onto the student's tokens).
     teacher_tokenizer_on_rollout: ClassVar[bool] = False
 
@@ -82,9 +84,14 @@ class Target:
         """
         return scorer.score(sequences, score_from)
 
-    def payload(self, scored: TeacherTopK) -> TargetPayload | None:
-        """This kind's own arrays of one scored response for its Sequence (None: the common teacher arrays only)."""
+    def payload(self, scored: TeacherTopK, teacher: str) -> TargetPayload | None:
+        """This kind's own arrays of one response teacher `teacher` scored, for its Sequence (None: the common
+        teacher arrays only)."""
         return None
+
+    def payload_bytes_per_token(self) -> int:
+        """Bytes of this kind's payload per response token through Ray's object store (the memory plan sizes it)."""
+        return 0
 
     # ------------------------------------------------------------------ metric columns
 

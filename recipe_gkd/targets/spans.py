@@ -69,6 +69,7 @@ class CrossTokenizerSpans(Target):
 
     name: ClassVar[str] = "cross_tokenizer"
     teacher_tokenizer_on_rollout: ClassVar[bool] = True
+    gathers_vocabulary: ClassVar[bool] = True
 
     def connect(self, view: GKDConfig, tokenizer: Any, address: str | None) -> Scorer:
         """Every teacher is scored in its own tokens (any tokenizer accepted)."""
@@ -102,7 +103,7 @@ class CrossTokenizerSpans(Target):
             raise ValueError("algorithm.cross_tokenizer needs a CrossTokenizerScorer and each sequence's record")
         return scorer.score_records(sequences, score_from, records)
 
-    def payload(self, scored: TeacherTopK) -> Spans:
+    def payload(self, scored: TeacherTopK, teacher: str) -> Spans:
         if not isinstance(scored, AlignedScores) or scored.span_len is None:
             raise ValueError(
                 "algorithm.cross_tokenizer but the scorer's reply carries no spans (a same-tokenizer one?)"

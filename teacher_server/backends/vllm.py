@@ -100,6 +100,11 @@ class VLLMBackend:
                 "runner": "pooling",
                 "convert": "embed",
                 "pooler_config": PoolerConfig(task=TOKEN_TASK, tok_pooling_type="ALL"),
+                # A pooling model's head casts every state to fp32 unless hf_config.head_dtype is "model"
+                # (vllm/config/model.py `_get_head_dtype`, read by tokwise/heads.py TokenEmbeddingPoolerHead,
+                # 0.24.0 and 0.33.0); the final norm's output is already in the model dtype, so fp32 only doubles
+                # what the engine moves for every prompt position. The wire rounds to 16 bits anyway.
+                "hf_overrides": {"head_dtype": "model"},
             }
             if self.hidden
             else {"max_logprobs": options.max_top_k}

@@ -20,7 +20,17 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.batch import FOLDED_BASE, Sequence, TrainShard
-from recipe_gkd.config import Attention, CrossTokenizer, Device, Divergence, GKDConfig, Precision, Recompute
+from recipe_gkd.config import (
+    Attention,
+    CrossTokenizer,
+    Device,
+    Divergence,
+    GKDConfig,
+    Precision,
+    Recompute,
+    TeacherOutput,
+)
+from recipe_gkd.targets.hidden import HiddenStates
 from recipe_gkd.targets.spans import Spans
 from teacher_server.protocol import scores_from_logprobs
 
@@ -29,6 +39,8 @@ TOP_K = 8
 PROBE_SHAPE = (3, 12)
 SAMPLER_SALT = 0x5A
 # What train_step reports for algorithm.divergence=sampled_reverse_kl (recipe_gkd.gkd.POLICY_KEYS).
+# Not whole minutes: megatron's groups take minutes (rounded up), the world group seconds.
+SETUP_TIMEOUT_S = 3630.0
 POLICY_KEYS = ("advantage_mean", "ratio_mean", "ratio_min", "ratio_max", "ratio_clipped_frac")
 
 
@@ -92,6 +104,19 @@ def make_xtok_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -
     return sequences
 
 
+def make_hidden_sequences(seed: int, count: int, vocab: int, hidden_size: int) -> list[Sequence]:
+    """make_sequences with the teacher's final hidden states (teacher.output=hidden) as the worker hands them on:
+    random states rounded to the wire's bfloat16, in its 16 bits."""
+    from teacher_server import hidden_codec
+
+    sequences = make_sequences(seed, count, vocab)
+    rng = np.random.default_rng([seed, 0x41D])
+    for seq in sequences:
+        raw = (rng.standard_normal((seq.num_response_tokens, hidden_size)) * 2).astype(np.float32)
+        seq.payload = HiddenStates.from_float32(hidden_codec.round_to(raw, "bfloat16"), "bfloat16")
+    return sequences
+
+
 def rank_shards(
     seed: int, vocab: int, dp_rank: int, dp_size: int, make: Callable[..., list[Sequence]] = make_sequences
 ) -> list[TrainShard]:
@@ -115,6 +140,7 @@ def make_cfg(model_dir: str, world: int, device: str, **actor: Any) -> GKDConfig
     cfg.cluster.device = Device(device)
     cfg.model.student_path = model_dir
     cfg.actor.gpus_per_node = world
+    cfg.debug.setup_timeout_s = SETUP_TIMEOUT_S
     cfg.actor.megatron.tp = actor.pop("tp", 1)
     cfg.actor.megatron.pp = actor.pop("pp", 1)
     cfg.actor.micro_batch_size = actor.pop("micro_batch_size", 4)
@@ -140,10 +166,15 @@ class Job:
     def actor(self, model: str, **actor: Any) -> Any:
         from recipe_gkd.actor.megatron_actor import MegatronActor
 
+        teacher = actor.pop("teacher_model", "")
         cfg = make_cfg(str(Path(self.args.models) / model), self.args.world, self.args.device, **actor)
+        if teacher:  # teacher.output=hidden with that model's head
+            cfg.teacher.output = TeacherOutput.hidden
+            cfg.teacher.model_path = str(Path(self.args.models) / teacher)
         a = MegatronActor(cfg, self.args.rank, self.args.world, "127.0.0.1", next(self.ports))
         info = a.setup()
         self.out["info"] = np.array(json.dumps(info))
+        self.out["group_timeouts_s"] = np.array(json.dumps(group_timeouts_s(a)))
         return a
 
     def export(self, a: Any, prefix: str) -> None:
@@ -166,6 +197,14 @@ class Job:
     def save(self) -> None:
         if self.args.rank == 0:
             np.savez(Path(self.args.workdir) / f"{self.name}.npz", **self.out)
+
+
+def group_timeouts_s(a: Any) -> dict[str, float]:
+    """The timeout of the world group and of each megatron group this rank holds (gloo's own option)."""
+    import torch.distributed as dist
+
+    groups = {"world": dist.group.WORLD, "tp": a.tp_group, "dp": a.dp_group, "pp": a.pp_group, "mp": a.mp_group}
+    return {name: g._get_backend(a.device).options._timeout.total_seconds() for name, g in groups.items()}
 
 
 def optimizer_state_numel(optimizer: Any) -> int:
@@ -210,6 +249,44 @@ def _train_job(model: str, seeds: list[int], **actor: Any) -> Callable[[Job], No
         a.shutdown()
 
     return run
+
+
+def _hidden_job(job: Job) -> None:
+    """teacher.output=hidden, 4 micro-batches of 2: one step's loss, and the bytes of the micro-batches' teacher
+    states alive whenever the loss runs (each micro-batch's tensor tracked from its collation until it is freed)."""
+    import weakref
+
+    from recipe_gkd.actor import collate as collate_module
+
+    live: dict[int, int] = {}
+    shapes: list[tuple[int, ...]] = []
+    collate = collate_module.collate
+
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        micro = collate(*args, **kwargs)
+        states = micro.payload
+        live[id(states)] = states.numel() * states.element_size()
+        shapes.append(tuple(states.shape))
+        weakref.finalize(states, live.pop, id(states), None)
+        return micro
+
+    collate_module.collate = tracked
+    a = job.actor("llama_tied", micro_batch_size=2, teacher_model="llama_untied", **NO_CLIP)
+    peaks: list[int] = []
+    loss_sum = a.objective.target.loss_sum
+
+    def measured(*args: Any, **kwargs: Any) -> Any:
+        peaks.append(sum(live.values()))
+        return loss_sum(*args, **kwargs)
+
+    a.objective.target.loss_sum = measured
+    hidden_size = a.objective.target.head_vH.shape[1]
+    sequences = make_hidden_sequences(7, GLOBAL_BATCH, a.arch.vocab_size, hidden_size)
+    job.out["loss"] = np.array([a.train_step([TrainShard(step=7, weight_version=0, sequences=sequences)])["loss"]])
+    job.out["live_bytes_at_loss"] = np.array(peaks)
+    job.out["micro_batch_shapes"] = np.array(shapes)
+    collate_module.collate = collate
+    a.shutdown()
 
 
 def _save_job(model: str, **actor: Any) -> Callable[[Job], None]:
@@ -264,6 +341,7 @@ JOBS: dict[str, Callable[[Job], None]] = {
     "clip": _train_job("llama_tied", [1], clip_grad=1.0e-3, **LINEAR_ADAM),
     "bf16": _train_job("llama_tied", [1], precision="bf16", **NO_CLIP),
     "save_tp2": _save_job("llama_untied_odd", tp=2),
+    "hidden_mb2": _hidden_job,
     # The sampled-token reverse KL (stale s_old, PPO clip) at TP=2 and PP=2 vs one rank.
     "tp1_sampled": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, **SAMPLED),
     "tp2_sampled": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, **SAMPLED),

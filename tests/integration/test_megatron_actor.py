@@ -36,7 +36,7 @@ LOGITS_ATOL = 1e-5
 LOSS_RTOL = 1e-5
 ONE_RANK_JOBS = (
     "logits,mb8,mb1,tp1_steps,tp1_tied_steps,noclip,clip,bf16,tokens50,recompute_full,recompute_selective,unfused,"
-    "tp1_sampled,tp1_xtok,tp1_xtok_sampled"
+    "tp1_sampled,tp1_xtok,tp1_xtok_sampled,hidden_mb2"
 )
 TWO_RANK_JOBS = (
     "logits,tp2_steps,tp2_tied_steps,dp2,dp2_distopt,bf16_dp2,bf16_dp2_distopt,save_tp2,logits_pp,pp2_steps,"
@@ -332,9 +332,46 @@ def test_cross_tokenizer_loss_trains_alike_over_tensor_parallel(runs: dict[str, 
 
 
 @pytest.mark.slow
+def test_hidden_states_train_one_micro_batch_at_a_time(runs: dict[str, Path], models: Path) -> None:
+    """teacher.output=hidden: whenever the loss runs, only its own micro-batch's teacher states exist, 2 bytes a value
+    (the memory plan's one micro-batch; collating the step up front held all four, in float32: 34816 bytes against
+    5632 here), and the loss is the full-vocabulary forward KL of HF's logits against h @ W_teacher^T."""
+    data = result(runs, "w1", "hidden_mb2")
+    shapes = [tuple(s) for s in data["micro_batch_shapes"]]
+    assert len(shapes) == scenarios.GLOBAL_BATCH // 2
+    assert data["live_bytes_at_loss"].tolist() == [int(np.prod(s)) * 2 for s in shapes]
+    student, teacher = load_hf(models / "llama_tied"), load_hf(models / "llama_untied")
+    head_VH = teacher.get_output_embeddings().weight.detach().double()
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    vocab = student.config.vocab_size
+    for seq in scenarios.make_hidden_sequences(7, scenarios.GLOBAL_BATCH, vocab, head_VH.shape[1]):
+        assert seq.payload is not None
+        with torch.no_grad():
+            logits_LV = student(torch.from_numpy(seq.input_ids.astype(np.int64))[None]).logits[0].double()
+        predicted = slice(seq.response_start - 1, len(seq.input_ids) - 1)
+        log_p = torch.log_softmax(logits_LV[predicted], -1)
+        log_q = torch.log_softmax(torch.from_numpy(seq.payload.to_float32()).double() @ head_VH.T, -1)
+        total += (log_q.exp() * (log_q - log_p)).sum()
+        count += seq.num_response_tokens
+    assert data["loss"][0] == pytest.approx(float(total) / count, rel=LOSS_RTOL)
+
+
+@pytest.mark.slow
 def test_lr_warms_up_linearly(runs: dict[str, Path]) -> None:
     # actor.optim.warmup_steps=2, lr=1e-3: steps 1, 2, 3 use 5e-4, 1e-3, 1e-3.
     np.testing.assert_allclose(result(runs, "w1", "tp1_steps")["lr"], [5e-4, 1e-3, 1e-3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "job"), [("w1", "mb8"), ("w2", "tp2_steps"), ("w4", "tp2pp2_steps")])
+def test_megatron_groups_time_out_with_the_setup_bound(runs: dict[str, Path], world: str, job: str) -> None:
+    """debug.setup_timeout_s bounds TP, DP, PP and MP groups as it bounds the world group (megatron's default: 30 min)."""
+    timeouts = json.loads(str(result(runs, world, job)["group_timeouts_s"]))
+    assert timeouts["world"] == scenarios.SETUP_TIMEOUT_S
+    # Whole minutes at least the world's bound: 3630 s -> 61 min.
+    assert {name: t for name, t in timeouts.items() if name != "world"} == dict.fromkeys(
+        ("tp", "dp", "pp", "mp"), 3660.0
+    )
 
 
 def assert_same_update(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:

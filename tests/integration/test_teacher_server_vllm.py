@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from test_teacher_server import VOCAB, write_teacher_yaml
 
 from teacher_server import protocol as P
@@ -272,6 +273,11 @@ def test_vllm_hidden_states_are_the_final_norm_output_equal_to_hf(
     hf = load_backend("hf", BackendOptions(str(DEMO_TEACHER), max_top_k=64))
     info = vllm_hidden_backend.info
     assert (info.hidden_size, info.vocab_size, info.tokenizer_hash) == (128, hf.info.vocab_size, hf.info.tokenizer_hash)
+    # The pooled states stay in the model's dtype (a bf16 engine moves 2 bytes per value, not the fp32 default).
+    from vllm.config.model import _get_head_dtype
+
+    model_config = vllm_hidden_backend.llm.llm_engine.model_config  # type: ignore[attr-defined]
+    assert _get_head_dtype(model_config.hf_config, torch.bfloat16, "pooling") == torch.bfloat16
     assert (info.max_top_k, info.max_named_ids, info.supports_temperature) == (0, 0, True)
     seqs, starts = _demo_batch(seed=3)
     # At 0.5: the states do not depend on the temperature (the actor applies it).

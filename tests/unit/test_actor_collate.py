@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
 
-from recipe_gkd.actor.collate import collate, split_by_token_budget, split_micro_batches
+from recipe_gkd.actor.collate import LazyMicroBatches, collate, split_by_token_budget, split_micro_batches
 from recipe_gkd.batch import Sequence
+from recipe_gkd.targets.hidden import HiddenStates
 
 PAD = 0
 
@@ -94,3 +97,52 @@ def test_token_budget_groups_every_sequence_once_within_the_budget() -> None:
 def test_a_sequence_longer_than_the_budget_is_refused_naming_the_key() -> None:
     with pytest.raises(ValueError, match=r"actor\.max_tokens_per_micro_batch=8"):
         split_by_token_budget([sequence(0, length=12, response_start=2)], max_tokens=8)
+
+
+HIDDEN = 24
+
+
+def hidden_sequence(sample_id: int, length: int, response_start: int, dtype: str) -> Sequence:
+    """A sequence with the teacher's hidden states as the client decodes the wire (float32 of 16-bit values)."""
+    from teacher_server import hidden_codec
+
+    seq = sequence(sample_id, length, response_start)
+    raw_NH = np.random.default_rng([sample_id, 7]).standard_normal((length - response_start, HIDDEN)) * 30
+    decoded_NH = hidden_codec.round_to(raw_NH.astype(np.float32), dtype)
+    seq.payload = HiddenStates.from_float32(decoded_NH, dtype)
+    return seq
+
+
+@pytest.mark.parametrize(("dtype", "torch_dtype"), [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_hidden_states_stay_in_the_wires_16_bits_until_the_head(dtype: str, torch_dtype: torch.dtype) -> None:
+    """Two bytes a value from the client to the micro-batch (half of float32), the values exactly the wire's."""
+    seqs = [hidden_sequence(i, 9 + 3 * i, 4 + i, dtype) for i in range(3)]
+    for seq in seqs:
+        assert seq.payload is not None and seq.payload.bits.nbytes == seq.num_response_tokens * HIDDEN * 2
+    micro = collate(seqs, PAD)
+    assert micro.payload is not None and micro.payload.dtype == torch_dtype
+    for row, seq in enumerate(seqs):
+        assert seq.payload is not None
+        predicted = slice(seq.response_start - 1, len(seq.input_ids) - 1)
+        want_NH = torch.from_numpy(seq.payload.to_float32())
+        assert torch.equal(micro.payload[row, predicted].float(), want_NH)
+        assert not micro.payload[row, ~micro.loss_mask_BT[row]].any()
+    with pytest.raises(ValueError, match="disagree on the teacher's hidden states"):
+        collate([seqs[0], hidden_sequence(5, 9, 4, "float16" if dtype == "bfloat16" else "bfloat16")], PAD)
+
+
+def test_micro_batches_are_collated_one_at_a_time_as_the_schedule_takes_them() -> None:
+    """LazyMicroBatches holds no collated micro-batch: each exists from when it is taken until it is dropped."""
+    seqs = [hidden_sequence(i, 8 + i, 3, "bfloat16") for i in range(7)]
+    lazy = LazyMicroBatches(split_micro_batches(seqs, 3), PAD, (), torch.device("cpu"))
+    assert lazy.shapes == [(3, 9), (3, 12), (1, 13)] and len(lazy) == 3
+    alive: set[int] = set()
+    peak = 0
+    for micro in lazy:
+        assert micro.payload is not None
+        key = id(micro.payload)
+        alive.add(key)
+        weakref.finalize(micro.payload, alive.discard, key)
+        peak = max(peak, len(alive))
+        del micro
+    assert peak == 1 and not alive

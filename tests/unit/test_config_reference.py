@@ -91,3 +91,15 @@ def test_the_layout_page_refuses_a_module_without_a_docstring(tmp_path: Path) ->
     (tmp_path / "teacher_server" / "bare.py").write_text("x = 1\n")
     with pytest.raises(layout_reference.UndocumentedModuleError, match=r"teacher_server/bare\.py"):
         layout_reference.render(tmp_path)
+
+
+def test_the_teacher_servers_own_keys_are_in_the_reference() -> None:
+    """The `server:` section of a teacher yaml (not in a run's schema) has its table, a row per field."""
+    import dataclasses as dc
+
+    from teacher_server.settings import ServerSection
+
+    page = render()
+    section = page[page.index("## server\n") :]
+    for f in dc.fields(ServerSection):
+        assert f"| `server.{f.name}` |" in section, f.name

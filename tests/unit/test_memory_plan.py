@@ -8,6 +8,7 @@ user's machine (config.json only, no weights, no network).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -385,19 +386,29 @@ def test_each_vllm_process_has_its_context_and_the_rollout_its_reload_layer_outs
     shape = model_shape.shape_from_config(QWEN25_7B)
     cfg = load_config(REMOTE_PRESET)
     for tp, nccl in ((1, 0.0), (2, 0.5)):
-        role = memory_plan.vllm_memory("rollout GPU", 4, shape, tp, 0.5, 4096, cfg, dtype_bytes=2, scores=False)
+        role = memory_plan.vllm_memory(
+            "rollout GPU",
+            4,
+            shape,
+            tp,
+            0.5,
+            4096,
+            cfg,
+            dtype_bytes=2,
+            beyond_profile=memory_plan.reload_layer(shape, tp, 2),
+        )
         outside = dict(role.outside)
         assert outside["CUDA context of the vLLM process"] == 0.5 * memory_plan.GIB
         assert outside.get(f"NCCL buffers (tensor parallel {tp})", 0.0) == nccl * memory_plan.GIB
         (reload,) = [b for n, b in outside.items() if n.startswith("in-place reload")]
         assert reload == 152064 * 3584 * 2 / tp
-    teacher = memory_plan.vllm_memory("teacher GPU", 4, shape, 1, 0.5, 4096, cfg, dtype_bytes=2, scores=True)
+    teacher = memory_plan.teacher_memory(cfg, shape)
     assert not any(n.startswith("in-place reload") for n, _ in teacher.outside)  # a teacher is never reloaded
 
 
 def test_teacher_output_hidden_counts_the_teacher_head_its_hidden_states_and_the_loss_chunks(tmp_path: Path) -> None:
     """teacher.output=hidden on a Qwen2.5-7B-shaped actor at TP 2 with a teacher of the same shape: the head's
-    rows of this rank (152064 / 2 x 3584 in bf16 = 545 MB), the micro-batch's fp32 hidden states, and the loss's
+    rows of this rank (152064 / 2 x 3584 in bf16 = 545 MB), the micro-batch's 16-bit hidden states and the loss rows' copy, and the loss's
     chunk buffers (DEFAULT_CHUNK_BYTES in all, the numbers recipe_gkd/losses/hidden.py uses)."""
     from recipe_gkd.losses import hidden as hidden_loss
     from recipe_gkd.losses import student_logits
@@ -469,3 +480,67 @@ def test_two_colocated_teachers_are_checked_each(
     with pytest.raises(ConfigError) as err:
         load_config(two_colocated_teachers(tmp_path, **shares), overrides)
     assert err.value.key == key, str(err.value)
+
+
+def test_a_hidden_state_teacher_is_charged_no_prompt_logprob_buffers(hub_cache: Path) -> None:
+    """teacher.output=hidden runs a pooling engine that asks for no prompt log-probs (its profile run pools a full
+    batch inside its share): on the one-GPU preset the 3.1 GB of the log-prob teacher's buffers are not charged."""
+    plans = {
+        output: memory_plan.build_memory_plan(load_config(COLOCATED, [f"teacher.output={output}"]))
+        for output in ("topk", "hidden")
+    }
+    teachers = {o: next(r for r in p.roles if r.role == "teacher GPU") for o, p in plans.items()}  # type: ignore[union-attr]
+    (buffers,) = [b for n, b in teachers["topk"].outside if n.startswith("prompt log-prob buffers")]
+    cfg = load_config(COLOCATED)
+    shape = model_shape.shape_from_config(HUB_MODELS[cfg.teacher.model_path])
+    tokens = min(cfg.teacher.max_model_len or shape.max_position_embeddings, memory_plan.VLLM_BATCHED_TOKENS)
+    assert buffers == tokens * shape.vocab_size * (2 + 4 + 4) and buffers / 1e9 == pytest.approx(3.1, abs=0.05)
+    assert teachers["hidden"].outside == [("CUDA context of the vLLM process", 0.5 * memory_plan.GIB)]
+    gpus = {o: p.roles[0] for o, p in plans.items()}  # type: ignore[union-attr]
+    assert gpus["topk"].total - gpus["hidden"].total == pytest.approx(buffers)
+
+
+def test_the_object_store_holds_the_hidden_states_of_the_batches_in_flight(hub_cache: Path) -> None:
+    """teacher.output=hidden on 1x8_a1_r3_t4: every response token's teacher state crosses Ray's object store, in
+    the wire's 16 bits (half the float32 1.5 GiB a step), for the batch trained and those the schedule runs ahead."""
+    preset = CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"
+    topk = load_config(preset)
+    teacher_hidden = HUB_MODELS[topk.teacher.model_path]["hidden_size"]
+    per_batch = topk.data.train_batch_size * topk.rollout.sampling.max_new_tokens * teacher_hidden * 2
+    for schedule, batches in (("sync", 1), ("one_step_off", 2), ("two_step_off", 3)):
+        cfg = load_config(preset, ["teacher.output=hidden", f"algorithm.schedule={schedule}"])
+        assert memory_plan.hidden_shard_bytes(cfg) == batches * per_batch
+        assert memory_plan.object_store_mib(cfg) == memory_plan.object_store_mib(topk) + math.ceil(
+            batches * per_batch / 2**20
+        )
+    assert memory_plan.hidden_shard_bytes(topk) == 0
+
+
+def test_the_cross_tokenizer_loss_at_tp_2_is_counted_over_the_gathered_vocabulary(tmp_path: Path) -> None:
+    """Across tokenizers each TP rank gathers the whole vocabulary for the loss: the plan counts XTOK_GATHERED_BYTES
+    per token per id of it, which the loss's measured peak on CPU (benchmarks/bench_cross_tokenizer_memory.py: the
+    real loss, forward and backward, behind megatron's gather) must not exceed, and comes near."""
+    shape = model_shape.shape_from_config(QWEN25_7B)
+    student = [f"model.student_path={qwen7b_dir(tmp_path)}", "algorithm.cross_tokenizer=span"]
+    at_tp = {
+        tp: dict(
+            memory_plan.actor_memory(load_config(REMOTE_PRESET, [*student, f"actor.megatron.tp={tp}"]), shape).parts
+        )
+        for tp in (1, 2)
+    }
+    cfg = load_config(REMOTE_PRESET, [*student, "actor.megatron.tp=2"])
+    tokens = cfg.actor.max_tokens_per_micro_batch or cfg.actor.micro_batch_size * (
+        cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    )
+    (gathered,) = [b for n, b in at_tp[2].items() if n.startswith("cross-tokenizer loss over the gathered vocabulary")]
+    assert gathered == tokens * 152064 * memory_plan.XTOK_GATHERED_BYTES
+    assert not any(n.startswith("cross-tokenizer loss") for n in at_tp[1])
+    same_tokenizer = load_config(REMOTE_PRESET, [student[0], "actor.megatron.tp=2"])
+    assert not any(
+        n.startswith("cross-tokenizer loss") for n, _ in memory_plan.actor_memory(same_tokenizer, shape).parts
+    )
+    from benchmarks.bench_cross_tokenizer_memory import measured_bytes
+
+    for objective in ("span", "uld"):
+        measured = measured_bytes(objective, tokens=256, vocab=16384, tp=2)
+        assert 0.7 * memory_plan.XTOK_GATHERED_BYTES <= measured <= memory_plan.XTOK_GATHERED_BYTES, objective

@@ -132,3 +132,54 @@ def test_plan_ids_are_read_through_a_preset_mask(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     assert placement_cli(["--config", preset, "--print", "ray-gpus"]) == 2
     assert "cluster.gpus_per_node" in capsys.readouterr().err
+
+
+def _report_rows(text: str) -> dict[tuple[str, str, str], str]:
+    """(role, rank, node) -> the CUDA_VISIBLE_DEVICES column of the placement report."""
+    rows = {}
+    for line in text.splitlines()[1:]:
+        cells = line.split()
+        if cells and cells[0] in ("actor", "rollout", "teacher"):
+            rows[(cells[0], cells[1], cells[2])] = cells[-1]
+    return rows
+
+
+def test_the_report_shows_the_device_each_worker_is_given(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CUDA_VISIBLE_DEVICES=3 before a colocated run: Ray gives the actor and the rollout GPU 3 and the teacher
+    gets --gpu-ids 3, so every row says 3 (the plan's own id is 0)."""
+    from recipe_gkd.main import main as run_cli
+    from recipe_gkd.placement import gpu_list
+
+    preset = CONFIG_DIR / "presets" / "cpu_colocated.yaml"
+    plan = build_plan(load_config(preset))
+    mask = {"CUDA_VISIBLE_DEVICES": "3"}
+    rows = _report_rows(format_plan(plan, env=mask))
+    assert rows == {("actor", "0", "0"): "3", ("rollout", "0", "0"): "3", ("teacher", "0", "0"): "3"}
+    assert gpu_list(plan.teacher_gpu_ids(0), mask) == "3"  # what the autostarted teacher is given
+    assert "node 0: Ray sees 1 GPUs; teacher GPUs 3\nGPU 3 of node 0 is shared (colocated)" in format_plan(
+        plan, env=mask
+    )
+    assert set(_report_rows(format_plan(plan, env={})).values()) == {"0"}
+    # The dry run prints the same report; a mask narrower than the plan is a bad config, not a crash.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5a1c")
+    assert run_cli(["--config", str(preset), "--dry-run"]) == 0
+    assert set(_report_rows(capsys.readouterr().out).values()) == {"GPU-5a1c"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert run_cli(["--config", str(preset), "--dry-run"]) == 2
+    assert "cluster.gpus_per_node" in capsys.readouterr().err
+
+
+def test_the_report_maps_the_drivers_node_only() -> None:
+    """Two nodes, a mask on the driver's: node 0's rows are its entries, node 1's rows its plan ids."""
+    plan = build_plan(load_config(CONFIG_DIR / "presets" / "2x8_a8_r4_t4.yaml"))
+    mask = "10,11,12,13,14,15,16,17"
+    text = format_plan(plan, env={"CUDA_VISIBLE_DEVICES": mask})
+    rows = _report_rows(text)
+    for s in plan.all_slots():
+        want = ",".join(mask.split(",")[g] for g in s.gpu_ids) if s.node == 0 else s.cuda_visible_devices
+        assert rows[(s.role, str(s.rank), str(s.node))] == want
+    assert {s.node for s in plan.all_slots()} == {0, 1}
+    assert "node 1: Ray sees 4 GPUs; teacher GPUs 4,5,6,7" in text
+    assert "other nodes' rows show plan ids" in text

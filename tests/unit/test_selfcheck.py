@@ -229,12 +229,21 @@ esac
 """
 
 
-@pytest.mark.parametrize(("visible", "plan_gib"), [(None, 79.6), ("GPU-bbbb", 79.6), ("MIG-0c1d", None)])
+# CUDA's view of that node under each mask: whole H100s by index or UUID, and a 3g.40gb MIG instance.
+CUDA_DEVICES = {
+    None: ("NVIDIA H100 80GB HBM3", 81079),
+    "GPU-bbbb": ("NVIDIA H100 80GB HBM3", 81079),
+    "MIG-0c1d": ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 40192),
+}
+
+
+@pytest.mark.parametrize(("visible", "plan_gib"), [(None, 79.2), ("GPU-bbbb", 79.2), ("MIG-0c1d", 39.2)])
 def test_stage0_device_check_reads_what_the_memory_plan_reads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, visible: str | None, plan_gib: float | None
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, visible: str | None, plan_gib: float
 ) -> None:
-    """The device check records nvidia-smi's rows and the size the plan reads through CUDA_VISIBLE_DEVICES; a mask
-    the plan cannot map (a MIG instance) is a failed check with the plan's message, the device facts kept."""
+    """The device check records nvidia-smi's rows and the size the plan reads as CUDA sees it through
+    CUDA_VISIBLE_DEVICES: a MIG instance at its own size, not its parent's (nvidia-smi's row)."""
+    from recipe_gkd import gpu_memory
     from recipe_gkd.selfcheck.sizes import TINY
     from recipe_gkd.selfcheck.stage0 import device_check
 
@@ -243,6 +252,7 @@ def test_stage0_device_check_reads_what_the_memory_plan_reads(
     (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
     (bin_dir / "nvidia-smi").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setattr(gpu_memory, "query_gpus", lambda: [gpu_memory.VisibleGpu(*CUDA_DEVICES[visible])])
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
@@ -250,8 +260,6 @@ def test_stage0_device_check_reads_what_the_memory_plan_reads(
     check = device_check(tmp_path, tmp_path / "models", TINY)
     assert check.figures["nvidia_smi"][1] == "1, GPU-bbbb, 81559 MiB, Enabled"
     assert check.figures["CUDA_VISIBLE_DEVICES"] == (visible or "(unset)")
-    if plan_gib is None:
-        assert check.status == "failed" and "memory plan: " in check.detail and "MIG-0c1d" in check.detail
-    else:
-        assert check.status == "passed" and check.figures["plan_gpu_gib"] == plan_gib
-        assert check.figures["plan_source"] == f"GPU {visible or '0'} of this node (nvidia-smi)"
+    assert check.status == "passed" and check.figures["plan_gpu_gib"] == plan_gib
+    name = CUDA_DEVICES[visible][0]
+    assert check.figures["plan_source"] == f"GPU {visible or '0'} of this node ({name}), as CUDA sees it"

@@ -127,8 +127,10 @@ def test_hidden_states_must_come_back_and_become_the_payload() -> None:
     with pytest.raises(ValueError, match="no hidden states"):
         target.score(_Scorer(hidden=False), [seq], [2], [None], None)
     (reply,) = target.score(_Scorer(hidden=True), [seq], [2], [None], None)
-    payload = target.payload(reply)
+    payload = target.payload(reply, "default")
     assert isinstance(payload, HiddenStates) and payload.rows() == 4 and payload.counts() == {}
+    assert payload.dtype == load_config(None, []).teacher.client.hidden_dtype  # the teacher's wire dtype
+    np.testing.assert_array_equal(payload.to_float32(), reply.hidden_states)
 
 
 def test_across_tokenizers_the_scorer_scores_records_and_the_spans_are_the_payload() -> None:
@@ -147,12 +149,12 @@ def test_across_tokenizers_the_scorer_scores_records_and_the_spans_are_the_paylo
     with pytest.raises(ValueError, match="each sequence's record"):
         target.score(_Records(), [seq], [2], [None], None)
     (reply,) = target.score(_Records(), [seq], [2], [None], [{"prompt": "x"}])
-    payload = target.payload(reply)
+    payload = target.payload(reply, "default")
     assert isinstance(payload, Spans) and payload.span_len_N.tolist() == [2, 0, 1, -1]
     assert payload.counts() == {"aligned_tokens": 3.0, "response_tokens": 4.0}
     with pytest.raises(ValueError, match="no spans"):
-        target.payload(_Scorer().score([seq], [2])[0])
-    assert TopK(load_config(None, [])).payload(reply) is None  # the top-k kind adds nothing
+        target.payload(_Scorer().score([seq], [2])[0], "default")
+    assert TopK(load_config(None, [])).payload(reply, "default") is None  # the top-k kind adds nothing
 
 
 def _sequence(sample_id: int, length: int, start: int, payload: object | None) -> Sequence:
@@ -188,16 +190,24 @@ def test_spans_collate_at_the_loss_positions_and_minus_one_elsewhere() -> None:
         assert micro.payload[b].tolist() == want.tolist()
 
 
+def _wire(values_NH: np.ndarray) -> HiddenStates:
+    """Hidden states as the client decodes the wire: values of bfloat16, in its 16 bits."""
+    from teacher_server import hidden_codec
+
+    return HiddenStates.from_float32(hidden_codec.round_to(values_NH.astype(np.float32), "bfloat16"), "bfloat16")
+
+
 def test_hidden_states_collate_at_the_loss_positions_and_zero_elsewhere() -> None:
-    states = [np.random.default_rng(i).standard_normal((length - start, HIDDEN)).astype(np.float32) for i, (length, start) in enumerate(SHAPES)]  # fmt: skip
-    seqs = [_sequence(i, length, start, HiddenStates(h)) for i, ((length, start), h) in enumerate(zip(SHAPES, states, strict=True))]  # fmt: skip
+    states = [_wire(np.random.default_rng(i).standard_normal((length - start, HIDDEN))) for i, (length, start) in enumerate(SHAPES)]  # fmt: skip
+    seqs = [_sequence(i, length, start, h) for i, ((length, start), h) in enumerate(zip(SHAPES, states, strict=True))]  # fmt: skip
     micro = collate(seqs, PAD)
     assert micro.payload is not None and tuple(micro.payload.shape) == (3, 11, HIDDEN)
+    assert micro.payload.dtype == torch.bfloat16
     for b, ((length, start), h) in enumerate(zip(SHAPES, states, strict=True)):
         want = np.zeros((11, HIDDEN), np.float32)
         for j in range(length - start):
-            want[start + j - 1] = h[j]
-        np.testing.assert_array_equal(micro.payload[b].numpy(), want)
+            want[start + j - 1] = h.to_float32()[j]
+        np.testing.assert_array_equal(micro.payload[b].float().numpy(), want)
     moved = micro.to(torch.device("cpu"))
     assert moved.payload is not None and torch.equal(moved.payload, micro.payload)
     assert collate([_sequence(0, 9, 3, None)], PAD).payload is None
@@ -209,7 +219,7 @@ def test_a_micro_batch_holds_one_kind_of_payload_with_a_row_per_response_token()
         collate([_sequence(0, 9, 3, spans), _sequence(1, 9, 3, None)], PAD)
     with pytest.raises(ValueError, match=r"sample 0: its Spans payload has 5 rows .* 6 response tokens"):
         collate([_sequence(0, 9, 3, Spans(np.ones(5, np.int32)))], PAD)
-    wide = [HiddenStates(np.zeros((6, HIDDEN), np.float32)), HiddenStates(np.zeros((6, HIDDEN + 1), np.float32))]
+    wide = [_wire(np.zeros((6, HIDDEN))), _wire(np.zeros((6, HIDDEN + 1)))]
     with pytest.raises(ValueError, match=r"teacher\.output"):
         collate([_sequence(i, 9, 3, w) for i, w in enumerate(wide)], PAD)
 

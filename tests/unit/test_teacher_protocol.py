@@ -390,7 +390,7 @@ def test_preset_gives_replica_gpu_ids_per_node(capsys: pytest.CaptureFixture[str
     assert placement_cli([*args[:-1], "actor.nope=1", "--gpu-ids", "4,5,6,7"]) == 2, "trainer keys are checked"
     assert "actor.nope" in capsys.readouterr().err
     settings = load_settings(preset, ["server.gpu_ids=[4,5,6,7]"], node_rank=1)
-    assert [s.gpu_ids for s in settings.slots] == [(4, 5, 6, 7)]
+    assert [s.gpu_ids for s in settings.slots] == [("4", "5", "6", "7")]
     with pytest.raises(ConfigError) as err:
         load_settings(preset, node_rank=1)
     assert err.value.key == "--gpu-ids" and "launch/start_teacher.sh" in str(err.value)
@@ -400,7 +400,7 @@ def test_preset_gives_replica_gpu_ids_per_node(capsys: pytest.CaptureFixture[str
     explicit = load_settings(
         REPO_ROOT / "configs" / "teacher" / "cpu_demo.yaml", ["server.gpu_ids=[3,5]", "teacher.replicas=2"]
     )
-    assert [s.gpu_ids for s in explicit.slots] == [(3,), (5,)]
+    assert [s.gpu_ids for s in explicit.slots] == [("3",), ("5",)]
 
 
 def test_replica_address_is_derived_from_the_client_address() -> None:
@@ -434,6 +434,9 @@ def test_unknown_teacher_yaml_key_names_it() -> None:
     with pytest.raises(ConfigError) as err:
         load_teacher_file(REPO_ROOT / "configs" / "teacher" / "cpu_demo.yaml", ["server.gpus=[1]"])
     assert err.value.key == "server.gpus"
+    with pytest.raises(ConfigError) as err:
+        load_teacher_file(REPO_ROOT / "configs" / "teacher" / "cpu_demo.yaml", ["server.ready_timeout_s=5"])
+    assert err.value.key == "server.ready_timeout_s" and "it is teacher.ready_timeout_s now" in err.value.message
 
 
 def test_the_teacher_server_refuses_the_openai_backend() -> None:

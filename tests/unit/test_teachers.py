@@ -200,7 +200,7 @@ def test_start_teacher_serves_the_named_teacher_on_its_gpus(capsys: pytest.Captu
     argv = capsys.readouterr().out.split()
     assert argv == ["--config", str(TWO), "--teacher", "sum", "--gpu-ids", "3"]
     settings = load_settings(TWO, ["server.gpu_ids=[3]"], teacher="sum")
-    assert settings.teacher.model_path == "assets/paper/teacher" and [s.gpu_ids for s in settings.slots] == [(3,)]
+    assert settings.teacher.model_path == "assets/paper/teacher" and [s.gpu_ids for s in settings.slots] == [("3",)]
     for name in ("", "code"):
         with pytest.raises(ConfigError) as info:
             load_settings(TWO, ["server.gpu_ids=[3]"], teacher=name)
