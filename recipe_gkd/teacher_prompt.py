@@ -231,3 +231,18 @@ def encode_value(tokenizer: Any, value: PromptValue, chat_template: bool, templa
             )
         )
     return list(tokenizer(value, add_special_tokens=True)["input_ids"])
+
+
+def own_prompt_encoder(handle: Any, data: Any) -> Callable[[Any, dict[str, Any]], list[int]]:
+    """`encode(tokenizer, record)`: the teacher's own prompt ids of a record (its rule's value through its chat
+    template, or teacher.chat_template), for its held-out accuracy with its privileged context."""
+    from pathlib import Path
+
+    section = handle.section
+    template = Path(section.chat_template).read_text() if section.chat_template else None
+
+    def encode(tokenizer: Any, record: dict[str, Any]) -> list[int]:
+        value = handle.prompt.value(record, "a held-out record")
+        return encode_value(tokenizer, value, data.apply_chat_template, template, handle.prompt.key)
+
+    return encode

@@ -317,3 +317,15 @@ def test_across_tokenizers_the_teacher_renders_its_own_prompt_in_its_own_templat
     own = teacher_tok.apply_chat_template(conversation.messages, add_generation_prompt=True, return_dict=False)
     assert rendered.ids[: rendered.score_from].tolist() == own, "the teacher's own template and generation prompt"
     assert len(scored.sampled_logprob) == len(response), "one row per student response token"
+
+
+def test_the_teachers_held_out_prompt_with_its_privileged_context(tokenizer: Any, chatml_tokenizer_dir: Path) -> None:
+    """What the teacher's held-out accuracy from its own prompt generates from: its rule's prompt, its template."""
+    from recipe_gkd.teacher_prompt import own_prompt_encoder
+
+    cfg = load_config(DEMO, ["data.teacher_prompt_template='{prompt} hint: {solution}'"])
+    encode = own_prompt_encoder(teacher_handles(cfg)["default"], cfg.data)
+    ids = encode(tokenizer, {"prompt": "rev:ab", "solution": "ba"})
+    assert ids == tokenizer(chatml("rev:ab hint: ba"), add_special_tokens=False)["input_ids"]
+    plain = own_prompt_encoder(teacher_handles(load_config(DEMO))["default"], cfg.data)
+    assert plain(tokenizer, {"prompt": "rev:ab"}) == tokenizer(chatml("rev:ab"), add_special_tokens=False)["input_ids"]
