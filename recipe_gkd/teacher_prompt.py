@@ -113,10 +113,12 @@ class PrivilegedPrompt(TeacherPrompt):
         tokenizer, template = teacher_tokenizer()
         prompt_ids = encode_value(tokenizer, self.value(record, where), self.chat_template, template, self.key)
         if len(prompt_ids) > bound:
-            raise ValueError(
-                f"{where}: the teacher's prompt ({self.describe()}) has {len(prompt_ids)} tokens > "
-                f"data.max_teacher_prompt_length={bound}; raise data.max_teacher_prompt_length or shorten the "
-                "record's privileged context (a teacher prompt is never cut)"
+            # A ConfigError: the run stops with exit 2 naming the key, from a rollout worker too (main.exit_code_for).
+            raise ConfigError(
+                "data.max_teacher_prompt_length",
+                f"{where}: the teacher's prompt ({self.describe()}) has {len(prompt_ids)} tokens > {bound}; raise "
+                "data.max_teacher_prompt_length or shorten the record's privileged context (a teacher prompt is never "
+                "cut)",
             )
         response_ids = np.asarray(sequence[score_from:], dtype=np.int32)
         return np.concatenate([np.asarray(prompt_ids, dtype=np.int32), response_ids]), len(prompt_ids)

@@ -140,7 +140,9 @@ def test_a_teacher_prompt_over_its_bound_is_refused_never_cut(tokenizer: Any) ->
     )
     long_response = np.arange(5, 305, dtype=np.int32)  # a response longer than the bound: never cut
     sequence = np.concatenate([np.asarray([1, 2, 3], dtype=np.int32), long_response])
-    with pytest.raises(ValueError, match=rf"record 7: .* > data.max_teacher_prompt_length={length - 1}"):
+    with pytest.raises(
+        ConfigError, match=rf"max_teacher_prompt_length`: record 7: .* has {length} tokens > {length - 1}"
+    ):
         rule.join(lambda: (tokenizer, None), record, sequence, 3, "record 7", length - 1)
     joined, start = rule.join(lambda: (tokenizer, None), record, sequence, 3, "record 7", length)
     assert start == length and joined[start:].tolist() == long_response.tolist()
