@@ -425,7 +425,7 @@ def teacher_memory(cfg: GKDConfig, shape: Shape, handle: TeacherHandle | None = 
         memory.notes.append(
             f"scores sequences of up to {longest} tokens ({prompt_key} + rollout.sampling.max_new_tokens)"
         )
-        if max_len < longest and memory.fits:
+        if max_len < longest:  # no memory setting helps: this comes first
             memory.key = prompt_key
             memory.problem = (
                 f"the model's {max_len} positions are fewer than the {longest}-token sequences it scores: lower "

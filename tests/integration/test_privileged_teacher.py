@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 import torch
 
+# pytest's default (prepend) import mode puts this directory on sys.path: the in-process teacher that records.
+from test_chatml_tokenizer import RecordingScorer
+
 from recipe_gkd.config import GKDConfig, load_config
 from recipe_gkd.local_pools import InProcessTeacher
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.tiny_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
-from teacher_server.protocol import TeacherTopK
 
 pytestmark = pytest.mark.slow
 
@@ -58,18 +60,6 @@ def expected_teacher_text(record: dict[str, Any]) -> str:
 def expected_student_text(record: dict[str, Any]) -> str:
     prompt = record["prompt"]
     return chatml_text(prompt[1]["content"], "Be brief.") if isinstance(prompt, list) else chatml_text(prompt)
-
-
-class RecordingScorer:
-    """The in-process teacher, keeping what it was asked to score."""
-
-    def __init__(self, teacher: InProcessTeacher) -> None:
-        self.teacher = teacher
-        self.asked: list[tuple[list[int], int]] = []
-
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
-        self.asked += [(s.tolist(), start) for s, start in zip(sequences, score_from, strict=True)]
-        return self.teacher.score(sequences, score_from)
 
 
 def privileged_config(models: dict[str, Path], data: Path, run_dir: Path, *overrides: str) -> GKDConfig:
