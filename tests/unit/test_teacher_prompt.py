@@ -331,3 +331,22 @@ def test_the_teachers_held_out_prompt_with_its_privileged_context(tokenizer: Any
     assert ids == tokenizer(chatml("rev:ab hint: ba"), add_special_tokens=False)["input_ids"]
     plain = own_prompt_encoder(teacher_handles(load_config(DEMO))["default"], cfg.data)
     assert plain(tokenizer, {"prompt": "rev:ab"}) == tokenizer(chatml("rev:ab"), add_special_tokens=False)["input_ids"]
+
+
+def test_the_privileged_demo_data_is_the_demos_without_the_instruction(tmp_path: Path) -> None:
+    """configs/presets/cpu_privileged.yaml's data: the demo's records, the student's prompt without `rev:`; its
+    teacher prompt template puts the instruction back, so the teacher sees exactly the demo's prompt."""
+    from recipe_gkd.config import REPO_ROOT
+    from recipe_gkd.demo.privileged import build
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    rows = [{"prompt": "rev:abcde", "answer": "edcba", "response": "edcba"}, {"prompt": "rev:xy", "answer": "yx"}]
+    for name in ("train.jsonl", "eval.jsonl"):
+        (demo / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, _ = build(tmp_path / "out", demo)
+    built = [json.loads(line) for line in train.read_text().splitlines()]
+    assert built == [{**r, "prompt": r["prompt"][4:]} for r in rows]
+    cfg = load_config(REPO_ROOT / "configs" / "presets" / "cpu_privileged.yaml")
+    rule = teacher_handles(cfg)["default"].prompt
+    assert [rule.value(b, "r") for b in built] == [r["prompt"] for r in rows]
