@@ -176,3 +176,26 @@ def test_a_record_without_the_field_exits_2_naming_the_key_and_the_record(
     assert main([*overrides, "data.teacher_prompt_key=hint"]) == 2
     err = capsys.readouterr().err
     assert "data.teacher_prompt_key" in err and "'hint'" in err
+
+
+def test_the_privileged_preset_runs_through_the_cli(tmp_path: Path, repo_root: Path) -> None:
+    """configs/presets/cpu_privileged.yaml through the CLI (the autostarted ZeroMQ teacher, hf backend) for a few
+    steps: the report gives the teacher's held-out accuracy from the student's prompt (the letters: it cannot
+    answer) and from its own (rev: + the letters: it can)."""
+    import subprocess
+    import sys
+
+    preset = repo_root / "configs" / "presets" / "cpu_privileged.yaml"
+    if not (repo_root / "assets" / "privileged" / "data" / "train.jsonl").is_file():
+        pytest.skip("the demo's data are not built (python -m recipe_gkd.demo.privileged)")
+    run_dir = tmp_path / "run"
+    overrides = ["trainer.total_steps=2", "trainer.eval_every=2", "data.eval_batch_size=16", "teacher.timeout_s=180"]
+    cmd = [sys.executable, "-m", "recipe_gkd.main", "--config", str(preset), f"trainer.run_dir={run_dir}", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=repo_root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = (run_dir / "summary.txt").read_text()
+    assert "teacher held-out accuracy: 0.0% over the 16 of 16" in summary, summary
+    own = "teacher held-out accuracy from its own prompt (privileged context): "
+    line = next(x for x in summary.splitlines() if x.startswith(own))
+    assert float(line.removeprefix(own).split("%")[0]) >= 90.0, line
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
