@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import ANSWER_MATCHES, ConfigError, GKDConfig
-from recipe_gkd.messages import checked_messages
+from recipe_gkd.messages import checked_messages, prompt_messages
 from recipe_gkd.teachers_config import record_teacher, records_name_teachers, teacher_handles
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -353,16 +353,6 @@ def encode_prompt(tokenizer: Any, record: dict[str, Any], prompt_key: str, chat_
         messages = [{"role": "user", "content": str(prompt)}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
     return list(tokenizer(str(prompt), add_special_tokens=True)["input_ids"])
-
-
-def prompt_messages(messages: list[Any], prompt_key: str) -> list[dict[str, str]]:
-    """The messages that prompt the model: all of them without the trailing assistant turns."""
-    checked = checked_messages(messages, "data.prompt_key", prompt_key)
-    while checked and checked[-1]["role"] == "assistant":
-        checked.pop()
-    if not checked:
-        raise ConfigError("data.prompt_key", f"{prompt_key!r} holds no message before the assistant's")
-    return checked
 
 
 def response_text(record: dict[str, Any], response_key: str) -> str:

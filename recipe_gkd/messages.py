@@ -18,3 +18,14 @@ def checked_messages(messages: list[Any], key: str, field_name: str) -> list[dic
             )
         checked.append({"role": message["role"], "content": str(message["content"])})
     return checked
+
+
+def prompt_messages(messages: list[Any], field_name: str, key: str = "data.prompt_key") -> list[dict[str, str]]:
+    """The messages that prompt the model (record field `field_name`, read for config key `key`): all of them
+    without the trailing assistant turns."""
+    checked = checked_messages(messages, key, field_name)
+    while checked and checked[-1]["role"] == "assistant":
+        checked.pop()
+    if not checked:
+        raise ConfigError(key, f"{field_name!r} holds no message before the assistant's")
+    return checked

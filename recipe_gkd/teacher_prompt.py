@@ -26,7 +26,7 @@ import string
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from recipe_gkd.messages import checked_messages
+from recipe_gkd.messages import checked_messages, prompt_messages
 from teacher_server.config import ConfigError
 
 # What a prompt value is: a plain string (one user turn) or a chat message list.
@@ -49,8 +49,10 @@ class TeacherPrompt:
         return {}
 
     def value(self, record: dict[str, Any], where: str) -> PromptValue:
-        """The teacher's prompt of `record` (`where`: the record, for the error), as a string or messages."""
-        return record[self.prompt_key]
+        """The teacher's prompt of `record` (`where`: the record, for the error), as a string or messages (the
+        conversation up to its last non-assistant turn, as the student's prompt is read)."""
+        value = self._field(record, self.prompt_key, where)
+        return prompt_messages(value, self.prompt_key) if isinstance(value, list) else str(value)
 
     def describe(self) -> str:
         return "the student's prompt"
@@ -139,9 +141,7 @@ class FieldPrompt(PrivilegedPrompt):
 
     def value(self, record: dict[str, Any], where: str) -> PromptValue:
         value = self._field(record, self.field, where)
-        if isinstance(value, list):
-            return checked_messages(value, self.key, self.field)
-        return str(value)
+        return prompt_messages(value, self.field, self.key) if isinstance(value, list) else str(value)
 
     def describe(self) -> str:
         return f"record field {self.field!r}"
