@@ -350,3 +350,16 @@ def test_the_privileged_demo_data_is_the_demos_without_the_instruction(tmp_path:
     cfg = load_config(REPO_ROOT / "configs" / "presets" / "cpu_privileged.yaml")
     rule = teacher_handles(cfg)["default"].prompt
     assert [rule.value(b, "r") for b in built] == [r["prompt"] for r in rows]
+
+
+def test_a_resumed_run_must_keep_its_teachers_prompt() -> None:
+    """The teacher's prompt rule is part of what a checkpoint's config must match; a run without one keeps the hash
+    its checkpoints were saved with."""
+    from recipe_gkd.checkpoint import SEMANTIC_KEYS, semantic_config
+
+    plain = semantic_config(load_config(DEMO))
+    assert all(any(k == s or k.startswith(f"{s}.") for s in SEMANTIC_KEYS) for k in plain)
+    hinted = semantic_config(load_config(DEMO, ["data.teacher_prompt_key=hint"]))
+    assert hinted == {**plain, "data.teacher_prompt_key": "record field 'hint'"}
+    other = semantic_config(load_config(DEMO, ["data.teacher_prompt_key=solution"]))
+    assert other != hinted
