@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 
 from recipe_gkd.config import ConfigError, GKDConfig
 from recipe_gkd.pools import Pools
+from recipe_gkd.teachers_config import teacher_handles
 
 CHECKPOINTS_DIR = "checkpoints"
 ACTOR_DIR = "actor"
@@ -96,6 +97,11 @@ def semantic_config(cfg: GKDConfig) -> dict[str, Any]:
         for part in key.split("."):
             node = node[part]
         _flatten_into(flat, key, node)
+    # A teacher's own prompt changes what it scores; keyed only when set, so that checkpoints of runs without one
+    # keep their hash.
+    for handle in teacher_handles(cfg).values():
+        if handle.prompt.privileged:
+            flat[handle.prompt.key] = handle.prompt.describe()
     return flat
 
 

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import ANSWER_MATCHES, ConfigError, GKDConfig
-from recipe_gkd.teachers_config import record_teacher, records_name_teachers
+from recipe_gkd.messages import checked_messages, prompt_messages
+from recipe_gkd.teachers_config import record_teacher, records_name_teachers, teacher_handles
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
 # A hub dataset: ORG/NAME:SPLIT or ORG/NAME/CONFIG:SPLIT (NAME:SPLIT for the few without an org).
@@ -244,15 +245,37 @@ class ShardedStream:
 def check_record_fields(cfg: GKDConfig) -> None:
     """The first record of every data file has the fields the run reads (driver side, before anything
     starts; reads one record per file, never the dataset). Raises ConfigError naming the key."""
-    needed = {"data.prompt_key": cfg.data.prompt_key}
+    needed = [("data.prompt_key", cfg.data.prompt_key)]
     if cfg.algorithm.lmbda < 1:
-        needed["data.response_key"] = cfg.data.response_key
+        needed.append(("data.response_key", cfg.data.response_key))
+    # Each teacher's own prompt (privileged context): the fields its rule reads, named by the key that set it.
+    for handle in teacher_handles(cfg).values():
+        needed += [(key, field_name) for field_name, key in handle.prompt.record_fields().items()]
     for files_key, files in (("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)):
         for file in files:
             fields = first_record_fields(file, files_key)
-            for key, field_name in needed.items():
+            for key, field_name in needed:
                 if field_name not in fields:
                     raise ConfigError(key, f"{file}: records have no field {field_name!r} (fields: {sorted(fields)})")
+    check_teacher_prompt_fields(cfg)
+
+
+def check_teacher_prompt_fields(cfg: GKDConfig) -> None:
+    """Every record of the local data files has the fields its teachers' own prompts read (driver side, before
+    training; docs/privileged_teacher.md); Hugging Face datasets are checked as the rollout workers read them.
+    Raises ConfigError naming the key that set the rule and the record."""
+    needed = {f: key for h in teacher_handles(cfg).values() for f, key in h.prompt.record_fields().items()}
+    for file in [*cfg.data.train_files, *cfg.data.eval_files]:
+        path = Path(file)
+        if not path.is_file():
+            continue
+        for field_name, key in needed.items():
+            for index, value in enumerate(_field_values(path, field_name, every=True)):
+                if value is None:
+                    raise ConfigError(
+                        key,
+                        f"record {index} of {path} has no field {field_name!r}: every record needs the teacher's prompt",
+                    )
 
 
 def check_record_teachers(cfg: GKDConfig) -> None:
@@ -270,13 +293,14 @@ def check_record_teachers(cfg: GKDConfig) -> None:
                 record_teacher(cfg, {cfg.data.teacher_key: value}, f"record {index} of {path}")
 
 
-def _field_values(path: Path, field_name: str) -> list[Any]:
-    """The value of `field_name` in every record of a local .jsonl / .parquet file (None where absent)."""
+def _field_values(path: Path, field_name: str, every: bool = False) -> list[Any]:
+    """The value of `field_name` in every record of a local .jsonl / .parquet file (None where absent; a parquet
+    file without the column: no values, or with `every` one None per row)."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         if field_name not in pq.read_schema(path).names:
-            return []
+            return [None] * pq.ParquetFile(path).metadata.num_rows if every else []
         return pq.read_table(path, columns=[field_name]).column(field_name).to_pylist()
     with path.open("rb") as f:
         return [json.loads(line).get(field_name) for line in f if line.strip()]
@@ -329,29 +353,6 @@ def encode_prompt(tokenizer: Any, record: dict[str, Any], prompt_key: str, chat_
         messages = [{"role": "user", "content": str(prompt)}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
     return list(tokenizer(str(prompt), add_special_tokens=True)["input_ids"])
-
-
-def checked_messages(messages: list[Any], key: str, field_name: str) -> list[dict[str, str]]:
-    """A chat dataset's message list (record field `field_name`), each a {"role", "content"} mapping;
-    ConfigError naming `key` otherwise."""
-    checked = []
-    for i, message in enumerate(messages):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
-            raise ConfigError(
-                key, f"{field_name!r} message {i} is not a {{'role': ..., 'content': ...}} mapping: {message!r:.200}"
-            )
-        checked.append({"role": message["role"], "content": str(message["content"])})
-    return checked
-
-
-def prompt_messages(messages: list[Any], prompt_key: str) -> list[dict[str, str]]:
-    """The messages that prompt the model: all of them without the trailing assistant turns."""
-    checked = checked_messages(messages, "data.prompt_key", prompt_key)
-    while checked and checked[-1]["role"] == "assistant":
-        checked.pop()
-    if not checked:
-        raise ConfigError("data.prompt_key", f"{prompt_key!r} holds no message before the assistant's")
-    return checked
 
 
 def response_text(record: dict[str, Any], response_key: str) -> str:

@@ -114,11 +114,20 @@ def teacher_accuracy(cfg: GKDConfig, rollout: RolloutPool) -> tuple[AnswerAccura
     """
     if not (cfg.trainer.eval_every and cfg.cluster.device.value == "cpu" and cfg.teacher.backend.value == "hf"):
         return None, ""
+    # A teacher with a prompt of its own (privileged context) is measured from both prompts: what the student can
+    # reach from its own prompt, and what the teacher's context adds (docs/privileged_teacher.md).
+    privileged = any(h.prompt.privileged for h in teacher_handles(cfg).values())
     try:
         measured = rollout.teacher_accuracy()
+        own = rollout.teacher_accuracy(own_prompt=True) if privileged else None
     except Exception as err:  # noqa: BLE001 -- the student is trained and exported; the report says what failed
         return None, f"teacher held-out accuracy: not measured ({_one_line(err)})"
-    return measured, measured.describe("teacher held-out accuracy", cfg.data.answer_key)
+    line = measured.describe("teacher held-out accuracy", cfg.data.answer_key)
+    if own is not None:
+        line += "\n" + own.describe(
+            "teacher held-out accuracy from its own prompt (privileged context)", cfg.data.answer_key
+        )
+    return measured, line
 
 
 def report(cfg: GKDConfig, teacher: AnswerAccuracy | None = None, teacher_line: str = "") -> None:

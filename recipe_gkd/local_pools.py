@@ -87,8 +87,8 @@ class LocalRolloutPool:
         for worker, position in zip(self.workers, positions, strict=True):
             worker.set_position(position)
 
-    def teacher_accuracy(self) -> AnswerAccuracy:
-        return self.workers[0].teacher_accuracy()
+    def teacher_accuracy(self, own_prompt: bool = False) -> AnswerAccuracy:
+        return self.workers[0].teacher_accuracy(own_prompt)
 
 
 class LocalActorPool:

@@ -37,6 +37,7 @@ from recipe_gkd.config import (
     colocated_shares,
     weight_transport,
 )
+from recipe_gkd.config.rules import teacher_longest_sequence
 from recipe_gkd.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
 from recipe_gkd.model_shape import Shape, read_shape
 from recipe_gkd.targets import build_target
@@ -419,6 +420,17 @@ def teacher_memory(cfg: GKDConfig, shape: Shape, handle: TeacherHandle | None = 
         # The teacher's own keys (teachers.NAME.X in a run of several).
         memory.key = memory.key.replace("teacher.", f"{handle.key_prefix}.")
         memory.problem = memory.problem.replace("teacher.", f"{handle.key_prefix}.")
+    if handle.prompt.privileged:  # its own prompts: the longest sequence it scores is its prompt bound's
+        longest, prompt_key = teacher_longest_sequence(cfg)
+        memory.notes.append(
+            f"scores sequences of up to {longest} tokens ({prompt_key} + rollout.sampling.max_new_tokens)"
+        )
+        if max_len < longest:  # no memory setting helps: this comes first
+            memory.key = prompt_key
+            memory.problem = (
+                f"the model's {max_len} positions are fewer than the {longest}-token sequences it scores: lower "
+                f"{prompt_key} or rollout.sampling.max_new_tokens"
+            )
     return memory
 
 

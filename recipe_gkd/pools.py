@@ -68,8 +68,9 @@ class RolloutPool(Protocol):
         """Resume: per worker, prompts of its shard already consumed."""
         ...
 
-    def teacher_accuracy(self) -> AnswerAccuracy:
-        """The teacher model's greedy accuracy on the held-out records with an answer (worker 0, after training)."""
+    def teacher_accuracy(self, own_prompt: bool = False) -> AnswerAccuracy:
+        """The teacher model's greedy accuracy on the held-out records with an answer (worker 0, after training), from
+        the student's prompt or (`own_prompt`) from each teacher's own prompt (privileged context)."""
         ...
 
 

@@ -176,10 +176,10 @@ class RayRolloutPool:
         calls = [r.set_position.remote(p) for r, p in zip(self.handles, positions, strict=True)]
         wait(calls, self.timeout_s, "checkpoint positions")
 
-    def teacher_accuracy(self) -> AnswerAccuracy:
+    def teacher_accuracy(self, own_prompt: bool = False) -> AnswerAccuracy:
         # In rollout worker 0, which has torch and transformers loaded (a Ray task of its own cost a
         # new process, ~4 s of a core).
-        return wait([self.handles[0].teacher_accuracy.remote()], self.timeout_s, "teacher accuracy")[0]
+        return wait([self.handles[0].teacher_accuracy.remote(own_prompt)], self.timeout_s, "teacher accuracy")[0]
 
 
 class RayActorPool:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from recipe_gkd.teacher_prompt import TeacherPrompt, prompt_rule
 from teacher_server.config import ConfigError, TeacherConfig, TeacherLocation, require
 
 
@@ -94,6 +95,8 @@ class TeacherHandle:
     metric_prefix: str | None
     # Its name in the rows' sample_teachers column (None for the default teacher).
     row_name: str | None
+    # What it is prompted with per record: the student's prompt, or its own (privileged context; teacher_prompt.py).
+    prompt: TeacherPrompt
 
     def key(self, field: str) -> str:
         """The dotted config key of its `field`, as the user wrote it."""
@@ -129,6 +132,7 @@ def teacher_handles(cfg: GKDConfig) -> dict[str, TeacherHandle]:
             error_prefix=f"teacher {name!r}: " if several else "",
             metric_prefix=f"teacher_{name}_" if several else None,
             row_name=None if name == DEFAULT_TEACHER else name,
+            prompt=prompt_rule(cfg.data, section, f"teachers.{name}" if named else "teacher"),
         )
         for name, section in teacher_sections(cfg).items()
     }

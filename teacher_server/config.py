@@ -166,6 +166,12 @@ class TeacherConfig:
     max_model_len: int = bounded(0, ge=0, note="0: the model's own")
     """vllm backend: vLLM's max_model_len, at least the longest sequence (prompt + response) a replica scores plus
     VLLM_LEN_MARGIN (1); 0 takes the model's own maximum."""
+    prompt_key: str = ""
+    """The trainer's side: the record field holding this teacher's own prompt (data.teacher_prompt_key for this
+    teacher only; docs/privileged_teacher.md); empty: data's rule."""
+    prompt_template: str = ""
+    """The trainer's side: this teacher's prompt as a template over the record (data.teacher_prompt_template for
+    this teacher only); empty: data's rule."""
 
 
 # vLLM scores a sequence as a prompt and then samples one token after it, so a sequence must be

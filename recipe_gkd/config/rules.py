@@ -29,6 +29,7 @@ from recipe_gkd.config.schema import (
 )
 
 # The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.
+from recipe_gkd.teacher_prompt import prompt_rule, teacher_prompt_bound
 from teacher_server.config import (
     TeacherBackend,
     TeacherLocation,
@@ -49,6 +50,7 @@ def validate(cfg: GKDConfig) -> None:
     _validate_batches(cfg)
     _validate_algorithm(cfg)
     teachers_config.validate_teachers(cfg)
+    _validate_teacher_prompts(cfg)
     for name, view in teachers_config.teacher_views(cfg).items():
         with teachers_config.keys_of(cfg, name):
             _validate_teacher(view)
@@ -480,12 +482,12 @@ def _validate_teacher(cfg: GKDConfig) -> None:
         "teacher.autostart",
         "the driver can only autostart a local teacher; start a remote one with launch/start_teacher.sh",
     )
-    longest = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    longest, prompt_key = teacher_longest_sequence(cfg)
     least = min_vllm_model_len(longest)
     require(
         t.max_model_len == 0 or t.max_model_len >= least,
         "teacher.max_model_len",
-        f"is {t.max_model_len} but the teacher scores sequences of up to data.max_prompt_length + "
+        f"is {t.max_model_len} but the teacher scores sequences of up to {prompt_key} + "
         f"rollout.sampling.max_new_tokens = {longest} tokens and vLLM needs one more (it samples a token "
         f"after each): raise it to >= {least} (or 0: the model's own)",
     )
@@ -494,6 +496,43 @@ def _validate_teacher(cfg: GKDConfig) -> None:
         "teacher.autostart",
         "autostart is for single-node runs; on several nodes start the teacher with launch/start_teacher.sh",
     )
+
+
+def teacher_longest_sequence(cfg: GKDConfig) -> tuple[int, str]:
+    """The longest sequence teacher `cfg` (a teacher's view) scores, and the key of its prompt's bound: the student's
+    prompt, or its own (data.max_teacher_prompt_length), plus the response."""
+    d = cfg.data
+    if prompt_rule(d, cfg.teacher, "teacher").privileged:
+        key = "data.max_teacher_prompt_length" if d.max_teacher_prompt_length else "data.max_prompt_length"
+        return teacher_prompt_bound(d) + cfg.rollout.sampling.max_new_tokens, key
+    return d.max_prompt_length + cfg.rollout.sampling.max_new_tokens, "data.max_prompt_length"
+
+
+def _validate_teacher_prompts(cfg: GKDConfig) -> None:
+    """A teacher prompt rule: one of a key or a template per level, a template naming plain fields, a tokenizer to
+    render it with, and a route that can join it (docs/privileged_teacher.md)."""
+    d = cfg.data
+    require(
+        not (d.teacher_prompt_key and d.teacher_prompt_template),
+        "data.teacher_prompt_template",
+        "is set beside data.teacher_prompt_key: give the teacher's prompt as a record field or a template, not both",
+    )
+    for handle in teachers_config.teacher_handles(cfg).values():
+        section = handle.section
+        require(
+            not (section.prompt_key and section.prompt_template),
+            handle.key("prompt_template"),
+            f"is set beside {handle.key('prompt_key')}: give the teacher's prompt as a record field or a template",
+        )
+        rule = prompt_rule(d, section, handle.key_prefix)  # a bad template raises naming its key
+        if not rule.privileged:
+            continue
+        require(
+            bool(section.model_path),
+            handle.key("model_path"),
+            f"is empty but {rule.key} gives {handle.who} a prompt of its own, rendered with its chat template: "
+            "point it at the teacher's model (or tokenizer) files",
+        )
 
 
 def _validate_trainer(cfg: GKDConfig) -> None:

@@ -292,6 +292,15 @@ class DataConfig:
     configured teacher stops the run. Not read in a run with only `teacher:`."""
     default_teacher: str = ""
     """The teacher of a record without data.teacher_key; empty: the first teacher (`default` with only `teacher:`)."""
+    teacher_prompt_key: str = ""
+    """Record field holding the teacher's own prompt (privileged context: a reference solution, a hint), a string
+    or a chat message list; rendered with the teacher's chat template and followed by the student's response
+    (docs/privileged_teacher.md). Empty: the teacher sees the student's prompt. A record without it stops the run."""
+    teacher_prompt_template: str = ""
+    """The teacher's prompt as a template over the record: `{prompt}` (data.prompt_key) and named fields, e.g.
+    "{prompt}\n\nReference solution: {solution}" (one of teacher_prompt_key / teacher_prompt_template)."""
+    max_teacher_prompt_length: int = bounded(0, ge=0, note="0: data.max_prompt_length")
+    """The longest teacher prompt in tokens; a longer one is an error naming this key (never cut)."""
 
 
 @dataclass

@@ -10,7 +10,7 @@ after training); the demo's asset builder for its models.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,12 +80,18 @@ def answer_accuracy(
     records: Sequence[dict[str, Any]],
     data: DataConfig,
     max_new_tokens: int,
+    encode: Callable[[Any, dict[str, Any]], list[int]] | None = None,
 ) -> AnswerAccuracy:
-    """Greedy accuracy of `model` on the `records` that have `data.answer_key` (the others are only counted)."""
+    """Greedy accuracy of `model` on the `records` that have `data.answer_key` (the others are only counted).
+
+    `encode(tokenizer, record)`: the prompt ids (default: the student's prompt, as the rollout worker encodes it)."""
     answered = [r for r in records if r.get(data.answer_key) is not None]
     if not answered:
         return AnswerAccuracy(correct=0.0, answered=0, records=len(records))
-    prompts = [encode_prompt(tokenizer, r, data.prompt_key, data.apply_chat_template) for r in answered]
+    if encode is None:
+        prompts = [encode_prompt(tokenizer, r, data.prompt_key, data.apply_chat_template) for r in answered]
+    else:
+        prompts = [encode(tokenizer, r) for r in answered]
     responses = greedy_texts(model, tokenizer, prompts, max_new_tokens)
     correct = sum(
         answer_reward(text, str(r[data.answer_key]), data.answer_match)
@@ -95,7 +101,11 @@ def answer_accuracy(
 
 
 def model_answer_accuracy(
-    model_dir: str, records: Sequence[dict[str, Any]], data: DataConfig, max_new_tokens: int
+    model_dir: str,
+    records: Sequence[dict[str, Any]],
+    data: DataConfig,
+    max_new_tokens: int,
+    encode: Callable[[Any, dict[str, Any]], list[int]] | None = None,
 ) -> AnswerAccuracy:
     """`answer_accuracy` of the HF model and tokenizer in `model_dir` (fp32, CPU), loaded for this call only."""
     import torch
@@ -103,4 +113,4 @@ def model_answer_accuracy(
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return answer_accuracy(model, tokenizer, records, data, max_new_tokens)
+    return answer_accuracy(model, tokenizer, records, data, max_new_tokens, encode)

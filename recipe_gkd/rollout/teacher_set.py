@@ -9,9 +9,11 @@ teachers, named in its message, so the driver's stop and exit 3 say which teache
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -19,8 +21,10 @@ import numpy as np
 from recipe_gkd.config import GKDConfig
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.targets import build_target
-from recipe_gkd.teachers_config import record_teacher, teacher_handles, teacher_views
-from teacher_server.protocol import TeacherTopK
+from recipe_gkd.teacher_prompt import teacher_prompt_bound
+from recipe_gkd.teachers_config import TeacherHandle, record_teacher, teacher_handles, teacher_views
+from teacher_server.config import ConfigError
+from teacher_server.protocol import TeacherTopK, tokenizer_fingerprint
 
 T = TypeVar("T")
 
@@ -28,9 +32,14 @@ T = TypeVar("T")
 class TeacherSet:
     """Teacher name -> its scorer; routes records, scores groups concurrently, reassembles in order."""
 
-    def __init__(self, cfg: GKDConfig, scorers: Mapping[str, Scorer]) -> None:
+    def __init__(self, cfg: GKDConfig, scorers: Mapping[str, Scorer], student_tokenizer: Any = None) -> None:
         self.cfg = cfg
         self.scorers = dict(scorers)
+        # Each teacher's prompt per record: the student's, or its own joined to the response (privileged context).
+        self.prompts = {
+            name: PromptJoin(h, teacher_prompt_bound(cfg.data), student_tokenizer)
+            for name, h in teacher_handles(cfg).items()
+        }
         # What each teacher's errors are prefixed with (its name, in a set of several).
         self.prefixes = {name: h.error_prefix for name, h in teacher_handles(cfg).items()}
         # What each request asks for and how its reply is unpacked (the target kind), the same for every teacher.
@@ -55,7 +64,7 @@ class TeacherSet:
             for connected in scorers.values():  # the teachers checked before the one that failed
                 connected.close()
             raise
-        return cls(cfg, scorers)
+        return cls(cfg, scorers, tokenizer)
 
     def route(self, records: list[dict[str, Any]], where: list[str]) -> list[str]:
         """The teacher of every record (`where[i]`: record i's file and index, for the error on an unknown one)."""
@@ -68,10 +77,13 @@ class TeacherSet:
         score_from: list[int],
         student_topk: list[np.ndarray | None],
         records: list[dict[str, Any]] | None = None,
+        where: list[str] | None = None,
     ) -> list[TeacherTopK]:
-        """Sequence i scored by teacher `teachers[i]` as the target kind asks (student_topk[i]: the engine's top ids
-        of sequence i, for algorithm.support=union; records[i]: its data record, for algorithm.cross_tokenizer);
-        the results in the order of `sequences`."""
+        """Sequence i (the student's prompt + response ids, its response from score_from[i]) scored by teacher
+        `teachers[i]` as the target kind asks, after that teacher's prompt of records[i] when it has one of its own
+        (where[i]: the record, for errors); student_topk[i]: the engine's top ids of sequence i, for
+        algorithm.support=union; records[i] also for algorithm.cross_tokenizer. The results in the order of
+        `sequences`, one row per response token."""
         groups: dict[str, list[int]] = {}
         for i, name in enumerate(teachers):
             groups.setdefault(name, []).append(i)
@@ -80,17 +92,19 @@ class TeacherSet:
             scorer = self.scorers[name]
             if self.cfg.debug.teacher_latency_s:  # an emulated remote teacher, on every route (cross-tokenizer too)
                 time.sleep(self.cfg.debug.teacher_latency_s)
-            return _named(
-                name,
-                self.prefixes.get(name, ""),
-                lambda: self.target.score(
-                    scorer,
+
+            def call() -> list[TeacherTopK]:
+                rows_records = None if records is None else [records[i] for i in rows]
+                joined, starts, rows_records = self.target.teacher_inputs(
+                    self.prompts[name],
                     [sequences[i] for i in rows],
                     [score_from[i] for i in rows],
-                    [student_topk[i] for i in rows],
-                    None if records is None else [records[i] for i in rows],
-                ),
-            )
+                    rows_records,
+                    [f"record {i} of this batch" for i in rows] if where is None else [where[i] for i in rows],
+                )
+                return self.target.score(scorer, joined, starts, [student_topk[i] for i in rows], rows_records)
+
+            return _named(name, self.prefixes.get(name, ""), call)
 
         if self._pool is None or len(groups) == 1:
             results = {name: run(name, rows) for name, rows in groups.items()}
@@ -111,6 +125,63 @@ class TeacherSet:
             close = getattr(scorer, "close", None)
             if close is not None:
                 close()
+
+
+class PromptJoin:
+    """One teacher's prompt per record joined to the student's response ids (recipe_gkd/teacher_prompt.py).
+
+    A teacher with a prompt of its own renders it with its own tokenizer and chat template (teacher.model_path,
+    teacher.chat_template), read once on first use; its vocabulary must be the student's (the ids after the join
+    are the student's sampled ids), checked then through the tokenizer hash the server handshake uses.
+    """
+
+    def __init__(self, handle: TeacherHandle, bound: int, student_tokenizer: Any) -> None:
+        self.handle = handle
+        self.rule = handle.prompt
+        self.bound = bound
+        self.student_tokenizer = student_tokenizer
+        self._tokenizer: Any = None
+        self._template: str | None = None
+        self._lock = threading.Lock()
+
+    def tokenizer(self) -> tuple[Any, str | None]:
+        """The teacher's tokenizer and its chat template file's text (None: the tokenizer's own)."""
+        with self._lock:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                section = self.handle.section
+                tokenizer = AutoTokenizer.from_pretrained(section.model_path)
+                if self.student_tokenizer is not None and tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(
+                    self.student_tokenizer
+                ):
+                    raise ConfigError(
+                        self.handle.key("model_path"),
+                        f"{section.model_path}'s tokenizer is not the student's, but {self.rule.key} joins "
+                        f"{self.handle.who}'s own prompt to the student's response ids: the vocabularies must be one",
+                    )
+                self._template = Path(section.chat_template).read_text() if section.chat_template else None
+                self._tokenizer = tokenizer
+            return self._tokenizer, self._template
+
+    def records(self, records: list[dict[str, Any]], where: list[str]) -> list[dict[str, Any]]:
+        """The records as a teacher that renders prompts itself reads them: its own prompt as their prompt."""
+        return [self.rule.teacher_record(r, w) for r, w in zip(records, where, strict=True)]
+
+    def join(
+        self,
+        sequences: list[np.ndarray],
+        score_from: list[int],
+        records: list[dict[str, Any]] | None,
+        where: list[str],
+    ) -> tuple[list[np.ndarray], list[int]]:
+        """The ids the teacher scores and where its scores start, per sequence (the student's own without a rule)."""
+        rows = [None] * len(sequences) if records is None else records
+        out = [
+            self.rule.join(self.tokenizer, r, seq, start, w, self.bound)
+            for seq, start, r, w in zip(sequences, score_from, rows, where, strict=True)
+        ]
+        return [ids for ids, _ in out], [start for _, start in out]
 
 
 def _named(name: str, prefix: str, call: Callable[[], T]) -> T:

@@ -24,7 +24,8 @@ from recipe_gkd.metrics import worker_memory_mb
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
 from recipe_gkd.rollout.teacher_set import TeacherSet
-from recipe_gkd.teachers_config import DEFAULT_TEACHER, record_teacher, teacher_sections
+from recipe_gkd.teacher_prompt import own_prompt_encoder
+from recipe_gkd.teachers_config import DEFAULT_TEACHER, record_teacher, teacher_handles
 from recipe_gkd.weight_sync import PROBE_ROWS, from_host_arrays, probe_rows
 
 # Salt that separates the on/off-policy coin flips from the epoch order's random stream.
@@ -96,7 +97,8 @@ class RolloutWorker:
         if scorer is None:
             self.teachers = TeacherSet.connect(cfg, self.engine.tokenizer, teacher_addresses)
         else:
-            self.teachers = TeacherSet(cfg, scorer if isinstance(scorer, Mapping) else {DEFAULT_TEACHER: scorer})
+            scorers = scorer if isinstance(scorer, Mapping) else {DEFAULT_TEACHER: scorer}
+            self.teachers = TeacherSet(cfg, scorers, self.engine.tokenizer)
         train = Dataset(cfg.data.train_files, "data.train_files")
         self.train_stream = ShardedStream(train, cfg.data.seed, self.rank, self.world)
         self.eval_dataset = Dataset(cfg.data.eval_files, "data.eval_files") if cfg.data.eval_files else None
@@ -172,22 +174,29 @@ class RolloutWorker:
             raise ValueError("trainer.eval_every > 0 needs data.eval_files")
         return [self.eval_dataset[i] for i in range(min(self.cfg.data.eval_batch_size, len(self.eval_dataset)))]
 
-    def teacher_accuracy(self) -> AnswerAccuracy:
-        """The teacher model's greedy accuracy on the held-out records that have an answer (HF, this process).
+    def teacher_accuracy(self, own_prompt: bool = False) -> AnswerAccuracy:
+        """The teacher model's greedy accuracy on the held-out records that have an answer (HF, this process):
+        from the student's prompt, or (`own_prompt`) from each teacher's own prompt (its privileged context,
+        docs/privileged_teacher.md; the student's prompt for a teacher without one).
 
-        The run's report calls it once, after training, on rollout worker 0 (torch and transformers
+        The run's report calls it after training, on rollout worker 0 (torch and transformers
         are loaded here already); the records without data.answer_key are counted, not scored.
         """
         from recipe_gkd.rollout.answer_accuracy import model_answer_accuracy
 
         cfg = self.cfg
+        handles = teacher_handles(cfg)
         # Several teachers: each record's own teacher answers it (docs/teachers.md).
         by_teacher: dict[str, list[dict[str, Any]]] = {}
         for i, record in enumerate(self.eval_records()):
             by_teacher.setdefault(record_teacher(cfg, record, f"record {i} of data.eval_files"), []).append(record)
         parts = [
             model_answer_accuracy(
-                teacher_sections(cfg)[name].model_path, records, cfg.data, cfg.rollout.sampling.max_new_tokens
+                handles[name].section.model_path,
+                records,
+                cfg.data,
+                cfg.rollout.sampling.max_new_tokens,
+                own_prompt_encoder(handles[name], cfg.data) if own_prompt else None,
             )
             for name, records in by_teacher.items()
         ]
@@ -234,8 +243,9 @@ class RolloutWorker:
         starts = [len(p) for p in generated.prompt_ids]
         start = time.perf_counter()
         with self._teacher_lock:
+            # Each teacher's own prompt, if it has one, replaces the student's there (the rows stay the response's).
             scores = self.teachers.score(
-                teachers, ids, starts, generated.student_topk, [p.record for p in generated.prompts]
+                teachers, ids, starts, generated.student_topk, [p.record for p in generated.prompts], where
             )
         teacher_s = time.perf_counter() - start
         sequences = [

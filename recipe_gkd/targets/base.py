@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from recipe_gkd.actor.objective import ActorObjective
     from recipe_gkd.batch import TargetPayload
     from recipe_gkd.rollout.engine import Scorer
+    from recipe_gkd.rollout.teacher_set import PromptJoin
     from teacher_server.protocol import TeacherTopK
 
 
@@ -54,6 +55,19 @@ class Target:
     def request_options(self, view: GKDConfig) -> dict[str, Any]:
         """What a request to teacher `view` asks for beside the tokens (as TeacherClient.from_config asks it)."""
         return {"top_k": view.teacher.top_k, "hidden_dtype": ""}
+
+    def teacher_inputs(
+        self,
+        join: PromptJoin,
+        sequences: list[np.ndarray],
+        score_from: list[int],
+        records: list[dict[str, Any]] | None,
+        where: list[str],
+    ) -> tuple[list[np.ndarray], list[int], list[dict[str, Any]] | None]:
+        """What `score` is given for one teacher: its own prompt's ids joined to the student's response ids, with
+        score_from at the join (the student's own without a prompt of its own; recipe_gkd/teacher_prompt.py)."""
+        joined, starts = join.join(sequences, score_from, records, where)
+        return joined, starts, records
 
     def score(
         self,

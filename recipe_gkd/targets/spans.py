@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from recipe_gkd.actor.collate import MicroBatch
     from recipe_gkd.actor.objective import ActorObjective
+    from recipe_gkd.rollout.teacher_set import PromptJoin
 
 
 @runtime_checkable
@@ -75,6 +76,20 @@ class CrossTokenizerSpans(Target):
         from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
 
         return CrossTokenizerScorer.connect(view, tokenizer, address)  # type: ignore[return-value]
+
+    def teacher_inputs(
+        self,
+        join: PromptJoin,
+        sequences: list[np.ndarray],
+        score_from: list[int],
+        records: list[dict[str, Any]] | None,
+        where: list[str],
+    ) -> tuple[list[np.ndarray], list[int], list[dict[str, Any]] | None]:
+        """The teacher renders its own prompt in its own tokens and chat template (teacher_server/conversation.py):
+        the records go with the teacher's prompt as their prompt; the student's ids are decoded as before."""
+        if records is None:
+            raise ValueError("algorithm.cross_tokenizer needs each sequence's record")
+        return sequences, score_from, join.records(records, where)
 
     def score(
         self,

@@ -117,6 +117,7 @@ HUB_MODELS = {
 }
 GPU_PRESETS = sorted(p for p in (CONFIG_DIR / "presets").glob("*.yaml") if not p.name.startswith("cpu_"))
 REMOTE_PRESET = CONFIG_DIR / "presets" / "1x8_a4_r4_t0_remote.yaml"
+ONE_BY_EIGHT = CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"
 
 
 @pytest.fixture(autouse=True)
@@ -544,3 +545,35 @@ def test_the_cross_tokenizer_loss_at_tp_2_is_counted_over_the_gathered_vocabular
     for objective in ("span", "uld"):
         measured = measured_bytes(objective, tokens=256, vocab=16384, tp=2)
         assert 0.7 * memory_plan.XTOK_GATHERED_BYTES <= measured <= memory_plan.XTOK_GATHERED_BYTES, objective
+
+
+def test_a_teacher_with_its_own_prompt_is_planned_for_its_own_bound() -> None:
+    """A teacher prompt of its own (data.teacher_prompt_key): the teacher scores up to data.max_teacher_prompt_length +
+    rollout.sampling.max_new_tokens tokens; a model with fewer positions names the bound."""
+    shape = model_shape.shape_from_config(QWEN25_7B)
+    plain = memory_plan.teacher_memory(load_config(ONE_BY_EIGHT, ["cluster.gpu_memory_gib=80"]), shape)
+    assert not any("scores sequences" in n for n in plain.notes)
+    cfg = load_config(
+        ONE_BY_EIGHT,
+        [
+            "cluster.gpu_memory_gib=80",
+            "teacher.max_model_len=0",
+            "data.teacher_prompt_key=hint",
+            "data.max_teacher_prompt_length=4096",
+        ],
+    )
+    longest = 4096 + cfg.rollout.sampling.max_new_tokens
+    teacher = memory_plan.teacher_memory(cfg, shape)
+    assert f"scores sequences of up to {longest} tokens (data.max_teacher_prompt_length" in " ".join(teacher.notes)
+    too_long = shape.max_position_embeddings - cfg.rollout.sampling.max_new_tokens + 1
+    cfg = load_config(
+        ONE_BY_EIGHT,
+        [
+            "cluster.gpu_memory_gib=80",
+            "teacher.max_model_len=0",
+            "data.teacher_prompt_key=hint",
+            f"data.max_teacher_prompt_length={too_long}",
+        ],
+    )
+    teacher = memory_plan.teacher_memory(cfg, shape)
+    assert not teacher.fits and teacher.key == "data.max_teacher_prompt_length", teacher.problem

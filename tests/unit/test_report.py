@@ -59,3 +59,29 @@ def test_open_ended_records_only_and_a_failing_teacher_pass_still_report(tmp_pat
     assert line in summary and (tmp_path / "training.png").is_file()
     none = AnswerAccuracy(correct=0, answered=0, records=12)
     assert none.accuracy is None and "none of the 12 held-out records has an answer" in none.describe("t", "answer")
+
+
+class TwoPromptPool:
+    """The teacher's accuracy from the student's prompt and from its own (privileged context)."""
+
+    def __init__(self) -> None:
+        self.asked: list[bool] = []
+
+    def teacher_accuracy(self, own_prompt: bool = False) -> AnswerAccuracy:
+        self.asked.append(own_prompt)
+        return AnswerAccuracy(correct=9 if own_prompt else 1, answered=10, records=12)
+
+
+def test_a_teacher_with_its_own_prompt_is_reported_from_both_prompts(tmp_path: Path) -> None:
+    run_dir = _run_dir_with_evals(tmp_path, 10, 12)
+    plain = TwoPromptPool()
+    gkd.teacher_accuracy(load_config(None, [f"trainer.run_dir={run_dir}"]), plain)  # type: ignore[arg-type]
+    assert plain.asked == [False], "no prompt of its own: measured once"
+    cfg = load_config(None, [f"trainer.run_dir={run_dir}", "data.teacher_prompt_key=hint"])
+    pool = TwoPromptPool()
+    teacher, line = gkd.teacher_accuracy(cfg, pool)  # type: ignore[arg-type]
+    assert pool.asked == [False, True] and teacher is not None and teacher.accuracy == 0.1
+    gkd.report(cfg, teacher, line)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "teacher held-out accuracy: 10.0% over the 10 of 12" in summary
+    assert "teacher held-out accuracy from its own prompt (privileged context): 90.0% over the 10 of 12" in summary
