@@ -44,6 +44,14 @@ class TeacherPrompt:
         self.prompt_key = prompt_key  # data.prompt_key
         self.chat_template = chat_template  # data.apply_chat_template
 
+    def __eq__(self, other: object) -> bool:
+        # Value equality: rules built from the same config are the same rule (TeacherHandle, a frozen dataclass
+        # that holds one, compares by its fields).
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted((k, repr(v)) for k, v in vars(self).items()))))
+
     def record_fields(self) -> dict[str, str]:
         """Record field -> the config key that reads it (what check_record_fields asks of every data file)."""
         return {}
