@@ -6,7 +6,7 @@ Builds a random Llama-family student offline, runs MegatronActor (TP=1, gloo, in
 for two steps per setting and measures the second step (Adam's state exists by then) with
 a dispatch-mode tracker of live tensor storages (the step's activations, logits and
 temporaries) on top of what lives between steps (weights, gradient buffer, optimizer state). The plan's estimate for the same config
-(recipe_gkd.memory_plan.actor_memory, minus its fixed CUDA reserve, which a CPU has not) is
+(recipe_gkd.plan.memory_plan.actor_memory, minus its fixed CUDA reserve, which a CPU has not) is
 printed beside it. Writes benchmarks/results/bench_actor_memory.json.
 
 On CPU the activations of the compute dtype are what a GPU holds too; CUDA adds its context,
@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from recipe_gkd.config import load_config  # noqa: E402
-from recipe_gkd.memory_plan import ACTOR_RESERVE_GIB, GIB, actor_memory, read_shape  # noqa: E402
-from recipe_gkd.ports import reserve_ports  # noqa: E402
+from recipe_gkd.plan.memory_plan import ACTOR_RESERVE_GIB, GIB, actor_memory, read_shape  # noqa: E402
+from recipe_gkd.plan.ports import reserve_ports  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_actor_memory.json"
 MIB = 1024 * 1024

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from recipe_gkd.losses import cross_tokenizer_loss_sum
-from recipe_gkd.memory_plan import XTOK_GATHERED_BYTES
+from recipe_gkd.plan.memory_plan import XTOK_GATHERED_BYTES
 
 # Teacher columns per position.
 TOP_K = 8

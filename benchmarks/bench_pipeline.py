@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from recipe_gkd.metrics import read_metrics  # noqa: E402
+from recipe_gkd.observe.metrics import read_metrics  # noqa: E402
 
 SCHEDULES = ("sync", "one_step_off", "two_step_off")
 PHASES = ("generate_s", "teacher_s", "train_s", "sync_s")

@@ -3,7 +3,7 @@
     python benchmarks/bench_recipe_overhead.py [--steps 40] [--schedule sync] [key=value ...]
 
 Both runs use the demo preset, its models and data, evaluation off, the same seed: the
-in-process run is `gkd.train` on `recipe_gkd.local_pools` (the real actor, rollout worker and
+in-process run is `gkd.train` on `recipe_gkd.runtime.local_pools` (the real actor, rollout worker and
 the teacher server's HF backend, called directly), the Ray run is `python -m recipe_gkd.main`.
 Prints the median seconds of each phase (steps after the first 3), the ratio Ray / in-process,
 and each run's process wall time; writes JSON to benchmarks/results/recipe_overhead.json.
@@ -47,8 +47,8 @@ def in_process(run_dir: Path, steps: int, schedule: str) -> float:
         "import sys\n"
         "from recipe_gkd import gkd\n"
         "from recipe_gkd.config import load_config\n"
-        "from recipe_gkd.local_pools import local_pools\n"
-        "from recipe_gkd.metrics import MetricsLogger\n"
+        "from recipe_gkd.runtime.local_pools import local_pools\n"
+        "from recipe_gkd.observe.metrics import MetricsLogger\n"
         "cfg = load_config(None, sys.argv[1:])\n"
         "metrics = MetricsLogger(cfg.trainer.run_dir, ['jsonl'], cfg.trainer.total_steps)\n"
         "with local_pools(cfg) as pools:\n"

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from recipe_gkd.config import load_config  # noqa: E402
-from recipe_gkd.ports import reserve_ports  # noqa: E402
+from recipe_gkd.plan.ports import reserve_ports  # noqa: E402
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_sync_memory.json"
@@ -89,7 +89,7 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import ray
 
-    from recipe_gkd.ray_pools import ray_actor_worker_class
+    from recipe_gkd.runtime.ray_pools import ray_actor_worker_class
 
     spec = TinyModelSpec(
         hidden_size=args.hidden,

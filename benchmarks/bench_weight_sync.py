@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from recipe_gkd.config import WeightSyncConfig, load_config  # noqa: E402
-from recipe_gkd.ports import reserve_ports  # noqa: E402
-from recipe_gkd.ray_pools import RayRolloutWorker, put_buckets, sync_weights  # noqa: E402
+from recipe_gkd.plan.ports import reserve_ports  # noqa: E402
+from recipe_gkd.runtime.ray_pools import RayRolloutWorker, put_buckets, sync_weights  # noqa: E402
 from recipe_gkd.weight_sync import MIB, CollectiveChannel, load_draining  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_weight_sync.json"
@@ -208,7 +208,7 @@ def end_to_end(repeats: int, bucket_mb: int) -> list[dict[str, Any]]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_sync_in_run import models
 
-    from recipe_gkd.ray_pools import ray_actor_worker_class
+    from recipe_gkd.runtime.ray_pools import ray_actor_worker_class
     from recipe_gkd.selfcheck import export_bytes
 
     student, _ = models()

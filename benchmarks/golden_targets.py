@@ -1,4 +1,4 @@
-"""Golden trajectories of every target kind, in-process (recipe_gkd/local_pools.py), for a refactor that must not
+"""Golden trajectories of every target kind, in-process (recipe_gkd/runtime/local_pools.py), for a refactor that must not
 change behaviour: a few steps of the demo per kind, each step's loss, grad norm and eval figures.
 
     python benchmarks/golden_targets.py record runs/golden/before.json
@@ -138,8 +138,8 @@ def run_case(name: str, scratch: Path) -> list[dict[str, Any]]:
     import torch
 
     from recipe_gkd import gkd
-    from recipe_gkd.local_pools import local_pools
-    from recipe_gkd.metrics import MetricsLogger, read_metrics
+    from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
+    from recipe_gkd.runtime.local_pools import local_pools
 
     torch.set_num_threads(2)
     cfg = _config(name, scratch)

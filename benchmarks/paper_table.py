@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from recipe_gkd.metrics import read_metrics  # noqa: E402
+from recipe_gkd.observe.metrics import read_metrics  # noqa: E402
 
 LMBDAS = (0.0, 0.5, 1.0)
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")

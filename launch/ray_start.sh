@@ -2,7 +2,7 @@
 # Start Ray on one node of a preset so that Ray sees only that node's actor + rollout GPUs
 # (never the teacher's) and carries the node label the driver pins bundles with.
 # Where CUDA_VISIBLE_DEVICES is already set (a shared node, SLURM), plan GPU i is its i-th entry
-# (recipe_gkd.placement.physical_gpu_ids): Ray gets those devices, never the first ones of the node.
+# (recipe_gkd.plan.placement.physical_gpu_ids): Ray gets those devices, never the first ones of the node.
 #   head:   launch/ray_start.sh --config PRESET --node-rank 0 --head [--port 6379] [key=value ...]
 #   worker: launch/ray_start.sh --config PRESET --node-rank N --address HEAD_IP:6379 [key=value ...]
 # key=value overrides are the run's own (the same list start_teacher.sh and run_gkd.sh take): those that shape the
@@ -30,8 +30,8 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n "$CONFIG" ]] || { echo "$usage" >&2; exit 2; }
 PLAN=(--config "$CONFIG" --node-rank "$NODE_RANK")
-GPUS=$($PY -m recipe_gkd.placement "${PLAN[@]}" --print ray-gpus "${OVERRIDES[@]}")
-RESOURCES=$($PY -m recipe_gkd.placement "${PLAN[@]}" --print ray-resources "${OVERRIDES[@]}")
+GPUS=$($PY -m recipe_gkd.plan.placement "${PLAN[@]}" --print ray-gpus "${OVERRIDES[@]}")
+RESOURCES=$($PY -m recipe_gkd.plan.placement "${PLAN[@]}" --print ray-resources "${OVERRIDES[@]}")
 NUM_GPUS=$(awk -F, '{print ($0 == "" ? 0 : NF)}' <<<"$GPUS")
 export CUDA_VISIBLE_DEVICES="$GPUS" RAY_USAGE_STATS_ENABLED=0
 echo "node $NODE_RANK: Ray gets GPUs [$GPUS] ($NUM_GPUS), resources $RESOURCES"

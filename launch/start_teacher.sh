@@ -16,6 +16,6 @@ fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # A run preset: the trainer's placement plan gives this node's teacher GPUs (--gpu-ids), and keys
 # other than teacher.* / server.* shape that plan only. A teacher yaml passes through unchanged.
-ARGV=$("$PY" -m recipe_gkd.placement teacher-argv "$@") || exit $?
+ARGV=$("$PY" -m recipe_gkd.plan.placement teacher-argv "$@") || exit $?
 mapfile -t SERVER_ARGS <<< "$ARGV"
 exec "$PY" -m teacher_server "${SERVER_ARGS[@]}"

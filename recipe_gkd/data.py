@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import ANSWER_MATCHES, ConfigError, GKDConfig
+from recipe_gkd.config.teachers import record_teacher, records_name_teachers, teacher_handles
 from recipe_gkd.messages import checked_messages, prompt_messages
-from recipe_gkd.teachers_config import record_teacher, records_name_teachers, teacher_handles
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
 # A hub dataset: ORG/NAME:SPLIT or ORG/NAME/CONFIG:SPLIT (NAME:SPLIT for the few without an org).

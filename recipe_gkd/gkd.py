@@ -7,16 +7,16 @@
    tail bucket (or algorithm.divergence=sampled_reverse_kl: a policy-gradient step with the advantage
    log t - log s_old of each sampled token), token mean over the whole global batch, one optimizer step.
 3. The new weights go to every rollout worker; the weight version goes up by one.
-4. Metrics every step (a diverging objective is named in one line: divergence_watch.py); evaluation
+4. Metrics every step (a diverging objective is named in one line: observe/divergence_watch.py); evaluation
    every trainer.eval_every steps; a checkpoint every trainer.save_every steps (resumed from by
    trainer.resume=auto); the student exported at the end.
 
     python -m recipe_gkd.main                                            # CPU demo
     python -m recipe_gkd.main --config configs/presets/1x8_a1_r3_t4.yaml  # one 8-GPU node
 
-The loop talks to its workers through recipe_gkd/pools.py: on Ray (ray_pools.py, every run)
+The loop talks to its workers through recipe_gkd/runtime/pools.py: on Ray (runtime/ray_pools.py, every run)
 the driver holds no model and no per-token data, it passes object refs between the pools;
-in-process (local_pools.py, the tests) the same loop runs with the workers as plain objects.
+in-process (runtime/local_pools.py, the tests) the same loop runs with the workers as plain objects.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd import checkpoint, console
 from recipe_gkd.batch import RolloutStats, actor_rank_of
 from recipe_gkd.config import (
     PIPELINE_DEPTH,
@@ -40,8 +39,10 @@ from recipe_gkd.config import (
     to_dict,
     weight_transport,
 )
-from recipe_gkd.divergence_watch import DIVERGENCE_FILE, DivergenceWatch
-from recipe_gkd.metrics import (
+from recipe_gkd.config.teachers import split_teachers, teacher_handles, teacher_sections
+from recipe_gkd.observe import console
+from recipe_gkd.observe.divergence_watch import DIVERGENCE_FILE, DivergenceWatch
+from recipe_gkd.observe.metrics import (
     EVAL_FILE,
     MetricsLogger,
     alignment_columns,
@@ -49,14 +50,14 @@ from recipe_gkd.metrics import (
     read_metrics,
     teacher_columns,
 )
-from recipe_gkd.placement import PlacementPlan
-from recipe_gkd.plots import before_after_table, plot_run
-from recipe_gkd.pools import Pending, Pools, RolloutPool, ShardHandle
-from recipe_gkd.ray_cluster import ray_cluster
-from recipe_gkd.ray_pools import launch_pools
+from recipe_gkd.observe.plots import before_after_table, plot_run
+from recipe_gkd.plan.placement import PlacementPlan
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
+from recipe_gkd.runtime import checkpoint
+from recipe_gkd.runtime.pools import Pending, Pools, RolloutPool, ShardHandle
+from recipe_gkd.runtime.ray_cluster import ray_cluster
+from recipe_gkd.runtime.ray_pools import launch_pools
 from recipe_gkd.targets import Target, build_target
-from recipe_gkd.teachers_config import split_teachers, teacher_handles, teacher_sections
 from recipe_gkd.weight_sync import SYNC_TOLERANCE, WeightSyncError, check_due, logprob_diffs, worst_tensor
 
 FINAL_EXPORT_DIR = "final_student"

@@ -2,7 +2,7 @@
 
 With no --config it runs the CPU demo preset (configs/presets/cpu_demo.yaml). A bad config
 exits 2 with one line naming the key; --dry-run validates and prints the placement plan and,
-for a GPU run, the per-GPU memory plan (recipe_gkd/memory_plan.py, from the models' config.json
+for a GPU run, the per-GPU memory plan (recipe_gkd/plan/memory_plan.py, from the models' config.json
 only), without starting Ray or any model. A GPU role that does not fit exits 2 naming the key.
 """
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from recipe_gkd.config import ConfigError, GKDConfig, check_local_paths, load_config, to_yaml
-from recipe_gkd.placement import build_plan, format_plan
+from recipe_gkd.plan.placement import build_plan, format_plan
 
 EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
@@ -63,7 +63,7 @@ def format_run(cfg: GKDConfig) -> str:
 
 def terminated_line(cfg: GKDConfig) -> str:
     """The one line a run stopped by SIGTERM prints, once its workers and teacher are stopped."""
-    from recipe_gkd.checkpoint import COMPLETE_FILE, list_checkpoints
+    from recipe_gkd.runtime.checkpoint import COMPLETE_FILE, list_checkpoints
 
     # The marker only (written last, after the checksums): verifying every checksum of a GPU run's checkpoint
     # would read tens of GB inside slurm's KillWait.
@@ -94,7 +94,7 @@ def check_teacher_head(cfg: GKDConfig) -> None:
 
 def report_memory_plan(cfg: GKDConfig) -> bool:
     """Print the per-GPU memory plan (GPU runs); False when a role does not fit and debug.memory_check is on."""
-    from recipe_gkd.memory_plan import build_memory_plan, check_memory_plan, format_memory_plan
+    from recipe_gkd.plan.memory_plan import build_memory_plan, check_memory_plan, format_memory_plan
 
     try:
         memory = build_memory_plan(cfg)
@@ -117,7 +117,7 @@ def report_memory_plan(cfg: GKDConfig) -> bool:
 def exit_code_for(err: BaseException) -> int | None:
     """The exit code of an error whose message is written for the user (naming what to change), else None."""
     from recipe_gkd.actor.hf_arch import UnsupportedModelError
-    from recipe_gkd.checkpoint import CheckpointError
+    from recipe_gkd.runtime.checkpoint import CheckpointError
     from recipe_gkd.weight_sync import WeightSyncError
     from teacher_server.client import TeacherError, TeacherMismatchError
     from teacher_server.launcher import TeacherLaunchError
@@ -152,9 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from recipe_gkd.actor.hf_arch import UnsupportedModelError
     from recipe_gkd.data import check_record_fields, check_record_teachers
-    from recipe_gkd.memory_plan import object_store_mib
-    from recipe_gkd.model_pins import Reader, on_this_node
-    from recipe_gkd.shm import check_shared_memory
+    from recipe_gkd.plan.memory_plan import object_store_mib
+    from recipe_gkd.plan.shm import check_shared_memory
+    from recipe_gkd.runtime.model_pins import Reader, on_this_node
 
     try:
         resolve_config_models(cfg)  # hub ids -> org/name@<commit>: each worker resolves the pin on its own node
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_CONFIG
     write_resolved_config(cfg)
     from recipe_gkd.gkd import RunDiverged, RunStopped, run
-    from recipe_gkd.stop_signal import EXIT_TERMINATED, RunTerminated, stop_on_sigterm
-    from recipe_gkd.watchdog import PhaseTimeoutError
+    from recipe_gkd.runtime.stop_signal import EXIT_TERMINATED, RunTerminated, stop_on_sigterm
+    from recipe_gkd.runtime.watchdog import PhaseTimeoutError
 
     stop_on_sigterm()  # before the teacher autostarts: a SIGTERM then stops it too
     try:
@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def resolve_config_models(cfg: GKDConfig) -> None:
     """Pin every hub id the run's processes read to the commit this node's cache holds (in place); the config the
-    workers get carries the pins, each resolves them on its own node (recipe_gkd/model_pins.py)."""
-    from recipe_gkd.model_pins import pin_models
+    workers get carries the pins, each resolves them on its own node (recipe_gkd/runtime/model_pins.py)."""
+    from recipe_gkd.runtime.model_pins import pin_models
 
     pin_models(cfg)
 

@@ -7,7 +7,7 @@ either side fails the step with its message; a side that does not answer within
 `weight_sync.timeout_s` fails it too.
 
 The driver's side (which worker sends, which receive, the timeouts) is the pools' `WeightSync`
-(recipe_gkd/pools.py): `ray_pools.RayWeightSync` for real runs, `local_pools.LocalWeightSync`
+(recipe_gkd/runtime/pools.py): `ray_pools.RayWeightSync` for real runs, `local_pools.LocalWeightSync`
 in-process. Transports (`weight_sync.transport`):
 - `object_store`: rank 0 puts each bucket into Ray's object store, the workers fetch them
   (same node: shared-memory reads; other nodes: Ray's transfer).

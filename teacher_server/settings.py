@@ -5,7 +5,7 @@ reads the `teacher:` section only) or a standalone teacher yaml (configs/teacher
 `teacher:` section plus an optional `server:` section). `key=value` overrides apply to either
 (`teacher.*` and `server.*` keys). A preset's teacher GPUs on a node are what the trainer's
 placement plan leaves over: launch/start_teacher.sh asks the plan
-(`python -m recipe_gkd.placement --print teacher-gpus`) and passes them as --gpu-ids.
+(`python -m recipe_gkd.plan.placement --print teacher-gpus`) and passes them as --gpu-ids.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from teacher_server.config import ConfigError, TeacherBackend, TeacherConfig, TeacherLocation, validate_teacher_section
 
 STANDALONE_KEYS = frozenset({"teacher", "server"})
-PLACEMENT_COMMAND = "python -m recipe_gkd.placement --config PRESET --node-rank N --print teacher-gpus"
+PLACEMENT_COMMAND = "python -m recipe_gkd.plan.placement --config PRESET --node-rank N --print teacher-gpus"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 # Server keys that moved to the teacher section (a run sets them there too): named in the unknown-key error.
 MOVED_KEYS = {"server.ready_timeout_s": "teacher.ready_timeout_s"}

@@ -149,7 +149,7 @@ class Supervisor:
         env = dict(os.environ)
         if slot.gpu_ids:
             # --gpu-ids are the node's device ids, already mapped through any CUDA_VISIBLE_DEVICES the
-            # trainer met (recipe_gkd.placement.physical_gpu_ids), so they replace this process's mask.
+            # trainer met (recipe_gkd.plan.placement.physical_gpu_ids), so they replace this process's mask.
             env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpu_ids)
         if self.settings.server.torch_threads:
             env["OMP_NUM_THREADS"] = str(self.settings.server.torch_threads)

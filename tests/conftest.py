@@ -78,7 +78,7 @@ def ray_local() -> Iterator[None]:
         runtime_env={
             "env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])},
             # As a run's workers: no wandb, so a worker killed at the end leaves no tmp*wandb* directory.
-            "worker_process_setup_hook": "recipe_gkd.wandb_guard.keep_wandb_out",
+            "worker_process_setup_hook": "recipe_gkd.observe.wandb_guard.keep_wandb_out",
         },
     )
     yield

@@ -37,7 +37,7 @@ from paper_table import LMBDA_NAMES, LMBDAS, grid_overrides, run_cli  # noqa: E4
 from benchmarks.real_pair.build import DEFAULT_CACHE, DEFAULT_OUT, MAX_NEW_TOKENS, build  # noqa: E402
 from benchmarks.real_pair.scoring import score_student  # noqa: E402
 from recipe_gkd.demo.build_assets import sha256_file  # noqa: E402
-from recipe_gkd.metrics import read_metrics  # noqa: E402
+from recipe_gkd.observe.metrics import read_metrics  # noqa: E402
 
 PRESET = ROOT / "configs" / "presets" / "cpu_real_pair.yaml"
 RUNS = ROOT / "benchmarks" / "results" / "real_pair_runs"

@@ -23,9 +23,9 @@ from recipe_gkd.actor import hf_arch
 from recipe_gkd.actor.collate import MicroBatch
 from recipe_gkd.actor.layout import RankLayout
 from recipe_gkd.config import GKDConfig
+from recipe_gkd.config.teachers import split_teachers
 from recipe_gkd.losses import sampled_reverse_kl_loss_sum
 from recipe_gkd.targets import build_target, sampled_objective
-from recipe_gkd.teachers_config import split_teachers
 
 
 class ActorObjective:

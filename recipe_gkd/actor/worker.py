@@ -1,8 +1,8 @@
 """The actor rank as a pool worker: MegatronActor plus the step statistics and the weight-sync sender.
 
 MegatronActor stays a plain class (tests build it directly). The pools build their workers from
-`actor_worker_class()`: the Ray pool (recipe_gkd/ray_pools.py) adds the methods that take and give
-object refs, the local pool (recipe_gkd/local_pools.py) calls it directly.
+`actor_worker_class()`: the Ray pool (recipe_gkd/runtime/ray_pools.py) adds the methods that take and give
+object refs, the local pool (recipe_gkd/runtime/local_pools.py) calls it directly.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def actor_worker_class() -> type:
     class ActorWorker(MegatronActor):  # type: ignore[misc, valid-type]
         def train(self, shards: list[Any]) -> dict[str, float]:
             """One optimizer step on `shards` (one TrainShard per rollout worker); with debug.log_memory, MiB."""
-            from recipe_gkd.metrics import worker_memory_mb
+            from recipe_gkd.observe.metrics import worker_memory_mb
 
             stats = self.train_step(shards)
             if self.cfg.debug.log_memory:

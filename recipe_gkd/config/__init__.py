@@ -1,5 +1,5 @@
 """Typed run configuration: the schema (schema.py), loading a yaml with overrides (loading.py), every
-cross-field rule (rules.py) and the sizes derived from a config (derived.py).
+cross-field rule (rules.py), the sizes derived from a config (derived.py) and the teachers' sections (teachers.py).
 
 A config is built from the schema, a yaml preset and `key=value` overrides, in that order; `validate()`
 raises `ConfigError(key, message)` naming the key to change. `python -m recipe_gkd.config_reference`

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from recipe_gkd import teachers_config
+from recipe_gkd.config import teachers as teachers_config
 from recipe_gkd.config.schema import Device, GKDConfig, LrScaling, RolloutBackend, WeightTransport
 
 # The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.

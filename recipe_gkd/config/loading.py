@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from recipe_gkd import teachers_config
+from recipe_gkd.config import teachers as teachers_config
 from recipe_gkd.config.rules import validate
 from recipe_gkd.config.schema import DEFAULT_CONFIG, KEY_ALIASES, GKDConfig
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from recipe_gkd import teachers_config
+from recipe_gkd.config import teachers as teachers_config
 from recipe_gkd.config.derived import (
     actor_data_parallel_size,
     actor_world_size,
@@ -153,7 +153,7 @@ def _validate_gpu_split(cfg: GKDConfig) -> None:
     leftover = [c.gpus_per_node - node_gpus(cfg, "actor", n) - node_gpus(cfg, "rollout", n) for n in range(c.nnodes)]
     if cfg.teachers:
         total_teacher = sum(leftover)
-        # Several teachers: they split the leftover GPUs in config order (recipe_gkd/placement.py).
+        # Several teachers: they split the leftover GPUs in config order (recipe_gkd/plan/placement.py).
         want = teachers_config.local_teacher_gpus(cfg)
         require(
             total_teacher == want,

@@ -149,7 +149,7 @@ class ClusterConfig:
     """Every wait for Ray resources (placement groups, worker start) is bounded by this."""
     gpu_memory_gib: float = bounded(0.0, ge=0, note="0: read the device")
     """Memory of one GPU, the memory plan's budget; 0 reads the device as CUDA sees it (a MIG slice's own
-    size; recipe_gkd/gpu_memory.py), a CPU run without GPUs plans on 79 GiB (an 80 GB H100/A100 as torch reports it)."""
+    size; recipe_gkd/plan/gpu_memory.py), a CPU run without GPUs plans on 79 GiB (an 80 GB H100/A100 as torch reports it)."""
     colocate: bool = False
     """Every role on the same GPUs of one node (the first GPU a user meets): actor rank i, rollout engine i and the
     teacher (with teachers: each teacher) share GPU i, each within its own memory share (actor.gpu_memory_utilization,

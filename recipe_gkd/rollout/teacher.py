@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config import GKDConfig, cpu_threads, to_yaml
-from recipe_gkd.teachers_config import DEFAULT_TEACHER, teacher_handles, teacher_views
+from recipe_gkd.config.teachers import DEFAULT_TEACHER, teacher_handles, teacher_views
 from teacher_server.config import TeacherBackend, TeacherConfig
 from teacher_server.protocol import TeacherTopK
 
@@ -87,7 +87,7 @@ def start_local_teacher(cfg: GKDConfig, name: str = DEFAULT_TEACHER) -> Iterator
     resolved config, so it serves exactly what the trainer expects; its log goes to
     <run_dir>/teacher_server.log (several teachers: one resolved config and log per teacher, named after it).
     """
-    from recipe_gkd.placement import build_plan, gpu_list
+    from recipe_gkd.plan.placement import build_plan, gpu_list
     from teacher_server.launcher import start_teacher
 
     run_dir = Path(cfg.trainer.run_dir)

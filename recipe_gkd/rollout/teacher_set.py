@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from recipe_gkd.config import GKDConfig
+from recipe_gkd.config.teachers import TeacherHandle, record_teacher, teacher_handles, teacher_views
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.targets import build_target
 from recipe_gkd.teacher_prompt import teacher_prompt_bound
-from recipe_gkd.teachers_config import TeacherHandle, record_teacher, teacher_handles, teacher_views
 from teacher_server.config import ConfigError
 from teacher_server.protocol import TeacherTopK, tokenizer_fingerprint
 

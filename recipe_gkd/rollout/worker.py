@@ -1,8 +1,8 @@
 """The rollout worker: reads its prompt shard, samples with the student, has the teacher score.
 
 One class for every engine: the engine (`hf` or `vllm`) only generates and loads weights.
-The worker is a plain class: the Ray pool (recipe_gkd/ray_pools.py) wraps it so that the
-shards go into Ray's object store, the local pool (recipe_gkd/local_pools.py) calls it directly.
+The worker is a plain class: the Ray pool (recipe_gkd/runtime/ray_pools.py) wraps it so that the
+shards go into Ray's object store, the local pool (recipe_gkd/runtime/local_pools.py) calls it directly.
 Finished sequences go to the teacher from here, and the results come out as one `TrainShard`
 per actor data-parallel rank plus small `RolloutStats` (all the driver reads).
 """
@@ -19,13 +19,13 @@ import numpy as np
 
 from recipe_gkd.batch import RolloutStats, Sequence, TrainShard, actor_rank_of
 from recipe_gkd.config import GKDConfig, cpu_threads, rollout_engines
+from recipe_gkd.config.teachers import DEFAULT_TEACHER, record_teacher, teacher_handles
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encode_prompt, encode_response
-from recipe_gkd.metrics import worker_memory_mb
+from recipe_gkd.observe.metrics import worker_memory_mb
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
 from recipe_gkd.rollout.teacher_set import TeacherSet
 from recipe_gkd.teacher_prompt import own_prompt_encoder
-from recipe_gkd.teachers_config import DEFAULT_TEACHER, record_teacher, teacher_handles
 from recipe_gkd.weight_sync import PROBE_ROWS, from_host_arrays, probe_rows
 
 # Salt that separates the on/off-policy coin flips from the epoch order's random stream.

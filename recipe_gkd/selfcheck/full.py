@@ -72,7 +72,7 @@ def prompts_file(out: Path) -> Path:
 
 def gpu_inputs(out: Path) -> Inputs:
     """The one-GPU preset's models from the HF cache, else models of their shapes built offline."""
-    from recipe_gkd.model_shape import find_config_json
+    from recipe_gkd.plan.model_shape import find_config_json
     from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
     data = prompts_file(out)
@@ -126,7 +126,7 @@ def run_cli(run_dir: Path, preset: Path, overrides: list[str]) -> tuple[int, str
 
 def run_figures(run_dir: Path, student_bytes: float) -> dict[str, Any]:
     """Per-phase medians, throughput, weight sync and its check, peaks, from the run's metrics.jsonl and logs."""
-    from recipe_gkd.metrics import read_metrics
+    from recipe_gkd.observe.metrics import read_metrics
 
     rows = read_metrics(run_dir)
     figures: dict[str, Any] = {"steps": len(rows)}
@@ -319,7 +319,7 @@ GPU_ONLY = {
 def plan_against_peaks(preset: Path, overrides: list[str], figures: dict[str, Any]) -> dict[str, Any]:
     """The memory plan's estimate of each role (GiB) beside the run's measured peak (torch's, per process)."""
     from recipe_gkd.config import load_config
-    from recipe_gkd.memory_plan import build_memory_plan
+    from recipe_gkd.plan.memory_plan import build_memory_plan
 
     plan = build_memory_plan(load_config(preset, overrides))
     estimates = {r.role: round(r.total / GIB, 2) for r in (plan.roles if plan else [])}

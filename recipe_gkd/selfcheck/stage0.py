@@ -5,7 +5,7 @@ raises records its traceback and the rest still run; the stage has a time budget
 no longer fits in what is left is recorded as skipped with the seconds it lacked.
 
 - `device`: nvidia-smi's index, uuid, memory.total and MIG mode beside `torch.cuda.mem_get_info()` and the
-  visible-device variables: the size the memory plan reads (recipe_gkd/gpu_memory.py) against what CUDA gives;
+  visible-device variables: the size the memory plan reads (recipe_gkd/plan/gpu_memory.py) against what CUDA gives;
   and every installed distribution into <out>/image_packages.txt (what stage 1 must carry is the rest);
 - `model`: the random model of the stage's shape built offline from a transformers config (kept for a rerun);
 - `actor_*`: recipe_gkd/selfcheck/stage0_actor.py `actor_check`, one per actor.megatron.recompute
@@ -137,7 +137,7 @@ def device_check(out: Path, models: Path, sizes: Sizes) -> Check:
     import torch
 
     from recipe_gkd.config import ConfigError
-    from recipe_gkd.gpu_memory import plan_gpu_memory
+    from recipe_gkd.plan.gpu_memory import plan_gpu_memory
     from recipe_gkd.selfcheck.stage0_actor import stage0_config
 
     start = time.perf_counter()
@@ -250,7 +250,7 @@ def _hidden_loss(sizes: Sizes, tokens: int, generator: Any) -> tuple[Callable[..
     import torch
 
     from recipe_gkd.losses import hidden_gkd_loss_sum
-    from recipe_gkd.memory_plan import HIDDEN_LOSS_CHUNK_BYTES
+    from recipe_gkd.plan.memory_plan import HIDDEN_LOSS_CHUNK_BYTES
 
     device, vocab, hidden = sizes.device, sizes.loss_vocab, sizes.student.hidden_size
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the head in the teacher's dtype

@@ -2,9 +2,9 @@
 
 - `actor_check`: the megatron actor (bf16, distributed optimizer, world size 1) built on a random model of the
   stage's shape, two steps on synthetic teacher targets of the stage's sizes: set-up and step seconds,
-  `torch.cuda.max_memory_allocated` against the memory plan's actor lines (recipe_gkd/memory_plan.py
+  `torch.cuda.max_memory_allocated` against the memory plan's actor lines (recipe_gkd/plan/memory_plan.py
   `actor_memory`, less its CUDA-context reserve, which the allocator does not count).
-- `loop_check`: `gkd.train` on the in-process pools (recipe_gkd/local_pools.py): HF rollout, the teacher
+- `loop_check`: `gkd.train` on the in-process pools (recipe_gkd/runtime/local_pools.py): HF rollout, the teacher
   server's HF backend called in-process, the actor, the weight sync into the HF engine every step with its
   logprob probe: per-phase seconds, tokens/s generated and scored, the sync difference after every step
   (the run directory, with the student's final export, lies beside the models; its metrics go to <out>/loop).
@@ -147,8 +147,8 @@ def plan_lines(cfg: GKDConfig) -> dict[str, float]:
     import dataclasses
 
     from recipe_gkd.config import Device
-    from recipe_gkd.memory_plan import actor_memory
-    from recipe_gkd.model_shape import read_shape
+    from recipe_gkd.plan.memory_plan import actor_memory
+    from recipe_gkd.plan.model_shape import read_shape
     from recipe_gkd.targets import build_target
 
     skipped: list[str] = []
@@ -165,7 +165,7 @@ def actor_check(out: Path, models: Path, sizes: Sizes, recompute: str, output: s
     import torch
 
     from recipe_gkd.actor.worker import actor_worker_class
-    from recipe_gkd.ports import reserve_ports
+    from recipe_gkd.plan.ports import reserve_ports
 
     name = f"actor_{output}_recompute_{recompute}"
     student_model(models, sizes)
@@ -214,8 +214,8 @@ def loop_check(out: Path, models: Path, sizes: Sizes) -> Check:
     import torch
 
     from recipe_gkd import gkd
-    from recipe_gkd.local_pools import local_pools
-    from recipe_gkd.metrics import MetricsLogger, read_metrics
+    from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
+    from recipe_gkd.runtime.local_pools import local_pools
     from recipe_gkd.selfcheck.full import export_bytes, run_figures
 
     student_model(models, sizes)

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from recipe_gkd.config import GKDConfig, Precision
+from recipe_gkd.config.teachers import teacher_handles
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.targets.base import Target
-from recipe_gkd.teachers_config import teacher_handles
 from teacher_server.protocol import TeacherTopK
 
 if TYPE_CHECKING:
@@ -125,8 +125,8 @@ class Hidden(Target):
 
     def payload_bytes_per_token(self) -> int:
         """The teacher's hidden size in 16-bit values (0 when its config.json cannot be read)."""
-        from recipe_gkd.memory_plan import HIDDEN_WIRE_BYTES
-        from recipe_gkd.model_shape import read_shape
+        from recipe_gkd.plan.memory_plan import HIDDEN_WIRE_BYTES
+        from recipe_gkd.plan.model_shape import read_shape
 
         teacher = read_shape(self.cfg.teacher.model_path, "teacher.model_path", [])
         return 0 if teacher is None else teacher.hidden_size * HIDDEN_WIRE_BYTES

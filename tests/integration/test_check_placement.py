@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from recipe_gkd.config import CONFIG_DIR, load_config
-from recipe_gkd.placement import build_plan
+from recipe_gkd.plan.placement import build_plan
 
 FAKE = ["cluster.fake_gpus=true", "cluster.ray_address=null", "cluster.placement_timeout_s=60"]
 
@@ -33,7 +33,7 @@ MULTI_GPU = _distinct_placements()
 
 
 def _check(path: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "recipe_gkd.check_placement", "--config", str(path), *FAKE, *extra]
+    cmd = [sys.executable, "-m", "recipe_gkd.plan.check_placement", "--config", str(path), *FAKE, *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False, env=env)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from recipe_gkd.config import CONFIG_DIR
-from recipe_gkd.metrics import read_metrics
+from recipe_gkd.observe.metrics import read_metrics
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm, write_hub_layout
 
 PRESET = CONFIG_DIR / "presets" / "cpu_colocated.yaml"

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recipe_gkd.checkpoint import list_checkpoints, verify
 from recipe_gkd.config import DEFAULT_CONFIG
 from recipe_gkd.data import epoch_order
-from recipe_gkd.metrics import read_metrics
+from recipe_gkd.observe.metrics import read_metrics
+from recipe_gkd.runtime.checkpoint import list_checkpoints, verify
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
 WORDS = ["abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd"]
@@ -187,12 +187,12 @@ def test_kill_9_then_resume_trains_every_prompt_once(
 
 
 def assert_export_on_demand_equals_the_final_export(run_dir: Path, out: Path) -> None:
-    """`python -m recipe_gkd.export` reloads the run's last checkpoint into one stage: the run's own final export."""
+    """`python -m recipe_gkd.runtime.export` reloads the run's last checkpoint into one stage: the run's own final export."""
     from safetensors.numpy import load_file
 
-    from recipe_gkd.export import main as export_main
+    from recipe_gkd.runtime.export import main as export_main
 
-    cmd = [sys.executable, "-m", "recipe_gkd.export", "--run-dir", str(run_dir), "--out", str(out)]
+    cmd = [sys.executable, "-m", "recipe_gkd.runtime.export", "--run-dir", str(run_dir), "--out", str(out)]
     code = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert code.returncode == 0, code.stderr[-3000:]
     exported = load_file(str(out / "model.safetensors"))

@@ -12,7 +12,7 @@ import pytest
 from test_recipe_smoke import run_cli
 from test_teacher_server import READY_TIMEOUT_S, write_teacher_yaml
 
-from recipe_gkd.metrics import read_metrics
+from recipe_gkd.observe.metrics import read_metrics
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 from teacher_server.backends import BackendOptions, load_backend, parsed_request
 from teacher_server.client import TeacherClient, TeacherMismatchError

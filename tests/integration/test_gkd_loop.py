@@ -1,4 +1,4 @@
-"""`gkd.train` in-process (recipe_gkd/local_pools.py): the demo's real models, no Ray, no subprocess.
+"""`gkd.train` in-process (recipe_gkd/runtime/local_pools.py): the demo's real models, no Ray, no subprocess.
 
 - golden trajectory: the demo's first losses pinned, as torchtune pins its recipes' losses;
 - every schedule trains every batch once, in order, with its staleness, on the same data as sync;
@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from recipe_gkd import checkpoint, gkd
+from recipe_gkd import gkd
 from recipe_gkd.config import GKDConfig, load_config
-from recipe_gkd.local_pools import local_pools
-from recipe_gkd.metrics import MetricsLogger, read_metrics
+from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
+from recipe_gkd.runtime import checkpoint
+from recipe_gkd.runtime.local_pools import local_pools
 
 # The demo's first 6 losses as the CLI logged them (Ray, teacher server over ZeroMQ; default seed,
 # batch 64, forward KL, lr 3e-4 since issue 40; `python -m recipe_gkd.main trainer.total_steps=6

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe_gkd.ports import reserve_ports
+from recipe_gkd.plan.ports import reserve_ports
 
 BUILD = """
 import sys

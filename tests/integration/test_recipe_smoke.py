@@ -17,8 +17,8 @@ import pytest
 from test_crash_resume import TAG_VAR, wait_gone
 
 from recipe_gkd.config import DEFAULT_CONFIG
-from recipe_gkd.metrics import read_metrics
-from recipe_gkd.ports import reserve_ports
+from recipe_gkd.observe.metrics import read_metrics
+from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
 WORDS = ["abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd"]
@@ -281,11 +281,11 @@ def test_models_given_as_hub_ids_from_an_offline_cache(facet_runs: dict[str, Pat
 def test_export_of_a_run_with_pinned_hub_ids(
     facet_runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """recipe_gkd.export reads the run's pins from this machine's cache: the export equals the run's own."""
+    """recipe_gkd.runtime.export reads the run's pins from this machine's cache: the export equals the run's own."""
     from huggingface_hub import constants
     from safetensors.numpy import load_file
 
-    from recipe_gkd.export import main as export_main
+    from recipe_gkd.runtime.export import main as export_main
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(facet_runs["hub"]))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from recipe_gkd.config import load_config
-from recipe_gkd.ports import reserve_ports
+from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm, write_hub_layout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -216,7 +216,7 @@ import numpy as np
 from safetensors.numpy import load_file
 from recipe_gkd.config import load_config
 from recipe_gkd.actor.hf_arch import hf_weight_files
-from recipe_gkd.ports import reserve_ports
+from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.rollout.vllm import VLLMEngine
 from recipe_gkd.weight_sync import MIB, CollectiveChannel
 

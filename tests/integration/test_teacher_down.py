@@ -22,10 +22,10 @@ from test_crash_resume import (
     wait_gone,
 )
 
-from recipe_gkd.checkpoint import list_checkpoints, verify
 from recipe_gkd.config import DEFAULT_CONFIG
 from recipe_gkd.main import EXIT_STOPPED
-from recipe_gkd.metrics import read_metrics
+from recipe_gkd.observe.metrics import read_metrics
+from recipe_gkd.runtime.checkpoint import list_checkpoints, verify
 from teacher_server.launcher import launch_teacher
 
 # The client declares the server dead after this long without a reply (then the run stops).

@@ -22,9 +22,9 @@ import pytest
 from test_gkd_loop import PROMPTS, small_config, small_data  # noqa: F401 (fixture)
 
 from recipe_gkd import gkd
-from recipe_gkd.local_pools import local_pools
-from recipe_gkd.metrics import MetricsLogger, read_metrics
+from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
 from recipe_gkd.rollout.teacher import TeacherScorer, autostart_teacher
+from recipe_gkd.runtime.local_pools import local_pools
 from teacher_server.client import TeacherClient
 
 STEPS = 6  # two epochs of the 24 prompts, 8 per step

@@ -26,8 +26,8 @@ from test_recipe_smoke import run_cli
 
 from recipe_gkd.config import REPO_ROOT
 from recipe_gkd.main import EXIT_BAD_CONFIG, exit_code_for
-from recipe_gkd.metrics import read_metrics
-from recipe_gkd.ports import reserve_ports
+from recipe_gkd.observe.metrics import read_metrics
+from recipe_gkd.plan.ports import reserve_ports
 from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
 from teacher_server.client import TeacherDeadError, TeacherMismatchError, TeacherRequestError
 from teacher_server.config import ConfigError

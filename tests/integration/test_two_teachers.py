@@ -14,10 +14,10 @@ import pytest
 from test_crash_resume import RUN_TIMEOUT_S, env_with, wait_for_rows, wait_gone
 from test_teacher_down import _free_port
 
-from recipe_gkd.checkpoint import list_checkpoints
 from recipe_gkd.config import CONFIG_DIR, load_config
 from recipe_gkd.main import EXIT_STOPPED
-from recipe_gkd.metrics import read_metrics
+from recipe_gkd.observe.metrics import read_metrics
+from recipe_gkd.runtime.checkpoint import list_checkpoints
 from teacher_server.launcher import launch_teacher
 
 PRESET = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"

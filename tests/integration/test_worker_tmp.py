@@ -1,4 +1,4 @@
-"""A run's Ray workers leave nothing in the temporary directory when they are killed (recipe_gkd/wandb_guard.py).
+"""A run's Ray workers leave nothing in the temporary directory when they are killed (recipe_gkd/observe/wandb_guard.py).
 
 With wandb installed, megatron's timers import it in every actor process, and wandb's import makes two
 `tmp*wandb*` directories that only a normal exit removes; the run kills its workers.

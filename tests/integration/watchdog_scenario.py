@@ -19,7 +19,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep a fake multi-node 
 import ray
 from ray.cluster_utils import Cluster
 
-from recipe_gkd.ray_pools import install_watchdog
+from recipe_gkd.runtime.ray_pools import install_watchdog
 
 STORE = 128 * 1024 * 1024
 

@@ -1,4 +1,4 @@
-"""A run's Ray job (recipe_gkd.ray_cluster, the CPU demo's config) with one worker that imports megatron-core,
+"""A run's Ray job (recipe_gkd.runtime.ray_cluster, the CPU demo's config) with one worker that imports megatron-core,
 killed as the run kills its workers. Prints whether the worker had wandb and its temporary directory.
 
     python tests/integration/worker_tmp_scenario.py RUN_DIR
@@ -11,8 +11,8 @@ import sys
 import time
 
 from recipe_gkd.config import load_config
-from recipe_gkd.placement import build_plan
-from recipe_gkd.ray_cluster import ray_cluster
+from recipe_gkd.plan.placement import build_plan
+from recipe_gkd.runtime.ray_cluster import ray_cluster
 
 TIMEOUT_S = 120.0
 

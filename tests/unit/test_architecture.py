@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("recipe_gkd", "teacher_server")
 # The only modules of recipe_gkd that may import Ray (the cluster; the workers as Ray actors).
-RAY_MODULES = {"recipe_gkd.ray_cluster", "recipe_gkd.ray_pools"}
+RAY_MODULES = {"recipe_gkd.runtime.ray_cluster", "recipe_gkd.runtime.ray_pools"}
 # The only modules that may import vLLM: the rollout engine and the teacher server's backend.
 VLLM_MODULES = {"recipe_gkd.rollout.vllm", "teacher_server.backends.vllm"}
 # megatron-core stays inside the actor package.
@@ -143,7 +143,7 @@ TARGET_CALLERS = (
     "recipe_gkd.rollout.teacher_set",
     "recipe_gkd.actor.collate",
     "recipe_gkd.actor.objective",
-    "recipe_gkd.memory_plan",
+    "recipe_gkd.plan.memory_plan",
 )
 
 

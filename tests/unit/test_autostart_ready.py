@@ -102,7 +102,7 @@ def test_a_uuid_mask_splits_into_the_presets_teacher_replicas(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """launch/start_teacher.sh's argv on a node masked by UUIDs: the teacher's two GPUs, one replica of two."""
-    from recipe_gkd.placement import main as placement_cli
+    from recipe_gkd.plan.placement import main as placement_cli
 
     uuids = [f"GPU-{i:08x}-0000-4000-8000-000000000000" for i in range(4)]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(uuids))

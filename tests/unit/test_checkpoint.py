@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from recipe_gkd import checkpoint as ck
 from recipe_gkd.config import ConfigError, GKDConfig, load_config
 from recipe_gkd.main import EXIT_BAD_CONFIG, main
+from recipe_gkd.runtime import checkpoint as ck
 
 
 def make_cfg(run_dir: Path, *overrides: str) -> GKDConfig:

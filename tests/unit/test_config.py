@@ -498,7 +498,7 @@ def test_each_colocated_rule_names_its_key(overrides: list[str], key: str) -> No
 
 
 def test_two_gpus_colocated_pair_each_actor_rank_with_an_engine() -> None:
-    from recipe_gkd.placement import build_plan
+    from recipe_gkd.plan.placement import build_plan
 
     two = ["cluster.gpus_per_node=2", "actor.gpus_per_node=2", "rollout.gpus_per_node=2", "teacher.replicas=2"]
     plan = build_plan(load_config(ONE_GPU, two))
@@ -527,7 +527,7 @@ def test_the_weight_transport_defaults_to_nccl_on_gpus_and_the_object_store_else
 def test_the_object_store_is_sized_from_the_students_fp32_export(tmp_path: Path) -> None:
     import json
 
-    from recipe_gkd.memory_plan import OBJECT_STORE_MIN_MIB, object_store_mib
+    from recipe_gkd.plan.memory_plan import OBJECT_STORE_MIN_MIB, object_store_mib
 
     student = tmp_path / "student"
     student.mkdir()

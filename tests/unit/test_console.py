@@ -9,7 +9,7 @@ from pathlib import Path
 SCRIPT = """
 import logging, sys, warnings
 warnings.simplefilter("always")
-from recipe_gkd import console
+from recipe_gkd.observe import console
 run_dir = sys.argv[1]
 console.quiet_known_warnings(run_dir)
 console.quiet_known_warnings(run_dir)  # twice: still one hook, one line per warning
@@ -44,7 +44,7 @@ def test_known_noise_goes_to_the_log_and_the_rest_to_the_console(tmp_path: Path)
 
 VLLM_LIKE = """
 import logging, sys
-from recipe_gkd import console
+from recipe_gkd.observe import console
 console.quiet_known_warnings(sys.argv[1])
 console.quiet_known_lines(sys.argv[1])
 console.quiet_known_lines(sys.argv[1])  # twice: one router per stream

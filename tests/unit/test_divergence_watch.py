@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from recipe_gkd.config import GKDConfig, load_config
-from recipe_gkd.divergence_watch import DIVERGENCE_FILE, FLOOR, PATIENCE, RISE, DivergenceWatch
+from recipe_gkd.observe.divergence_watch import DIVERGENCE_FILE, FLOOR, PATIENCE, RISE, DivergenceWatch
 
 
 def forward_rows(losses: list[float]) -> list[dict[str, float]]:

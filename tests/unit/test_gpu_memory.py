@@ -1,4 +1,4 @@
-"""cluster.gpu_memory_gib: the memory plan budgets the real GPU as CUDA sees it (recipe_gkd/gpu_memory.py), read
+"""cluster.gpu_memory_gib: the memory plan budgets the real GPU as CUDA sees it (recipe_gkd/plan/gpu_memory.py), read
 through a stand-in for CUDA's view of a node (whole GPUs and a MIG slice, index and UUID masks); a configured size
 that is not the device's names the key."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from recipe_gkd import gpu_memory
 from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
 from recipe_gkd.main import main
+from recipe_gkd.plan import gpu_memory
 
 ONE_GPU = CONFIG_DIR / "presets" / "1x1_colocated.yaml"
 # CUDA's total (MiB) of an 80 GB H100, a 40 GB A100, and a 3g.40gb MIG slice of an 80 GB A100.

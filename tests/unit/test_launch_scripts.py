@@ -1,7 +1,7 @@
 """launch/ray_start.sh, start_teacher.sh and run_gkd.sh take one argument list: `--config PRESET key=value ...`.
 
 The scripts run for real, on CPU: `ray` and the final `python -m teacher_server` / `python -m recipe_gkd.main` are
-stand-ins on PATH that print what they were given; the plan the scripts ask recipe_gkd.placement for is the real one.
+stand-ins on PATH that print what they were given; the plan the scripts ask recipe_gkd.plan.placement for is the real one.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ SCRIPT_TIMEOUT_S = 60
 
 @pytest.fixture()
 def stand_ins(tmp_path: Path) -> Path:
-    """A bin/ with `ray` and `python` stand-ins: each prints its argv; `python -m recipe_gkd.placement` is real."""
+    """A bin/ with `ray` and `python` stand-ins: each prints its argv; `python -m recipe_gkd.plan.placement` is real."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "ray").write_text('#!/usr/bin/env bash\necho "ray CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES $*"\n')
     (bin_dir / "python").write_text(
         "#!/usr/bin/env bash\n"
-        f'if [[ "$2" == recipe_gkd.placement ]]; then exec {sys.executable} "$@"; fi\n'
+        f'if [[ "$2" == recipe_gkd.plan.placement ]]; then exec {sys.executable} "$@"; fi\n'
         'printf "python"; printf " %s" "$@"; echo\n'
     )
     for tool in bin_dir.iterdir():

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from recipe_gkd.losses import gkd_loss_sum, hidden_gkd_loss_sum
-from recipe_gkd.ports import reserve_ports
+from recipe_gkd.plan.ports import reserve_ports
 
 WORLD_SIZE = 2
 VOCAB = 23

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from recipe_gkd.batch import EXCLUDED_ID
 from recipe_gkd.losses import DIVERGENCES, gkd_loss_sum, sampled_reverse_kl_loss_sum, vocab_parallel_gkd_loss_sum
-from recipe_gkd.ports import reserve_ports
+from recipe_gkd.plan.ports import reserve_ports
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 

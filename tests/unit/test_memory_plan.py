@@ -1,4 +1,4 @@
-"""The per-GPU memory plan (recipe_gkd.memory_plan) and --dry-run's use of it.
+"""The per-GPU memory plan (recipe_gkd.plan.memory_plan) and --dry-run's use of it.
 
 Model shapes are the published config.json numbers of the models the GPU presets name; they
 are written into a private Hugging Face cache layout, so the plan reads them as it would on a
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from recipe_gkd import memory_plan, model_shape
 from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
 from recipe_gkd.main import main
+from recipe_gkd.plan import memory_plan, model_shape
 
 QWEN25_7B = {
     "model_type": "qwen2",
@@ -123,7 +123,7 @@ ONE_BY_EIGHT = CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"
 @pytest.fixture(autouse=True)
 def no_gpu_here(monkeypatch: pytest.MonkeyPatch) -> None:
     """Plans of the presets' own figures on any machine: no GPU to read (tests/unit/test_gpu_memory.py reads one)."""
-    monkeypatch.setattr("recipe_gkd.gpu_memory.query_gpus", lambda: None)
+    monkeypatch.setattr("recipe_gkd.plan.gpu_memory.query_gpus", lambda: None)
 
 
 @pytest.fixture
@@ -448,7 +448,7 @@ def test_two_colocated_teachers_each_share_every_gpu_within_its_own_share(
 ) -> None:
     """cluster.colocate with several teachers: each teacher's replica on every GPU, each its own memory share,
     all shares planned on the one GPU."""
-    from recipe_gkd.placement import build_plan
+    from recipe_gkd.plan.placement import build_plan
 
     path = two_colocated_teachers(tmp_path, math=0.15, code=0.10)
     cfg = load_config(path)

@@ -8,8 +8,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from recipe_gkd.metrics import MetricsLogger, read_metrics
-from recipe_gkd.plots import before_after_table, plot_run, training_figure
+from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
+from recipe_gkd.observe.plots import before_after_table, plot_run, training_figure
 
 
 def test_jsonl_tensorboard_and_plots(tmp_path: Path, capsys) -> None:

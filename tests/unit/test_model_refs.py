@@ -113,7 +113,7 @@ def test_the_driver_ships_a_pin_and_each_node_resolves_it_in_its_own_cache(
 ) -> None:
     from recipe_gkd.config import load_config
     from recipe_gkd.main import resolve_config_models
-    from recipe_gkd.model_pins import Reader, on_this_node
+    from recipe_gkd.runtime.model_pins import Reader, on_this_node
 
     cfg = load_config(None, ["model.student_path=tiny-org/Tiny-LM", "model.tokenizer_path=tiny-org/Tiny-LM@v2"])
     resolve_config_models(cfg)
@@ -138,7 +138,7 @@ def test_a_node_without_the_model_refuses_naming_key_node_and_the_download(
 
     from recipe_gkd.config import load_config
     from recipe_gkd.main import resolve_config_models
-    from recipe_gkd.model_pins import Reader, on_this_node
+    from recipe_gkd.runtime.model_pins import Reader, on_this_node
 
     cfg = load_config(None, ["model.student_path=tiny-org/Tiny-LM"])
     resolve_config_models(cfg)
@@ -156,7 +156,7 @@ def test_the_ray_rollout_worker_resolves_the_pins_before_it_loads_anything(
 ) -> None:
     from recipe_gkd.config import load_config
     from recipe_gkd.main import resolve_config_models
-    from recipe_gkd.ray_pools import RayRolloutWorker
+    from recipe_gkd.runtime.ray_pools import RayRolloutWorker
 
     cfg = load_config(None, ["model.student_path=tiny-org/Tiny-LM"])
     resolve_config_models(cfg)
@@ -173,7 +173,7 @@ def test_only_the_processes_that_read_a_teacher_need_its_files(offline_cache: Pa
     """A teacher served by its own server on another node is resolved there; the actor reads its head only with
     teacher.output=hidden, the rollout its tokenizer only across tokenizers."""
     from recipe_gkd.config import CONFIG_DIR, load_config
-    from recipe_gkd.model_pins import Reader, model_refs
+    from recipe_gkd.runtime.model_pins import Reader, model_refs
 
     two_nodes = load_config(CONFIG_DIR / "presets" / "2x8_a8_r4_t4.yaml")
     for reader in Reader:
@@ -190,7 +190,7 @@ def test_the_ray_actor_worker_resolves_the_pins_before_it_loads_anything(
 ) -> None:
     from recipe_gkd.config import load_config
     from recipe_gkd.main import resolve_config_models
-    from recipe_gkd.ray_pools import ray_actor_worker_class
+    from recipe_gkd.runtime.ray_pools import ray_actor_worker_class
 
     cfg = load_config(None, ["model.student_path=tiny-org/Tiny-LM"])
     resolve_config_models(cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from recipe_gkd.config import ConfigError, load_config
-from recipe_gkd.watchdog import HANG_KEY, SETUP_KEY, PhaseTimeoutError, phase_timeout
+from recipe_gkd.runtime.watchdog import HANG_KEY, SETUP_KEY, PhaseTimeoutError, phase_timeout
 
 
 def test_a_step_phase_names_the_hang_bound() -> None:

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from recipe_gkd.check_placement import compare
 from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
-from recipe_gkd.placement import build_plan, check_ray_gpus, format_plan, node_resource
-from recipe_gkd.placement import main as placement_cli
-from recipe_gkd.ray_cluster import Observed
-from recipe_gkd.teachers_config import teacher_sections
+from recipe_gkd.config.teachers import teacher_sections
+from recipe_gkd.plan.check_placement import compare
+from recipe_gkd.plan.placement import build_plan, check_ray_gpus, format_plan, node_resource
+from recipe_gkd.plan.placement import main as placement_cli
+from recipe_gkd.runtime.ray_cluster import Observed
 
 PRESETS = sorted((CONFIG_DIR / "presets").glob("*.yaml"))
 
@@ -110,8 +110,8 @@ def test_plan_ids_are_read_through_a_preset_mask(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A shared node gives the job CUDA_VISIBLE_DEVICES=3,5,6,7: every consumer names those devices."""
-    from recipe_gkd.placement import physical_gpu_ids
-    from recipe_gkd.placement import teacher_argv as teacher_argv_cli
+    from recipe_gkd.plan.placement import physical_gpu_ids
+    from recipe_gkd.plan.placement import teacher_argv as teacher_argv_cli
 
     assert physical_gpu_ids((0, 2), {}) == ("0", "2")
     assert physical_gpu_ids((0, 2), {"CUDA_VISIBLE_DEVICES": "3,5,6,7"}) == ("3", "6")
@@ -150,7 +150,7 @@ def test_the_report_shows_the_device_each_worker_is_given(
     """CUDA_VISIBLE_DEVICES=3 before a colocated run: Ray gives the actor and the rollout GPU 3 and the teacher
     gets --gpu-ids 3, so every row says 3 (the plan's own id is 0)."""
     from recipe_gkd.main import main as run_cli
-    from recipe_gkd.placement import gpu_list
+    from recipe_gkd.plan.placement import gpu_list
 
     preset = CONFIG_DIR / "presets" / "cpu_colocated.yaml"
     plan = build_plan(load_config(preset))

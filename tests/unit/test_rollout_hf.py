@@ -197,7 +197,7 @@ def test_worker_union_plan_names_the_students_top_ids(tiny_model_dir: Path, data
     """algorithm.support=union: the engine's top-k_s ids (of a fresh forward) go out with the score request;
     each Sequence holds the teacher's top-k and those ids (repeats excluded) and the teacher's exact rest."""
     from recipe_gkd.batch import EXCLUDED_ID
-    from recipe_gkd.local_pools import InProcessTeacher
+    from recipe_gkd.runtime.local_pools import InProcessTeacher
 
     union = ["algorithm.support=union", "rollout.student_top_k=4", f"teacher.model_path={tiny_model_dir}"]
     cfg = _cfg(tiny_model_dir, data_dir, *union, "teacher.top_k=3")

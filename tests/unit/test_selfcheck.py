@@ -243,7 +243,7 @@ def test_stage0_device_check_reads_what_the_memory_plan_reads(
 ) -> None:
     """The device check records nvidia-smi's rows and the size the plan reads as CUDA sees it through
     CUDA_VISIBLE_DEVICES: a MIG instance at its own size, not its parent's (nvidia-smi's row)."""
-    from recipe_gkd import gpu_memory
+    from recipe_gkd.plan import gpu_memory
     from recipe_gkd.selfcheck.sizes import TINY
     from recipe_gkd.selfcheck.stage0 import device_check
 

@@ -1,4 +1,4 @@
-"""/dev/shm at launch (recipe_gkd/shm.py): a GPU run refuses a container's 64 MB default, naming the fix."""
+"""/dev/shm at launch (recipe_gkd/plan/shm.py): a GPU run refuses a container's 64 MB default, naming the fix."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
-from recipe_gkd.shm import NCCL_SHM_MIB, check_shared_memory
+from recipe_gkd.plan.shm import NCCL_SHM_MIB, check_shared_memory
 
 ONE_GPU = CONFIG_DIR / "presets" / "1x1_colocated.yaml"
 EIGHT_GPUS = CONFIG_DIR / "presets" / "1x8_a2_r2_t4.yaml"

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from recipe_gkd import stop_signal
-from recipe_gkd.stop_signal import (
+from recipe_gkd.runtime import stop_signal
+from recipe_gkd.runtime.stop_signal import (
     EXIT_TERMINATED,
     RunTerminated,
     current_sigterm_handler,

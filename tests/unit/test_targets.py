@@ -22,13 +22,13 @@ from omegaconf import OmegaConf
 from recipe_gkd.actor.collate import collate
 from recipe_gkd.batch import Sequence
 from recipe_gkd.config import CONFIG_DIR, load_config
+from recipe_gkd.config.teachers import chosen_teacher, split_teachers, teacher_handles
 from recipe_gkd.cross_tokenizer.targets import AlignedScores
 from recipe_gkd.targets import Target, build_target, sampled_objective
 from recipe_gkd.targets.hidden import Hidden, HiddenStates
 from recipe_gkd.targets.spans import CrossTokenizerSpans, Spans
 from recipe_gkd.targets.topk import TopK
 from recipe_gkd.targets.union import Union
-from recipe_gkd.teachers_config import chosen_teacher, split_teachers, teacher_handles
 from teacher_server.protocol import TeacherTopK
 
 TWO = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"

@@ -13,10 +13,10 @@ import pytest
 
 from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
 from recipe_gkd.config.rules import teacher_longest_sequence
+from recipe_gkd.config.teachers import teacher_handles, teacher_views
 from recipe_gkd.data import check_record_fields
 from recipe_gkd.rollout.teacher_set import TeacherSet
 from recipe_gkd.teacher_prompt import FieldPrompt, StudentPrompt, TemplatePrompt
-from recipe_gkd.teachers_config import teacher_handles, teacher_views
 from recipe_gkd.tiny_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
 from teacher_server.protocol import TeacherTopK
 
@@ -355,7 +355,7 @@ def test_the_privileged_demo_data_is_the_demos_without_the_instruction(tmp_path:
 def test_a_resumed_run_must_keep_its_teachers_prompt() -> None:
     """The teacher's prompt rule is part of what a checkpoint's config must match; a run without one keeps the hash
     its checkpoints were saved with."""
-    from recipe_gkd.checkpoint import SEMANTIC_KEYS, semantic_config
+    from recipe_gkd.runtime.checkpoint import SEMANTIC_KEYS, semantic_config
 
     plain = semantic_config(load_config(DEMO))
     assert all(any(k == s or k.startswith(f"{s}.") for s in SEMANTIC_KEYS) for k in plain)

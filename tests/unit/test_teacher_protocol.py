@@ -375,7 +375,7 @@ def test_every_teacher_yaml_loads() -> None:
 
 def test_preset_gives_replica_gpu_ids_per_node(capsys: pytest.CaptureFixture[str]) -> None:
     """launch/start_teacher.sh asks the trainer's plan for a preset's teacher GPUs; the server splits them."""
-    from recipe_gkd.placement import main as placement_cli
+    from recipe_gkd.plan.placement import main as placement_cli
 
     preset = REPO_ROOT / "configs" / "presets" / "2x8_a8_r4_t4.yaml"
     args = ["teacher-argv", "--config", str(preset), "trainer.total_steps=3", "teacher.top_k=32", "--node-rank"]

@@ -13,11 +13,11 @@ import pytest
 
 from recipe_gkd.batch import RolloutStats
 from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config, to_yaml
+from recipe_gkd.config.teachers import record_teacher, teacher_sections
 from recipe_gkd.data import check_record_teachers
-from recipe_gkd.metrics import teacher_columns
-from recipe_gkd.placement import build_plan, format_plan
+from recipe_gkd.observe.metrics import teacher_columns
+from recipe_gkd.plan.placement import build_plan, format_plan
 from recipe_gkd.rollout.teacher_set import TeacherSet
-from recipe_gkd.teachers_config import record_teacher, teacher_sections
 from teacher_server.client import TeacherDeadError
 from teacher_server.protocol import TeacherTopK
 
@@ -191,7 +191,7 @@ def test_teacher_columns_only_with_several_teachers() -> None:
 
 def test_start_teacher_serves_the_named_teacher_on_its_gpus(capsys: pytest.CaptureFixture[str]) -> None:
     """launch/start_teacher.sh --teacher NAME: the plan's GPUs of that teacher; the server serves its section."""
-    from recipe_gkd.placement import main as placement_cli
+    from recipe_gkd.plan.placement import main as placement_cli
     from teacher_server.settings import load_settings
 
     assert placement_cli(["teacher-argv", "--config", str(TWO)]) == 2, "several teachers: --teacher is required"
@@ -234,7 +234,7 @@ def test_connect_checks_every_teacher_and_names_the_one_that_does_not_match(monk
 
 
 def test_summary_table_has_a_row_pair_per_teacher() -> None:
-    from recipe_gkd.plots import before_after_table
+    from recipe_gkd.observe.plots import before_after_table
 
     first = {"step": 0, "eval_reward": 0.1, "eval_teacher_kl": 6.0}
     first |= {"eval_teacher_reverse_reward": 0.2, "eval_teacher_reverse_kl": 0.5}

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from recipe_gkd.config import GKDConfig, WeightSyncConfig, load_config
-from recipe_gkd.ports import reserve_ports
-from recipe_gkd.ray_cluster import SpillWatch, ray_env, spilled_bytes
-from recipe_gkd.ray_pools import sync_weights
+from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.rollout.worker import RolloutWorker
+from recipe_gkd.runtime.ray_cluster import SpillWatch, ray_env, spilled_bytes
+from recipe_gkd.runtime.ray_pools import sync_weights
 from recipe_gkd.weight_sync import (
     MIB,
     CollectiveChannel,
@@ -71,7 +71,7 @@ class FakeActor:
         self.rank, self.named, self.fail = rank, named, fail
 
     def export_weight_buckets(self, bucket_mb: int) -> list | None:
-        from recipe_gkd.ray_pools import put_buckets
+        from recipe_gkd.runtime.ray_pools import put_buckets
 
         if self.fail:
             raise RuntimeError("gather over TP failed on rank 0")

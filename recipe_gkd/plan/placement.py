@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from recipe_gkd.config import ConfigError, GKDConfig, TeacherLocation, node_gpus
-from recipe_gkd.teachers_config import chosen_teacher, teacher_key, teacher_sections
+from recipe_gkd.config.teachers import chosen_teacher, teacher_key, teacher_sections
 
 # Ray resource that pins a bundle to a node of the plan; `launch/ray_start.sh --node-rank i`
 # (and the fake multi-node cluster in tests) gives node i `{NODE_RESOURCE_PREFIX}i: 1`.
@@ -287,10 +287,10 @@ def check_ray_gpus(plan: PlacementPlan, ray_nodes: list[dict[str, Any]]) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m recipe_gkd.placement --config P --node-rank N --print ray-gpus|teacher-gpus|ray-resources`.
+    """`python -m recipe_gkd.plan.placement --config P --node-rank N --print ray-gpus|teacher-gpus|ray-resources`.
 
     Prints one value for launch/ scripts (comma-separated GPU ids, or a JSON resources map).
-    `python -m recipe_gkd.placement teacher-argv ARGS` prints launch/start_teacher.sh's server argv.
+    `python -m recipe_gkd.plan.placement teacher-argv ARGS` prints launch/start_teacher.sh's server argv.
     """
     import argparse
     import json
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["teacher-argv"]:
         return teacher_argv(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m recipe_gkd.placement")
+    parser = argparse.ArgumentParser(prog="python -m recipe_gkd.plan.placement")
     parser.add_argument("--config", required=True)
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--print", dest="what", choices=("ray-gpus", "teacher-gpus", "ray-resources"), required=True)

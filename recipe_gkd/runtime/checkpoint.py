@@ -29,8 +29,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from recipe_gkd.config import ConfigError, GKDConfig
-from recipe_gkd.pools import Pools
-from recipe_gkd.teachers_config import teacher_handles
+from recipe_gkd.config.teachers import teacher_handles
+from recipe_gkd.runtime.pools import Pools
 
 CHECKPOINTS_DIR = "checkpoints"
 ACTOR_DIR = "actor"
@@ -339,7 +339,7 @@ def prepare_resume(cfg: GKDConfig, log: Any = print) -> Path | None:
     Rows of metrics.jsonl / eval.jsonl written after the checkpoint (a crash lost their steps)
     are dropped, so the files show every step once. A fresh start (no checkpoint) empties them.
     """
-    from recipe_gkd.metrics import EVAL_FILE, METRICS_FILE
+    from recipe_gkd.observe.metrics import EVAL_FILE, METRICS_FILE
 
     run_dir = Path(cfg.trainer.run_dir)
     path = find_resume(cfg, log)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipe_gkd.config import ConfigError, GKDConfig
-from recipe_gkd.placement import VISIBLE_DEVICES_VAR, physical_gpu_ids, visible_devices
+from recipe_gkd.plan.placement import VISIBLE_DEVICES_VAR, physical_gpu_ids, visible_devices
 
 # An 80 GB H100/A100 as torch reports it: the plan's size where no GPU can be read.
 DEFAULT_GPU_MEMORY_GIB = 79.0

@@ -1,10 +1,10 @@
 """What the training loop may ask of its workers: the actor pool, the rollout pool, the weight sync.
 
 `gkd.train` and `checkpoint` talk to these Protocols only. Two implementations:
-- `recipe_gkd/ray_pools.py`: every worker a Ray actor in its placement-group bundle; every wait
+- `recipe_gkd/runtime/ray_pools.py`: every worker a Ray actor in its placement-group bundle; every wait
   bounded by debug.hang_timeout_s, the workers' set-up by debug.setup_timeout_s (every real run,
   CPU demo included).
-- `recipe_gkd/local_pools.py`: the workers as plain objects in the driver's own process, one actor
+- `recipe_gkd/runtime/local_pools.py`: the workers as plain objects in the driver's own process, one actor
   rank (the in-process tests: the same loop, in milliseconds per step).
 
 Work a pool launches comes back as a `Pending` handle, awaited through the same pool, so a

@@ -1,6 +1,6 @@
 """Hang watchdog: when a phase exceeds its time, every worker's Python stack goes to disk.
 
-The pools' waits (recipe_gkd/ray_pools.py `wait` / `wait_done`) are the driver's only blocking
+The pools' waits (recipe_gkd/runtime/ray_pools.py `wait` / `wait_done`) are the driver's only blocking
 calls on workers: each has a timeout and a phase name; a timeout raises `phase_timeout(...)`, a
 PhaseTimeoutError naming the phase and the key to raise, after the installed watchdog (`install`,
 for the running launch) has dumped every worker's stack.

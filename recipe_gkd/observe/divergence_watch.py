@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from recipe_gkd.config import GKDConfig
-from recipe_gkd.metrics import METRICS_FILE, read_metrics
+from recipe_gkd.observe.metrics import METRICS_FILE, read_metrics
 from recipe_gkd.targets import sampled_objective
 
 # The start: the mean of the first steps (one step alone is one batch's noise).

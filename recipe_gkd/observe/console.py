@@ -95,9 +95,9 @@ def _filtered(shown: Any, log: TextIO) -> Any:
 
 
 def worker_setup() -> None:
-    """Ray's worker_process_setup_hook: no wandb in the worker (recipe_gkd/wandb_guard.py), its known warnings
+    """Ray's worker_process_setup_hook: no wandb in the worker (recipe_gkd/observe/wandb_guard.py), its known warnings
     and known vLLM lines to the run's log."""
-    from recipe_gkd.wandb_guard import keep_wandb_out
+    from recipe_gkd.observe.wandb_guard import keep_wandb_out
 
     keep_wandb_out()
     run_dir = os.environ.get(RUN_DIR_VAR)

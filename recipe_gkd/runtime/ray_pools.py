@@ -1,13 +1,13 @@
 """The pools on Ray: every actor rank and rollout worker a Ray actor in its placement-group bundle.
 
-One of the two modules that import Ray (the other, recipe_gkd/ray_cluster.py, starts the cluster
-and makes the placement groups). Everything here implements recipe_gkd/pools.py's Protocols:
+One of the two modules that import Ray (the other, recipe_gkd/runtime/ray_cluster.py, starts the cluster
+and makes the placement groups). Everything here implements recipe_gkd/runtime/pools.py's Protocols:
 - `RayActorPool`, `RayRolloutPool`: `.remote` calls; the shards travel as object refs from the
   rollout workers to the actor ranks (the driver holds refs and small stats only);
 - `RayWeightSync`: the driver's side of weight_sync.transport (object store, gloo, nccl);
 - `wait` / `wait_done`: every blocking call on a worker, bounded by debug.hang_timeout_s (the
   workers' set-up: debug.setup_timeout_s) and
-  naming its phase; a timeout first has every worker dump its Python stack (recipe_gkd/watchdog.py);
+  naming its phase; a timeout first has every worker dump its Python stack (recipe_gkd/runtime/watchdog.py);
 - `launch_pools`: placement groups, workers, the weight-sync group and the watchdog; all
   stopped on exit.
 The worker classes stay plain (tests build them directly): `ray.remote` is applied here, to
@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd import watchdog
 from recipe_gkd.actor.layout import data_parallel_rank
 from recipe_gkd.batch import only_teacher
 from recipe_gkd.config import (
@@ -36,15 +35,16 @@ from recipe_gkd.config import (
     weight_group_ranks_per_engine,
     weight_transport,
 )
-from recipe_gkd.memory_plan import object_store_mib
-from recipe_gkd.model_pins import Reader, on_this_node
-from recipe_gkd.placement import PlacementPlan, Slot
-from recipe_gkd.pools import Pending, Pools, Produced
-from recipe_gkd.ports import reserve_ports
-from recipe_gkd.ray_cluster import ResourcePoolManager, SpillWatch
+from recipe_gkd.plan.memory_plan import object_store_mib
+from recipe_gkd.plan.placement import PlacementPlan, Slot
+from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.worker import RolloutWorker
-from recipe_gkd.watchdog import HANG_KEY, SETUP_KEY, WorkerProcess, phase_timeout
+from recipe_gkd.runtime import watchdog
+from recipe_gkd.runtime.model_pins import Reader, on_this_node
+from recipe_gkd.runtime.pools import Pending, Pools, Produced
+from recipe_gkd.runtime.ray_cluster import ResourcePoolManager, SpillWatch
+from recipe_gkd.runtime.watchdog import HANG_KEY, SETUP_KEY, WorkerProcess, phase_timeout
 from recipe_gkd.weight_sync import MIB, WeightSyncError, iter_buckets, to_host_arrays
 
 # ----------------------------------------------------------------------------- bounded waits
@@ -77,7 +77,7 @@ class RayRolloutWorker(RolloutWorker):
     """The rollout worker with its shards put into Ray's object store and its buckets fetched from it."""
 
     def setup(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        # The driver's pinned hub ids, resolved in this node's cache before anything loads (recipe_gkd/model_pins.py).
+        # The driver's pinned hub ids, resolved in this node's cache before anything loads (recipe_gkd/runtime/model_pins.py).
         self.cfg = on_this_node(self.cfg, Reader.rollout)
         return super().setup(*args, **kwargs)
 
@@ -406,7 +406,7 @@ def _rank0_endpoint(groups: ResourcePoolManager, slot: Slot, timeout_s: float) -
 
     @ray.remote(num_cpus=0)
     def endpoint() -> tuple[str, list[int]]:
-        from recipe_gkd.ports import reserve_ports
+        from recipe_gkd.plan.ports import reserve_ports
 
         return ray.util.get_node_ip_address(), reserve_ports(2, host="0.0.0.0")
 

@@ -1,6 +1,6 @@
 """Export a checkpoint's student as an HF directory, on demand, without a cluster.
 
-    python -m recipe_gkd.export --run-dir runs/cpu_demo [--checkpoint PATH] --out DIR
+    python -m recipe_gkd.runtime.export --run-dir runs/cpu_demo [--checkpoint PATH] --out DIR
 
 Reads the run's resolved_config.yaml, builds one actor process on the CPU (tensor parallel 1:
 the dist checkpoint reshards whatever TP size it was saved with), loads the newest complete
@@ -13,9 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from recipe_gkd import checkpoint
 from recipe_gkd.config import ConfigError, load_config
-from recipe_gkd.ports import reserve_ports
+from recipe_gkd.plan.ports import reserve_ports
+from recipe_gkd.runtime import checkpoint
 
 # One CPU process with fake placement: enough to hold and reshard the student.
 EXPORT_OVERRIDES = (
@@ -47,7 +47,7 @@ EXPORT_OVERRIDES = (
 def export(run_dir: Path, out: Path, path: Path | None = None) -> Path:
     """Write the student of checkpoint `path` (default: the newest complete one) to `out`."""
     from recipe_gkd.actor.megatron_actor import MegatronActor
-    from recipe_gkd.model_pins import Reader, on_this_node
+    from recipe_gkd.runtime.model_pins import Reader, on_this_node
 
     # The run's pinned hub ids (org/name@commit), read from this machine's Hugging Face cache.
     cfg = on_this_node(load_config(run_dir / "resolved_config.yaml", EXPORT_OVERRIDES), Reader.actor)
@@ -73,7 +73,7 @@ def _newest(run_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipe_gkd.export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m recipe_gkd.runtime.export", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--checkpoint", type=Path, default=None, help="a checkpoints/step_N directory")
     parser.add_argument("--out", required=True, type=Path)

@@ -24,13 +24,13 @@ import numpy as np
 
 from recipe_gkd.batch import TrainShard, only_teacher
 from recipe_gkd.config import ConfigError, GKDConfig, actor_world_size, rollout_engines
-from recipe_gkd.pools import Pending, Pools
-from recipe_gkd.ports import reserve_ports
+from recipe_gkd.config.teachers import teacher_views
+from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.rollout.worker import RolloutWorker
+from recipe_gkd.runtime.pools import Pending, Pools
 from recipe_gkd.targets import build_target
-from recipe_gkd.teachers_config import teacher_views
 from recipe_gkd.weight_sync import MIB, TimedIterator, iter_buckets
 from teacher_server.protocol import TeacherTopK
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from recipe_gkd.config import Device, GKDConfig
+from recipe_gkd.config.teachers import teacher_handles
 from recipe_gkd.targets import build_target
-from recipe_gkd.teachers_config import teacher_handles
 from teacher_server.config import TeacherBackend
 
 

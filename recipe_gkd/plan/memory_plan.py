@@ -38,10 +38,10 @@ from recipe_gkd.config import (
     weight_transport,
 )
 from recipe_gkd.config.rules import teacher_longest_sequence
-from recipe_gkd.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
-from recipe_gkd.model_shape import Shape, read_shape
+from recipe_gkd.config.teachers import TeacherHandle, teacher_handles, teacher_views
+from recipe_gkd.plan.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
+from recipe_gkd.plan.model_shape import Shape, read_shape
 from recipe_gkd.targets import build_target
-from recipe_gkd.teachers_config import TeacherHandle, teacher_handles, teacher_views
 from teacher_server.config import TeacherBackend, TeacherLocation
 
 GIB = 1024**3
@@ -103,7 +103,7 @@ class RoleMemory:
 class MemoryPlan:
     roles: list[RoleMemory]
     skipped: list[str]
-    # One GPU's size the plan budgets, and where it came from (recipe_gkd/gpu_memory.py).
+    # One GPU's size the plan budgets, and where it came from (recipe_gkd/plan/gpu_memory.py).
     gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB
     gpu_memory_source: str = ""
 

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from recipe_gkd.metrics import EVAL_FILE, METRICS_FILE, read_metrics
+from recipe_gkd.observe.metrics import EVAL_FILE, METRICS_FILE, read_metrics
 
 PLOT_FILE = "training.png"
 

@@ -1,6 +1,6 @@
 """Place one probe worker per bundle on Ray and check what each sees against the plan.
 
-    python -m recipe_gkd.check_placement --config configs/presets/1x8_a1_r3_t4.yaml [key=value ...]
+    python -m recipe_gkd.plan.check_placement --config configs/presets/1x8_a1_r3_t4.yaml [key=value ...]
 
 Each probe reports CUDA_VISIBLE_DEVICES, Ray's GPU ids and its node from inside the worker.
 Exits 0 when every worker sits on the GPUs the plan gives it and no two workers share a GPU;
@@ -14,8 +14,8 @@ import sys
 from collections.abc import Mapping
 
 from recipe_gkd.config import ConfigError, load_config
-from recipe_gkd.placement import PlacementPlan, build_plan, format_plan, physical_gpu_ids
-from recipe_gkd.ray_cluster import Observed, observe, ray_cluster
+from recipe_gkd.plan.placement import PlacementPlan, build_plan, format_plan, physical_gpu_ids
+from recipe_gkd.runtime.ray_cluster import Observed, observe, ray_cluster
 
 
 def compare(plan: PlacementPlan, observed: list[Observed], env: Mapping[str, str] | None = None) -> list[str]:
@@ -56,7 +56,9 @@ def format_observed(observed: list[Observed]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipe_gkd.check_placement", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m recipe_gkd.plan.check_placement", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--config", default=None, help="yaml preset (default: the CPU demo)")
     parser.add_argument("overrides", nargs="*", help="key.path=value")
     args = parser.parse_args(argv)

@@ -16,22 +16,11 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
+from recipe_gkd.config.schema import GKDConfig
 from recipe_gkd.teacher_prompt import TeacherPrompt, prompt_rule
 from teacher_server.config import ConfigError, TeacherConfig, TeacherLocation, require
-
-
-class GKDConfig(Protocol):
-    """What this module reads of recipe_gkd.config.GKDConfig (which imports this module, so not imported here)."""
-
-    teacher: TeacherConfig
-    teachers: dict[str, TeacherConfig]
-    data: Any
-    cluster: Any
-
-
-C = TypeVar("C", bound=GKDConfig)
 
 DEFAULT_TEACHER = "default"
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
@@ -53,7 +42,7 @@ def default_teacher(cfg: GKDConfig) -> str:
     return cfg.data.default_teacher or teacher_names(cfg)[0]
 
 
-def teacher_views(cfg: C) -> dict[str, C]:
+def teacher_views(cfg: GKDConfig) -> dict[str, GKDConfig]:
     """Teacher name -> the run's config with `teacher:` set to that teacher's section (and no `teachers:`):
     what a single-teacher client or autostarted server reads."""
     if not cfg.teachers:

@@ -1,6 +1,6 @@
 """Ray as infrastructure: start (or join) the cluster a run needs, its placement groups, and what a probe sees.
 
-One of the two modules that import Ray (the other, recipe_gkd/ray_pools.py, runs the workers).
+One of the two modules that import Ray (the other, recipe_gkd/runtime/ray_pools.py, runs the workers).
 
 Three cases, chosen by the config:
 - `cluster.ray_address` set: join a running cluster (started by launch/ray_start.sh).
@@ -11,7 +11,7 @@ Three cases, chosen by the config:
   out ids 0..n-1 and never the teacher's.
 In every case the GPUs Ray sees are checked against the plan before anything is placed.
 `ResourcePoolManager` makes the placement groups; `observe` places one probe per bundle and
-reports what each sees from inside (python -m recipe_gkd.check_placement).
+reports what each sees from inside (python -m recipe_gkd.plan.check_placement).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from recipe_gkd import console
 from recipe_gkd.config import REPO_ROOT, GKDConfig
-from recipe_gkd.placement import (
+from recipe_gkd.observe import console
+from recipe_gkd.plan.placement import (
     NODE_RESOURCE_DEMAND,
     NODE_RESOURCE_PREFIX,
     ROLES,
@@ -35,7 +35,7 @@ from recipe_gkd.placement import (
     check_ray_gpus,
     node_resource,
 )
-from recipe_gkd.stop_signal import current_sigterm_handler, restore_sigterm, stop_on_sigterm
+from recipe_gkd.runtime.stop_signal import current_sigterm_handler, restore_sigterm, stop_on_sigterm
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -65,7 +65,7 @@ def worker_runtime_env(cfg: GKDConfig) -> dict[str, Any]:
     the run's log, no library progress bars."""
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {"PYTHONPATH": path, console.RUN_DIR_VAR: str(Path(cfg.trainer.run_dir).resolve()), **console.WORKER_ENV}
-    return {"worker_process_setup_hook": "recipe_gkd.console.worker_setup", "env_vars": env}
+    return {"worker_process_setup_hook": "recipe_gkd.observe.console.worker_setup", "env_vars": env}
 
 
 @contextmanager
@@ -76,7 +76,7 @@ def ray_cluster(cfg: GKDConfig, plan: PlacementPlan) -> Iterator[None]:
 
     console.route_ray_logging(cfg.trainer.run_dir)
     fake_cluster: Any = None
-    from recipe_gkd.memory_plan import object_store_mib
+    from recipe_gkd.plan.memory_plan import object_store_mib
 
     store = object_store_mib(cfg) * MIB
     job = {"runtime_env": worker_runtime_env(cfg)}

@@ -1,0 +1,1 @@
+"""Watching a run: its metric rows, plots, console lines, the divergence watch and the wandb guard."""
