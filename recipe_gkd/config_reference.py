@@ -244,16 +244,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when the page differs from the schema's")
     parser.add_argument("--out", type=Path, default=PAGE, help=f"the page (default {PAGE})")
     args = parser.parse_args(argv)
-    page = render()
-    if args.check:
-        if not args.out.is_file() or args.out.read_text() != page:
-            print(f"{args.out} is not what the schema generates: run `{COMMAND}` and commit it", file=sys.stderr)
+    return write_or_check(render(), args.out, check=args.check, command=COMMAND, source="the schema")
+
+
+def write_or_check(page: str, out: Path, *, check: bool, command: str, source: str) -> int:
+    """Write a generated page, or (check) exit 1 when the committed one differs: the generated docs' one CLI."""
+    if check:
+        if not out.is_file() or out.read_text() != page:
+            print(f"{out} is not what {source} generates: run `{command}` and commit it", file=sys.stderr)
             return 1
-        print(f"{args.out} is up to date")
+        print(f"{out} is up to date")
         return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(page)
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page)
+    print(f"wrote {out}")
     return 0
 
 

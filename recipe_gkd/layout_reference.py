@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipe_gkd import config
+from recipe_gkd.config_reference import write_or_check
 
 PAGE = config.REPO_ROOT / "docs" / "layout.md"
 COMMAND = "python -m recipe_gkd.layout_reference"
@@ -120,16 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when the page differs from the tree's")
     parser.add_argument("--out", type=Path, default=PAGE, help=f"the page (default {PAGE})")
     args = parser.parse_args(argv)
-    page = render()
-    if args.check:
-        if not args.out.is_file() or args.out.read_text() != page:
-            print(f"{args.out} is not what the tree generates: run `{COMMAND}` and commit it", file=sys.stderr)
-            return 1
-        print(f"{args.out} is up to date")
-        return 0
-    args.out.write_text(page)
-    print(f"wrote {args.out}")
-    return 0
+    return write_or_check(render(), args.out, check=args.check, command=COMMAND, source="the tree")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ No model or tokenizer is ever downloaded: tests and the CPU demo build theirs he
 from __future__ import annotations
 
 import string
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,8 +106,9 @@ def build_chatml_bpe_tokenizer(out_dir: str | Path):
     return tokenizer
 
 
-def _byte_level_bpe(vocab_size: int, special_tokens: tuple[str, ...]):
-    """A byte-level BPE (GPT-2 / Qwen / Llama 3 style) trained on the fixed corpus: merges depend on vocab_size."""
+def _byte_level_bpe(vocab_size: int, special_tokens: tuple[str, ...], corpus: Iterable[str] | None = None):
+    """A byte-level BPE (GPT-2 / Qwen / Llama 3 style) trained on `corpus` (default: the fixed corpus): merges
+    depend on vocab_size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     core = Tokenizer(models.BPE())
@@ -118,7 +120,7 @@ def _byte_level_bpe(vocab_size: int, special_tokens: tuple[str, ...]):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    core.train_from_iterator(_bpe_corpus(), trainer=trainer)
+    core.train_from_iterator(_bpe_corpus() if corpus is None else corpus, trainer=trainer)
     return core
 
 

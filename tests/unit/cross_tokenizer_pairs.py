@@ -24,6 +24,7 @@ from recipe_gkd.tiny_models import (
     LLAMA3_SPECIAL_TOKENS,
     LLAMA3_TEMPLATE,
     _bpe_corpus,
+    _byte_level_bpe,
 )
 
 CORPUS_SEED = 45
@@ -44,19 +45,8 @@ def corpus(lines: int = 1500) -> list[str]:
 
 
 def _bpe(vocab_size: int, special_tokens: tuple[str, ...]) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(special_tokens),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(corpus(), trainer=trainer)
-    return core
+    """The tiny models' byte-level BPE trainer on this module's corpus (its multi-byte words)."""
+    return _byte_level_bpe(vocab_size, special_tokens, corpus())
 
 
 def build_pair(root: Path) -> dict[str, Any]:
