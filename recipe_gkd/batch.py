@@ -68,6 +68,11 @@ class Sequence:
     # The target kind's own arrays (recipe_gkd/targets: the teacher's hidden states, the cross-tokenizer spans),
     # None for a kind that needs the teacher arrays above only.
     payload: TargetPayload | None = None
+    # Multi-turn rollouts (recipe_gkd/envs): True where the student sampled the response token, False where the
+    # token came from elsewhere (a tool's output, the chat template's turn markers between turns). Such tokens are
+    # attended, never trained or counted: every loss, advantage and metric sums the True rows only. None: the
+    # student sampled every response token (single-turn rollouts, dataset responses).
+    sampled_mask: np.ndarray | None = None  # bool [L - response_start]
 
     @property
     def num_response_tokens(self) -> int:
