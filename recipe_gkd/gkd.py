@@ -46,6 +46,7 @@ from recipe_gkd.observe.metrics import (
     EVAL_FILE,
     MetricsLogger,
     alignment_columns,
+    episode_columns,
     process_memory_mb,
     read_metrics,
     teacher_columns,
@@ -363,6 +364,7 @@ def evaluate(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, step: int) ->
             "eval_generate_s": max(s.timings["generate_s"] for s in rollout_stats),
             "eval_teacher_s": max(s.timings["teacher_s"] for s in rollout_stats),
             **teacher_columns(rollout_stats, "eval_"),
+            **episode_columns(rollout_stats, "eval_"),
             **eval_teacher_kls(cfg, pools, results),
             "eval_s": time.perf_counter() - start,
         }
@@ -489,6 +491,7 @@ def step_row(
         **teacher_columns(rollout.stats, ""),
         **teacher_loss_columns(cfg, train),
         **alignment_columns(rollout.stats),
+        **episode_columns(rollout.stats, ""),
         "sample_ids": sorted(i for s in rollout.stats for i in s.sample_ids),
         # Several teachers: the teacher that scored each of sample_ids (same order).
         **sample_teachers(cfg, rollout.stats),

@@ -1,0 +1,234 @@
+"""Multi-turn rollouts, token in, token out (recipe_gkd/rollout/multi_turn.py) on a byte-level BPE tokenizer with a
+Qwen-style ChatML tool template (system prompt, eos == pad): a scripted policy for exact ids, a real tiny model on
+the HF engine for sampled ones (the vLLM engine: tests/integration/test_multi_turn_vllm.py)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+from tool_chat import (
+    AWKWARD_RESULT,
+    EchoEnv,
+    ScriptedPolicy,
+    scripted_logprobs,
+    tool_call,
+    with_tool_template,
+)
+
+from recipe_gkd.envs import build_environment
+from recipe_gkd.envs.deadline import TOOL_GUARD_SLACK_S
+from recipe_gkd.envs.protocol import Tool, ToolResult
+from recipe_gkd.envs.tasks import ToolTaskEnv
+from recipe_gkd.rollout.multi_turn import (
+    Conversation,
+    Limits,
+    MultiTurnRollout,
+    TemplateMismatch,
+    conversation_counts,
+    episode_seed,
+)
+
+RECORD = {"prompt": "A shop sells 17 boxes of 23 pens and 4 loose pens. How many pens?", "answer": "395"}
+SOLVE = [
+    "I will multiply first.\n" + tool_call("calculator", expression="17 * 23"),
+    tool_call("calculator", expression="391 + 4"),
+    "The shop has 395",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chatml_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    out = tmp_path_factory.mktemp("tool_tokenizer")
+    shutil.copytree(chatml_tokenizer_dir, out, dirs_exist_ok=True)
+    return with_tool_template(out)
+
+
+def calculator(max_turns: int = 6, tool_timeout_s: float = 5.0) -> Any:
+    return lambda: build_environment("calculator", max_turns=max_turns, tool_timeout_s=tool_timeout_s)
+
+
+def rollout(engine: Any, new_env: Any, *, max_turns: int = 6, max_total: int = 4096, max_new: int = 200) -> Any:
+    return MultiTurnRollout(engine, new_env, Limits(max_turns, max_total, max_new), max_prompt_length=2048)
+
+
+def render(tokenizer: Any, conv: Conversation, **kwargs: Any) -> list[int]:
+    """The whole conversation rendered by the template at once (the independent reference)."""
+    return list(tokenizer.apply_chat_template(conv.messages, tools=conv.tools or None, return_dict=False, **kwargs))
+
+
+def segments(conv: Conversation) -> list[tuple[bool, list[int], list[float]]]:
+    """The response as runs of (sampled, ids, logprobs)."""
+    runs: list[tuple[bool, list[int], list[float]]] = []
+    for token, sampled, lp in zip(conv.response_ids, conv.sampled, conv.logprobs, strict=True):
+        if not runs or runs[-1][0] != sampled:
+            runs.append((sampled, [], []))
+        runs[-1][1].append(token)
+        runs[-1][2].append(lp)
+    return runs
+
+
+def assert_whole_rendering(tokenizer: Any, conv: Conversation) -> None:
+    """prompt + response ids == the final conversation rendered whole, up to the template's newline after the
+    last EOS (the response ends at the sampled EOS)."""
+    whole = render(tokenizer, conv)
+    ids = conv.prompt_ids + conv.response_ids
+    assert conv.response_ids[-1] == tokenizer.eos_token_id
+    assert whole[: len(ids)] == ids
+    assert tokenizer.decode(whole[len(ids) :]) == "\n"
+
+
+def test_scripted_conversation_equals_the_whole_rendering(tokenizer: Any) -> None:
+    policy = ScriptedPolicy(tokenizer, {RECORD["prompt"]: SOLVE, "echo me": ["first", "second", "done: 7"]})
+    loop = rollout(policy, calculator())
+    calc = loop.start(3, RECORD, seed=11)
+    loop.new_env = lambda: EchoEnv(results=(AWKWARD_RESULT, "error: no such thing"), answer_on=3)
+    echo = loop.start(4, {"prompt": "echo me"}, seed=12)
+    loop.run([calc, echo], greedy=False, seed=5)
+
+    for conv, script in ((calc, SOLVE), (echo, ["first", "second", "done: 7"])):
+        assert conv.prompt_ids == list(
+            tokenizer.apply_chat_template(
+                conv.messages[:2], tools=conv.tools, add_generation_prompt=True, return_dict=False
+            )
+        )
+        assert_whole_rendering(tokenizer, conv)
+        runs = segments(conv)
+        assert [sampled for sampled, _, _ in runs] == [True, False, True, False, True]
+        for turn, (_, ids, lps) in enumerate(runs[::2]):  # the student's turns: its ids and logprobs, as sampled
+            assert ids == [*tokenizer.encode(script[turn], add_special_tokens=False), tokenizer.eos_token_id]
+            np.testing.assert_array_equal(np.float32(lps), scripted_logprobs(len(ids), turn))
+        assert all(lp == 0.0 for _, _, lps in runs[1::2] for lp in lps)
+        assert (conv.reward, conv.ending, conv.turns) == (1.0, "answer", 3)
+    # The calculator's results, and the awkward result with its split characters and special tokens' text, as the
+    # template renders them between the turns.
+    assert "<tool_response>\n391\n</tool_response>" in tokenizer.decode(segments(calc)[1][1])
+    assert AWKWARD_RESULT in tokenizer.decode(segments(echo)[1][1])
+    assert (calc.tool_calls, calc.tool_failures, echo.tool_calls, echo.tool_failures) == (2, 0, 4, 2)
+    # One batched generate per turn, for every live conversation.
+    assert [len(call["prompts"]) for call in policy.calls] == [2, 2, 2]
+    counts = conversation_counts([calc, echo])
+    assert counts["turns"] == 6 and counts["tool_calls"] == 6 and counts["ended_answer"] == 2
+    assert counts["tool_tokens"] == sum(len(ids) for conv in (calc, echo) for _, ids, _ in segments(conv)[1::2])
+
+
+def test_a_malformed_call_is_answered_and_the_conversation_goes_on(tokenizer: Any) -> None:
+    broken = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"\n</tool_call>'
+    policy = ScriptedPolicy(tokenizer, {RECORD["prompt"]: [broken, *SOLVE]})
+    loop = rollout(policy, calculator())
+    (conv,) = loop.run([loop.start(0, RECORD, seed=0)], greedy=True, seed=None)
+    assert conv.messages[3]["content"].startswith("error: the tool call is not valid JSON")
+    assert (conv.turns, conv.tool_calls, conv.tool_failures, conv.reward) == (4, 3, 1, 1.0)
+    assert_whole_rendering(tokenizer, conv)
+
+
+def test_max_turns_ends_the_conversation_without_running_its_calls(tokenizer: Any) -> None:
+    policy = ScriptedPolicy(tokenizer, {RECORD["prompt"]: SOLVE})
+    loop = rollout(policy, calculator(max_turns=2), max_turns=2)
+    (conv,) = loop.run([loop.start(0, RECORD, seed=0)], greedy=True, seed=None)
+    assert (conv.turns, conv.ending, conv.reward, conv.tool_calls) == (2, "max_turns", 0.0, 2)
+    assert len(conv.messages) == 5  # system, user, assistant, tool, assistant: the last call was not run
+
+
+def test_max_total_tokens_bounds_every_turn_and_the_conversation(tokenizer: Any) -> None:
+    policy = ScriptedPolicy(tokenizer, {RECORD["prompt"]: SOLVE})
+    loop = rollout(policy, calculator())
+    prompt_len = len(loop.start(0, RECORD, seed=0).prompt_ids)
+    first_turn = len(tokenizer.encode(SOLVE[0], add_special_tokens=False)) + 1
+    # Room for the first turn, its tool result and 5 tokens of the second turn.
+    full = rollout(policy, calculator()).run([loop.start(0, RECORD, seed=0)], greedy=True, seed=None)[0]
+    between = len(segments(full)[1][1])
+    limit = prompt_len + first_turn + between + 5
+    loop = rollout(policy, calculator(), max_total=limit)
+    policy.calls.clear()
+    (conv,) = loop.run([loop.start(0, RECORD, seed=0)], greedy=True, seed=None)
+    assert [call["max_new_tokens"] for call in policy.calls] == [[min(200, limit - prompt_len)], [5]]
+    assert conv.length == limit and conv.ending == "max_total_tokens" and conv.reward == 0.0
+    # No room for a tool result and one more token: the conversation ends on the turn, without the result.
+    loop = rollout(policy, calculator(), max_total=prompt_len + first_turn + between)
+    (conv,) = loop.run([loop.start(0, RECORD, seed=0)], greedy=True, seed=None)
+    assert conv.length == prompt_len + first_turn and conv.ending == "max_total_tokens" and conv.turns == 1
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_by_name(tokenizer: Any) -> None:
+    # Qwen3-like: earlier assistant turns lose their text once more follows; not append-only.
+    rewriting = tokenizer.chat_template.replace(
+        "message.role + '\\n' + message.content + '<|im_end|>'",
+        "message.role + '\\n' + (message.content if loop.last or message.role != 'assistant' else '') + '<|im_end|>'",
+    )
+    assert rewriting != tokenizer.chat_template
+    saved = tokenizer.chat_template
+    tokenizer.chat_template = rewriting
+    try:
+        loop = rollout(ScriptedPolicy(tokenizer, {RECORD["prompt"]: SOLVE}), calculator())
+        with pytest.raises(
+            TemplateMismatch, match=r"the chat template of '.*tool_tokenizer.*' renders the conversation"
+        ):
+            loop.run([loop.start(0, RECORD, seed=0)], greedy=True, seed=None)
+        # A template that closes assistant turns with another token than the EOS.
+        tokenizer.chat_template = saved.replace(
+            "message.content + '<|im_end|>'",
+            "message.content + ('<|endoftext|>' if message.role == 'assistant' else '<|im_end|>')",
+        )
+        loop = rollout(ScriptedPolicy(tokenizer, {RECORD["prompt"]: SOLVE}), calculator())
+        with pytest.raises(TemplateMismatch, match="does not close an assistant turn with the tokenizer's EOS"):
+            loop.run([loop.start(0, RECORD, seed=0)], greedy=True, seed=None)
+    finally:
+        tokenizer.chat_template = saved
+
+
+class SleepyTool:
+    """A tool that cannot bound itself (a hung library call)."""
+
+    name: ClassVar[str] = "calculator"
+    description: ClassVar[str] = "Hangs."
+    parameters: ClassVar[dict[str, Any]] = {"type": "object", "properties": {"expression": {"type": "string"}}}
+
+    def __call__(self, arguments: Any) -> ToolResult:
+        time.sleep(60)
+        return ToolResult("never")
+
+
+class SleepyEnv(ToolTaskEnv):
+    name: ClassVar[str] = "sleepy"
+
+    def build_tools(self, *, tool_timeout_s: float) -> list[Tool]:
+        return [SleepyTool()]
+
+
+def test_a_slow_tool_is_cut_at_tool_timeout_s(tokenizer: Any) -> None:
+    policy = ScriptedPolicy(tokenizer, {RECORD["prompt"]: SOLVE})
+    loop = rollout(policy, lambda: SleepyEnv(max_turns=6, tool_timeout_s=0.2))
+    convs = [loop.start(i, RECORD, seed=i) for i in range(3)]
+    start = time.perf_counter()
+    loop.run(convs, greedy=True, seed=None)
+    elapsed = time.perf_counter() - start
+    # Two turns with a call each, the three conversations' calls side by side: two timeouts, not six, not 60 s.
+    assert elapsed < 2 * (0.2 + TOOL_GUARD_SLACK_S) + 1.5
+    for conv in convs:
+        assert conv.messages[3]["content"] == "error: the calculator tool timed out after 0.2 s"
+        assert (conv.tool_failures, conv.ending) == (2, "answer")
+
+
+def test_the_sandbox_is_bounded_by_the_same_timeout() -> None:
+    env = build_environment("python", max_turns=3, tool_timeout_s=0.5, network="socket_guard")
+    env.reset({"prompt": "loop", "answer": "1"})
+    start = time.perf_counter()
+    step = env.step({"role": "assistant", "content": tool_call("python", code="while True:\n    pass")})
+    assert time.perf_counter() - start < 0.5 + TOOL_GUARD_SLACK_S
+    # The sandbox's own answer (it killed the program), not the guard's.
+    assert "timed out after 0.5 s" in step.observations[0]["content"] and "tool timed out" not in str(step)
+    assert step.tool_failures == 1
+
+
+def test_episode_seeds_are_a_function_of_seed_sample_and_epoch(tokenizer: Any) -> None:
+    assert episode_seed(1, 7, 0) == episode_seed(1, 7, 0)
+    assert len({episode_seed(1, 7, 0), episode_seed(1, 8, 0), episode_seed(1, 7, 1), episode_seed(2, 7, 0)}) == 4
+    envs: list[EchoEnv] = []
+    loop = rollout(ScriptedPolicy(tokenizer, {"x": ["a"]}), lambda: envs.append(EchoEnv()) or envs[-1])
+    loop.start(7, {"prompt": "x"}, seed=episode_seed(1, 7, 0))
+    assert envs[0].seeds == [episode_seed(1, 7, 0)]
