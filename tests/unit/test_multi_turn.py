@@ -232,3 +232,222 @@ def test_episode_seeds_are_a_function_of_seed_sample_and_epoch(tokenizer: Any) -
     loop = rollout(ScriptedPolicy(tokenizer, {"x": ["a"]}), lambda: envs.append(EchoEnv()) or envs[-1])
     loop.start(7, {"prompt": "x"}, seed=episode_seed(1, 7, 0))
     assert envs[0].seeds == [episode_seed(1, 7, 0)]
+
+
+# ----------------------------------------------------------------------------- a real tiny model (HF engine)
+
+
+class Recording:
+    """An engine that keeps what the wrapped engine's generate returned, call by call."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.returned: list[list[Any]] = []
+
+    def generate(self, prompts: list[list[int]], **kwargs: Any) -> list[Any]:
+        out = self.engine.generate(prompts, **kwargs)
+        self.returned.append(out)
+        return out
+
+
+def check_sampled_conversations(tokenizer: Any, engine: Recording, convs: list[Conversation]) -> None:
+    """Each conversation of a real engine: its sampled runs are the engine's own ids and logprobs; the runs between
+    them are the template's text between the turns, tokenized on their own (an independent route: text, not ids);
+    the whole decodes to the template's rendering of the final conversation."""
+    eos = tokenizer.eos_token_id
+    for i, conv in enumerate(convs):
+        runs = segments(conv)
+        assert [s for s, _, _ in runs] == [True, False] * (conv.turns - 1) + [True]
+        for turn, (_, ids, lps) in enumerate(runs[::2]):
+            gen = engine.returned[turn][i]
+            assert ids == gen.response_ids
+            np.testing.assert_array_equal(np.float32(lps), gen.logprobs)
+        assistants = [k for k, m in enumerate(conv.messages) if m["role"] == "assistant"]
+        for turn, (_, ids, lps) in enumerate(runs[1::2]):
+            # [..., assistant turn `turn`] and [..., assistant turn `turn`, its tool messages]
+            text_a = tokenizer.apply_chat_template(
+                conv.messages[: assistants[turn] + 1], tools=conv.tools, tokenize=False
+            )
+            text_b = tokenizer.apply_chat_template(
+                conv.messages[: assistants[turn + 1]], tools=conv.tools, tokenize=False, add_generation_prompt=True
+            )
+            assert text_b.startswith(text_a)
+            close = "\n" if runs[2 * turn][1][-1] == eos else "<|im_end|>\n"
+            assert ids == tokenizer.encode(close + text_b[len(text_a) :], add_special_tokens=False)
+            assert set(lps) == {0.0}
+        whole = tokenizer.apply_chat_template(conv.messages, tools=conv.tools, tokenize=False)
+        decoded = tokenizer.decode(conv.prompt_ids + conv.response_ids, skip_special_tokens=False)
+        assert whole == decoded + ("\n" if conv.response_ids[-1] == eos else "<|im_end|>\n")
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Llama with the ChatML BPE tokenizer and the tool template."""
+    from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+
+    # Positions for a conversation: the tools' system prompt alone is ~400 tokens of this small vocabulary.
+    spec = TinyModelSpec(max_position_embeddings=1024)
+    out = build_tiny_causal_lm(
+        tmp_path_factory.mktemp("tool_model") / "m", seed=3, spec=spec, tokenizer_kind="chatml_bpe"
+    )
+    with_tool_template(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import json
+
+    d = tmp_path_factory.mktemp("tool_data")
+    rows = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in ((3, 4), (12, 30), (7, 7), (1, 99))]
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def tool_cfg(model_dir: Path, data_dir: Path, *extra: str) -> Any:
+    from recipe_gkd.config import load_config
+
+    return load_config(
+        None,
+        [
+            f"model.student_path={model_dir}",
+            "rollout.backend=hf",
+            f"data.train_files=[{data_dir / 'train.jsonl'}]",
+            f"data.eval_files=[{data_dir / 'train.jsonl'}]",
+            "data.train_batch_size=2",
+            "data.eval_batch_size=2",
+            "actor.micro_batch_size=1",
+            "data.max_prompt_length=448",
+            "rollout.env=calculator",
+            "rollout.max_total_tokens=1024",
+            "rollout.sampling.max_new_tokens=12",
+            *extra,
+        ],
+    )
+
+
+def test_hf_engine_conversations_equal_the_template(tool_model_dir: Path, data_dir: Path) -> None:
+    from recipe_gkd.rollout.hf import HFEngine
+
+    engine = Recording(HFEngine(tool_cfg(tool_model_dir, data_dir)))
+    loop = rollout(engine, lambda: EchoEnv(results=(AWKWARD_RESULT, "42"), answer_on=3), max_new=12)
+    convs = [loop.start(i, {"prompt": f"question {i} é"}, seed=i) for i in range(3)]
+    loop.run(convs, greedy=False, seed=17)
+    assert [c.turns for c in convs] == [3, 3, 3] and [len(r) for r in engine.returned] == [3, 3, 3]
+    check_sampled_conversations(engine.tokenizer, engine, convs)
+
+
+def test_hf_engine_limits_each_prompt(tool_model_dir: Path, data_dir: Path) -> None:
+    """Per-prompt max_new_tokens: the same tokens as one limit for all, each cut at its own."""
+    from recipe_gkd.rollout.hf import HFEngine
+
+    engine = HFEngine(tool_cfg(tool_model_dir, data_dir, "rollout.sampling.max_new_tokens=9"))
+    prompts = [engine.tokenizer.encode("hello world"), engine.tokenizer.encode("the water")]
+    # A never-stopping policy: EOS pushed out of reach, so each response runs to its limit.
+    with torch_no_eos(engine):
+        same = engine.generate(prompts, greedy=False, seed=3)
+        each = engine.generate(prompts, greedy=False, seed=3, max_new_tokens=[3, 9])
+    assert [len(g.response_ids) for g in each] == [3, 9]
+    assert each[0].response_ids == same[0].response_ids[:3] and each[1].response_ids == same[1].response_ids
+    with pytest.raises(ValueError, match="one limit >= 1 per prompt"):
+        engine.generate(prompts, greedy=True, max_new_tokens=[3])
+
+
+class torch_no_eos:
+    """The engine's model never predicts EOS (its output row for EOS at -1e9) while in the block."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> None:
+        head = self.engine.model.get_output_embeddings()
+        eos = self.engine.tokenizer.eos_token_id
+
+        def hook(module: Any, args: Any, output: Any) -> Any:
+            output[..., eos] = -1e9
+            return output
+
+        self.handle = head.register_forward_hook(hook)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.remove()
+
+
+# ----------------------------------------------------------------------------- the rollout worker
+
+
+def echo_worker(cfg: Any, envs: list[EchoEnv]) -> Any:
+    """A rollout worker with an in-process teacher, its conversations held with EchoEnv (a random model never calls
+    the calculator by itself); `envs` collects every environment built."""
+    from test_rollout_hf import HFTopKScorer
+
+    from recipe_gkd.rollout.worker import RolloutWorker
+
+    worker = RolloutWorker(cfg, rank=0, world=1)
+    worker.setup(scorer=HFTopKScorer(Path(cfg.model.student_path), top_k=3))
+    assert worker.multi_turn is not None
+
+    def new_env() -> EchoEnv:
+        envs.append(EchoEnv(results=("7", "error: nope"), answer_on=2))
+        return envs[-1]
+
+    worker.multi_turn.new_env = new_env
+    return worker
+
+
+def test_worker_sequences_carry_the_mask_and_a_resume_repeats_them(tool_model_dir: Path, data_dir: Path) -> None:
+    cfg = tool_cfg(tool_model_dir, data_dir)
+    envs: list[EchoEnv] = []
+    worker = echo_worker(cfg, envs)
+    stats0, _ = worker.produce(step=0, dp_size=1)
+    stats1, shards1 = worker.produce(step=1, dp_size=1)
+    position = worker.data_position(0)
+    sequences = shards1[0].sequences
+    for seq in sequences:
+        n = seq.num_response_tokens
+        assert seq.sampled_mask is not None and seq.sampled_mask.shape == (n,) and seq.sampled_mask.dtype == bool
+        assert seq.sampled_mask[0] and seq.sampled_mask[-1] and not seq.sampled_mask.all()
+        assert (seq.rollout_logprobs[~seq.sampled_mask] == 0.0).all()
+        assert (seq.rollout_logprobs[seq.sampled_mask] < 0.0).all()
+        # The teacher scored every response token of the whole conversation, tool tokens included.
+        assert seq.teacher_sampled_logprob.shape == (n,) and seq.reward == 1.0 and seq.on_policy
+    assert stats1.episodes["conversations"] == 2 and stats1.episodes["turns"] == 4
+    assert stats1.episodes["tool_calls"] == 4 and stats1.episodes["tool_failures"] == 2
+    assert stats1.episodes["tool_tokens"] == sum(int((~s.sampled_mask).sum()) for s in sequences)
+    assert stats1.onpolicy_reward_sum == 2.0 and stats1.onpolicy_rewarded == 2
+
+    # A resumed worker (a new process after kill -9: the checkpoint's data position) holds the same conversations.
+    resumed_envs: list[EchoEnv] = []
+    resumed = echo_worker(cfg, resumed_envs)
+    resumed.set_position(position)
+    _, again = resumed.produce(step=1, dp_size=1)
+    for seq, rep in zip(sequences, again[0].sequences, strict=True):
+        assert seq.sample_id == rep.sample_id
+        np.testing.assert_array_equal(seq.input_ids, rep.input_ids)
+        np.testing.assert_array_equal(seq.sampled_mask, rep.sampled_mask)
+        np.testing.assert_array_equal(seq.rollout_logprobs, rep.rollout_logprobs)
+    assert [e.seeds for e in resumed_envs] == [e.seeds for e in envs[2:]]
+    assert stats0.episodes["conversations"] == 2
+
+    # Evaluation: the same loop, greedy; its counters come back with the evaluation's stats.
+    eval_stats, eval_shards = worker.produce_eval(dp_size=1)
+    assert eval_stats.episodes["turns"] == 4 and eval_stats.onpolicy_rewarded == 2
+    assert all(s.sampled_mask is not None for s in eval_shards[0].sequences)
+
+
+def test_episode_columns() -> None:
+    from recipe_gkd.batch import RolloutStats
+    from recipe_gkd.observe.metrics import episode_columns
+
+    def stats(tokens: int, **episodes: float) -> RolloutStats:
+        return RolloutStats(0, 0, 2, tokens, [0, 1], {}, episodes=episodes)
+
+    zeros = {"ended_max_turns": 0.0, "ended_max_total_tokens": 1.0, "ended_answer": 1.0}
+    a = stats(100, conversations=2, turns=5, tool_calls=3, tool_failures=1, tool_tokens=40, tool_s=0.5, **zeros)
+    b = stats(60, conversations=2, turns=3, tool_calls=1, tool_failures=0, tool_tokens=20, tool_s=1.5, **zeros)
+    cols = episode_columns([a, b], "eval_")
+    assert cols["eval_turns"] == 2.0 and cols["eval_tool_calls"] == 4 and cols["eval_tool_failures"] == 1
+    assert cols["eval_tool_token_frac"] == pytest.approx(60 / 160) and cols["eval_tool_s"] == 1.5
+    assert cols["eval_ended_max_total_tokens"] == 2
+    assert episode_columns([stats(10)], "") == {}
