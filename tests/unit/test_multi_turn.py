@@ -451,3 +451,52 @@ def test_episode_columns() -> None:
     assert cols["eval_tool_token_frac"] == pytest.approx(60 / 160) and cols["eval_tool_s"] == 1.5
     assert cols["eval_ended_max_total_tokens"] == 2
     assert episode_columns([stats(10)], "") == {}
+
+
+# ----------------------------------------------------------------------------- what rollout.env refuses
+
+PRESETS = Path(__file__).resolve().parents[2] / "configs" / "presets"
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "key", "says"),
+    [
+        ("cpu_demo", ["rollout.env=calc"], "rollout.env", "known environments: calculator, python"),
+        ("cpu_demo", ["algorithm.cross_tokenizer=span"], "algorithm.cross_tokenizer", "student's tokens only"),
+        ("cpu_two_teachers", [], "teachers", "take one teacher"),
+        ("cpu_demo", ["data.teacher_prompt_key=hint"], "data.teacher_prompt_key", "a prompt of its own"),
+        ("cpu_demo", ["data.teacher_prompt_template='{prompt} hint'"], "data.teacher_prompt_template", "of its own"),
+        ("cpu_demo", ["algorithm.lmbda=0.5"], "algorithm.lmbda", "set it to 1.0"),
+        ("cpu_demo", ["algorithm.support=union", "rollout.student_top_k=4"], "algorithm.support", "tool tokens"),
+        ("cpu_demo", ["data.apply_chat_template=false"], "data.apply_chat_template", "chat template"),
+        ("cpu_demo", ["data.max_prompt_length=512", "rollout.max_total_tokens=512"], "rollout.max_total_tokens", ""),
+    ],
+)
+def test_refusals_name_the_key_and_exit_2(
+    config: str, overrides: list[str], key: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from recipe_gkd.config import ConfigError, load_config
+    from recipe_gkd.main import main
+
+    args = [*overrides, "rollout.env=calculator"] if "rollout.env=calc" not in overrides else overrides
+    with pytest.raises(ConfigError) as info:
+        load_config(PRESETS / f"{config}.yaml", args)
+    assert info.value.key == key and says in str(info.value)
+    assert main(["--config", str(PRESETS / f"{config}.yaml"), "--dry-run", *args]) == 2
+    assert key in capsys.readouterr().err
+
+
+def test_a_multi_turn_config_bounds_every_length_by_max_total_tokens() -> None:
+    from recipe_gkd.config import ConfigError, load_config
+    from recipe_gkd.config.derived import longest_sequence
+    from recipe_gkd.config.rules import teacher_longest_sequence
+
+    cfg = load_config(PRESETS / "cpu_demo.yaml", ["rollout.env=calculator", "rollout.max_total_tokens=900"])
+    assert longest_sequence(cfg) == (900, "rollout.max_total_tokens")
+    assert teacher_longest_sequence(cfg) == (900, "rollout.max_total_tokens")
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            PRESETS / "cpu_demo.yaml",
+            ["rollout.env=calculator", "rollout.max_total_tokens=900", "actor.max_tokens_per_micro_batch=800"],
+        )
+    assert info.value.key == "actor.max_tokens_per_micro_batch" and "rollout.max_total_tokens = 900" in str(info.value)
