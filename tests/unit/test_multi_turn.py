@@ -428,6 +428,7 @@ def test_worker_sequences_carry_the_mask_and_a_resume_repeats_them(tool_model_di
         np.testing.assert_array_equal(seq.sampled_mask, rep.sampled_mask)
         np.testing.assert_array_equal(seq.rollout_logprobs, rep.rollout_logprobs)
     assert [e.seeds for e in resumed_envs] == [e.seeds for e in envs[2:]]
+    assert [e.seeds for e in envs[2:]] == [[episode_seed(cfg.data.seed, s.sample_id, 0)] for s in sequences]
     assert stats0.episodes["conversations"] == 2
 
     # Evaluation: the same loop, greedy; its counters come back with the evaluation's stats.
