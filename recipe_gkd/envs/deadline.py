@@ -4,7 +4,7 @@ The rule is one: a tool gets `timeout_s` seconds. A tool that can stop its own w
 Python sandbox kills its program at `timeout_s` and says so); every call also runs on a thread of its own, and a
 call still running `TOOL_GUARD_SLACK_S` after that is answered as timed out, so that a tool that cannot bound
 itself (a hung library call) never hangs a rollout step. Python cannot stop a thread: the abandoned one runs on
-as a daemon, and `abandoned_calls()` counts them.
+as a daemon thread (it holds no lock of the rollout's) until its call returns.
 """
 
 from __future__ import annotations
@@ -17,14 +17,6 @@ from recipe_gkd.envs.protocol import Tool, ToolResult
 
 # Headroom for a self-bounding tool to report its own timeout (the sandbox's kill and reap take milliseconds).
 TOOL_GUARD_SLACK_S = 1.0
-
-_abandoned = 0
-_abandoned_lock = threading.Lock()
-
-
-def abandoned_calls() -> int:
-    """Tool calls of this process answered as timed out while their thread still ran."""
-    return _abandoned
 
 
 def call_within(tool: Tool, arguments: Mapping[str, Any], timeout_s: float) -> ToolResult:
@@ -42,9 +34,6 @@ def call_within(tool: Tool, arguments: Mapping[str, Any], timeout_s: float) -> T
     thread.start()
     thread.join(timeout_s + TOOL_GUARD_SLACK_S)
     if thread.is_alive():
-        global _abandoned
-        with _abandoned_lock:
-            _abandoned += 1
         return ToolResult(f"error: the {tool.name} tool timed out after {timeout_s:g} s", failed=True)
     result = outcome[0]
     if isinstance(result, BaseException):
