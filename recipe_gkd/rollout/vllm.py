@@ -277,7 +277,8 @@ class VLLMEngine:
         if len(limits) != len(prompts) or min(limits, default=1) < 1:
             raise ValueError(f"max_new_tokens needs one limit >= 1 per prompt, got {limits} for {len(prompts)}")
         # One seed per prompt (seed + index): a resumed run samples what an uninterrupted one did.
-        # One max_tokens per prompt (multi-turn: the room its conversation has left); SamplingParams is per request.
+        # One max_tokens per prompt (multi-turn: the room its conversation has left): LLM.generate takes one
+        # SamplingParams per prompt (vllm/entrypoints/llm.py, LLM.generate, 0.24 to 0.33).
         per_prompt = [params.clone() for _ in prompts]
         for i, p in enumerate(per_prompt):
             p.max_tokens = limits[i]
