@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.envs import Environment, Message, StepResult, build_environment
+from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Generation
 
 # Environments stepped side by side (each mostly waits on a tool: a sandbox subprocess, an API).
@@ -243,6 +244,19 @@ class MultiTurnRollout:
         conv.add(between, sampled=False)
         conv.messages.extend([assistant, *step.observations])
         conv.rendered = rendered
+
+
+def conversation_accuracy(
+    rollout: MultiTurnRollout, records: list[dict[str, Any]], answer_key: str, data_seed: int
+) -> AnswerAccuracy:
+    """Greedy conversations on the `records` that have `answer_key`, as an evaluation holds them (record i seeded as
+    sample i of epoch 0): the share the environment rewards; the records without an answer are only counted."""
+    answered = [(i, r) for i, r in enumerate(records) if r.get(answer_key) is not None]
+    conversations = [rollout.start(i, r, episode_seed(data_seed, i, 0)) for i, r in answered]
+    rollout.run(conversations, greedy=True, seed=None)
+    return AnswerAccuracy(
+        correct=float(sum(c.reward for c in conversations)), answered=len(conversations), records=len(records)
+    )
 
 
 def conversation_counts(conversations: list[Conversation]) -> dict[str, float]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,12 @@ from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encod
 from recipe_gkd.observe.metrics import worker_memory_mb
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
-from recipe_gkd.rollout.multi_turn import MultiTurnRollout, conversation_counts, episode_seed
+from recipe_gkd.rollout.multi_turn import (
+    MultiTurnRollout,
+    conversation_accuracy,
+    conversation_counts,
+    episode_seed,
+)
 from recipe_gkd.rollout.teacher_set import TeacherSet
 from recipe_gkd.teacher_prompt import own_prompt_encoder
 from recipe_gkd.weight_sync import PROBE_ROWS, from_host_arrays, probe_rows
@@ -193,6 +198,8 @@ class RolloutWorker:
         """
         from recipe_gkd.rollout.answer_accuracy import model_answer_accuracy
 
+        if self.multi_turn is not None:  # one teacher, no prompt of its own (config rules)
+            return self._teacher_conversations()
         cfg = self.cfg
         handles = teacher_handles(cfg)
         # Several teachers: each record's own teacher answers it (docs/teachers.md).
@@ -210,6 +217,17 @@ class RolloutWorker:
             for name, records in by_teacher.items()
         ]
         return AnswerAccuracy(*(sum(getattr(p, f) for p in parts) for f in ("correct", "answered", "records")))
+
+    def _teacher_conversations(self) -> AnswerAccuracy:
+        """rollout.env: the teacher model holds the held-out conversations greedily, as the student's evaluation does
+        (an HF engine on the teacher's files, in this process)."""
+        from recipe_gkd.rollout.hf import HFEngine
+
+        cfg = self.cfg
+        teacher_dir = teacher_handles(cfg)[DEFAULT_TEACHER].section.model_path
+        as_teacher = replace(cfg, model=replace(cfg.model, student_path=teacher_dir, tokenizer_path=""))
+        loop = MultiTurnRollout.from_config(as_teacher, HFEngine(as_teacher))
+        return conversation_accuracy(loop, self.eval_records(), cfg.data.answer_key, cfg.data.seed)
 
     def _remember_position(self, batch: int) -> None:
         self._position_after[batch] = self.train_stream.position

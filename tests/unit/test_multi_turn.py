@@ -437,6 +437,40 @@ def test_worker_sequences_carry_the_mask_and_a_resume_repeats_them(tool_model_di
     assert all(s.sampled_mask is not None for s in eval_shards[0].sequences)
 
 
+def test_conversation_accuracy_counts_the_environments_rewards(tokenizer: Any) -> None:
+    from recipe_gkd.rollout.multi_turn import conversation_accuracy
+
+    wrong = {"prompt": "How many legs have 3 cats?", "answer": "12"}
+    policy = ScriptedPolicy(tokenizer, {RECORD["prompt"]: SOLVE, wrong["prompt"]: ["Eleven: 11"]})
+    records = [RECORD, wrong, {"prompt": "no answer here"}]
+    accuracy = conversation_accuracy(rollout(policy, calculator()), records, "answer", data_seed=1)
+    assert (accuracy.correct, accuracy.answered, accuracy.records) == (1.0, 2, 3)
+    assert all(call["greedy"] and call["seed"] is None for call in policy.calls)
+
+
+def test_teacher_accuracy_holds_the_conversations_on_the_teachers_model(
+    tool_model_dir: Path, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The report's teacher accuracy with rollout.env: the teacher's model in the same greedy conversations with the
+    environment (here a scripted teacher that solves one of the two held-out questions with the calculator)."""
+    teacher_dir = tmp_path / "teacher"
+    shutil.copytree(tool_model_dir, teacher_dir)
+    # The calculator's tool schema makes a long system prompt in this small vocabulary.
+    cfg = tool_cfg(tool_model_dir, data_dir, f"teacher.model_path={teacher_dir}", "data.max_prompt_length=700")
+    worker = echo_worker(cfg, [])
+    built: list[str] = []
+
+    def scripted_teacher(engine_cfg: Any) -> ScriptedPolicy:
+        built.append(engine_cfg.model.student_path)
+        solve = [tool_call("calculator", expression="3 + 4"), "It is 7"]
+        return ScriptedPolicy(worker.engine.tokenizer, {"What is 3 + 4?": solve, "What is 12 + 30?": ["41"]})
+
+    monkeypatch.setattr("recipe_gkd.rollout.hf.HFEngine", scripted_teacher)
+    teacher = worker.teacher_accuracy()
+    assert built == [str(teacher_dir)]
+    assert (teacher.correct, teacher.answered, teacher.records) == (1.0, 2, 2)
+
+
 def test_episode_columns() -> None:
     from recipe_gkd.batch import RolloutStats
     from recipe_gkd.observe.metrics import episode_columns
