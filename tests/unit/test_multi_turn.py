@@ -535,3 +535,30 @@ def test_a_multi_turn_config_bounds_every_length_by_max_total_tokens() -> None:
             ["rollout.env=calculator", "rollout.max_total_tokens=900", "actor.max_tokens_per_micro_batch=800"],
         )
     assert info.value.key == "actor.max_tokens_per_micro_batch" and "rollout.max_total_tokens = 900" in str(info.value)
+
+
+def test_the_environment_is_built_from_the_rollout_keys(tokenizer: Any) -> None:
+    from recipe_gkd.config import load_config
+    from recipe_gkd.envs.sandbox import namespace_available
+
+    if not namespace_available():  # the python environment's default isolation (docs/multi_turn.md)
+        pytest.skip("unprivileged user namespaces are unavailable here")
+
+    cfg = load_config(
+        PRESETS / "cpu_demo.yaml",
+        [
+            "rollout.env=python",
+            "rollout.max_turns=3",
+            "rollout.tool_timeout_s=2.5",
+            "rollout.tool_call_format=llama3_json",
+            "data.prompt_key=question",
+            "data.answer_key=solution",
+        ],
+    )
+    loop = MultiTurnRollout.from_config(cfg, ScriptedPolicy(tokenizer, {}))
+    env = loop.new_env()
+    assert env.name == "python" and env.max_turns == 3 and env.tool_timeout_s == 2.5
+    assert env._tools["python"].sandbox.limits.timeout_s == 2.5  # one rule: the sandbox's own wall time
+    assert type(env._format).__name__ == "Llama3JsonCalls"
+    assert env.reset({"question": "q", "solution": "1"})[1]["content"] == "q"
+    assert loop.limits == Limits(3, cfg.rollout.max_total_tokens, cfg.rollout.sampling.max_new_tokens)
