@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from recipe_gkd.config import GKDConfig
 from recipe_gkd.envs import Environment, Message, StepResult, build_environment
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Generation
@@ -161,7 +162,8 @@ class MultiTurnRollout:
         self.tool_seconds = 0.0  # wall seconds spent in the environments' steps (tools), over all runs
 
     @classmethod
-    def from_config(cls, cfg: Any, engine: Engine) -> MultiTurnRollout:
+    def from_config(cls, cfg: GKDConfig, engine: Engine) -> MultiTurnRollout:
+        """The loop of `rollout.env` and its bounds (rollout.max_turns, max_total_tokens, tool_timeout_s, ...)."""
         r, d = cfg.rollout, cfg.data
 
         def new_env() -> Environment:
