@@ -298,7 +298,7 @@ class MegatronActor:
         forward_backward_s = time.perf_counter() - start
         grad_norm, stepped = self._optimizer_step()
         dist.all_reduce(loss_sum, group=self.dp_group)
-        policy_stats = self.objective.policy_stats(outputs, global_tokens) if self.objective.sampled else {}
+        policy_stats = self.objective.policy_stats(outputs, global_tokens)
         return {
             **policy_stats,
             **self.objective.teacher_losses(outputs),

@@ -21,7 +21,7 @@ from recipe_gkd.batch import RolloutStats, Sequence, TrainShard, actor_rank_of
 from recipe_gkd.config import GKDConfig, cpu_threads, rollout_engines
 from recipe_gkd.config.teachers import DEFAULT_TEACHER, record_teacher, teacher_handles
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encode_prompt, encode_response
-from recipe_gkd.observe.metrics import worker_memory_mb
+from recipe_gkd.observe.metrics import TEACHER_SUMS, worker_memory_mb
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
 from recipe_gkd.rollout.teacher_set import TeacherSet
@@ -367,11 +367,8 @@ class RolloutWorker:
 
 
 def add_teacher_stats(per_teacher: dict[str, dict[str, float]], seq: Sequence, topk_mass: float) -> None:
-    """Add `seq` to its teacher's sums (metrics per teacher, recipe_gkd.gkd.teacher_columns)."""
-    sums = per_teacher.setdefault(
-        seq.teacher,
-        {"sequences": 0.0, "response_tokens": 0.0, "teacher_topk_mass_sum": 0.0, "reward_sum": 0.0, "rewarded": 0.0},
-    )
+    """Add `seq` to its teacher's sums (metrics per teacher, recipe_gkd.observe.metrics.teacher_columns)."""
+    sums = per_teacher.setdefault(seq.teacher, dict.fromkeys(TEACHER_SUMS, 0.0))
     sums["sequences"] += 1
     sums["response_tokens"] += seq.num_response_tokens
     sums["teacher_topk_mass_sum"] += topk_mass

@@ -38,7 +38,7 @@ GLOBAL_BATCH = 8
 TOP_K = 8
 PROBE_SHAPE = (3, 12)
 SAMPLER_SALT = 0x5A
-# What train_step reports for algorithm.divergence=sampled_reverse_kl (recipe_gkd.gkd.POLICY_KEYS).
+# What train_step reports for algorithm.divergence=sampled_reverse_kl (recipe_gkd.observe.rows.POLICY_KEYS).
 # Not whole minutes: megatron's groups take minutes (rounded up), the world group seconds.
 SETUP_TIMEOUT_S = 3630.0
 POLICY_KEYS = ("advantage_mean", "ratio_mean", "ratio_min", "ratio_max", "ratio_clipped_frac")
