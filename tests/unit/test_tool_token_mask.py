@@ -305,6 +305,14 @@ def test_every_loss_trains_the_sampled_rows_only(
     for key, value in logged.items():
         assert torch.equal(logged_other[key], value), key
 
+    if name != "hidden_forward_kl":  # evaluation's sums (the objective's and the forward KL's), same rows
+        evaluated = objective.eval_loss(micro, logits.detach())
+        evaluated_other = objective.eval_loss(other, logits.detach())
+        assert evaluated[1].item() == micro.num_tokens and torch.equal(evaluated[2]["sums"], evaluated_other[2]["sums"])
+        assert evaluated[2]["sums"][0].item() == pytest.approx(want, rel=RTOL)
+        if objective.target.evaluates_kl():
+            assert evaluated[2]["sums"][1].item() == pytest.approx(reference_sum(micro, logits, "forward_kl"), rel=RTOL)
+
     # The single-turn sequences of the sampled rows, their logits the same rows of `logits`.
     singles = [only_sampled(s, i) for i, s in enumerate(sequences)]
     single = collate(singles, pad_id=0)
