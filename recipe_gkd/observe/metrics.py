@@ -253,7 +253,8 @@ def episode_columns(stats: list[Any], prefix: str) -> dict[str, float | None]:
             sums[key] = sums.get(key, 0.0) + value
     if not sums:
         return {}
-    tokens = sum(s.num_response_tokens for s in stats)
+    # num_response_tokens counts the sampled tokens only: the response holds those and the tool tokens.
+    tokens = sum(s.num_response_tokens for s in stats) + sums["tool_tokens"]
     return {
         f"{prefix}turns": sums["turns"] / sums["conversations"] if sums["conversations"] else None,
         f"{prefix}tool_calls": sums["tool_calls"],

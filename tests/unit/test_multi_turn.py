@@ -415,6 +415,12 @@ def test_worker_sequences_carry_the_mask_and_a_resume_repeats_them(tool_model_di
     assert stats1.episodes["conversations"] == 2 and stats1.episodes["turns"] == 4
     assert stats1.episodes["tool_calls"] == 4 and stats1.episodes["tool_failures"] == 2
     assert stats1.episodes["tool_tokens"] == sum(int((~s.sampled_mask).sum()) for s in sequences)
+    from recipe_gkd.observe.metrics import episode_columns
+
+    all_tokens = sum(s.num_response_tokens for s in sequences)
+    assert episode_columns([stats1], "")["tool_token_frac"] == pytest.approx(
+        stats1.episodes["tool_tokens"] / all_tokens
+    )
     assert stats1.onpolicy_reward_sum == 2.0 and stats1.onpolicy_rewarded == 2
 
     # A resumed worker (a new process after kill -9: the checkpoint's data position) holds the same conversations.
@@ -483,7 +489,8 @@ def test_episode_columns() -> None:
     b = stats(60, conversations=2, turns=3, tool_calls=1, tool_failures=0, tool_tokens=20, tool_s=1.5, **zeros)
     cols = episode_columns([a, b], "eval_")
     assert cols["eval_turns"] == 2.0 and cols["eval_tool_calls"] == 4 and cols["eval_tool_failures"] == 1
-    assert cols["eval_tool_token_frac"] == pytest.approx(60 / 160) and cols["eval_tool_s"] == 1.5
+    # RolloutStats.num_response_tokens counts the sampled tokens: 160 of them, and 60 tool tokens.
+    assert cols["eval_tool_token_frac"] == pytest.approx(60 / 220) and cols["eval_tool_s"] == 1.5
     assert cols["eval_ended_max_total_tokens"] == 2
     assert episode_columns([stats(10)], "") == {}
 
