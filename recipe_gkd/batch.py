@@ -157,3 +157,7 @@ class RolloutStats:
     alignment: dict[str, float] = field(default_factory=dict)
     # debug.log_memory: the worker's resident (and peak GPU) memory, MiB, keyed rollout<rank>_rss_mb, ...
     memory_mb: dict[str, float] = field(default_factory=dict)
+    # rollout.env (multi-turn): the batch's conversations, turns, tool_calls, tool_failures, tool_tokens (response
+    # tokens the student did not sample), ended_<answer|max_turns|max_total_tokens> and tool_s (seconds in the
+    # environments); {} for single-turn rollouts (recipe_gkd/rollout/multi_turn.py conversation_counts).
+    episodes: dict[str, float] = field(default_factory=dict)

@@ -25,6 +25,14 @@ def actor_data_parallel_size(cfg: GKDConfig) -> int:
     return actor_world_size(cfg) // (m.tp * m.pp * m.cp)
 
 
+def longest_sequence(cfg: GKDConfig) -> tuple[int, str]:
+    """The longest sequence (prompt + response) a rollout produces, and the keys that bound it."""
+    if cfg.rollout.env:
+        return cfg.rollout.max_total_tokens, "rollout.max_total_tokens"
+    longest = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    return longest, "data.max_prompt_length + rollout.sampling.max_new_tokens"
+
+
 def rollout_engines(cfg: GKDConfig) -> int:
     return cfg.rollout.nnodes * cfg.rollout.gpus_per_node // cfg.rollout.tp
 

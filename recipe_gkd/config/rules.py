@@ -12,10 +12,12 @@ from recipe_gkd.config import teachers as teachers_config
 from recipe_gkd.config.derived import (
     actor_data_parallel_size,
     actor_world_size,
+    longest_sequence,
     node_gpus,
     rollout_engines,
     weight_transport,
 )
+from recipe_gkd.config.multi_turn_rules import validate_multi_turn
 from recipe_gkd.config.schema import (
     PIPELINE_DEPTH,
     VALID_LOGGERS,
@@ -55,6 +57,7 @@ def validate(cfg: GKDConfig) -> None:
         with teachers_config.keys_of(cfg, name):
             _validate_teacher(view)
     _validate_trainer(cfg)
+    validate_multi_turn(cfg)
 
 
 def check_local_paths(cfg: GKDConfig) -> None:
@@ -307,12 +310,11 @@ def _validate_batches(cfg: GKDConfig) -> None:
         f"{d.train_batch_size} must be divisible by the actor's data-parallel size {dp}",
     )
     budget = cfg.actor.max_tokens_per_micro_batch
-    longest = d.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    longest, bound = longest_sequence(cfg)
     require(
         budget == 0 or budget >= longest,
         "actor.max_tokens_per_micro_batch",
-        f"{budget} tokens cannot hold one sequence of data.max_prompt_length + rollout.sampling.max_new_tokens = "
-        f"{longest} tokens; raise it to >= {longest}",
+        f"{budget} tokens cannot hold one sequence of {bound} = {longest} tokens; raise it to >= {longest}",
     )
     require(
         budget > 0 or per_rank % cfg.actor.micro_batch_size == 0,
@@ -502,6 +504,8 @@ def teacher_longest_sequence(cfg: GKDConfig) -> tuple[int, str]:
     """The longest sequence teacher `cfg` (a teacher's view) scores, and the key of its prompt's bound: the student's
     prompt, or its own (data.max_teacher_prompt_length), plus the response."""
     d = cfg.data
+    if cfg.rollout.env:  # multi-turn: a whole conversation (teacher prompts are refused with rollout.env)
+        return cfg.rollout.max_total_tokens, "rollout.max_total_tokens"
     if prompt_rule(d, cfg.teacher, "teacher").privileged:
         key = "data.max_teacher_prompt_length" if d.max_teacher_prompt_length else "data.max_prompt_length"
         return teacher_prompt_bound(d) + cfg.rollout.sampling.max_new_tokens, key

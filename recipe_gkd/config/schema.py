@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.
+from recipe_gkd.envs.tool_calls import TOOL_CALL_FORMATS
 from teacher_server.config import (
     TeacherConfig,
     bounded,
@@ -22,6 +23,8 @@ CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "presets" / "cpu_demo.yaml"
 # How a response is compared with its record's answer (data.answer_match).
 ANSWER_MATCHES = ("exact", "suffix")
+# How chat templates write tool calls (rollout.tool_call_format; recipe_gkd/envs/tool_calls.py).
+TOOL_CALL_FORMAT_NAMES = tuple(TOOL_CALL_FORMATS)
 
 
 class Device(enum.StrEnum):
@@ -250,6 +253,21 @@ class RolloutConfig:
     student_top_k: int = bounded(0, ge=0, note="0: off")
     """The student's own top-k ids the engine returns at every sampled position (vLLM logprobs=k, HF from its
     logits); the teacher scores them in the same request. Needed by (and only by) algorithm.support=union."""
+    env: str = ""
+    """The tool-using environment of multi-turn rollouts (recipe_gkd/envs: calculator, python; docs/multi_turn.md):
+    the student answers, the environment runs its tool calls and the results join the conversation, turn after
+    turn. Empty: single-turn rollouts."""
+    max_turns: int = bounded(8, ge=1)
+    """rollout.env: the most assistant turns of one conversation (the last one's tool calls are not run)."""
+    max_total_tokens: int = bounded(2048, ge=2)
+    """rollout.env: the longest conversation in tokens (the first prompt, every turn, every tool result); a
+    conversation that reaches it ends there. Bounds the actor's, the engine's and the teacher's sequence length."""
+    tool_timeout_s: float = bounded(10.0, gt=0)
+    """rollout.env: wall seconds one tool call may take (the Python sandbox kills its program then); a call still
+    running a second later is answered as timed out whatever the tool: a slow tool never hangs a step."""
+    tool_call_format: str = one_of("hermes", TOOL_CALL_FORMAT_NAMES)
+    """rollout.env: how the chat template writes tool calls: hermes (Qwen2.5/Qwen3 `<tool_call>` JSON) or llama3_json
+    (Llama 3.x JSON tool calling)."""
 
 
 @dataclass

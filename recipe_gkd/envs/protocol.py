@@ -70,7 +70,9 @@ class Environment(Protocol):
 
     name: ClassVar[str]
 
-    def reset(self, record: Mapping[str, Any]) -> list[Message]: ...
+    def reset(self, record: Mapping[str, Any], seed: int = 0) -> list[Message]:
+        """The first messages of an episode from a data record; `seed` fixes whatever the episode draws."""
+        ...
 
     def step(self, assistant_message: Message) -> StepResult: ...
 

@@ -11,11 +11,13 @@ holds: an answer is scored, tool calls are not run (reward 0.0, `truncated`).
 from __future__ import annotations
 
 import math
+import random
 import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from recipe_gkd.envs.arithmetic import CalculatorTool
+from recipe_gkd.envs.deadline import call_within
 from recipe_gkd.envs.protocol import Message, StepResult, Tool, ToolResult, tool_message, tool_schema
 from recipe_gkd.envs.sandbox import NetworkIsolation, PythonSandbox, PythonTool, SandboxLimits
 from recipe_gkd.envs.tool_calls import MalformedCall, ToolCall, content_after_reasoning, tool_call_format
@@ -24,6 +26,8 @@ _NUMBER = re.compile(r"-?(?:[0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)(?:[eE][+-]?[0-9]+)?"
 # Two numbers are the same answer when they agree to this relative (or, near zero, absolute) tolerance:
 # a float printed by the tool and copied by the model keeps 17 significant digits, far inside it.
 ANSWER_REL_TOL = 1e-9
+# Wall seconds of one tool call unless the environment is built with another (rollout.tool_timeout_s).
+DEFAULT_TOOL_TIMEOUT_S = 10.0
 
 
 def final_number(text: str) -> float | None:
@@ -66,11 +70,15 @@ class ToolTaskEnv:
         tool_call_format_name: str = "hermes",
         prompt_key: str = "prompt",
         answer_key: str = "answer",
+        tool_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S,
         **tool_options: Any,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        tools = self.build_tools(**tool_options)
+        if tool_timeout_s <= 0:
+            raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s}")
+        self.tool_timeout_s = tool_timeout_s
+        tools = self.build_tools(tool_timeout_s=tool_timeout_s, **tool_options)
         self._tools = {tool.name: tool for tool in tools}
         self._format = tool_call_format(tool_call_format_name)
         self.max_turns = max_turns
@@ -79,16 +87,21 @@ class ToolTaskEnv:
         self._answer: Any = None
         self.turns = 0
         self.done = True
+        self.rng = random.Random(0)
 
-    def build_tools(self) -> list[Tool]:
-        """The environment's tools, built from its own options (the keyword arguments `__init__` does not take)."""
+    def build_tools(self, *, tool_timeout_s: float) -> list[Tool]:
+        """The environment's tools, built from its own options (the keyword arguments `__init__` does not take);
+        a tool that can stop its own work (the sandbox) bounds itself at `tool_timeout_s`."""
         raise NotImplementedError(f"{type(self).__name__} must define build_tools()")
 
     def tools(self) -> list[dict[str, Any]]:
         """The tools as `apply_chat_template(tools=...)` takes them."""
         return [tool_schema(tool) for tool in self._tools.values()]
 
-    def reset(self, record: Mapping[str, Any]) -> list[Message]:
+    def reset(self, record: Mapping[str, Any], seed: int = 0) -> list[Message]:
+        """Start an episode; `seed` seeds `self.rng`, what a task that draws (a variation, a tool's noise) draws
+        from (the rollout loop derives it from the data seed, the sample id and the epoch: a resume repeats it)."""
+        self.rng = random.Random(seed)
         for key in (self.prompt_key, self.answer_key):
             if key not in record:
                 raise KeyError(
@@ -131,7 +144,7 @@ class ToolTaskEnv:
         problem = check_arguments(tool, call)
         if problem is not None:
             return ToolResult(problem, failed=True)
-        return tool(call.arguments)
+        return call_within(tool, call.arguments, self.tool_timeout_s)
 
 
 class CalculatorEnv(ToolTaskEnv):
@@ -142,8 +155,8 @@ class CalculatorEnv(ToolTaskEnv):
         "Solve the problem. Use the calculator tool for arithmetic. End with the final number, alone."
     )
 
-    def build_tools(self) -> list[Tool]:
-        return [CalculatorTool()]
+    def build_tools(self, *, tool_timeout_s: float) -> list[Tool]:
+        return [CalculatorTool()]  # bounded by its own limits (arithmetic.py); call_within bounds it too
 
 
 class PythonToolEnv(ToolTaskEnv):
@@ -158,7 +171,7 @@ class PythonToolEnv(ToolTaskEnv):
     def build_tools(
         self,
         *,
-        tool_timeout_s: float = 10.0,
+        tool_timeout_s: float,
         memory_mib: int = 512,
         cpu_s: int = 10,
         max_output_bytes: int = 8192,

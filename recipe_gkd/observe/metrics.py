@@ -240,3 +240,28 @@ def alignment_columns(stats: list[Any]) -> dict[str, float | None]:
         "align_span_len": sums["aligned_tokens"] / spans if spans else None,
         "align_unaligned_frac": 1.0 - sums["aligned_tokens"] / tokens if tokens else None,
     }
+
+
+def episode_columns(stats: list[Any], prefix: str) -> dict[str, float | None]:
+    """rollout.env (multi-turn): per step (or evaluation) the mean turns per conversation, the tool calls, tool
+    failures and tool tokens (response tokens the student did not sample) in all, their share of the response
+    tokens, the conversations cut by max_turns / max_total_tokens, and the slowest worker's seconds in tools;
+    {} for single-turn rollouts."""
+    sums: dict[str, float] = {}
+    for s in stats:
+        for key, value in s.episodes.items():
+            sums[key] = sums.get(key, 0.0) + value
+    if not sums:
+        return {}
+    # num_response_tokens counts the sampled tokens only: the response holds those and the tool tokens.
+    tokens = sum(s.num_response_tokens for s in stats) + sums["tool_tokens"]
+    return {
+        f"{prefix}turns": sums["turns"] / sums["conversations"] if sums["conversations"] else None,
+        f"{prefix}tool_calls": sums["tool_calls"],
+        f"{prefix}tool_failures": sums["tool_failures"],
+        f"{prefix}tool_tokens": sums["tool_tokens"],
+        f"{prefix}tool_token_frac": sums["tool_tokens"] / tokens if tokens else None,
+        f"{prefix}ended_max_turns": sums["ended_max_turns"],
+        f"{prefix}ended_max_total_tokens": sums["ended_max_total_tokens"],
+        f"{prefix}tool_s": max(s.episodes.get("tool_s", 0.0) for s in stats),
+    }

@@ -12,7 +12,7 @@ from typing import Any
 from recipe_gkd.batch import RolloutStats, actor_rank_of
 from recipe_gkd.config import Divergence, GKDConfig
 from recipe_gkd.config.teachers import TeacherHandle, split_teachers, teacher_handles
-from recipe_gkd.observe.metrics import alignment_columns, process_memory_mb, teacher_columns
+from recipe_gkd.observe.metrics import alignment_columns, episode_columns, process_memory_mb, teacher_columns
 from recipe_gkd.runtime.pools import Pools, ShardHandle
 from recipe_gkd.targets import Target
 
@@ -80,6 +80,7 @@ def step_row(
         **teacher_columns(stats, handles.values(), ""),
         **teacher_loss_columns(cfg, train),
         **alignment_columns(stats),
+        **episode_columns(stats, ""),
         "sample_ids": sorted(i for s in stats for i in s.sample_ids),
         # Several teachers: the teacher that scored each of sample_ids (same order).
         **sample_teachers(handles, stats),
@@ -104,6 +105,7 @@ def eval_row(
         "eval_generate_s": max(s.timings["generate_s"] for s in stats),
         "eval_teacher_s": max(s.timings["teacher_s"] for s in stats),
         **teacher_columns(stats, teacher_handles(cfg).values(), "eval_"),
+        **episode_columns(stats, "eval_"),
         "eval_s": seconds,
     }
 

@@ -37,6 +37,7 @@ from recipe_gkd.config import (
     colocated_shares,
     weight_transport,
 )
+from recipe_gkd.config.derived import longest_sequence
 from recipe_gkd.config.rules import teacher_longest_sequence
 from recipe_gkd.config.teachers import TeacherHandle, teacher_handles, teacher_views
 from recipe_gkd.plan.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
@@ -164,7 +165,7 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
     last = shape.hidden_size + (embedding if (not shape.tie_word_embeddings or pp > 1) else 0)
     params = layers * shape.layer_params(tp) + (embedding + last if pp == 1 else max(embedding, last))
     optimizer_per_param = (12 if bf16 else 8) / (dp if m.distributed_optimizer else 1)
-    seq_len = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    seq_len = longest_sequence(cfg)[0]  # multi-turn: rollout.max_total_tokens
     tokens = a.max_tokens_per_micro_batch or a.micro_batch_size * seq_len
     per_rank = cfg.data.train_batch_size // dp
     micro_batches = (
@@ -356,7 +357,7 @@ def reload_layer(shape: Shape, tp: int, dtype_bytes: int) -> tuple[str, float]:
 
 def rollout_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
     r = cfg.rollout
-    max_len = cfg.data.max_prompt_length + r.sampling.max_new_tokens
+    max_len = longest_sequence(cfg)[0]
     # The rollout engine loads the student in the training precision (recipe_gkd/rollout/vllm.py).
     dtype_bytes = 4 if cfg.actor.precision == Precision.fp32 else 2
     gpus = r.nnodes * r.gpus_per_node
@@ -581,5 +582,8 @@ def hidden_shard_bytes(cfg: GKDConfig) -> int:
     max_new_tokens a sequence (0 for a kind without a payload of that size)."""
     per_token = build_target(cfg).payload_bytes_per_token()
     batches = 1 + PIPELINE_DEPTH[cfg.algorithm.schedule]
-    tokens = cfg.data.train_batch_size * cfg.rollout.sampling.max_new_tokens
+    # Response tokens a sequence: multi-turn conversations up to rollout.max_total_tokens.
+    tokens = cfg.data.train_batch_size * (
+        cfg.rollout.max_total_tokens if cfg.rollout.env else cfg.rollout.sampling.max_new_tokens
+    )
     return batches * tokens * per_token

@@ -30,7 +30,16 @@ class Engine(Protocol):
 
     tokenizer: Any
 
-    def generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None = None) -> list[Generation]: ...
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        greedy: bool,
+        seed: int | None = None,
+        max_new_tokens: list[int] | None = None,
+    ) -> list[Generation]:
+        """One response per prompt; `max_new_tokens` per prompt (None: rollout.sampling.max_new_tokens for all)."""
+        ...
 
     def update_weights(self, named: Iterator[tuple[str, Any]]) -> set[str]:
         """Load a whole version from a stream of (HF name, array or tensor); raise if any tensor is left stale."""

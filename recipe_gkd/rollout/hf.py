@@ -82,16 +82,30 @@ class HFEngine:
         self.expected = {name for name, _ in self.model.named_parameters()}
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None = None) -> list[Generation]:
-        """Responses to `prompts`; with `seed` the sampling is a function of (seed, weights, prompts)."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        greedy: bool,
+        seed: int | None = None,
+        max_new_tokens: list[int] | None = None,
+    ) -> list[Generation]:
+        """Responses to `prompts`; with `seed` the sampling is a function of (seed, weights, prompts).
+
+        `max_new_tokens`: each prompt's own limit (multi-turn rollouts: the room its conversation has left).
+        """
         if seed is not None:
             torch.manual_seed(seed)  # the rollout process's own generator: nothing else samples here
+        limits = max_new_tokens or [self.cfg.rollout.sampling.max_new_tokens] * len(prompts)
+        if len(limits) != len(prompts) or min(limits, default=1) < 1:
+            raise ValueError(f"max_new_tokens needs one limit >= 1 per prompt, got {limits} for {len(prompts)}")
         out: list[Generation] = []
         for first in range(0, len(prompts), GENERATE_CHUNK):
-            out.extend(self._generate_chunk(prompts[first : first + GENERATE_CHUNK], greedy))
+            chunk = slice(first, first + GENERATE_CHUNK)
+            out.extend(self._generate_chunk(prompts[chunk], greedy, limits[chunk]))
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], greedy: bool) -> list[Generation]:
+    def _generate_chunk(self, prompts: list[list[int]], greedy: bool, limits: list[int]) -> list[Generation]:
         if not prompts:
             return []
         s = self.cfg.rollout.sampling
@@ -99,8 +113,10 @@ class HFEngine:
         input_ids_BP, attention_BP = left_pad(prompts, tok.pad_token_id)
         width = input_ids_BP.shape[1]
         # top_k=0 disables top-k filtering explicitly: None would fall back to transformers' 50.
+        # The chunk runs to its longest limit; each response is cut at its own afterwards (a token sampled at
+        # position j does not depend on the tokens after it, so the cut equals a run with that limit).
         config = plain_generation_config(
-            tok, greedy=greedy, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k
+            tok, greedy=greedy, max_new_tokens=max(limits), temperature=s.temperature, top_p=s.top_p, top_k=s.top_k
         )
         config.return_dict_in_generate = True
         config.output_logits = True
@@ -118,7 +134,8 @@ class HFEngine:
         k_s = self.cfg.rollout.student_top_k
         topk_BNS = logits_BNV.topk(k_s, dim=-1).indices if k_s else None
         return [
-            self._cut(new_BN[i], logprobs_BN[i], None if topk_BNS is None else topk_BNS[i]) for i in range(len(prompts))
+            self._cut(new_BN[i, : limits[i]], logprobs_BN[i], None if topk_BNS is None else topk_BNS[i])
+            for i in range(len(prompts))
         ]
 
     def _cut(self, new_N: torch.Tensor, logprobs_N: torch.Tensor, topk_NS: torch.Tensor | None) -> Generation:

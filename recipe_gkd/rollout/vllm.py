@@ -34,6 +34,7 @@ import numpy as np
 
 from recipe_gkd.actor.hf_arch import MISTRAL_WEIGHT_FILES, SAFETENSORS_INDEX, hf_weight_files
 from recipe_gkd.config import Device, GKDConfig
+from recipe_gkd.config.derived import longest_sequence
 from recipe_gkd.rollout.engine import Generation
 from recipe_gkd.rollout.engine_thread import EngineThread
 from teacher_server.vllm_version import check_vllm_version
@@ -217,7 +218,7 @@ class VLLMEngine:
             worker_extension_cls=EXTENSION,
             load_format=load_format(cfg.model.student_path),
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            max_model_len=cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens,
+            max_model_len=longest_sequence(cfg)[0],
             enforce_eager=on_cpu,
             seed=cfg.data.seed,
             # rollout.student_top_k ids per sampled position (vLLM refuses more than max_logprobs).
@@ -239,10 +240,19 @@ class VLLMEngine:
             )
         self.expected = expected_update_names(cfg.model.student_path, self.tied)
 
-    def generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None = None) -> list[Generation]:
-        return self.thread.run(self._generate, prompts, greedy=greedy, seed=seed)
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        greedy: bool,
+        seed: int | None = None,
+        max_new_tokens: list[int] | None = None,
+    ) -> list[Generation]:
+        return self.thread.run(self._generate, prompts, greedy=greedy, seed=seed, max_new_tokens=max_new_tokens)
 
-    def _generate(self, prompts: list[list[int]], *, greedy: bool, seed: int | None) -> list[Generation]:
+    def _generate(
+        self, prompts: list[list[int]], *, greedy: bool, seed: int | None, max_new_tokens: list[int] | None
+    ) -> list[Generation]:
         from vllm import SamplingParams, TokensPrompt
 
         s = self.cfg.rollout.sampling
@@ -263,10 +273,16 @@ class VLLMEngine:
             flat_logprobs=True,
             detokenize=False,
         )
+        limits = max_new_tokens or [s.max_new_tokens] * len(prompts)
+        if len(limits) != len(prompts) or min(limits, default=1) < 1:
+            raise ValueError(f"max_new_tokens needs one limit >= 1 per prompt, got {limits} for {len(prompts)}")
         # One seed per prompt (seed + index): a resumed run samples what an uninterrupted one did.
-        per_prompt = [params if seed is None else params.clone() for _ in prompts]
-        if seed is not None:
-            for i, p in enumerate(per_prompt):
+        # One max_tokens per prompt (multi-turn: the room its conversation has left): LLM.generate takes one
+        # SamplingParams per prompt (vllm/entrypoints/llm.py, LLM.generate, 0.24 to 0.33).
+        per_prompt = [params.clone() for _ in prompts]
+        for i, p in enumerate(per_prompt):
+            p.max_tokens = limits[i]
+            if seed is not None:
                 p.seed = seed + i
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
         return [self._generation(o.outputs[0], self.cfg.rollout.student_top_k) for o in outputs]

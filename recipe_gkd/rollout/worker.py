@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,12 @@ from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encod
 from recipe_gkd.observe.metrics import TEACHER_SUMS, worker_memory_mb
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
+from recipe_gkd.rollout.multi_turn import (
+    MultiTurnRollout,
+    conversation_accuracy,
+    conversation_counts,
+    episode_seed,
+)
 from recipe_gkd.rollout.teacher_set import TeacherSet
 from recipe_gkd.teacher_prompt import own_prompt_encoder
 from recipe_gkd.weight_sync import PROBE_ROWS, from_host_arrays, probe_rows
@@ -48,6 +54,11 @@ class Generated:
     seconds: float
     # rollout.student_top_k: per response the engine's [n, k_s] top ids (None: not sampled, or k_s = 0).
     student_topk: list[np.ndarray | None]
+    # rollout.env (multi-turn): per response the tokens the student sampled, the environment's reward, and the
+    # batch's episode counters (multi_turn.conversation_counts); None / {} for single-turn rollouts.
+    sampled_masks: list[np.ndarray | None] | None = None
+    env_rewards: list[float] | None = None
+    episodes: dict[str, float] = field(default_factory=dict)
 
 
 def make_engine(cfg: GKDConfig) -> Engine:
@@ -71,6 +82,7 @@ class RolloutWorker:
         self.weight_version = 0
         self.engine: Engine | None = None
         self.teachers: TeacherSet | None = None
+        self.multi_turn: MultiTurnRollout | None = None  # rollout.env: conversations with an environment
         # two_step_off runs score(t+1) beside generate(t+2) in two threads of this worker:
         # the engine (generate, weight loads) and the teacher client each take one at a time.
         self._engine_lock = threading.Lock()
@@ -94,6 +106,8 @@ class RolloutWorker:
 
             torch.set_num_threads(threads)
         self.engine = make_engine(cfg)
+        if cfg.rollout.env:
+            self.multi_turn = MultiTurnRollout.from_config(cfg, self.engine)
         if scorer is None:
             self.teachers = TeacherSet.connect(cfg, self.engine.tokenizer, teacher_addresses)
         else:
@@ -155,6 +169,7 @@ class RolloutWorker:
             {"generate_s": generated.seconds, "teacher_s": teacher_s},
             dp_size,
             generated.weight_version,
+            generated.episodes,
         )
 
     def produce_eval(self, dp_size: int) -> tuple[RolloutStats, list[TrainShard]]:
@@ -164,9 +179,8 @@ class RolloutWorker:
         with self._engine_lock:
             generated = self._generate(prompts, greedy=True, mix_from=None)
         sequences, teacher_s = self._score(generated, "data.eval_files")
-        return self._publish(
-            -1, sequences, {"generate_s": generated.seconds, "teacher_s": teacher_s}, dp_size, generated.weight_version
-        )
+        timings = {"generate_s": generated.seconds, "teacher_s": teacher_s}
+        return self._publish(-1, sequences, timings, dp_size, generated.weight_version, generated.episodes)
 
     def eval_records(self) -> list[dict[str, Any]]:
         """The held-out records every evaluation reads: the first data.eval_batch_size of data.eval_files."""
@@ -184,6 +198,8 @@ class RolloutWorker:
         """
         from recipe_gkd.rollout.answer_accuracy import model_answer_accuracy
 
+        if self.multi_turn is not None:  # one teacher, no prompt of its own (config rules)
+            return self._teacher_conversations()
         cfg = self.cfg
         handles = teacher_handles(cfg)
         # Several teachers: each record's own teacher answers it (docs/teachers.md).
@@ -202,6 +218,17 @@ class RolloutWorker:
         ]
         return AnswerAccuracy(*(sum(getattr(p, f) for p in parts) for f in ("correct", "answered", "records")))
 
+    def _teacher_conversations(self) -> AnswerAccuracy:
+        """rollout.env: the teacher model holds the held-out conversations greedily, as the student's evaluation does
+        (an HF engine on the teacher's files, in this process)."""
+        from recipe_gkd.rollout.hf import HFEngine
+
+        cfg = self.cfg
+        teacher_dir = teacher_handles(cfg)[DEFAULT_TEACHER].section.model_path
+        as_teacher = replace(cfg, model=replace(cfg.model, student_path=teacher_dir, tokenizer_path=""))
+        loop = MultiTurnRollout.from_config(as_teacher, HFEngine(as_teacher))
+        return conversation_accuracy(loop, self.eval_records(), cfg.data.answer_key, cfg.data.seed)
+
     def _remember_position(self, batch: int) -> None:
         self._position_after[batch] = self.train_stream.position
         for old in [b for b in self._position_after if b <= batch - POSITIONS_KEPT]:
@@ -210,6 +237,8 @@ class RolloutWorker:
     def _generate(self, prompts: list[Prompt], greedy: bool, mix_from: int | None) -> Generated:
         """Responses to `prompts`: sampled by the student, or the dataset's (off-policy, 1 - lmbda)."""
         assert self.engine is not None, "call setup() first"
+        if self.multi_turn is not None:
+            return self._converse(prompts, greedy, mix_from)
         tokenizer = self.engine.tokenizer
         prompt_ids = [self._encode(p) for p in prompts]
         on_policy = [True] * len(prompts) if mix_from is None else self._on_policy_flags(mix_from, len(prompts))
@@ -231,6 +260,36 @@ class RolloutWorker:
         seconds = time.perf_counter() - start
         return Generated(prompts, prompt_ids, on_policy, responses, self.weight_version, seconds, student_topk)
 
+    def _converse(self, prompts: list[Prompt], greedy: bool, mix_from: int | None) -> Generated:
+        """rollout.env: each prompt's whole conversation with its environment (recipe_gkd/rollout/multi_turn.py).
+
+        Seeds as single-turn sampling's (the batch's first stream position; per turn derived from it), and each
+        environment's from (data.seed, sample id, epoch): a resumed run holds the same conversations.
+        """
+        assert self.multi_turn is not None
+        start = time.perf_counter()
+        tool_s = self.multi_turn.tool_seconds
+        conversations = [
+            self.multi_turn.start(p.sample_id, p.record, episode_seed(self.cfg.data.seed, p.sample_id, p.epoch))
+            for p in prompts
+        ]
+        seed = None if mix_from is None else self._sampling_seed(mix_from)
+        self.multi_turn.run(conversations, greedy=greedy, seed=seed)
+        seconds = time.perf_counter() - start
+        episodes = {**conversation_counts(conversations), "tool_s": self.multi_turn.tool_seconds - tool_s}
+        return Generated(
+            prompts,
+            [c.prompt_ids for c in conversations],
+            [True] * len(prompts),
+            [(c.response_ids, c.rollout_logprobs()) for c in conversations],
+            self.weight_version,
+            seconds,
+            [None] * len(prompts),
+            sampled_masks=[c.sampled_mask() for c in conversations],
+            env_rewards=[c.reward for c in conversations],
+            episodes=episodes,
+        )
+
     def _score(self, generated: Generated, source: str) -> tuple[list[Sequence], float]:
         """Each record's teacher's top-k for every response token of `generated`; returns the sequences and seconds."""
         assert self.teachers is not None, "call setup() first"
@@ -248,6 +307,11 @@ class RolloutWorker:
                 teachers, ids, starts, generated.student_topk, [p.record for p in generated.prompts], where
             )
         teacher_s = time.perf_counter() - start
+        n = len(generated.prompts)
+        masks = generated.sampled_masks or [None] * n
+        rewards = generated.env_rewards or [
+            self._reward(p, r) for p, (r, _) in zip(generated.prompts, generated.responses, strict=True)
+        ]
         sequences = [
             Sequence(
                 sample_id=prompt.sample_id,
@@ -261,11 +325,21 @@ class RolloutWorker:
                 # The target kind's own arrays (the teacher's hidden states, the cross-tokenizer spans), if any.
                 payload=self.teachers.target.payload(scored, teacher),
                 rollout_logprobs=rollout_lp,
-                reward=self._reward(prompt, response),
+                reward=reward,
                 teacher=teacher,
+                sampled_mask=mask,
             )
-            for prompt, seq, first, on, (response, rollout_lp), scored, teacher in zip(
-                generated.prompts, ids, starts, generated.on_policy, generated.responses, scores, teachers, strict=True
+            for prompt, seq, first, on, (_, rollout_lp), scored, teacher, reward, mask in zip(
+                generated.prompts,
+                ids,
+                starts,
+                generated.on_policy,
+                generated.responses,
+                scores,
+                teachers,
+                rewards,
+                masks,
+                strict=True,
             )
         ]
         return sequences, teacher_s
@@ -302,7 +376,13 @@ class RolloutWorker:
         return answer_reward(text, str(answer), self.cfg.data.answer_match)
 
     def _publish(
-        self, step: int, sequences: list[Sequence], timings: dict[str, float], dp_size: int, weight_version: int
+        self,
+        step: int,
+        sequences: list[Sequence],
+        timings: dict[str, float],
+        dp_size: int,
+        weight_version: int,
+        episodes: dict[str, float],
     ) -> tuple[RolloutStats, list[TrainShard]]:
         # Sequence j of this worker goes to actor rank (global index) % dp: every rank gets
         # the same count when the global batch divides by dp (config.validate checks that).
@@ -310,6 +390,7 @@ class RolloutWorker:
         for j, seq in enumerate(sequences):
             shards[actor_rank_of(self.rank, len(sequences), j, dp_size)].sequences.append(seq)
         stats = summarize(step, weight_version, sequences, timings)
+        stats.episodes = episodes
         if self.cfg.debug.log_memory:
             stats.memory_mb = worker_memory_mb(f"rollout{self.rank}")
         return stats, shards

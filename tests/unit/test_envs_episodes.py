@@ -34,8 +34,8 @@ def test_registry_by_name() -> None:
     assert isinstance(build_environment("calculator", max_turns=3), CalculatorEnv)
     with pytest.raises(ValueError, match="unknown environment 'calc'; known environments: calculator, python"):
         build_environment("calc")
-    with pytest.raises(TypeError, match="tool_timeout_s"):  # an option of another environment
-        build_environment("calculator", tool_timeout_s=5.0)
+    with pytest.raises(TypeError, match="memory_mib"):  # an option of another environment
+        build_environment("calculator", memory_mib=64)
 
 
 def test_calculator_episode() -> None:
