@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from teacher_server import hidden_codec
-from teacher_server import protocol as P
-from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
-from teacher_server.client import TeacherClient
-from teacher_server.launcher import launch_teacher
+from teacher_server.client.launcher import launch_teacher
+from teacher_server.client.zmq_client import TeacherClient
+from teacher_server.server.backends import Backend, BackendOptions, load_backend, parsed_request
+from teacher_server.wire import hidden_codec
+from teacher_server.wire import protocol as P
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_teacher.json"
 BYTES_RESULTS = Path(__file__).resolve().parent / "results" / "bench_teacher_bytes.json"

@@ -11,11 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.
-from teacher_server.config import (
-    TeacherConfig,
-    bounded,
-    one_of,
-)
+from teacher_server.config.fields import bounded, one_of
+from teacher_server.config.teacher import TeacherConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from teacher_server.model_refs import HUB_ID
+from teacher_server.config.model_refs import HUB_ID
 
 
 @dataclass(frozen=True)

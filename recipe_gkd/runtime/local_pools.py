@@ -32,7 +32,7 @@ from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.runtime.pools import Pending, Pools
 from recipe_gkd.targets import build_target
 from recipe_gkd.weight_sync import MIB, TimedIterator, iter_buckets
-from teacher_server.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherTopK
 
 
 @dataclass
@@ -146,7 +146,7 @@ class InProcessTeacher:
     """
 
     def __init__(self, cfg: GKDConfig) -> None:
-        from teacher_server.backends import BackendOptions, load_backend
+        from teacher_server.server.backends import BackendOptions, load_backend
 
         t = cfg.teacher
         if t.backend.value != "hf":
@@ -162,7 +162,7 @@ class InProcessTeacher:
     def score(
         self, sequences: list[np.ndarray], score_from: list[int], named_ids: list[np.ndarray] | None = None
     ) -> list[TeacherTopK]:
-        from teacher_server.backends import parsed_request
+        from teacher_server.server.backends import parsed_request
 
         request = parsed_request(
             sequences,

@@ -193,7 +193,7 @@ def export_bytes(student: str) -> float:
     from safetensors import safe_open
 
     from recipe_gkd.actor.hf_arch import hf_weight_files
-    from teacher_server.model_refs import resolve_model_ref
+    from teacher_server.config.model_refs import resolve_model_ref
 
     root = Path(resolve_model_ref(student, "model.student_path"))
     config = json.loads((root / "config.json").read_text())

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import zmq
 
-from teacher_server import protocol as P
-from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
-from teacher_server.client import TeacherClient, TeacherMismatchError, TeacherRequestError, split_balanced
-from teacher_server.launcher import TeacherLaunchError, TeacherProcess, launch_teacher, start_teacher
+from teacher_server.client.launcher import TeacherLaunchError, TeacherProcess, launch_teacher, start_teacher
+from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError, TeacherRequestError, split_balanced
+from teacher_server.server.backends import Backend, BackendOptions, load_backend, parsed_request
+from teacher_server.wire import protocol as P
 
 VOCAB = 102
 MAX_TOP_K = 64

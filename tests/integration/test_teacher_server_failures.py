@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import zmq
 
-from teacher_server import protocol as P
-from teacher_server.client import (
+from teacher_server.client.zmq_client import (
     TeacherClient,
     TeacherDeadError,
     TeacherMismatchError,
     TeacherRequestError,
     TeacherTimeoutError,
 )
-from teacher_server.server import Frontend, FrontendOptions
+from teacher_server.server.frontend import Frontend, FrontendOptions
+from teacher_server.wire import protocol as P
 
 VOCAB = 50
 HEARTBEAT_S = 0.1

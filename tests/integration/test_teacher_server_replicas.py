@@ -14,10 +14,10 @@ import pytest
 import zmq
 from test_teacher_server import VOCAB, write_teacher_yaml
 
-from teacher_server import protocol as P
-from teacher_server.backends import BackendOptions, load_backend, parsed_request
-from teacher_server.client import TeacherClient
-from teacher_server.launcher import TeacherProcess, launch_teacher
+from teacher_server.client.launcher import TeacherProcess, launch_teacher
+from teacher_server.client.zmq_client import TeacherClient
+from teacher_server.server.backends import BackendOptions, load_backend, parsed_request
+from teacher_server.wire import protocol as P
 
 READY_TIMEOUT_S = 180.0
 WAIT_S = 120.0

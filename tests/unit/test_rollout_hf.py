@@ -12,7 +12,7 @@ from recipe_gkd.config import load_config
 from recipe_gkd.rollout.hf import HFEngine
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.tiny_models import build_tiny_causal_lm
-from teacher_server.protocol import TeacherTopK, scores_from_logprobs
+from teacher_server.wire.protocol import TeacherTopK, scores_from_logprobs
 
 
 class HFTopKScorer:

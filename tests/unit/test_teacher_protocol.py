@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from recipe_gkd.config import ConfigError, load_config
-from teacher_server import idcodec
-from teacher_server import protocol as P
-from teacher_server.backends import token_budget_groups
-from teacher_server.client import split_balanced
-from teacher_server.settings import derive_replica_address, load_settings, load_teacher_file
+from teacher_server.client.zmq_client import split_balanced
+from teacher_server.server.backends import token_budget_groups
+from teacher_server.server.settings import derive_replica_address, load_settings, load_teacher_file
+from teacher_server.wire import idcodec
+from teacher_server.wire import protocol as P
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 102
@@ -25,9 +25,9 @@ VOCAB = 102
 
 def test_import_teacher_server_imports_no_engine() -> None:
     code = (
-        "import sys, teacher_server, teacher_server.protocol, teacher_server.client, teacher_server.server, "
-        "teacher_server.launcher, teacher_server.settings, teacher_server.supervisor, teacher_server.replica, "
-        "teacher_server.backends, teacher_server.__main__\n"
+        "import sys, teacher_server, teacher_server.wire.protocol, teacher_server.client.zmq_client, teacher_server.server.frontend, "
+        "teacher_server.client.launcher, teacher_server.server.settings, teacher_server.server.supervisor, teacher_server.server.replica, "
+        "teacher_server.server.backends, teacher_server.__main__\n"
         "print(sorted(m for m in ('vllm', 'transformers', 'torch') if m in sys.modules))"
     )
     out = subprocess.run(
@@ -176,7 +176,7 @@ def test_named_ids_roundtrip_and_cost_per_scored_token(id_encoding: str) -> None
 @pytest.mark.parametrize(("hidden_dtype", "half_ulp"), [("bfloat16", 2.0**-8), ("float16", 2.0**-11)])
 def test_hidden_states_roundtrip_at_two_bytes_per_value(hidden_dtype: str, half_ulp: float) -> None:
     """teacher.output=hidden: one more reply frame of 2 bytes per value; values round to nearest, exact once rounded."""
-    from teacher_server import hidden_codec
+    from teacher_server.wire import hidden_codec
 
     rng = np.random.default_rng(8)
     n_scored, hidden = [5, 0, 3], 48
@@ -312,7 +312,7 @@ def test_hf_backend_matches_float64_reference(tiny_model_dir: Path, temperature:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from teacher_server.backends import BackendOptions, load_backend, parsed_request
+    from teacher_server.server.backends import BackendOptions, load_backend, parsed_request
 
     top_k = 16
     # A small token budget forces several padded groups.
@@ -345,7 +345,7 @@ def test_hf_backend_top_k_zero_scores_the_sampled_tokens(tiny_model_dir: Path) -
     import torch
     from transformers import AutoModelForCausalLM
 
-    from teacher_server.backends import BackendOptions, load_backend, parsed_request
+    from teacher_server.server.backends import BackendOptions, load_backend, parsed_request
 
     backend = load_backend("hf", BackendOptions(str(tiny_model_dir), max_top_k=64, max_batch_tokens=64))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -448,10 +448,10 @@ def test_the_teacher_server_refuses_the_openai_backend() -> None:
 
 
 def test_a_text_request_weighs_its_estimated_tokens_for_dispatch() -> None:
-    """The frontend sends a request to the replica with the fewest outstanding tokens (teacher_server/server.py `_pick`):
+    """The frontend sends a request to the replica with the fewest outstanding tokens (teacher_server/server/frontend.py `_pick`):
     a text request, not rendered yet, weighs its text's bytes / 4 + 1 per conversation, not 0 (with 0, every
     cross-tokenizer request went to one replica)."""
-    from teacher_server.conversation import Conversation
+    from teacher_server.wire.conversation import Conversation
 
     short = Conversation([{"role": "user", "content": "rev:abc"}], "", "cba", True)
     long = Conversation([{"role": "user", "content": "naïve " * 40}], "", "日本 " * 30, False)
@@ -474,7 +474,7 @@ def test_a_server_without_text_requests_is_refused_at_connect_naming_the_key(
     from recipe_gkd.config import load_config
     from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
     from recipe_gkd.main import EXIT_BAD_CONFIG, exit_code_for
-    from teacher_server.client import TeacherClient, TeacherMismatchError
+    from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError
 
     fields = {
         f: getattr(P.HelloReply(1, 1, "s", "m", 10, "h", 8, [], [], 1, 1, "hf", True), f)

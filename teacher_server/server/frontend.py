@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from teacher_server import protocol as P
+from teacher_server.wire import protocol as P
 
 log = logging.getLogger("teacher_server.frontend")
 

@@ -27,11 +27,11 @@ import msgspec
 import numpy as np
 import zmq
 
-from teacher_server import protocol as P
-from teacher_server.conversation import Conversation
+from teacher_server.wire import protocol as P
+from teacher_server.wire.conversation import Conversation
 
 if TYPE_CHECKING:
-    from teacher_server.config import TeacherConfig
+    from teacher_server.config.teacher import TeacherConfig
 
 PING_INTERVAL_S = 1.0
 BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
@@ -138,7 +138,7 @@ class TeacherClient:
         teacher.output=hidden: requests ask for the hidden states and no top-k (top_k 0: the hidden
         states give the whole distribution, the sampled token's logprob still comes along).
         """
-        from teacher_server.config import TeacherOutput
+        from teacher_server.config.teacher import TeacherOutput
 
         hidden = teacher.output == TeacherOutput.hidden
         return cls(
@@ -201,7 +201,7 @@ class TeacherClient:
 
     def score_conversations(self, conversations: Sequence[Conversation]) -> list[P.TeacherTopK]:
         """The teacher's scores of each conversation's response in the teacher's own tokens (algorithm.cross_tokenizer):
-        the server renders them (teacher_server/conversation.py); each result also carries its token ids and their
+        the server renders them (teacher_server/wire/conversation.py); each result also carries its token ids and their
         byte ranges in the response text. A conversation the teacher cannot render raises TeacherMismatchError.
         """
         if not conversations:
@@ -306,7 +306,7 @@ class TeacherClient:
             raise TeacherMismatchError(
                 f"rollout.student_top_k={named_k} ids per position, but the {server.backend} teacher server scores "
                 f"at most {server.max_named_ids} named ids (0: a server without the feature, or a backend that "
-                "cannot; a vllm backend needs vLLM's V2 model runner, see teacher_server/backends/vllm.py): lower "
+                "cannot; a vllm backend needs vLLM's V2 model runner, see teacher_server/server/backends/vllm.py): lower "
                 "rollout.student_top_k, or set algorithm.support=teacher_topk"
             )
         return named_k

@@ -45,10 +45,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from teacher_server import hidden_codec, idcodec
-from teacher_server.conversation import Conversation, estimated_tokens
-from teacher_server.identity import AUTH_CONTEXT, auth_token, read_secret, tokenizer_fingerprint  # noqa: F401
-from teacher_server.scores import (  # noqa: F401 - re-exported: the wire's result types
+from teacher_server.wire import hidden_codec, idcodec
+from teacher_server.wire.conversation import Conversation, estimated_tokens
+from teacher_server.wire.identity import AUTH_CONTEXT, auth_token, read_secret, tokenizer_fingerprint  # noqa: F401
+from teacher_server.wire.scores import (  # noqa: F401 - re-exported: the wire's result types
     TeacherTopK,
     TopKBatch,
     canonical_order,

@@ -1,6 +1,6 @@
 """One teacher replica process: load the backend, then serve the frontend over a DEALER socket.
 
-    python -m teacher_server.replica --spec '<ReplicaSpec as JSON>'
+    python -m teacher_server.server.replica --spec '<ReplicaSpec as JSON>'
 
 Started by the supervisor (`python -m teacher_server`) with CUDA_VISIBLE_DEVICES set to its
 GPUs. The main thread owns the socket (work in, results out, a Register heartbeat every
@@ -27,10 +27,10 @@ import msgspec
 import numpy as np
 import zmq
 
-from teacher_server import hidden_codec
-from teacher_server import protocol as P
-from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
-from teacher_server.conversation import Renderer, RenderError
+from teacher_server.server.backends import Backend, BackendOptions, load_backend, parsed_request
+from teacher_server.wire import hidden_codec
+from teacher_server.wire import protocol as P
+from teacher_server.wire.conversation import Renderer, RenderError
 
 log = logging.getLogger("teacher_server.replica")
 
@@ -69,7 +69,7 @@ def self_test_request(options: BackendOptions) -> P.ParsedRequest:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m teacher_server.replica")
+    parser = argparse.ArgumentParser(prog="python -m teacher_server.server.replica")
     parser.add_argument("--spec", required=True, help="ReplicaSpec as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -220,7 +220,7 @@ class ReplicaLoop:
         )
 
     def _render(self, request: P.ParsedRequest) -> tuple[P.ParsedRequest, np.ndarray, np.ndarray]:
-        """A text request in this teacher's tokens (teacher_server/conversation.py): the id request, and the
+        """A text request in this teacher's tokens (teacher_server/wire/conversation.py): the id request, and the
         token at each scored position [N] with its byte range in the response text [N, 2]."""
         if self._renderer is None:
             from transformers import AutoTokenizer
