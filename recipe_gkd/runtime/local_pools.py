@@ -8,8 +8,10 @@ one_step_off runs before the actor trains on batch t, so it samples with the wei
 step, exactly what the overlapped Ray run samples with (its weight sync waits for generation).
 A worker's error is kept and raised when its work is awaited, as on Ray.
 
-Nothing here is bounded by a timeout: this is for tests and experiments on one machine, not a
-way to run a job (`python -m recipe_gkd.main` always runs on Ray).
+Product use: the self-check's stage 0 (recipe_gkd/selfcheck/stage0_actor.py `loop_check`) runs the whole loop
+this way on a machine without Ray or vLLM; the golden trajectories (benchmarks/golden_targets.py) and the tests
+run `gkd.train` through it too. Nothing here is bounded by a timeout: it rehearses the loop on one machine and
+is not a way to run a job (`python -m recipe_gkd.main` always runs on Ray).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def student_dir(models: Path, sizes: Sizes) -> Path:
 def student_model(models: Path, sizes: Sizes) -> Path:
     """The random model of the stage's shape (Qwen3 family, char tokenizer), built once under `models`
     (kept between runs: a rerun skips building it)."""
-    from recipe_gkd.tiny_models import build_tiny_causal_lm
+    from recipe_gkd.offline_models import build_tiny_causal_lm
 
     target = student_dir(models, sizes)
     if not (target / "config.json").is_file():

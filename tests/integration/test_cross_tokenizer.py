@@ -13,7 +13,7 @@ from test_recipe_smoke import run_cli
 from test_teacher_server import READY_TIMEOUT_S, write_teacher_yaml
 
 from recipe_gkd.observe.metrics import read_metrics
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 from teacher_server.client.launcher import TeacherProcess, launch_teacher
 from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError
 from teacher_server.server.backends import BackendOptions, load_backend, parsed_request

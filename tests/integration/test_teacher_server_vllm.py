@@ -30,7 +30,7 @@ READY_TIMEOUT_S = 300.0
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with head_dim 32: vLLM's CPU attention has no kernel for the default 16."""
-    from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+    from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 
     spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
     return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny_vllm"), seed=0, spec=spec)
@@ -148,7 +148,7 @@ def test_vllm_refuses_temperatures_other_than_one(vllm_backend: Backend) -> None
 @pytest.fixture(scope="module")
 def vllm_bpe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """vllm_model_dir's shape with a Llama-3-shaped byte-level BPE and chat template (text requests need one)."""
-    from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+    from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 
     spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
     return build_tiny_causal_lm(tmp_path_factory.mktemp("vllm_bpe"), seed=0, spec=spec, tokenizer_kind="llama3_bpe")

@@ -15,9 +15,9 @@ from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
 from recipe_gkd.config.rules import teacher_longest_sequence
 from recipe_gkd.config.teachers import teacher_handles, teacher_views
 from recipe_gkd.data import check_record_fields
+from recipe_gkd.offline_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
 from recipe_gkd.rollout.teacher_set import TeacherSet
 from recipe_gkd.teacher_prompt import FieldPrompt, StudentPrompt, TemplatePrompt
-from recipe_gkd.tiny_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
 from teacher_server.wire.protocol import TeacherTopK
 
 DEMO = CONFIG_DIR / "presets" / "cpu_demo.yaml"
