@@ -29,6 +29,7 @@ import zmq
 
 from teacher_server.wire import protocol as P
 from teacher_server.wire.conversation import Conversation
+from teacher_server.wire.score_frames import parse_score_reply, request_frames
 
 if TYPE_CHECKING:
     from teacher_server.config.teacher import TeacherConfig
@@ -213,7 +214,7 @@ class TeacherClient:
         ]
         chunks = split_balanced([max(1, 4 * n) for n in sizes], self.max_inflight, TEXT_CHUNK_BYTES)
         requests = [
-            P.request_frames(
+            request_frames(
                 0,
                 [],
                 [],
@@ -324,7 +325,7 @@ class TeacherClient:
         replica: str,
         named_ids: Sequence[np.ndarray] | None,
     ) -> list[bytes]:
-        return P.request_frames(
+        return request_frames(
             0,  # the real request id is set at each send
             arrays[lo:hi],
             score_from[lo:hi],
@@ -440,7 +441,7 @@ class TeacherClient:
         del state.pending[reply.request_id]
         if isinstance(reply, P.ScoreReply):
             try:
-                state.results[pending.chunk] = P.parse_score_reply(reply, [f.buffer for f in frames[1:]])
+                state.results[pending.chunk] = parse_score_reply(reply, [f.buffer for f in frames[1:]])
             except P.ProtocolError as err:
                 raise TeacherRequestError(err.code, err.message) from None
         elif isinstance(reply, expect):

@@ -19,6 +19,7 @@ from teacher_server.client.launcher import TeacherProcess, launch_teacher
 from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError
 from teacher_server.server.backends import Backend, BackendOptions, load_backend, parsed_request
 from teacher_server.wire import protocol as P
+from teacher_server.wire.score_frames import RequestLimits, parse_score_request
 
 pytestmark = pytest.mark.vllm
 TOP_K = 16
@@ -138,10 +139,10 @@ def test_vllm_refuses_temperatures_other_than_one(vllm_backend: Backend) -> None
     assert not vllm_backend.info.supports_temperature
     with pytest.raises(ValueError, match=r"teacher\.temperature"):
         vllm_backend.score(parsed_request([[1, 2, 3]], [1], top_k=4, temperature=0.7))
-    limits = P.RequestLimits(VOCAB, 64, 1 << 20, supports_temperature=False)
+    limits = RequestLimits(VOCAB, 64, 1 << 20, supports_temperature=False)
     request = P.ScoreRequest(P.PROTOCOL_VERSION, 1, [3], [1], 4, 0.7)
     with pytest.raises(P.ProtocolError) as err:
-        P.parse_score_request(request, [np.array([1, 2, 3], np.int32).tobytes()], limits)
+        parse_score_request(request, [np.array([1, 2, 3], np.int32).tobytes()], limits)
     assert err.value.code == P.ErrorCode.UNSUPPORTED
 
 

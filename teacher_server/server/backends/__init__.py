@@ -13,7 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
-from teacher_server.wire.protocol import TOKEN_DTYPE, ParsedRequest, TopKBatch
+from teacher_server.wire.protocol import TOKEN_DTYPE, TopKBatch
+from teacher_server.wire.score_frames import ParsedRequest
 
 BACKENDS = ("hf", "vllm")
 

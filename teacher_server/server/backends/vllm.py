@@ -75,7 +75,6 @@ from teacher_server.server.backends import BackendOptions, ModelInfo
 from teacher_server.vllm_version import check_vllm_version
 from teacher_server.wire import hidden_codec
 from teacher_server.wire.protocol import (
-    ParsedRequest,
     TeacherTopK,
     TopKBatch,
     canonical_order,
@@ -83,6 +82,7 @@ from teacher_server.wire.protocol import (
     tail_from_topk,
     tokenizer_fingerprint,
 )
+from teacher_server.wire.score_frames import ParsedRequest
 
 
 class VLLMBackend:
