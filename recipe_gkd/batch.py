@@ -76,7 +76,30 @@ class Sequence:
 
     @property
     def num_response_tokens(self) -> int:
+        """Every response token, sampled or not (the teacher's arrays have this many rows)."""
         return len(self.input_ids) - self.response_start
+
+    def sampled_rows(self) -> np.ndarray:
+        """bool [L - response_start]: the response tokens the student sampled (all of them without a sampled_mask)."""
+        if self.sampled_mask is None:
+            return np.ones(self.num_response_tokens, dtype=bool)
+        return np.asarray(self.sampled_mask, dtype=bool)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """The response tokens the student sampled: what the losses and the metrics count."""
+        return self.num_response_tokens if self.sampled_mask is None else int(np.count_nonzero(self.sampled_mask))
+
+
+def trained_rows(seq: Sequence, mask_tool_tokens: bool) -> np.ndarray:
+    """bool [L - response_start]: the response tokens the loss trains on: the sampled ones, or every one with
+    algorithm.mask_tool_tokens=false (the ablation)."""
+    return seq.sampled_rows() if mask_tool_tokens else np.ones(seq.num_response_tokens, dtype=bool)
+
+
+def trained_tokens(seq: Sequence, mask_tool_tokens: bool) -> int:
+    """How many of `seq`'s response tokens the loss trains on (`trained_rows`)."""
+    return seq.num_sampled_tokens if mask_tool_tokens else seq.num_response_tokens
 
 
 @dataclass
@@ -108,6 +131,7 @@ class RolloutStats:
     step: int
     weight_version: int
     num_sequences: int
+    # Response tokens the student sampled (Sequence.num_sampled_tokens): a tool's output is not counted.
     num_response_tokens: int
     sample_ids: list[int]
     timings: dict[str, float]
@@ -121,6 +145,7 @@ class RolloutStats:
     onpolicy_rewarded: int = 0
     offpolicy_reward_sum: float = 0.0
     offpolicy_rewarded: int = 0
+    # Every sum below is over the response tokens the student sampled (Sequence.sampled_rows).
     # Sum over response tokens of the teacher's top-k mass (1 - the server's exact tail mass).
     teacher_topk_mass_sum: float = 0.0
     # On-policy response tokens, and the sums of the student's (at sampling) and the teacher's

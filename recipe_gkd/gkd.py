@@ -17,56 +17,36 @@
 The loop talks to its workers through recipe_gkd/runtime/pools.py: on Ray (runtime/ray_pools.py, every run)
 the driver holds no model and no per-token data, it passes object refs between the pools;
 in-process (runtime/local_pools.py, the tests) the same loop runs with the workers as plain objects.
+What each step logs is built in observe/rows.py, the report after training in observe/report.py.
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from recipe_gkd.batch import RolloutStats, actor_rank_of
-from recipe_gkd.config import (
-    PIPELINE_DEPTH,
-    Divergence,
-    GKDConfig,
-    to_dict,
-    weight_transport,
-)
-from recipe_gkd.config.teachers import split_teachers, teacher_handles, teacher_sections
+from recipe_gkd.batch import RolloutStats
+from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, to_dict
+from recipe_gkd.config.teachers import teacher_handles
 from recipe_gkd.observe import console
 from recipe_gkd.observe.divergence_watch import DIVERGENCE_FILE, DivergenceWatch
-from recipe_gkd.observe.metrics import (
-    EVAL_FILE,
-    MetricsLogger,
-    alignment_columns,
-    process_memory_mb,
-    read_metrics,
-    teacher_columns,
-)
-from recipe_gkd.observe.plots import before_after_table, plot_run
+from recipe_gkd.observe.metrics import MetricsLogger
+from recipe_gkd.observe.report import FINAL_EXPORT_DIR, report, teacher_accuracy
+from recipe_gkd.observe.rows import MEMORY_SUFFIXES, eval_row, eval_teacher_kls, memory_row, step_row
 from recipe_gkd.plan.placement import PlacementPlan
-from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
+from recipe_gkd.rollout.teacher import teacher_service
 from recipe_gkd.runtime import checkpoint
-from recipe_gkd.runtime.pools import Pending, Pools, RolloutPool, ShardHandle
+from recipe_gkd.runtime.pools import Pending, Pools, ShardHandle
 from recipe_gkd.runtime.ray_cluster import ray_cluster
 from recipe_gkd.runtime.ray_pools import launch_pools
-from recipe_gkd.targets import Target, build_target
-from recipe_gkd.weight_sync import SYNC_TOLERANCE, WeightSyncError, check_due, logprob_diffs, worst_tensor
+from recipe_gkd.targets import build_target
+from recipe_gkd.weight_sync import WeightSyncError, check_due, logprob_diffs, sync_check_failure, sync_tolerance
 
-FINAL_EXPORT_DIR = "final_student"
+__all__ = ["FINAL_EXPORT_DIR", "RunDiverged", "RunStopped", "run", "train"]
 # Teacher failures that survived the client's retries (bounded by teacher.timeout_s): the run stops.
 TEACHER_DOWN_ERRORS = ("TeacherDeadError", "TeacherTimeoutError")
-# The actor's statistics of the sampled-token objective (algorithm.divergence=sampled_reverse_kl).
-POLICY_KEYS = ("advantage_mean", "ratio_mean", "ratio_min", "ratio_max", "ratio_clipped_frac")
-# Per-worker memory keys (debug.log_memory), e.g. actor1_rss_mb, rollout0_gpu_peak_mb.
-MEMORY_SUFFIXES = ("_rss_mb", "_gpu_peak_mb")
 
 
 class RunStopped(RuntimeError):
@@ -107,78 +87,6 @@ def metrics_logger(cfg: GKDConfig) -> MetricsLogger:
     return MetricsLogger(tr.run_dir, tr.loggers, tr.total_steps, wandb=tr.wandb, run_config=to_dict(cfg))
 
 
-def teacher_accuracy(cfg: GKDConfig, rollout: RolloutPool) -> tuple[AnswerAccuracy | None, str]:
-    """The teacher's held-out accuracy for the report, and the line saying what it counts (or why it is missing).
-
-    CPU runs with an HF teacher only: on GPU clusters the teacher's GPUs belong to the server.
-    After training: a failure here is reported in that line and never fails a run that trained.
-    """
-    if not (cfg.trainer.eval_every and cfg.cluster.device.value == "cpu" and cfg.teacher.backend.value == "hf"):
-        return None, ""
-    # A teacher with a prompt of its own (privileged context) is measured from both prompts: what the student can
-    # reach from its own prompt, and what the teacher's context adds (docs/privileged_teacher.md).
-    privileged = any(h.prompt.privileged for h in teacher_handles(cfg).values())
-    try:
-        measured = rollout.teacher_accuracy()
-        own = rollout.teacher_accuracy(own_prompt=True) if privileged else None
-    except Exception as err:  # noqa: BLE001 -- the student is trained and exported; the report says what failed
-        return None, f"teacher held-out accuracy: not measured ({_one_line(err)})"
-    line = measured.describe("teacher held-out accuracy", cfg.data.answer_key)
-    if own is not None:
-        line += "\n" + own.describe(
-            "teacher held-out accuracy from its own prompt (privileged context)", cfg.data.answer_key
-        )
-    return measured, line
-
-
-def report(cfg: GKDConfig, teacher: AnswerAccuracy | None = None, teacher_line: str = "") -> None:
-    """Plots, the before/after table (also saved as summary.txt) and where the student went.
-
-    Runs after the export: nothing here may fail a run that trained (a plot that cannot be drawn is
-    said so in the summary).
-    """
-    run_dir = Path(cfg.trainer.run_dir)
-    lines = [
-        f"run directory: {run_dir.resolve()}",
-        f"exported student: {run_dir.resolve() / FINAL_EXPORT_DIR}",
-        f"third-party warnings and banners: {console.log_path(run_dir).resolve()}",
-    ]
-    if cfg.trainer.eval_every:
-        evals = read_metrics(run_dir, EVAL_FILE)
-        accuracy = None if teacher is None else teacher.accuracy
-        try:
-            lines.append(f"plots: {plot_run(run_dir, accuracy)}")
-        except Exception as err:  # noqa: BLE001 -- a plot is not worth failing a trained run for
-            lines.append(f"plots: not drawn ({_one_line(err)})")
-        table = before_after_table(evals, accuracy, cfg.algorithm.divergence.value)
-        lines += ["", table, student_answers_line(cfg, evals)]
-        lines += [teacher_line] if teacher_line else []
-    diverged = run_dir / DIVERGENCE_FILE
-    lines += ["", diverged.read_text().strip()] if diverged.is_file() else []
-    text = "\n".join(lines)
-    (run_dir / "summary.txt").write_text(text + "\n")
-    print("\n" + text, flush=True)
-
-
-def student_answers_line(cfg: GKDConfig, evals: list[dict[str, Any]]) -> str:
-    """What the student's held-out accuracy counts: the evaluated records that have an answer."""
-    if not evals:
-        return ""
-    last = evals[-1]
-    answered, records = last.get("eval_answered"), last.get("eval_sequences")
-    key = f"data.answer_key={cfg.data.answer_key}"
-    if not answered:
-        return f"student held-out accuracy: none of the {records} held-out records has an answer ({key})"
-    return f"student held-out accuracy (table above): over the {answered} of {records} held-out records that have an answer ({key})"
-
-
-def _one_line(err: BaseException) -> str:
-    """`Type: first line` of an error (a Ray task error's own cause when it wraps one)."""
-    cause = getattr(err, "cause", None) or err
-    first = (str(cause).strip().splitlines() or [""])[0]
-    return f"{type(cause).__name__}: {first}"
-
-
 def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | None) -> None:
     # Fresh: the rollout workers start from the same student weights as the actor, version 0.
     first, version = checkpoint.restore(cfg, pools, resume) if resume else (0, 0)
@@ -197,9 +105,11 @@ def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | N
         sync = pools.weights.push(version + 1)
         version += 1
         sync |= check_sync(cfg, pools, version)
-        row = step_row(cfg, target, step, version, rollout, stats, sync, time.perf_counter() - start)
+        row = step_row(
+            cfg, target, step, version, rollout.stats, rollout.seconds, stats, sync, time.perf_counter() - start
+        )
         if cfg.debug.log_memory:
-            row.update(memory_row(rollout, stats))
+            row.update(memory_row(rollout.stats, stats))
         metrics.log_step(row)
         watch_divergence(cfg, pools, watch, row, version)
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
@@ -346,47 +256,10 @@ def evaluate(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, step: int) ->
     """Greedy responses to the held-out prompts: task reward and the divergence to the teacher."""
     start = time.perf_counter()
     results = pools.rollout.wait(pools.rollout.produce_eval(), "eval rollout")
-    loss = pools.actor.eval_loss(by_rank(results, pools.actor.dp_size))
-    rollout_stats = [s for s, _ in results]
-    metrics.log_eval(
-        {
-            "step": step,
-            # KL(teacher || student) over the K + 1 outcomes (top-k + tail), whatever the training
-            # divergence: a lower bound of the full-vocabulary KL (merging outcomes never raises a KL).
-            "eval_teacher_kl": loss["forward_kl"],
-            "eval_divergence": loss["loss"],
-            "eval_reward": _ratio(rollout_stats, "onpolicy_reward_sum", "onpolicy_rewarded"),
-            # Records with an answer (the accuracy counts those only) among the eval_sequences evaluated.
-            "eval_answered": sum(s.onpolicy_rewarded for s in rollout_stats),
-            "eval_sequences": sum(s.num_sequences for s in rollout_stats),
-            # Per evaluation: greedy generation by the rollout engine, teacher scoring (slowest worker), all of it.
-            "eval_generate_s": max(s.timings["generate_s"] for s in rollout_stats),
-            "eval_teacher_s": max(s.timings["teacher_s"] for s in rollout_stats),
-            **teacher_columns(rollout_stats, "eval_"),
-            **eval_teacher_kls(cfg, pools, results),
-            "eval_s": time.perf_counter() - start,
-        }
-    )
-
-
-def eval_teacher_kls(cfg: GKDConfig, pools: Pools, results: list[Any]) -> dict[str, float | None]:
-    """Several teachers: eval_teacher_NAME_kl, KL(teacher || student) over the held-out sequences teacher NAME
-    scored (one more forward pass per teacher). None where some actor rank holds none of them."""
-    split = [h for h in teacher_handles(cfg).values() if h.metric_prefix is not None]
-    if not split or not cfg.teacher.top_k:
-        return {}
-    dp = pools.actor.dp_size
-    held: dict[str, set[int]] = {}  # teacher -> the actor ranks holding some of its sequences
-    for worker, (stats, _) in enumerate(results):
-        for j, name in enumerate(stats.sample_teachers):
-            held.setdefault(name, set()).add(actor_rank_of(worker, len(stats.sample_teachers), j, dp))
-    shards = by_rank(results, dp)
-    return {
-        f"eval_{h.metric_prefix}kl": pools.actor.eval_loss(shards, h.name)["forward_kl"]
-        if len(held.get(h.name, ())) == dp
-        else None
-        for h in split
-    }
+    shards = by_rank(results, pools.actor.dp_size)
+    loss = pools.actor.eval_loss(shards)
+    kls = eval_teacher_kls(cfg, pools, results, shards)
+    metrics.log_eval({**eval_row(cfg, step, loss, [s for s, _ in results], time.perf_counter() - start), **kls})
 
 
 def check_sync(cfg: GKDConfig, pools: Pools, version: int) -> dict[str, float]:
@@ -399,31 +272,9 @@ def check_sync(cfg: GKDConfig, pools: Pools, version: int) -> dict[str, float]:
     diffs = logprob_diffs(actor_BL, engines_BL)
     tolerance = sync_tolerance(cfg)
     if max(diffs) > tolerance:
-        raise WeightSyncError(sync_check_failure(cfg, pools, version, diffs, tolerance))
+        actor_sums, engine_sums = pools.weights.weight_checksums()
+        raise WeightSyncError(sync_check_failure(cfg, version, diffs, tolerance, actor_sums, engine_sums))
     return {"sync_logprob_diff": max(diffs), "sync_check_s": time.perf_counter() - start}
-
-
-def sync_tolerance(cfg: GKDConfig) -> float:
-    """weight_sync.check_tolerance, or the precision's (fp32 actors: 1e-4; bf16: 0.1)."""
-    return cfg.weight_sync.check_tolerance or SYNC_TOLERANCE[cfg.actor.precision.value]
-
-
-def sync_check_failure(cfg: GKDConfig, pools: Pools, version: int, diffs: list[float], tolerance: float) -> str:
-    """The one-line error of a failed sync check (the worst tensor from per-tensor checksums, where the engine names them)."""
-    engine = int(np.argmax(diffs))
-    actor_sums, engine_sums = pools.weights.weight_checksums()
-    worst = worst_tensor(actor_sums, engine_sums[engine])
-    culprit = (
-        f"worst tensor {worst[0]} (sum of |weights| off by {worst[1]:.2g} relative)"
-        if worst
-        else "no tensor can be named (a vLLM engine fuses them, or every checksum agrees)"
-    )
-    return (
-        f"weight sync check after weight version {version}: rollout engine {engine}'s token logprobs on the probe "
-        f"differ from the actor's by {diffs[engine]:.3g} on average (tolerance {tolerance:g}, "
-        f"weight_sync.check_tolerance): the engine is not sampling with the trained weights "
-        f"(weight_sync.transport={weight_transport(cfg).value}, rollout.backend={cfg.rollout.backend.value}); {culprit}"
-    )
 
 
 def export_student(cfg: GKDConfig, pools: Pools) -> Path:
@@ -431,149 +282,3 @@ def export_student(cfg: GKDConfig, pools: Pools) -> Path:
     out = Path(cfg.trainer.run_dir).resolve() / FINAL_EXPORT_DIR
     pools.actor.export_hf(str(out))
     return out
-
-
-def step_row(
-    cfg: GKDConfig,
-    target: Target,
-    step: int,
-    version: int,
-    rollout: Rollout,
-    train: dict[str, float],
-    sync: dict[str, float],
-    step_s: float,
-) -> dict[str, Any]:
-    """The metrics.jsonl row of one step."""
-    sampled_with = min(s.weight_version for s in rollout.stats)
-    return {
-        "step": step + 1,
-        "batch": rollout.stats[0].step,
-        "loss": train["loss"],
-        "divergence": cfg.algorithm.divergence.value,
-        # The loss is KL(teacher || student) itself when training with forward KL.
-        "teacher_kl": train["loss"] if cfg.algorithm.divergence.value == "forward_kl" else None,
-        "weight_version": version,
-        "staleness": (version - 1) - sampled_with,
-        # Task reward of the student's own samples; dataset responses (lmbda < 1) apart.
-        "reward": _ratio(rollout.stats, "onpolicy_reward_sum", "onpolicy_rewarded"),
-        "offpolicy_reward": _ratio(rollout.stats, "offpolicy_reward_sum", "offpolicy_rewarded"),
-        "response_tokens": sum(s.num_response_tokens for s in rollout.stats),
-        "sequences": sum(s.num_sequences for s in rollout.stats),
-        # None where no top-k over the student's vocabulary travels (the target kind says: teacher.top_k=0, hidden
-        # states, spans across tokenizers).
-        "teacher_topk_mass": (
-            _ratio(rollout.stats, "teacher_topk_mass_sum", "num_response_tokens") if target.sends_topk() else None
-        ),
-        # None where the replies carry no sampled token's logprob (hidden states only: the loss is exact).
-        "teacher_sampled_logprob": (
-            _ratio(rollout.stats, "teacher_sampled_logprob_sum", "onpolicy_tokens") if target.sends_logprobs() else None
-        ),
-        "sampled_reverse_kl": sampled_reverse_kl(cfg, rollout.stats) if target.sends_logprobs() else None,
-        # algorithm.divergence=sampled_reverse_kl: token means of A = log t - log s_old and of s_theta / s_old.
-        **{key: train.get(key) for key in POLICY_KEYS},
-        "teacher_ids_folded": train.get("teacher_ids_folded"),
-        "grad_norm": train.get("grad_norm"),
-        "lr": train.get("lr"),
-        "generate_s": max(s.timings["generate_s"] for s in rollout.stats),
-        "teacher_s": max(s.timings["teacher_s"] for s in rollout.stats),
-        "rollout_wait_s": rollout.seconds,
-        "train_s": train["train_s"],
-        "sync_s": sync["sync_export_s"] + sync["sync_load_s"],
-        # The actor's export (object store: up to every bucket put) and the engines' receive and in-place load.
-        "sync_export_s": sync["sync_export_s"],
-        "sync_load_s": sync["sync_load_s"],
-        # Mean |token logprob difference| engine vs actor on the sync probe, on the steps that check it.
-        "sync_logprob_diff": sync.get("sync_logprob_diff"),
-        "sync_check_s": sync.get("sync_check_s"),
-        "step_s": step_s,
-        **teacher_columns(rollout.stats, ""),
-        **teacher_loss_columns(cfg, train),
-        **alignment_columns(rollout.stats),
-        "sample_ids": sorted(i for s in rollout.stats for i in s.sample_ids),
-        # Several teachers: the teacher that scored each of sample_ids (same order).
-        **sample_teachers(cfg, rollout.stats),
-    }
-
-
-def teacher_loss_columns(cfg: GKDConfig, train: dict[str, Any]) -> dict[str, float | None]:
-    """Several teachers: the actor's teacher_<name>_loss (the objective over that teacher's tokens) and, training
-    with forward KL, teacher_<name>_kl, the same figure (as teacher_kl is the loss); None for a teacher absent
-    from the step's batch."""
-    columns: dict[str, float | None] = {}
-    handles = teacher_handles(cfg)
-    for name in split_teachers(cfg):  # sorted by name, as before
-        head = handles[name].metric_prefix
-        loss = train.get(f"{head}loss")
-        columns[f"{head}loss"] = loss
-        columns[f"{head}kl"] = loss if cfg.algorithm.divergence == Divergence.forward_kl else None
-    return columns
-
-
-def sample_teachers(cfg: GKDConfig, stats: list[RolloutStats]) -> dict[str, list[str]]:
-    """{"sample_teachers": the teacher of each sorted sample id} when the step's teachers have names in the rows
-    (configured under `teachers:`), else {}."""
-    pairs = sorted((i, t) for s in stats for i, t in zip(s.sample_ids, s.sample_teachers, strict=True))
-    handles = teacher_handles(cfg)
-    if all(handles[t].row_name is None for _, t in pairs):
-        return {}
-    return {"sample_teachers": [t for _, t in pairs]}
-
-
-def memory_row(rollout: Rollout, train: dict[str, float]) -> dict[str, float]:
-    """debug.log_memory: resident (and peak GPU) MiB of the driver and of every worker."""
-    row = {"driver_rss_mb": process_memory_mb()}
-    for stats in rollout.stats:
-        row.update(stats.memory_mb)
-    row.update({k: v for k, v in train.items() if k.endswith(MEMORY_SUFFIXES)})
-    return row
-
-
-def sampled_reverse_kl(cfg: GKDConfig, stats: list[RolloutStats]) -> float | None:
-    """Monte Carlo estimate of the full-vocabulary KL(student || teacher) on the step's samples.
-
-    mean(log s(x) - log t(x)) over on-policy tokens is unbiased only when x was drawn from s
-    itself (rollout temperature 1, no top-p/top-k) and both sides are at temperature 1; else None.
-    Unlike the loss (K + 1 outcomes) it sees the whole vocabulary.
-    """
-    s = cfg.rollout.sampling
-    if s.temperature != 1.0 or s.top_p != 1.0 or s.top_k != 0 or cfg.algorithm.temperature != 1.0:
-        return None
-    student = _ratio(stats, "rollout_logprob_sum", "onpolicy_tokens")
-    teacher = _ratio(stats, "teacher_sampled_logprob_sum", "onpolicy_tokens")
-    return None if student is None or teacher is None else student - teacher
-
-
-def _ratio(stats: list[RolloutStats], numerator: str, denominator: str) -> float | None:
-    """sum(numerator) / sum(denominator) over the rollout workers; None when nothing was counted."""
-    total = sum(getattr(s, denominator) for s in stats)
-    return sum(getattr(s, numerator) for s in stats) / total if total else None
-
-
-@contextmanager
-def teacher_service(cfg: GKDConfig) -> Iterator[Callable[[], dict[str, str]]]:
-    """The call that returns every teacher's address (name -> address). With autostart a teacher's
-    local server starts here and the call waits until it is READY: Ray and the actor workers start meanwhile."""
-    from recipe_gkd.rollout.teacher import start_local_teacher
-
-    sections = teacher_sections(cfg)
-    with ExitStack() as stack:
-        # Colocated roles: the teacher starts only when asked for, after the actor set up on the shared GPU.
-        starting = {
-            name: stack.enter_context(start_local_teacher(cfg, name))
-            for name, section in sections.items()
-            if section.autostart and not cfg.cluster.colocate
-        }
-
-        @functools.cache
-        def addresses() -> dict[str, str]:
-            bound = {}
-            for name, section in sections.items():
-                if not section.autostart:
-                    bound[name] = section.address
-                    continue
-                ready = starting.get(name) or stack.enter_context(start_local_teacher(cfg, name))
-                bound[name] = ready()
-                print(f"{teacher_handles(cfg)[name].server} autostarted at {bound[name]}", flush=True)
-            return bound
-
-        yield addresses

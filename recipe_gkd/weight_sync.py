@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from recipe_gkd.config import GKDConfig, weight_transport
+
 MIB = 1024 * 1024
 ALIGN = 64  # bytes: every tensor in a collective bucket starts on a cache line
 
@@ -58,6 +60,36 @@ SYNC_TOLERANCE = {"fp32": 1e-4, "bf16": 0.1}
 def check_due(version: int, every: int) -> bool:
     """Whether the sync to weight version `version` is checked (weight_sync.check_every)."""
     return every > 0 and (version <= FIRST_CHECKED_SYNCS or version % every == 0)
+
+
+def sync_tolerance(cfg: GKDConfig) -> float:
+    """weight_sync.check_tolerance, or the precision's (fp32 actors: 1e-4; bf16: 0.1)."""
+    return cfg.weight_sync.check_tolerance or SYNC_TOLERANCE[cfg.actor.precision.value]
+
+
+def sync_check_failure(
+    cfg: GKDConfig,
+    version: int,
+    diffs: list[float],
+    tolerance: float,
+    actor_sums: dict[str, float],
+    engine_sums: list[dict[str, float]],
+) -> str:
+    """The one-line error of a failed sync check; the worst tensor from the per-tensor checksums (`actor_sums`, each
+    engine's `engine_sums`) where the engine names them."""
+    engine = int(np.argmax(diffs))
+    worst = worst_tensor(actor_sums, engine_sums[engine])
+    culprit = (
+        f"worst tensor {worst[0]} (sum of |weights| off by {worst[1]:.2g} relative)"
+        if worst
+        else "no tensor can be named (a vLLM engine fuses them, or every checksum agrees)"
+    )
+    return (
+        f"weight sync check after weight version {version}: rollout engine {engine}'s token logprobs on the probe "
+        f"differ from the actor's by {diffs[engine]:.3g} on average (tolerance {tolerance:g}, "
+        f"weight_sync.check_tolerance): the engine is not sampling with the trained weights "
+        f"(weight_sync.transport={weight_transport(cfg).value}, rollout.backend={cfg.rollout.backend.value}); {culprit}"
+    )
 
 
 def probe_rows(prompts: list[list[int]]) -> np.ndarray:

@@ -3,9 +3,10 @@
 Alignment (see recipe_gkd/batch.py): a sequence is `input_ids[:L]` = prompt + response, and
 teacher row j describes token `response_start + j`. The model reads `input_ids[:L-1]`; its
 logits at position t predict token t+1, so teacher row j lands at position
-`response_start + j - 1`. `loss_mask` marks exactly those positions: response tokens only,
-never the prompt or the right padding. Right padding keeps every real token's logits exact
-under a plain causal mask (padding only ever comes after the tokens that could see it).
+`response_start + j - 1`. `loss_mask` marks the positions the loss trains: response tokens the student
+sampled, never the prompt, the right padding, or (multi-turn rollouts) a tool's output and the template's turn
+markers between turns, which stay in `input_ids` and are attended like any token. Right padding keeps every real
+token's logits exact under a plain causal mask (padding only ever comes after the tokens that could see it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from recipe_gkd.batch import Sequence
+from recipe_gkd.batch import Sequence, trained_rows
 
 
 @dataclass
@@ -28,12 +29,15 @@ class MicroBatch:
     teacher_logprobs_BTK: Tensor  # float32, 0 where loss_mask is False
     teacher_ids_BTK: Tensor  # int64, 0 where loss_mask is False
     teacher_tail_BT: Tensor  # float32: the server's log tail mass, 0 where loss_mask is False
-    loss_mask_BT: Tensor  # bool: position t predicts a response token
+    loss_mask_BT: Tensor  # bool: position t predicts a response token the loss trains on (trained_rows)
     num_tokens: int  # loss_mask.sum()
     # The sampled-token objective (algorithm.divergence=sampled_reverse_kl), at the loss positions:
     target_ids_BT: Tensor  # int64: the token at t + 1 (0 elsewhere)
     rollout_logprobs_BT: Tensor  # float32: the engine's logprob of it at sampling; NaN for dataset responses
     teacher_sampled_BT: Tensor  # float32: the teacher's logprob of it (0 elsewhere)
+    # bool: False exactly where position t predicts a response token the student did not sample (a tool's output,
+    # a turn marker), True elsewhere: all True for single-turn sequences (Sequence.sampled_mask None).
+    sampled_mask_BT: Tensor
     # Several teachers: each row's teacher, an index into the names collate was given (per-teacher metrics).
     teacher_index_B: Tensor | None = None  # int64
     # The target kind's payload at the loss positions (recipe_gkd/targets): teacher.output=hidden the teacher's
@@ -53,15 +57,20 @@ class MicroBatch:
             target_ids_BT=self.target_ids_BT.to(device),
             rollout_logprobs_BT=self.rollout_logprobs_BT.to(device),
             teacher_sampled_BT=self.teacher_sampled_BT.to(device),
+            sampled_mask_BT=self.sampled_mask_BT.to(device),
             teacher_index_B=None if self.teacher_index_B is None else self.teacher_index_B.to(device),
             payload=None if self.payload is None else self.payload.to(device),
         )
 
 
-def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: SequenceOf[str] = ()) -> MicroBatch:
+def collate(
+    sequences: SequenceOf[Sequence], pad_id: int, teacher_names: SequenceOf[str] = (), mask_tool_tokens: bool = True
+) -> MicroBatch:
     """Pad `sequences` to one [B, T] batch (T = longest L - 1) with the teacher arrays aligned.
 
     teacher_names (several teachers): each row's teacher becomes its index in them (teacher_index_B).
+    mask_tool_tokens (algorithm.mask_tool_tokens): the loss mask holds the sampled response tokens only; False
+    (the ablation) every response token.
     """
     if not sequences:
         raise ValueError("collate needs at least one sequence")
@@ -78,6 +87,7 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: Sequenc
     target_ids_BT = np.zeros((batch, seq_len), dtype=np.int64)
     rollout_logprobs_BT = np.zeros((batch, seq_len), dtype=np.float32)
     teacher_sampled_BT = np.zeros((batch, seq_len), dtype=np.float32)
+    sampled_mask_BT = np.ones((batch, seq_len), dtype=bool)
     rows: list[slice] = []
     for row, seq in enumerate(sequences):
         _check_sequence(seq)
@@ -89,7 +99,8 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: Sequenc
         teacher_logprobs_BTK[row, predicted] = seq.teacher_topk_logprobs
         teacher_ids_BTK[row, predicted] = seq.teacher_topk_ids
         teacher_tail_BT[row, predicted] = seq.teacher_tail_logmass
-        loss_mask_BT[row, predicted] = True
+        loss_mask_BT[row, predicted] = trained_rows(seq, mask_tool_tokens)
+        sampled_mask_BT[row, predicted] = seq.sampled_rows()
         target_ids_BT[row, predicted] = seq.input_ids[seq.response_start :]
         teacher_sampled_BT[row, predicted] = seq.teacher_sampled_logprob
         # A dataset response has no sampling logprob: NaN, which the sampled-token loss refuses loudly.
@@ -107,6 +118,7 @@ def collate(sequences: SequenceOf[Sequence], pad_id: int, teacher_names: Sequenc
         target_ids_BT=torch.from_numpy(target_ids_BT),
         rollout_logprobs_BT=torch.from_numpy(rollout_logprobs_BT),
         teacher_sampled_BT=torch.from_numpy(teacher_sampled_BT),
+        sampled_mask_BT=torch.from_numpy(sampled_mask_BT),
         teacher_index_B=_teacher_index(sequences, teacher_names),
         payload=_collate_payloads(sequences, rows, seq_len),
     )
@@ -124,6 +136,7 @@ class LazyMicroBatches:
     pad_id: int
     teacher_names: tuple[str, ...]
     device: torch.device
+    mask_tool_tokens: bool = True  # algorithm.mask_tool_tokens (collate)
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -135,7 +148,7 @@ class LazyMicroBatches:
 
     def __iter__(self) -> Iterator[MicroBatch]:
         for group in self.groups:
-            yield collate(group, self.pad_id, self.teacher_names).to(self.device)
+            yield collate(group, self.pad_id, self.teacher_names, self.mask_tool_tokens).to(self.device)
 
 
 def _teacher_index(sequences: SequenceOf[Sequence], teacher_names: SequenceOf[str]) -> Tensor | None:
@@ -217,6 +230,12 @@ def _check_sequence(seq: Sequence) -> None:
         raise ValueError(
             f"sample {seq.sample_id}: its {type(seq.payload).__name__} payload has {seq.payload.rows()} rows but the "
             f"sequence has {responses} response tokens"
+        )
+    mask = seq.sampled_mask
+    if mask is not None and (mask.ndim != 1 or mask.shape[0] != responses or mask.dtype != np.bool_):
+        raise ValueError(
+            f"sample {seq.sample_id}: sampled_mask must be bool [{responses}] (one per response token), got "
+            f"{mask.dtype} {tuple(mask.shape)}"
         )
     if seq.rollout_logprobs is not None and seq.rollout_logprobs.shape[0] != responses:
         raise ValueError(

@@ -49,7 +49,7 @@ from recipe_gkd.actor.objective import ActorObjective, sum_from_last_stage
 from recipe_gkd.actor.optimizer import build_optimizer, clip_grads, wrap_ddp
 from recipe_gkd.actor.probe_rows import forward_only_micro_batch, pack_rows, unpack_token_logprobs
 from recipe_gkd.actor.weight_export import WeightExporter, write_hf_dir
-from recipe_gkd.batch import Sequence, TrainShard
+from recipe_gkd.batch import Sequence, TrainShard, trained_rows, trained_tokens
 from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, cpu_threads
 
 # megatron's RNG tracker needs a seed; nothing random runs (no dropout, weights from HF).
@@ -85,6 +85,8 @@ class MegatronActor:
         hf_config = AutoConfig.from_pretrained(self.cfg.model.student_path)
         self.arch = hf_arch.read_hf_arch(hf_config)
         self.pad_id = int(getattr(hf_config, "pad_token_id", None) or 0)
+        # Multi-turn rollouts: the loss trains on the tokens the student sampled (false: the ablation, every one).
+        self.mask_tool_tokens = self.cfg.algorithm.mask_tool_tokens
         self._check_world()  # before anything global changes: a bad layout fails cleanly
         if threads := cpu_threads(self.cfg)["actor"]:
             torch.set_num_threads(threads)
@@ -284,7 +286,7 @@ class MegatronActor:
         self._enter_device()
         start = time.perf_counter()
         sequences = _flatten(shards)
-        local_tokens = sum(s.num_response_tokens for s in sequences)
+        local_tokens = sum(trained_tokens(s, self.mask_tool_tokens) for s in sequences)
         self._check_same_data_over_model_parallel(len(sequences), local_tokens)
         global_tokens = self._sum_over_dp(local_tokens)
         if global_tokens == 0:
@@ -298,7 +300,7 @@ class MegatronActor:
         forward_backward_s = time.perf_counter() - start
         grad_norm, stepped = self._optimizer_step()
         dist.all_reduce(loss_sum, group=self.dp_group)
-        policy_stats = self.objective.policy_stats(outputs, global_tokens) if self.objective.sampled else {}
+        policy_stats = self.objective.policy_stats(outputs, global_tokens)
         return {
             **policy_stats,
             **self.objective.teacher_losses(outputs),
@@ -323,7 +325,7 @@ class MegatronActor:
         self._enter_device()
         start = time.perf_counter()
         sequences = _flatten(shards)
-        local_tokens = sum(s.num_response_tokens for s in sequences)
+        local_tokens = sum(trained_tokens(s, self.mask_tool_tokens) for s in sequences)
         self._check_same_data_over_model_parallel(len(sequences), local_tokens)
         global_tokens = self._sum_over_dp(local_tokens)
         self._model.eval()
@@ -341,7 +343,10 @@ class MegatronActor:
         }
 
     def _folded_ids(self, sequences: list[Sequence]) -> int:
-        return sum(int((s.teacher_topk_ids >= self.arch.vocab_size).sum()) for s in sequences)
+        return sum(
+            int((s.teacher_topk_ids[trained_rows(s, self.mask_tool_tokens)] >= self.arch.vocab_size).sum())
+            for s in sequences
+        )
 
     def _micro_batches(self, sequences: list[Sequence]) -> LazyMicroBatches:
         budget = self.cfg.actor.max_tokens_per_micro_batch
@@ -349,7 +354,9 @@ class MegatronActor:
             groups = split_by_token_budget(sequences, budget)
         else:
             groups = split_micro_batches(sequences, self.cfg.actor.micro_batch_size)
-        return LazyMicroBatches(groups, self.pad_id, tuple(self.objective.teacher_names), self.device)
+        return LazyMicroBatches(
+            groups, self.pad_id, tuple(self.objective.teacher_names), self.device, self.mask_tool_tokens
+        )
 
     def _run_schedule(
         self,

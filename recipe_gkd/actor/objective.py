@@ -24,8 +24,7 @@ from recipe_gkd.actor.collate import MicroBatch
 from recipe_gkd.actor.layout import RankLayout
 from recipe_gkd.config import GKDConfig
 from recipe_gkd.config.teachers import split_teachers
-from recipe_gkd.losses import sampled_reverse_kl_loss_sum
-from recipe_gkd.targets import build_target, sampled_objective
+from recipe_gkd.targets import build_objective, build_target
 
 
 class ActorObjective:
@@ -51,8 +50,8 @@ class ActorObjective:
         # The target kind's loss (and what it loads once, e.g. the teacher's output head), chosen once.
         self.target = build_target(cfg)
         self.target.setup_actor(self)
-        # The sampled-token reverse KL (else the configured divergence over the kind's targets).
-        self.sampled = sampled_objective(cfg)
+        # What is minimised over the kind's targets (the divergence, or the sampled-token reverse KL), chosen once.
+        self.objective = build_objective(cfg)
         # Several teachers: the names whose rows the loss is also summed over (collate's teacher_index_B order).
         self.teacher_names: list[str] = split_teachers(cfg)
 
@@ -61,11 +60,8 @@ class ActorObjective:
         # (loss sum, loss tokens, logged): with calculate_per_token_loss megatron keeps the sum as is.
         num_tokens = torch.tensor(micro.num_tokens, dtype=torch.int, device=self.device)
         per_teacher = {"teacher_sums": self.teacher_sums(logits_BTv, micro)} if self.teacher_names else {}
-        if self.sampled:
-            loss_sum, logged = self.sampled_loss_sum(logits_BTv, micro)
-            return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().double(), **logged, **per_teacher}
-        loss_sum, _ = self.loss_sum(logits_BTv, micro)
-        return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().double(), **per_teacher}
+        loss_sum, logged = self.objective.loss_sum(self, logits_BTv, micro)
+        return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().double(), **logged, **per_teacher}
 
     def teacher_sums(self, logits_BTv: Tensor, micro: MicroBatch) -> Tensor:
         """[2 x teachers] float64: the objective's sum over each teacher's loss tokens, then their token counts.
@@ -84,9 +80,7 @@ class ActorObjective:
                 if not tokens:
                     continue
                 mine = dataclasses.replace(micro, loss_mask_BT=mask_BT, num_tokens=tokens)
-                value = (
-                    self.sampled_loss_sum(logits_BTv, mine)[0] if self.sampled else self.loss_sum(logits_BTv, mine)[0]
-                )
+                value = self.objective.loss_sum(self, logits_BTv, mine)[0]
                 sums[i], sums[n + i] = value.double(), float(tokens)
         return sums
 
@@ -108,38 +102,18 @@ class ActorObjective:
 
     def eval_loss(self, micro: MicroBatch, logits_BTv: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """megatron's loss function in evaluation: the objective's sum and the forward KL's (0 with teacher.top_k=0)."""
-        if self.sampled:
-            loss_sum = self.sampled_loss_sum(logits_BTv, micro)[0]
-        else:
-            loss_sum, _ = self.loss_sum(logits_BTv, micro)
+        loss_sum = self.objective.loss_sum(self, logits_BTv, micro)[0]
         kl_sum = torch.zeros((), dtype=loss_sum.dtype, device=self.device)
         if self.target.evaluates_kl():
             kl_sum, _ = self.loss_sum(logits_BTv, micro, divergence="forward_kl")
         num_tokens = torch.tensor(micro.num_tokens, dtype=torch.int, device=self.device)
         return loss_sum, num_tokens, {"sums": torch.stack([loss_sum, kl_sum]).double()}
 
-    def sampled_loss_sum(self, logits_BTv: Tensor, micro: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        """The sampled-token reverse-KL surrogate's sum over the loss tokens and its logged statistics."""
-        logits_BTv = logits_BTv[..., self.vocab_shard]
-        tp = self.layout.tp_size > 1
-        mask_BT, advantage = self.target.sampled_inputs(micro)
-        loss_sum, _, stats = sampled_reverse_kl_loss_sum(
-            logits_BTv,
-            micro.target_ids_BT,
-            micro.rollout_logprobs_BT,
-            micro.teacher_sampled_BT,
-            mask_BT,
-            ratio_clip=self.cfg.algorithm.ratio_clip,
-            vocab_start=self.vocab_start if tp else 0,
-            vocab_size=self.vocab_size if tp else None,
-            group=self.tp_group if tp else None,
-            **advantage,
-        )
-        sums = torch.stack([stats.advantage_sum, stats.ratio_sum, stats.clipped])
-        return loss_sum, {"policy_sums": sums, "policy_extremes": torch.stack([stats.ratio_max, -stats.ratio_min])}
-
     def policy_stats(self, outputs: list[dict[str, Tensor]], global_tokens: int) -> dict[str, float]:
-        """Token means of the advantage and ratio, the clipped fraction, the ratio's range, over the global batch."""
+        """Token means of the advantage and ratio, the clipped fraction, the ratio's range, over the global batch
+        ({} for an objective without them)."""
+        if not self.objective.policy_statistics:
+            return {}
         sums = sum_from_last_stage([out["policy_sums"] for out in outputs], 3, self.layout, self.pp_group, self.device)
         dist.all_reduce(sums, group=self.dp_group)
         extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=self.device)

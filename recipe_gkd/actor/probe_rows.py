@@ -52,6 +52,7 @@ def _no_teacher(batch: int, length: int, device: torch.device) -> tuple[Any, ...
         torch.zeros(batch, length, dtype=torch.int64, device=device),
         torch.zeros(batch, length, dtype=torch.float32, device=device),
         torch.zeros(batch, length, dtype=torch.float32, device=device),
+        torch.ones(batch, length, dtype=torch.bool, device=device),
     )
 
 

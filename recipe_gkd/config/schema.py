@@ -332,6 +332,11 @@ class AlgorithmConfig:
     any actor.megatron.tp (the loss gathers the vocabulary shards)."""
     ratio_clip: float = bounded(0.0, ge=0, le=0.99, note="0: no clipping")
     """sampled_reverse_kl: PPO's clip of the importance ratio s_theta / s_old to [1 - ratio_clip, 1 + ratio_clip]."""
+    mask_tool_tokens: bool = True
+    """Multi-turn rollouts: train only on the response tokens the student sampled (a tool's output and the chat
+    template's turn markers are attended, never trained). false trains on every response token as if the student
+    had sampled it, which gives a false signal: it is kept only for the ablation that shows the mask matters. The
+    metrics count the sampled tokens either way."""
 
 
 @dataclass

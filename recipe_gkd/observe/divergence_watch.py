@@ -16,7 +16,7 @@ from typing import Any
 
 from recipe_gkd.config import GKDConfig
 from recipe_gkd.observe.metrics import METRICS_FILE, read_metrics
-from recipe_gkd.targets import sampled_objective
+from recipe_gkd.targets import Objective, build_objective
 
 # The start: the mean of the first steps (one step alone is one batch's noise).
 START_STEPS = 3
@@ -34,10 +34,9 @@ DIVERGENCE_FILE = "divergence.txt"
 class DivergenceWatch:
     """Fed one metrics.jsonl row per step; `observe` returns the divergence line the first time it fires."""
 
-    sampled: bool
-    """algorithm.divergence=sampled_reverse_kl: watch the sampled KL estimate, and name algorithm.ratio_clip."""
+    objective: Objective
+    """The trained objective: which figure is watched, and what its line names to change beside the lr."""
     lr: float
-    ratio_clip: float
     starts: list[float] = field(default_factory=list)
     start_steps: list[int] = field(default_factory=list)
     above: int = 0
@@ -45,8 +44,7 @@ class DivergenceWatch:
 
     @classmethod
     def for_config(cls, cfg: GKDConfig) -> DivergenceWatch:
-        sampled = sampled_objective(cfg)
-        return cls(sampled=sampled, lr=cfg.actor.optim.lr, ratio_clip=cfg.algorithm.ratio_clip)
+        return cls(objective=build_objective(cfg), lr=cfg.actor.optim.lr)
 
     @classmethod
     def for_run(cls, cfg: GKDConfig, first_step: int) -> DivergenceWatch:
@@ -64,13 +62,11 @@ class DivergenceWatch:
 
     @property
     def figure_name(self) -> str:
-        return "the sampled reverse KL estimate (-advantage_mean)" if self.sampled else "the loss"
+        return self.objective.watched
 
     def figure(self, row: dict[str, Any]) -> float:
         """The objective's own figure in a metrics.jsonl row."""
-        # -advantage_mean = mean(log s_old - log t): metrics' sampled_reverse_kl, also when that is None
-        # (sampling temperature != 1 makes it no unbiased KL estimate, but it is still what the loss lowers).
-        return -float(row["advantage_mean"]) if self.sampled else float(row["loss"])
+        return self.objective.watched_figure(row)
 
     @property
     def threshold(self) -> float | None:
@@ -96,11 +92,8 @@ class DivergenceWatch:
     def line(self, step: int, value: float) -> str:
         start = sum(self.starts) / len(self.starts)
         change = f"lower actor.optim.lr (now {self.lr:g})"
-        if self.sampled:
-            if self.ratio_clip:
-                change += f" or lower algorithm.ratio_clip (now {self.ratio_clip:g})"
-            else:
-                change += " or set algorithm.ratio_clip (now 0, no clip; e.g. 0.1)"
+        more = self.objective.settings_to_change()
+        change += f" or {more}" if more else ""
         steps = f"steps {self.start_steps[0]}-{self.start_steps[-1]}"
         return (
             f"diverging at step {step}: {self.figure_name} is {value:.3g}, above {RISE:g}x its start "

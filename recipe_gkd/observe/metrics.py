@@ -11,16 +11,22 @@ import math
 import os
 import secrets
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from recipe_gkd.config import ConfigError, WandbConfig
+
+if TYPE_CHECKING:
+    from recipe_gkd.config.teachers import TeacherHandle
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 # A resumed run continues the same W&B run: its id is kept in the run directory.
 WANDB_ID_FILE = "wandb_run_id"
 # Keys shown on the console line and the progress bar, in this order, when present.
+# A teacher's sums in RolloutStats.per_teacher (rollout/worker.py add_teacher_stats).
+TEACHER_SUMS = ("sequences", "response_tokens", "teacher_topk_mass_sum", "reward_sum", "rewarded")
 CONSOLE_KEYS = ("loss", "teacher_kl", "reward", "eval_reward", "eval_teacher_kl", "step_s")
 
 
@@ -192,20 +198,22 @@ def worker_memory_mb(worker: str) -> dict[str, float]:
     return memory
 
 
-def teacher_columns(stats: list[Any], prefix: str) -> dict[str, float | None]:
-    """Per-teacher columns of a step's (or an evaluation's) RolloutStats, for runs with several teachers:
-    `{prefix}teacher_<name>_sequences`, `_response_tokens`, `_topk_mass` and `_reward` (docs/teachers.md)."""
+def teacher_columns(stats: list[Any], handles: Iterable[TeacherHandle], prefix: str) -> dict[str, float | None]:
+    """Per-teacher columns of a step's (or an evaluation's) RolloutStats for the teachers that have them (several
+    teachers, `metric_prefix`): `{prefix}teacher_<name>_sequences`, `_response_tokens`, `_topk_mass` and `_reward`
+    (docs/teachers.md); a teacher that scored none of them has 0 sequences and None ratios. {} with one teacher."""
     sums: dict[str, dict[str, float]] = {}
     for s in stats:
         for name, figures in s.per_teacher.items():
             into = sums.setdefault(name, dict.fromkeys(figures, 0.0))
             for key, value in figures.items():
                 into[key] += value
-    if len(sums) < 2 and all(name == "default" for name in sums):
-        return {}
     columns: dict[str, float | None] = {}
-    for name, f in sorted(sums.items()):
-        head = f"{prefix}teacher_{name}_"
+    for handle in sorted(handles, key=lambda h: h.name):
+        if handle.metric_prefix is None:
+            continue
+        f = sums.get(handle.name, dict.fromkeys(TEACHER_SUMS, 0.0))
+        head = f"{prefix}{handle.metric_prefix}"
         columns[head + "sequences"] = f["sequences"]
         columns[head + "response_tokens"] = f["response_tokens"]
         columns[head + "topk_mass"] = (

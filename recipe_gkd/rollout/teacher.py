@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from recipe_gkd.config import GKDConfig, cpu_threads, to_yaml
-from recipe_gkd.config.teachers import DEFAULT_TEACHER, teacher_handles, teacher_views
+from recipe_gkd.config.teachers import DEFAULT_TEACHER, teacher_handles, teacher_sections, teacher_views
 from teacher_server.config.teacher import TeacherBackend, TeacherConfig
 from teacher_server.wire.protocol import TeacherTopK
 
@@ -117,3 +118,31 @@ def autostart_teacher(cfg: GKDConfig) -> Iterator[str]:
     """A local teacher server for the run, READY; yields its bound address."""
     with start_local_teacher(cfg) as address:
         yield address()
+
+
+@contextmanager
+def teacher_service(cfg: GKDConfig) -> Iterator[Callable[[], dict[str, str]]]:
+    """The call that returns every teacher's address (name -> address). With autostart a teacher's
+    local server starts here and the call waits until it is READY: Ray and the actor workers start meanwhile."""
+    sections = teacher_sections(cfg)
+    with ExitStack() as stack:
+        # Colocated roles: the teacher starts only when asked for, after the actor set up on the shared GPU.
+        starting = {
+            name: stack.enter_context(start_local_teacher(cfg, name))
+            for name, section in sections.items()
+            if section.autostart and not cfg.cluster.colocate
+        }
+
+        @functools.cache
+        def addresses() -> dict[str, str]:
+            bound = {}
+            for name, section in sections.items():
+                if not section.autostart:
+                    bound[name] = section.address
+                    continue
+                ready = starting.get(name) or stack.enter_context(start_local_teacher(cfg, name))
+                bound[name] = ready()
+                print(f"{teacher_handles(cfg)[name].server} autostarted at {bound[name]}", flush=True)
+            return bound
+
+        yield addresses

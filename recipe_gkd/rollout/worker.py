@@ -21,7 +21,7 @@ from recipe_gkd.batch import RolloutStats, Sequence, TrainShard, actor_rank_of
 from recipe_gkd.config import GKDConfig, cpu_threads, rollout_engines
 from recipe_gkd.config.teachers import DEFAULT_TEACHER, record_teacher, teacher_handles
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encode_prompt, encode_response
-from recipe_gkd.observe.metrics import worker_memory_mb
+from recipe_gkd.observe.metrics import TEACHER_SUMS, worker_memory_mb
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
 from recipe_gkd.rollout.teacher_set import TeacherSet
@@ -367,13 +367,10 @@ class RolloutWorker:
 
 
 def add_teacher_stats(per_teacher: dict[str, dict[str, float]], seq: Sequence, topk_mass: float) -> None:
-    """Add `seq` to its teacher's sums (metrics per teacher, recipe_gkd.gkd.teacher_columns)."""
-    sums = per_teacher.setdefault(
-        seq.teacher,
-        {"sequences": 0.0, "response_tokens": 0.0, "teacher_topk_mass_sum": 0.0, "reward_sum": 0.0, "rewarded": 0.0},
-    )
+    """Add `seq` to its teacher's sums (metrics per teacher, recipe_gkd.observe.metrics.teacher_columns)."""
+    sums = per_teacher.setdefault(seq.teacher, dict.fromkeys(TEACHER_SUMS, 0.0))
     sums["sequences"] += 1
-    sums["response_tokens"] += seq.num_response_tokens
+    sums["response_tokens"] += seq.num_sampled_tokens
     sums["teacher_topk_mass_sum"] += topk_mass
     if seq.reward is not None and seq.on_policy:
         sums["reward_sum"] += seq.reward
@@ -381,19 +378,24 @@ def add_teacher_stats(per_teacher: dict[str, dict[str, float]], seq: Sequence, t
 
 
 def summarize(step: int, weight_version: int, sequences: list[Sequence], timings: dict[str, float]) -> RolloutStats:
-    """The driver's view of a step's sequences: counts and sums, no per-token data."""
+    """The driver's view of a step's sequences: counts and sums, no per-token data.
+
+    Token counts and per-token sums are over the response tokens the student sampled (Sequence.sampled_rows): a
+    tool's output and the template's turn markers, which the teacher also scored, count in none of them.
+    """
     stats = RolloutStats(
         step=step,
         weight_version=weight_version,
         num_sequences=len(sequences),
-        num_response_tokens=sum(s.num_response_tokens for s in sequences),
+        num_response_tokens=sum(s.num_sampled_tokens for s in sequences),
         sample_ids=[s.sample_id for s in sequences],
         timings=timings,
         sample_teachers=[s.teacher for s in sequences],
     )
     for seq in sequences:
+        sampled = seq.sampled_rows()
         # The server's exact tail, not 1 - sum(rounded top-k): float64 sums over tokens.
-        mass = float((-np.expm1(seq.teacher_tail_logmass.astype(np.float64))).sum())
+        mass = float((-np.expm1(seq.teacher_tail_logmass[sampled].astype(np.float64))).sum())
         stats.teacher_topk_mass_sum += mass
         add_teacher_stats(stats.per_teacher, seq, mass)
         if seq.reward is not None and seq.on_policy:
@@ -405,7 +407,8 @@ def summarize(step: int, weight_version: int, sequences: list[Sequence], timings
         for key, value in (seq.payload.counts() if seq.payload is not None else {}).items():
             stats.alignment[key] = stats.alignment.get(key, 0.0) + value
         if seq.on_policy and seq.rollout_logprobs is not None:
-            stats.onpolicy_tokens += seq.num_response_tokens
-            stats.rollout_logprob_sum += float(seq.rollout_logprobs.astype(np.float64).sum())
-            stats.teacher_sampled_logprob_sum += float(seq.teacher_sampled_logprob.astype(np.float64).sum())
+            # Placeholders (0.0) sit at the rows the student did not sample: never summed.
+            stats.onpolicy_tokens += seq.num_sampled_tokens
+            stats.rollout_logprob_sum += float(seq.rollout_logprobs[sampled].astype(np.float64).sum())
+            stats.teacher_sampled_logprob_sum += float(seq.teacher_sampled_logprob[sampled].astype(np.float64).sum())
     return stats

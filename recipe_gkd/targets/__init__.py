@@ -11,15 +11,16 @@ loop's metric rows hold the object and never test the kind. Adding a kind: its o
 | hidden | hidden.py | final hidden states | HiddenStates | over the whole vocabulary (teacher head) |
 | cross_tokenizer | spans.py | a text reply in its own tokens, aligned | Spans | per span over the whole vocabulary |
 
-The sampled-token reverse KL (algorithm.divergence=sampled_reverse_kl) is a divergence, not a kind: it combines
-with every kind that sends the sampled token's logprob; `sampled_objective` is its one choice point.
+The sampled-token reverse KL (algorithm.divergence=sampled_reverse_kl) is an objective, not a kind: it combines
+with every kind that sends the sampled token's logprob (objectives.py: one class per objective, built once).
 """
 
 from __future__ import annotations
 
-from recipe_gkd.config import CrossTokenizer, Divergence, GKDConfig, Support, TeacherOutput
+from recipe_gkd.config import CrossTokenizer, GKDConfig, Support, TeacherOutput
 from recipe_gkd.targets.base import Target
 from recipe_gkd.targets.hidden import Hidden
+from recipe_gkd.targets.objectives import Objective, build_objective
 from recipe_gkd.targets.spans import CrossTokenizerSpans
 from recipe_gkd.targets.topk import TopK
 from recipe_gkd.targets.union import Union
@@ -48,9 +49,4 @@ def build_target(cfg: GKDConfig) -> Target:
     return KINDS[target_kind(cfg)](cfg)
 
 
-def sampled_objective(cfg: GKDConfig) -> bool:
-    """The sampled-token reverse KL (else a divergence over the kind's targets)."""
-    return cfg.algorithm.divergence == Divergence.sampled_reverse_kl
-
-
-__all__ = ["KINDS", "Target", "build_target", "sampled_objective", "target_kind"]
+__all__ = ["KINDS", "Objective", "Target", "build_objective", "build_target", "target_kind"]

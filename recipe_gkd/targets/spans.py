@@ -120,6 +120,7 @@ class CrossTokenizerSpans(Target):
         TP rank (ActorObjective.full_vocabulary)."""
         from recipe_gkd.losses import cross_tokenizer_loss_sum
 
+        refuse_unsampled_tokens(micro)
         if micro.payload is None:
             raise ValueError(
                 "algorithm.cross_tokenizer but the micro-batch carries no spans (a same-tokenizer scorer?)"
@@ -144,9 +145,22 @@ class CrossTokenizerSpans(Target):
         """Each token's advantage is its span's."""
         from recipe_gkd.losses import span_advantages
 
+        refuse_unsampled_tokens(micro)
         if micro.payload is None:
             raise ValueError("algorithm.cross_tokenizer but the micro-batch carries no spans")
         advantage, use, mask_BT = span_advantages(
             micro.teacher_sampled_BT, micro.rollout_logprobs_BT, micro.payload, micro.loss_mask_BT
         )
         return mask_BT, {"advantage": advantage, "advantage_mask": use}
+
+
+def refuse_unsampled_tokens(micro: MicroBatch) -> None:
+    """Byte spans map a response the student sampled whole; a response with tokens it did not sample (a multi-turn
+    rollout's tool output) is refused, never trained on as if sampled."""
+    if not bool(micro.sampled_mask_BT.all()):
+        unsampled = int((~micro.sampled_mask_BT).sum())
+        raise ValueError(
+            f"algorithm.cross_tokenizer: the micro-batch holds {unsampled} response tokens the student did not "
+            "sample (multi-turn rollouts, rollout.env): spans across tokenizers do not support them yet; use a "
+            "teacher of the student's tokenizer (algorithm.cross_tokenizer=none) for multi-turn rollouts"
+        )

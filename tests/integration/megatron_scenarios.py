@@ -38,7 +38,7 @@ GLOBAL_BATCH = 8
 TOP_K = 8
 PROBE_SHAPE = (3, 12)
 SAMPLER_SALT = 0x5A
-# What train_step reports for algorithm.divergence=sampled_reverse_kl (recipe_gkd.gkd.POLICY_KEYS).
+# What train_step reports for algorithm.divergence=sampled_reverse_kl (recipe_gkd.observe.rows.POLICY_KEYS).
 # Not whole minutes: megatron's groups take minutes (rounded up), the world group seconds.
 SETUP_TIMEOUT_S = 3630.0
 POLICY_KEYS = ("advantage_mean", "ratio_mean", "ratio_min", "ratio_max", "ratio_clipped_frac")
@@ -74,6 +74,33 @@ def make_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> lis
                 rollout_logprobs=(stale - np.log(vocab)).astype(np.float32),
             )
         )
+    return sequences
+
+
+def make_masked_sequences(seed: int, count: int, vocab: int, other: bool = False) -> list[Sequence]:
+    """make_sequences as multi-turn rollouts hand them on: in every response of 3+ tokens a run the student did not
+    sample (a tool's output; Sequence.sampled_mask) whose rollout logprob is the placeholder 0.0. `other`: the same
+    batch with other values at those rows (rollout and teacher logprobs, teacher top-k rows and tail)."""
+    rng = np.random.default_rng([seed, 0x7001])
+    sequences = make_sequences(seed, count, vocab)
+    for seq in sequences:
+        n = seq.num_response_tokens
+        mask = np.ones(n, dtype=bool)
+        if n >= 3:
+            start = int(rng.integers(1, n - 1))
+            mask[start : int(rng.integers(start + 1, n))] = False
+        seq.sampled_mask = mask
+        off, k = ~mask, int((~mask).sum())
+        assert seq.rollout_logprobs is not None
+        seq.rollout_logprobs[off] = 0.0
+        if other:
+            values = np.random.default_rng([seed, 0x7002, seq.sample_id])
+            seq.rollout_logprobs[off] = -values.exponential(2.0, k)
+            seq.teacher_sampled_logprob[off] = -values.exponential(2.0, k)
+            seq.teacher_topk_logprobs[off] = np.sort(-values.exponential(3.0, seq.teacher_topk_logprobs[off].shape))
+            seq.teacher_topk_logprobs[off] = seq.teacher_topk_logprobs[off][:, ::-1]
+            seq.teacher_topk_ids[off] = values.permutation(vocab)[: seq.teacher_topk_ids.shape[1]]
+            seq.teacher_tail_logmass[off] = -values.exponential(0.5, k)
     return sequences
 
 
@@ -251,6 +278,25 @@ def _train_job(model: str, seeds: list[int], **actor: Any) -> Callable[[Job], No
     return run
 
 
+def _masked_job(job: Job) -> None:
+    """Multi-turn batches (tokens the student did not sample), sampled_reverse_kl: one step from the same weights on
+    the batch with placeholders at the unsampled rows (`placeholder_*`) and on the one with other values (`other_*`)."""
+    for prefix, other in (("placeholder", False), ("other", True)):
+        a = job.actor("llama_untied_odd", micro_batch_size=3, lr=1e-3, **SAMPLED)
+        vocab = a.arch.vocab_size
+
+        def make(seed: int, count: int, vocab: int, other: bool = other) -> list[Sequence]:
+            return make_masked_sequences(seed, count, vocab, other)
+
+        shards = rank_shards(1, vocab, a.layout.dp_rank, a.layout.dp_size, make)
+        stats = a.train_step(shards)
+        for key in ("loss", "grad_norm", "num_tokens", *POLICY_KEYS):
+            job.out[f"{prefix}_{key}"] = np.array(stats[key])
+        job.out[f"{prefix}_eval"] = np.array(json.dumps(a.eval_loss(shards)))
+        job.export(a, f"{prefix}_after")
+        a.shutdown()
+
+
 def _hidden_job(job: Job) -> None:
     """teacher.output=hidden, 4 micro-batches of 2: one step's loss, and the bytes of the micro-batches' teacher
     states alive whenever the loss runs (each micro-batch's tensor tracked from its collation until it is freed)."""
@@ -342,6 +388,8 @@ JOBS: dict[str, Callable[[Job], None]] = {
     "bf16": _train_job("llama_tied", [1], precision="bf16", **NO_CLIP),
     "save_tp2": _save_job("llama_untied_odd", tp=2),
     "hidden_mb2": _hidden_job,
+    # Multi-turn batches: the tokens the student did not sample train nothing, whatever values they carry.
+    "tp1_masked": _masked_job,
     # The sampled-token reverse KL (stale s_old, PPO clip) at TP=2 and PP=2 vs one rank.
     "tp1_sampled": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, **SAMPLED),
     "tp2_sampled": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, **SAMPLED),

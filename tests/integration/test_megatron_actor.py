@@ -36,7 +36,7 @@ LOGITS_ATOL = 1e-5
 LOSS_RTOL = 1e-5
 ONE_RANK_JOBS = (
     "logits,mb8,mb1,tp1_steps,tp1_tied_steps,noclip,clip,bf16,tokens50,recompute_full,recompute_selective,unfused,"
-    "tp1_sampled,tp1_xtok,tp1_xtok_sampled,hidden_mb2"
+    "tp1_sampled,tp1_xtok,tp1_xtok_sampled,hidden_mb2,tp1_masked"
 )
 TWO_RANK_JOBS = (
     "logits,tp2_steps,tp2_tied_steps,dp2,dp2_distopt,bf16_dp2,bf16_dp2_distopt,save_tp2,logits_pp,pp2_steps,"
@@ -307,6 +307,50 @@ def test_sampled_reverse_kl_trains_alike_over_model_parallel(runs: dict[str, Pat
     for name, weight in prefixed(one, "after").items():
         assert not np.array_equal(weight, before[name]), f"{name} did not train"
     assert_same_weights(prefixed(one, "after"), prefixed(two, "after"), one["lr"])
+
+
+def reference_sampled_loss(model: torch.nn.Module, sequences: list, ratio_clip: float) -> tuple[float, float, int]:
+    """Global token means of the sampled-token surrogate max(-r A, -clip(r) A) and of A = log t - log s_old over the
+    tokens the student sampled, from HF logits in float64 (r = s_theta / s_old); and their count."""
+    loss, advantage, count = 0.0, 0.0, 0
+    for seq in sequences:
+        ids = torch.from_numpy(seq.input_ids.astype(np.int64))[None]
+        with torch.no_grad():
+            logp_LV = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+        rows = np.flatnonzero(seq.sampled_rows())
+        for j in rows:  # response token j is predicted at position response_start + j - 1
+            t = seq.response_start + int(j)
+            old = float(seq.rollout_logprobs[j])
+            a = float(np.float32(seq.teacher_sampled_logprob[j]) - np.float32(old))
+            r = float(torch.exp(logp_LV[t - 1, seq.input_ids[t]] - old))
+            loss += max(-r * a, -min(max(r, 1 - ratio_clip), 1 + ratio_clip) * a)
+            advantage += a
+        count += len(rows)
+    return loss / count, advantage / count, count
+
+
+@pytest.mark.slow
+def test_tokens_the_student_did_not_sample_train_nothing(runs: dict[str, Path], models: Path) -> None:
+    """Multi-turn batches on the actor: the first step's loss and advantage are the float64 reference over the
+    sampled tokens only (placeholder rollout logprobs 0.0 elsewhere), and other values at the unsampled rows give
+    the same loss, statistics, evaluation and trained weights, bit for bit."""
+    data = result(runs, "w1", "tp1_masked")
+    path = models / "llama_untied_odd"
+    sequences = scenarios.make_masked_sequences(1, scenarios.GLOBAL_BATCH, load_hf(path).config.vocab_size)
+    loss, advantage, count = reference_sampled_loss(load_hf(path), sequences, scenarios.SAMPLED["ratio_clip"])
+    assert count < sum(s.num_response_tokens for s in sequences)
+    assert float(data["placeholder_num_tokens"]) == count
+    assert float(data["placeholder_loss"]) == pytest.approx(loss, rel=LOSS_RTOL)
+    assert float(data["placeholder_advantage_mean"]) == pytest.approx(advantage, rel=LOSS_RTOL)
+    for key in ("loss", "grad_norm", "num_tokens", *scenarios.POLICY_KEYS):
+        np.testing.assert_array_equal(data[f"other_{key}"], data[f"placeholder_{key}"], err_msg=key)
+    evals = [json.loads(str(data[f"{prefix}_eval"])) for prefix in ("placeholder", "other")]
+    for key in ("loss", "forward_kl", "num_tokens"):
+        assert evals[0][key] == evals[1][key], key
+    assert evals[0]["num_tokens"] == count
+    other = prefixed(data, "other_after")
+    for name, weight in prefixed(data, "placeholder_after").items():
+        np.testing.assert_array_equal(other[name], weight, err_msg=name)
 
 
 @pytest.mark.slow

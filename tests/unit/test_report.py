@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from recipe_gkd import gkd
 from recipe_gkd.config import load_config
+from recipe_gkd.observe import report
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 
 
@@ -41,9 +41,9 @@ def _run_dir_with_evals(tmp_path: Path, answered: int, sequences: int) -> Path:
 
 def test_the_report_counts_the_records_with_an_answer(tmp_path: Path) -> None:
     cfg = load_config(None, [f"trainer.run_dir={_run_dir_with_evals(tmp_path, 3, 12)}"])
-    teacher, line = gkd.teacher_accuracy(cfg, TeacherAccuracyPool(AnswerAccuracy(correct=2, answered=3, records=12)))  # type: ignore[arg-type]
+    teacher, line = report.teacher_accuracy(cfg, TeacherAccuracyPool(AnswerAccuracy(correct=2, answered=3, records=12)))  # type: ignore[arg-type]
     assert teacher is not None and teacher.accuracy == 2 / 3
-    gkd.report(cfg, teacher, line)
+    report.report(cfg, teacher, line)
     summary = (tmp_path / "summary.txt").read_text()
     assert "teacher held-out accuracy: 66.7% over the 3 of 12 held-out records that have an answer" in summary
     assert "student held-out accuracy (table above): over the 3 of 12 held-out records that have an answer" in summary
@@ -51,9 +51,9 @@ def test_the_report_counts_the_records_with_an_answer(tmp_path: Path) -> None:
 
 def test_open_ended_records_only_and_a_failing_teacher_pass_still_report(tmp_path: Path) -> None:
     cfg = load_config(None, [f"trainer.run_dir={_run_dir_with_evals(tmp_path, 0, 12)}"])
-    teacher, line = gkd.teacher_accuracy(cfg, TeacherAccuracyPool(KeyError("answer")))  # type: ignore[arg-type]
+    teacher, line = report.teacher_accuracy(cfg, TeacherAccuracyPool(KeyError("answer")))  # type: ignore[arg-type]
     assert teacher is None and line == "teacher held-out accuracy: not measured (KeyError: 'answer')"
-    gkd.report(cfg, teacher, line)
+    report.report(cfg, teacher, line)
     summary = (tmp_path / "summary.txt").read_text()
     assert "student held-out accuracy: none of the 12 held-out records has an answer" in summary
     assert line in summary and (tmp_path / "training.png").is_file()
@@ -75,13 +75,13 @@ class TwoPromptPool:
 def test_a_teacher_with_its_own_prompt_is_reported_from_both_prompts(tmp_path: Path) -> None:
     run_dir = _run_dir_with_evals(tmp_path, 10, 12)
     plain = TwoPromptPool()
-    gkd.teacher_accuracy(load_config(None, [f"trainer.run_dir={run_dir}"]), plain)  # type: ignore[arg-type]
+    report.teacher_accuracy(load_config(None, [f"trainer.run_dir={run_dir}"]), plain)  # type: ignore[arg-type]
     assert plain.asked == [False], "no prompt of its own: measured once"
     cfg = load_config(None, [f"trainer.run_dir={run_dir}", "data.teacher_prompt_key=hint"])
     pool = TwoPromptPool()
-    teacher, line = gkd.teacher_accuracy(cfg, pool)  # type: ignore[arg-type]
+    teacher, line = report.teacher_accuracy(cfg, pool)  # type: ignore[arg-type]
     assert pool.asked == [False, True] and teacher is not None and teacher.accuracy == 0.1
-    gkd.report(cfg, teacher, line)
+    report.report(cfg, teacher, line)
     summary = (tmp_path / "summary.txt").read_text()
     assert "teacher held-out accuracy: 10.0% over the 10 of 12" in summary
     assert "teacher held-out accuracy from its own prompt (privileged context): 90.0% over the 10 of 12" in summary

@@ -24,8 +24,9 @@ from recipe_gkd.batch import Sequence
 from recipe_gkd.config import CONFIG_DIR, load_config
 from recipe_gkd.config.teachers import chosen_teacher, split_teachers, teacher_handles
 from recipe_gkd.cross_tokenizer.targets import AlignedScores
-from recipe_gkd.targets import Target, build_target, sampled_objective
+from recipe_gkd.targets import Target, build_target
 from recipe_gkd.targets.hidden import Hidden, HiddenStates
+from recipe_gkd.targets.objectives import SampledReverseKL, TargetDivergence, build_objective
 from recipe_gkd.targets.spans import CrossTokenizerSpans, Spans
 from recipe_gkd.targets.topk import TopK
 from recipe_gkd.targets.union import Union
@@ -55,7 +56,9 @@ def test_one_class_per_kind_and_the_columns_its_replies_allow(
     assert type(target) is kind
     # teacher_topk_mass: a top-k over the student's vocabulary travels; teacher_sampled_logprob: a logprob does.
     assert (target.sends_topk(), target.sends_logprobs()) == (topk, logprobs)
-    assert sampled_objective(cfg) == ("algorithm.divergence=sampled_reverse_kl" in overrides)
+    sampled = "algorithm.divergence=sampled_reverse_kl" in overrides
+    assert type(build_objective(cfg)) is (SampledReverseKL if sampled else TargetDivergence)
+    assert build_objective(cfg).policy_statistics == sampled
     assert target.evaluates_kl() == (kind is Hidden or cfg.teacher.top_k > 0)
     assert target.teacher_on_actor == (kind is Hidden)
     assert target.request_options(cfg) == (

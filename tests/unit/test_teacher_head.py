@@ -160,5 +160,6 @@ def _micro(hidden_BTH: torch.Tensor, mask_BT: torch.Tensor) -> MicroBatch:
         target_ids_BT=zeros_BT.long(),
         rollout_logprobs_BT=zeros_BT,
         teacher_sampled_BT=zeros_BT,
+        sampled_mask_BT=torch.ones(mask_BT.shape, dtype=torch.bool),
         payload=hidden_BTH * mask_BT[..., None],
     )

@@ -13,7 +13,7 @@ import pytest
 
 from recipe_gkd.batch import RolloutStats
 from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config, to_yaml
-from recipe_gkd.config.teachers import record_teacher, teacher_sections
+from recipe_gkd.config.teachers import record_teacher, teacher_handles, teacher_sections
 from recipe_gkd.data import check_record_teachers
 from recipe_gkd.observe.metrics import teacher_columns
 from recipe_gkd.plan.placement import build_plan, format_plan
@@ -176,17 +176,24 @@ def test_teacher_set_names_the_failing_teacher() -> None:
     teachers.close()
 
 
-def test_teacher_columns_only_with_several_teachers() -> None:
+def test_teacher_columns_are_the_handles_with_metric_columns() -> None:
+    """Columns for every teacher of the run (its handles), not for the names the step's data happens to hold: a
+    teacher that scored nothing this step has 0 sequences and None ratios; one teacher gives no columns."""
     stats = RolloutStats(0, 0, 3, 9, [0, 1, 2], {})
     stats.per_teacher = {
         "reverse": {"sequences": 2, "response_tokens": 6, "teacher_topk_mass_sum": 5.4, "reward_sum": 1, "rewarded": 2},
         "sum": {"sequences": 1, "response_tokens": 3, "teacher_topk_mass_sum": 3.0, "reward_sum": 0, "rewarded": 0},
     }
-    columns = teacher_columns([stats], "eval_")
+    handles = teacher_handles(load_config(TWO)).values()
+    columns = teacher_columns([stats], handles, "eval_")
     assert columns["eval_teacher_reverse_topk_mass"] == pytest.approx(0.9)
     assert columns["eval_teacher_reverse_reward"] == 0.5 and columns["eval_teacher_sum_reward"] is None
-    stats.per_teacher = {"default": stats.per_teacher["sum"]}
-    assert teacher_columns([stats], "") == {}
+    del stats.per_teacher["sum"]
+    absent = teacher_columns([stats], handles, "")
+    assert absent["teacher_sum_sequences"] == 0 and absent["teacher_sum_topk_mass"] is None
+    assert absent["teacher_reverse_sequences"] == 2
+    stats.per_teacher = {"default": {**stats.per_teacher["reverse"]}}
+    assert teacher_columns([stats], teacher_handles(load_config(None)).values(), "") == {}
 
 
 def test_start_teacher_serves_the_named_teacher_on_its_gpus(capsys: pytest.CaptureFixture[str]) -> None:
