@@ -36,9 +36,9 @@ from tool_chat import with_tool_template  # noqa: E402
 from recipe_gkd.config import load_config  # noqa: E402
 from recipe_gkd.envs import Message, StepResult  # noqa: E402
 from recipe_gkd.gkd import RolloutPipeline  # noqa: E402
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm  # noqa: E402
 from recipe_gkd.rollout.worker import RolloutWorker  # noqa: E402
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm  # noqa: E402
-from teacher_server.protocol import TeacherTopK, scores_from_logprobs  # noqa: E402
+from teacher_server.wire.scores import TeacherTopK, scores_from_logprobs  # noqa: E402
 
 TOOL_TURNS = 2
 WARMUP_STEPS = 2

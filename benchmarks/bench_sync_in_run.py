@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from recipe_gkd.observe.metrics import read_metrics  # noqa: E402
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm  # noqa: E402
 from recipe_gkd.selfcheck import WORDS  # noqa: E402
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_sync_in_run.json"
 MODELS = ROOT / "runs" / "bench_sync_models"

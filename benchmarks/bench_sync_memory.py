@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from recipe_gkd.config import load_config  # noqa: E402
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm  # noqa: E402
 from recipe_gkd.plan.ports import reserve_ports  # noqa: E402
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_sync_memory.json"
 MIB = 1024 * 1024

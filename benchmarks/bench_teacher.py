@@ -29,11 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from teacher_server import hidden_codec
-from teacher_server import protocol as P
-from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
-from teacher_server.client import TeacherClient
-from teacher_server.launcher import launch_teacher
+from teacher_server.client.launcher import launch_teacher
+from teacher_server.client.zmq_client import TeacherClient
+from teacher_server.server.backends import Backend, BackendOptions, load_backend, parsed_request
+from teacher_server.wire import hidden_codec
+from teacher_server.wire import protocol as P
+from teacher_server.wire.score_frames import parse_score_reply, reply_frames, request_frames
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_teacher.json"
 BYTES_RESULTS = Path(__file__).resolve().parent / "results" / "bench_teacher_bytes.json"
@@ -144,14 +145,14 @@ def overhead(address: str, top_k: int, dtype: str, encoding: str, repeats: int) 
     try:
         for i in range(repeats + 1):
             start = time.perf_counter()
-            frames = P.request_frames(
+            frames = request_frames(
                 i, seqs, starts, top_k=top_k, temperature=1.0, logprob_dtype=dtype, id_encoding=encoding
             )
             sock.send_multipart(frames)
             reply = sock.recv_multipart()
             header = P.decode_server_reply(reply[0])
             assert isinstance(header, P.ScoreReply), header
-            P.parse_score_reply(header, reply[1:]).split()
+            parse_score_reply(header, reply[1:]).split()
             if i:  # the first one warms up
                 walls.append(time.perf_counter() - start)
                 computes.append(header.compute_s)
@@ -169,14 +170,14 @@ def reply_bytes(backend: Backend, top_k: int) -> list[BytesRow]:
     rows = []
     for dtype in P.LOGPROB_DTYPES:
         for encoding in P.ID_ENCODINGS:
-            frames = P.reply_frames(1, batch, vocab_size=VOCAB, logprob_dtype=dtype, id_encoding=encoding)
+            frames = reply_frames(1, batch, vocab_size=VOCAB, logprob_dtype=dtype, id_encoding=encoding)
             per_token = sum(len(f) for f in frames) / batch.topk_ids.shape[0]
             rows.append(BytesRow(top_k, f"{dtype}+{encoding}", per_token))
     if top_k == 0:
         # teacher.output=hidden: no top-k, the sampled token's logprob and the 16-bit final hidden states.
         for hidden_dtype in hidden_codec.HIDDEN_DTYPES:
             hidden = backend.score(parsed_request(seqs, starts, top_k=0, hidden_dtype=hidden_dtype))
-            frames = P.reply_frames(
+            frames = reply_frames(
                 1, hidden, vocab_size=VOCAB, logprob_dtype="float16", id_encoding="int32", hidden_dtype=hidden_dtype
             )
             per_token = sum(len(f) for f in frames) / hidden.topk_ids.shape[0]

@@ -30,8 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_teacher import VOCAB, build_model, make_batches
 
-from teacher_server.backends import BackendOptions, load_backend, parsed_request
-from teacher_server.protocol import TeacherTopK, canonical_order, tail_from_topk
+from teacher_server.server.backends import BackendOptions, load_backend, parsed_request
+from teacher_server.wire.protocol import TeacherTopK, canonical_order, tail_from_topk
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_teacher_vllm.json"
 TOP_KS = (64, 256)

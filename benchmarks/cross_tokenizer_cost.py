@@ -22,9 +22,9 @@ from transformers import AutoTokenizer
 from recipe_gkd.config import load_config
 from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
 from recipe_gkd.data import encode_prompt
-from teacher_server.backends import BackendOptions, load_backend, parsed_request
-from teacher_server.conversation import Conversation, Renderer
-from teacher_server.protocol import TeacherTopK
+from teacher_server.server.backends import BackendOptions, load_backend, parsed_request
+from teacher_server.wire.conversation import Conversation, Renderer
+from teacher_server.wire.protocol import TeacherTopK
 
 REPS = 3
 TOP_K = 8

@@ -96,8 +96,8 @@ class _TextRoute:
     def __init__(self, cfg: Any) -> None:
         from transformers import AutoTokenizer
 
-        from teacher_server.backends import BackendOptions, load_backend
-        from teacher_server.conversation import Renderer
+        from teacher_server.server.backends import BackendOptions, load_backend
+        from teacher_server.wire.conversation import Renderer
 
         t = cfg.teacher
         self.tokenizer = AutoTokenizer.from_pretrained(t.model_path)
@@ -106,7 +106,7 @@ class _TextRoute:
         self.top_k, self.temperature = t.top_k, t.temperature
 
     def score_conversations(self, conversations: list[Any]) -> list[Any]:
-        from teacher_server.backends import parsed_request
+        from teacher_server.server.backends import parsed_request
 
         out = []
         for c in conversations:

@@ -16,7 +16,7 @@ tensors (the teacher's from transformers directly, not from the backend):
 - union, K=8 and k_s=8 (algorithm.support=union, rollout.student_top_k=8),
 - full vocabulary from the teacher's bf16 final hidden states (teacher.output=hidden).
 
-Costs per scored token: request and reply bytes on the wire (teacher_server.protocol's encoders; the
+Costs per scored token: request and reply bytes on the wire (teacher_server.wire.protocol's encoders; the
 default float16 + elias_fano wire, bf16 hidden states), the hf backend's scoring time in-process, and
 the actor's loss step alone (forward + backward of the loss function on fixed student logits).
 torch runs on one thread. Prints markdown tables and writes benchmarks/results/support_gap_table.json.
@@ -42,9 +42,9 @@ from recipe_gkd.actor.teacher_head import find_teacher_head, load_teacher_head_s
 from recipe_gkd.data import encode_prompt
 from recipe_gkd.losses import gkd_loss_sum, hidden_gkd_loss_sum
 from recipe_gkd.targets.union import union_scores
-from teacher_server import protocol as P
-from teacher_server.backends import BackendOptions, load_backend, parsed_request
-from teacher_server.scores import TopKBatch
+from teacher_server.server.backends import BackendOptions, load_backend, parsed_request
+from teacher_server.wire.score_frames import reply_frames, request_frames
+from teacher_server.wire.scores import TopKBatch
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "assets" / "demo"
@@ -218,11 +218,11 @@ def measure_pair(name: str, teacher_dir: Path, student_dir: Path, s: Sample, rep
         req, named_ids = score_request(s, min(top_k, vocab), k_s > 0, hidden)
         reply = backend.score(req)
         score_s = median_s(lambda req=req: backend.score(req), repeats)
-        request = P.request_frames(
+        request = request_frames(
             1, s.sequences, s.score_from, top_k=req.top_k, temperature=1.0, named_ids=named_ids,
             hidden_dtype=req.hidden_dtype, **WIRE,
         )  # fmt: skip
-        frames = P.reply_frames(1, reply, vocab_size=vocab, hidden_dtype=req.hidden_dtype, **WIRE)
+        frames = reply_frames(1, reply, vocab_size=vocab, hidden_dtype=req.hidden_dtype, **WIRE)
         head = None
         if hidden:
             ref = find_teacher_head(str(teacher_dir), vocab)

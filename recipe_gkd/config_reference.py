@@ -59,7 +59,7 @@ The resolved config is saved as `<run_dir>/resolved_config.yaml`.
 
 This page is generated from the schema's dataclasses and their field docstrings by
 `{COMMAND}` (a test fails when it differs from what the schema generates);
-edit the docstrings in `recipe_gkd/config/schema.py` (the `teacher` section: `teacher_server/config.py`), then rerun it.
+edit the docstrings in `recipe_gkd/config/schema.py` (the `teacher` section: `teacher_server/config/teacher.py`), then rerun it.
 Allowed values are the enum members, the choices or the bounds declared on the field; the rules that
 tie several keys together live in `validate()` and print the key to change.
 """
@@ -227,7 +227,7 @@ def render(schema: type = config.GKDConfig) -> str:
 
 def _server_section() -> list[str]:
     """The teacher server's own `server:` keys (a standalone teacher yaml, `python -m teacher_server`)."""
-    from teacher_server.settings import ServerSection
+    from teacher_server.server.settings import ServerSection
 
     see = ", ".join(f"[{name}]({name})" for name in SECTION_PAGES["server"])
     parts = [f"## server\n\n{class_docstring(ServerSection)} More: {see}.\n"]

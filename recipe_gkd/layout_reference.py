@@ -36,9 +36,10 @@ Generated from the tree by `{COMMAND}`: each package and module with the first s
 docstring (a test fails when this page differs from what the tree generates; edit the docstring, then rerun it).
 
 The seams `tests/unit/test_architecture.py` checks: no import cycle; Ray imported by `runtime/ray_pools.py` and
-`runtime/ray_cluster.py` only; vLLM by one module on each side (`rollout/vllm.py`, `teacher_server/backends/vllm.py`);
-megatron-core inside `recipe_gkd/actor/` only; `teacher_server/` imports nothing of `recipe_gkd`; the
-product imports nothing of `recipe_gkd/demo/`. (A bad config or a dry run imports none of torch, Ray, vLLM,
+`runtime/ray_cluster.py` only; vLLM by one module on each side (`rollout/vllm.py`, `teacher_server/server/backends/vllm.py`);
+megatron-core inside `recipe_gkd/actor/` only; `teacher_server/` imports nothing of `recipe_gkd`, and inside it
+`wire/` and `config/` import neither `server/` nor `client/` (nor each other) and `client/` imports no `server/`
+module; the product imports nothing of `recipe_gkd/demo/`. (A bad config or a dry run imports none of torch, Ray, vLLM,
 megatron-core: `tests/unit/test_config.py`.)
 """
 

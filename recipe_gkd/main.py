@@ -119,8 +119,8 @@ def exit_code_for(err: BaseException) -> int | None:
     from recipe_gkd.actor.hf_arch import UnsupportedModelError
     from recipe_gkd.runtime.checkpoint import CheckpointError
     from recipe_gkd.weight_sync import WeightSyncError
-    from teacher_server.client import TeacherError, TeacherMismatchError
-    from teacher_server.launcher import TeacherLaunchError
+    from teacher_server.client.launcher import TeacherLaunchError
+    from teacher_server.client.zmq_client import TeacherError, TeacherMismatchError
     from teacher_server.vllm_version import UnsupportedVLLMError
 
     cause = getattr(err, "cause", None) or err

@@ -1,12 +1,12 @@
 """Standalone ZeroMQ teacher server: scores student rollouts with the teacher's top-k logprobs.
 
-Importing this package imports neither transformers nor vllm (only backends/hf.py and
-backends/vllm.py do, when a replica loads them). The trainer-facing API:
+Importing this package imports neither transformers nor vllm (only server/backends/hf.py and
+server/backends/vllm.py do, when a replica loads them). The trainer-facing API:
 
     from teacher_server import TeacherClient, TeacherTopK, tokenizer_fingerprint
 """
 
-from teacher_server.client import (
+from teacher_server.client.zmq_client import (
     TeacherClient,
     TeacherDeadError,
     TeacherError,
@@ -14,7 +14,7 @@ from teacher_server.client import (
     TeacherRequestError,
     TeacherTimeoutError,
 )
-from teacher_server.protocol import PROTOCOL_VERSION, TeacherTopK, tokenizer_fingerprint
+from teacher_server.wire.protocol import PROTOCOL_VERSION, TeacherTopK, tokenizer_fingerprint
 
 __all__ = [
     "PROTOCOL_VERSION",

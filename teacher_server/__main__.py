@@ -12,8 +12,9 @@ import logging
 import sys
 from pathlib import Path
 
-from teacher_server.config import ConfigError, validate_teacher_section
-from teacher_server.settings import ServerSettings, is_loopback, load_settings, with_port
+from teacher_server.config.fields import ConfigError
+from teacher_server.config.teacher import validate_teacher_section
+from teacher_server.server.settings import ServerSettings, is_loopback, load_settings, with_port
 
 EXIT_CONFIG = 2
 
@@ -65,7 +66,7 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 def check_runnable(settings: ServerSettings, join: str) -> None:
     """What must hold before anything is spawned: a model directory, and a secret for non-loopback binds."""
-    from teacher_server.model_refs import resolve_model_ref
+    from teacher_server.config.model_refs import resolve_model_ref
 
     t = settings.teacher
     t.model_path = resolve_model_ref(t.model_path, "teacher.model_path")  # a hub id -> its cached snapshot
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"teacher_server: {err}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
-    from teacher_server.supervisor import Supervisor
+    from teacher_server.server.supervisor import Supervisor
 
     return Supervisor(settings, join=args.join).run()
 

@@ -44,7 +44,7 @@ def _has_cuda() -> bool:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama model + char tokenizer (seed 0), built once per test session."""
-    from recipe_gkd.tiny_models import build_tiny_causal_lm
+    from recipe_gkd.offline_models import build_tiny_causal_lm
 
     return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny_model"), seed=0)
 
@@ -154,8 +154,8 @@ def teach_to_answer(model_dir: Path, prompts: list[str], answer: str, steps: int
 
 @pytest.fixture(scope="session")
 def chatml_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The ChatML byte-level BPE tokenizer alone (what real instruct models ship; see recipe_gkd/tiny_models.py)."""
-    from recipe_gkd.tiny_models import build_chatml_bpe_tokenizer
+    """The ChatML byte-level BPE tokenizer alone (what real instruct models ship; see recipe_gkd/offline_models.py)."""
+    from recipe_gkd.offline_models import build_chatml_bpe_tokenizer
 
     out = tmp_path_factory.mktemp("chatml_tokenizer")
     build_chatml_bpe_tokenizer(out)
@@ -165,7 +165,7 @@ def chatml_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def chatml_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """{"student": random tiny Llama, "teacher": one taught to answer TEACHER_ANSWER}, both with the ChatML BPE tokenizer."""
-    from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+    from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 
     root = tmp_path_factory.mktemp("chatml")
     student = build_tiny_causal_lm(root / "student", seed=0, tokenizer_kind="chatml_bpe")

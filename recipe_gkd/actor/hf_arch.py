@@ -15,6 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from recipe_gkd.plan.model_shape import shape_from_config
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # Megatron's embedding / output layer shard the vocabulary evenly over tensor-parallel ranks.
@@ -79,35 +81,34 @@ def read_hf_arch(hf_config: Any) -> HFArch:
     if model_type == "mistral" and getattr(hf_config, "sliding_window", None) is not None:
         # Mistral-style Llama (Mistral 7B v0.2+, Ministral) has none; v0.1's 4096-token window is not reproduced.
         raise UnsupportedModelError(f"mistral sliding_window={hf_config.sliding_window} is not supported (only null)")
-    if model_type == "qwen2":
-        qkv_bias = True  # Qwen2 always has q/k/v biases and no o_proj bias
-    elif model_type == "qwen3":
-        if getattr(hf_config, "attention_bias", False):
-            raise UnsupportedModelError("Qwen3 attention_bias=true is not supported")
-        qkv_bias = False
-    else:
-        if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-            raise UnsupportedModelError("Llama attention_bias / mlp_bias = true is not supported")
-        qkv_bias = False
-    num_heads = int(hf_config.num_attention_heads)
-    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    # Qwen2 always has q/k/v biases and no o_proj bias; the others none.
+    if model_type == "qwen3" and getattr(hf_config, "attention_bias", False):
+        raise UnsupportedModelError("Qwen3 attention_bias=true is not supported")
+    if model_type in ("llama", "mistral") and (
+        getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False)
+    ):
+        raise UnsupportedModelError("Llama attention_bias / mlp_bias = true is not supported")
+    # The dense-transformer numbers through the memory plan's reader (one reading of a config); the actor's own below.
+    shape = shape_from_config(hf_config)
+    if shape.max_position_embeddings <= 0:
+        raise UnsupportedModelError("model.student_path holds a config without max_position_embeddings")
     return HFArch(
         model_type=model_type,
-        vocab_size=int(hf_config.vocab_size),
-        hidden_size=int(hf_config.hidden_size),
-        intermediate_size=int(hf_config.intermediate_size),
-        num_layers=int(hf_config.num_hidden_layers),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=int(head_dim),
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
         rms_norm_eps=float(hf_config.rms_norm_eps),
         rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
-        max_position_embeddings=int(hf_config.max_position_embeddings),
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        # Shape's rule (qwen2, or attention_bias) is the actor's after the checks above refused any other bias.
+        qkv_bias=shape.qkv_bias,
         initializer_range=float(getattr(hf_config, "initializer_range", 0.02)),
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=shape.qk_layernorm,
         llama3_rope=_llama3_rope(rope),
     )
 

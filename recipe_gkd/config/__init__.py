@@ -62,7 +62,8 @@ from recipe_gkd.config.schema import (
     WeightSyncConfig,
     WeightTransport,
 )
-from teacher_server.config import ConfigError, TeacherConfig, TeacherLocation, TeacherOutput
+from teacher_server.config.fields import ConfigError
+from teacher_server.config.teacher import TeacherConfig, TeacherLocation, TeacherOutput
 
 __all__ = [
     "ANSWER_MATCHES",

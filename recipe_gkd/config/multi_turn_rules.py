@@ -8,7 +8,7 @@ from __future__ import annotations
 from recipe_gkd.config.schema import CrossTokenizer, GKDConfig, Support
 from recipe_gkd.envs.registry import ENVIRONMENTS
 from recipe_gkd.teacher_prompt import prompt_rule
-from teacher_server.config import require
+from teacher_server.config.fields import require
 
 
 def validate_multi_turn(cfg: GKDConfig) -> None:

@@ -32,13 +32,12 @@ from recipe_gkd.config.schema import (
 
 # The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.
 from recipe_gkd.teacher_prompt import prompt_rule, teacher_prompt_bound
-from teacher_server.config import (
+from teacher_server.config.fields import check_fields, require
+from teacher_server.config.teacher import (
     TeacherBackend,
     TeacherLocation,
     TeacherOutput,
-    check_fields,
     min_vllm_model_len,
-    require,
     validate_teacher_section,
 )
 

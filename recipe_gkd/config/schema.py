@@ -12,11 +12,8 @@ from pathlib import Path
 
 # The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.
 from recipe_gkd.envs.tool_calls import TOOL_CALL_FORMATS
-from teacher_server.config import (
-    TeacherConfig,
-    bounded,
-    one_of,
-)
+from teacher_server.config.fields import bounded, one_of
+from teacher_server.config.teacher import TeacherConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"

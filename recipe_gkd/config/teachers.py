@@ -20,7 +20,8 @@ from typing import Any
 
 from recipe_gkd.config.schema import GKDConfig
 from recipe_gkd.teacher_prompt import TeacherPrompt, prompt_rule
-from teacher_server.config import ConfigError, TeacherConfig, TeacherLocation, require
+from teacher_server.config.fields import ConfigError, require
+from teacher_server.config.teacher import TeacherConfig, TeacherLocation
 
 DEFAULT_TEACHER = "default"
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")

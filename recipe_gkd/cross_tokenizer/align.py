@@ -1,7 +1,7 @@
 """Student tokens and teacher tokens grouped into the smallest spans that cover the same response bytes.
 
 Both sides' response tokens are laid on the UTF-8 bytes of the response text (each token's bytes from
-its own vocabulary, teacher_server/conversation.py `token_byte_table`). Walking both lists by their end
+its own vocabulary, teacher_server/wire/conversation.py `token_byte_table`). Walking both lists by their end
 offsets, a span closes wherever both tokenizations have a boundary at the same byte: the smallest groups
 with equal byte ranges (TRL's GOLD trainer walks them the same way, trl/experimental/gold/gold_trainer.py
 `ULDLoss._align_by_byte_offsets`; it works on byte offsets for the reason we do: a byte-level BPE token
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from teacher_server.conversation import byte_offsets
+from teacher_server.wire.conversation import byte_offsets
 
 
 @dataclass(frozen=True)

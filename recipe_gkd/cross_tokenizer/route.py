@@ -2,14 +2,14 @@
 
 Chosen once, when the worker connects (recipe_gkd/rollout/teacher_set.py): each response is decoded
 to text in the student's tokens (align.student_text), sent with its record's prompt as a conversation,
-rendered and scored by the teacher in its own tokens (teacher_server/conversation.py), then aligned
+rendered and scored by the teacher in its own tokens (teacher_server/wire/conversation.py), then aligned
 span by span and mapped back onto the student's response positions (targets.aligned_scores). The loop
 and the actor see one scored Sequence per response, as with any teacher.
 
 The worker reads the teacher's tokenizer from teacher.model_path for one thing only: which teacher
 pieces are student pieces (GOLD's shared-vocabulary map). Its fingerprint must be the server's
 (the handshake's tokenizer hash), so the map is the one the server scores with. With
-teacher.backend=openai the worker also renders with it (teacher_server/openai_text.py), checked against
+teacher.backend=openai the worker also renders with it (teacher_server/client/openai_text.py), checked against
 the served tokenizer through the server's /tokenize.
 """
 
@@ -22,8 +22,8 @@ import numpy as np
 
 from recipe_gkd.cross_tokenizer.align import align_spans, student_text
 from recipe_gkd.cross_tokenizer.targets import AlignedScores, aligned_scores, conversation_of, vocabulary_map
-from teacher_server.conversation import Conversation, token_byte_table
-from teacher_server.protocol import TeacherTopK, tokenizer_fingerprint
+from teacher_server.wire.conversation import Conversation, token_byte_table
+from teacher_server.wire.protocol import TeacherTopK, tokenizer_fingerprint
 
 
 class TextTeacher(Protocol):
@@ -55,14 +55,14 @@ class CrossTokenizerScorer:
     def connect(cls, cfg: Any, student_tokenizer: Any, address: str | None) -> CrossTokenizerScorer:
         """The teacher's client for `cfg.teacher` (any tokenizer accepted), checked against teacher.model_path's
         tokenizer: the ZeroMQ server renders the conversations itself; with teacher.backend=openai the client renders
-        them with the same code (teacher_server/openai_text.py), an OpenAI-compatible server giving no byte offsets."""
+        them with the same code (teacher_server/client/openai_text.py), an OpenAI-compatible server giving no byte offsets."""
         from transformers import AutoTokenizer
 
-        from teacher_server.client import TeacherClient, TeacherMismatchError
-        from teacher_server.config import TeacherBackend
+        from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError
+        from teacher_server.config.teacher import TeacherBackend
 
         if cfg.teacher.backend == TeacherBackend.openai:
-            from teacher_server.openai_text import OpenAITextTeacher
+            from teacher_server.client.openai_text import OpenAITextTeacher
 
             text_teacher = OpenAITextTeacher.connect(cfg.teacher)
             try:

@@ -31,8 +31,8 @@ import numpy as np
 
 from recipe_gkd.batch import EXCLUDED_ID, FOLDED_BASE
 from recipe_gkd.cross_tokenizer.align import Span, StudentText
-from teacher_server.conversation import Conversation
-from teacher_server.protocol import TeacherTopK
+from teacher_server.wire.conversation import Conversation
+from teacher_server.wire.protocol import TeacherTopK
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import torch
 from recipe_gkd.demo import sum_task, task
 from recipe_gkd.demo.evaluate import accuracy_on, greedy_accuracy
 from recipe_gkd.demo.sft import EncodedExample, SFTConfig, encode_example, sft_train
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 
 DEFAULT_OUT = Path("assets/demo")
 MANIFEST = "manifest.json"

@@ -4,7 +4,7 @@
 
 The demo teacher's recipe (recipe_gkd/demo/build_assets.py TEACHER: shape, seed, SFT; TEACHER_STEPS
 steps instead of 300) on the demo's train split (assets/demo/data, built first by `make demo`), but with a Llama-3-shaped byte-level BPE
-tokenizer (recipe_gkd/tiny_models.py `llama3_bpe`: other vocabulary, merges, special tokens and chat
+tokenizer (recipe_gkd/offline_models.py `llama3_bpe`: other vocabulary, merges, special tokens and chat
 template than the student's char tokenizer). configs/presets/cpu_cross_tokenizer.yaml distills the demo
 student from it (docs/cross_tokenizer.md). Deterministic like build_assets (one thread, deterministic
 torch); a complete manifest of the same recipe makes a second run a no-op.
@@ -26,7 +26,7 @@ from recipe_gkd.demo import task
 from recipe_gkd.demo.build_assets import TEACHER, deterministic_torch, sha256_file
 from recipe_gkd.demo.evaluate import greedy_accuracy
 from recipe_gkd.demo.sft import sft_train
-from recipe_gkd.tiny_models import build_tiny_causal_lm
+from recipe_gkd.offline_models import build_tiny_causal_lm
 
 DEFAULT_OUT = Path("assets/demo_xtok")
 DEMO_DATA = Path("assets/demo/data")

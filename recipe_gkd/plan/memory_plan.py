@@ -43,7 +43,7 @@ from recipe_gkd.config.teachers import TeacherHandle, teacher_handles, teacher_v
 from recipe_gkd.plan.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
 from recipe_gkd.plan.model_shape import Shape, read_shape
 from recipe_gkd.targets import build_target
-from teacher_server.config import TeacherBackend, TeacherLocation
+from teacher_server.config.teacher import TeacherBackend, TeacherLocation
 
 GIB = 1024**3
 # CUDA context, cuBLAS workspaces, NCCL buffers and allocator slack on every actor GPU.
@@ -52,7 +52,7 @@ ACTOR_RESERVE_GIB = 2.5
 # in all (recipe_gkd/losses/hidden.py; the same numbers, kept here so a dry run imports no torch).
 HIDDEN_LOSS_CHUNK_BYTES = 256 * 2**20
 HIDDEN_CHUNK_BUFFERS = 5
-# The wire's 16-bit hidden states, kept so from the client to the teacher's head (teacher_server/hidden_codec.py).
+# The wire's 16-bit hidden states, kept so from the client to the teacher's head (teacher_server/wire/hidden_codec.py).
 HIDDEN_WIRE_BYTES = 2
 # algorithm.cross_tokenizer at actor TP > 1: the loss gathers the whole vocabulary on every rank
 # (recipe_gkd/actor/objective.py `full_vocabulary`, megatron-core 0.16.1 `_GatherFromModelParallelRegion`) from

@@ -1,13 +1,18 @@
-"""A model's shape as its config.json gives it (no weights read): what the memory plan sizes each role from."""
+"""A model's shape as its config.json gives it (no weights read): what the memory plan sizes each role from.
+
+The one reader of a model's config: `shape_from_config` takes the json dict or a transformers config object; the
+actor's architecture (actor/hf_arch.py `read_hf_arch`) takes its dense-transformer numbers from it.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from teacher_server.model_refs import HUB_ID
+from teacher_server.config.model_refs import HUB_ID
 
 
 @dataclass(frozen=True)
@@ -49,23 +54,39 @@ class Shape:
         return 2 * self.num_layers * max(1.0, self.num_kv_heads / tp) * self.head_dim * dtype_bytes
 
 
-def shape_from_config(config: dict[str, Any]) -> Shape:
-    """A Shape from a config.json dict (Llama / Qwen2 / Qwen3 / Mistral field names)."""
-    heads = int(config["num_attention_heads"])
-    hidden = int(config["hidden_size"])
+_REQUIRED = object()
+
+
+def _field(config: Mapping[str, Any] | Any, key: str, default: Any = _REQUIRED) -> Any:
+    """`key` of a config.json dict or of a transformers config object; KeyError naming it when required and absent."""
+    value = config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
+    if value is _REQUIRED:
+        raise KeyError(key)
+    return value
+
+
+def shape_from_config(config: Mapping[str, Any] | Any) -> Shape:
+    """A Shape from a config.json dict or a transformers config (Llama / Qwen2 / Qwen3 / Mistral field names).
+
+    The one reading of a model's dense-transformer numbers: the memory plan's and the actor's (actor/hf_arch.py
+    `read_hf_arch` adds the fields only the actor needs, after its checks).
+    """
+    heads = int(_field(config, "num_attention_heads"))
+    hidden = int(_field(config, "hidden_size"))
+    model_type = _field(config, "model_type", "")
     return Shape(
-        vocab_size=int(config["vocab_size"]),
+        vocab_size=int(_field(config, "vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
-        num_layers=int(config["num_hidden_layers"]),
+        intermediate_size=int(_field(config, "intermediate_size")),
+        num_layers=int(_field(config, "num_hidden_layers")),
         num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
+        num_kv_heads=int(_field(config, "num_key_value_heads", None) or heads),
+        head_dim=int(_field(config, "head_dim", None) or hidden // heads),
         # transformers' own default for these families is false when the key is absent.
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_layernorm=config.get("model_type") == "qwen3",
-        max_position_embeddings=int(config.get("max_position_embeddings") or 0),
+        tie_word_embeddings=bool(_field(config, "tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(_field(config, "attention_bias", False)),
+        qk_layernorm=model_type == "qwen3",
+        max_position_embeddings=int(_field(config, "max_position_embeddings", None) or 0),
     )
 
 

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 
 from recipe_gkd.config import ConfigError, Device, GKDConfig, WeightTransport, actor_world_size, weight_transport
-from teacher_server.config import TeacherLocation
+from teacher_server.config.teacher import TeacherLocation
 
 SHM_PATH = "/dev/shm"
 MIB = 1024 * 1024

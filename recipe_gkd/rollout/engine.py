@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from teacher_server.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherTopK
 
 
 @dataclass

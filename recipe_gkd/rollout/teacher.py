@@ -12,8 +12,8 @@ import numpy as np
 
 from recipe_gkd.config import GKDConfig, cpu_threads, to_yaml
 from recipe_gkd.config.teachers import DEFAULT_TEACHER, teacher_handles, teacher_sections, teacher_views
-from teacher_server.config import TeacherBackend, TeacherConfig
-from teacher_server.protocol import TeacherTopK
+from teacher_server.config.teacher import TeacherBackend, TeacherConfig
+from teacher_server.wire.protocol import TeacherTopK
 
 # The driver waits for an autostarted server's READY as long as the server itself waits for its replicas
 # to load (teacher.ready_timeout_s; past it the server exits naming that key, and the launcher raises with
@@ -36,18 +36,18 @@ class TeacherScorer:
     """
 
     def __init__(self, cfg: GKDConfig, tokenizer: Any, address: str | None = None) -> None:
-        from teacher_server.protocol import tokenizer_fingerprint
+        from teacher_server.wire.protocol import tokenizer_fingerprint
 
         self.client: Any
         if cfg.teacher.backend == TeacherBackend.openai:
             # A vLLM OpenAI-compatible server the user runs (teacher.address=http://host:port/v1).
-            from teacher_server.openai_client import OpenAITeacherClient
+            from teacher_server.client.openai_client import OpenAITeacherClient
 
             self.client = OpenAITeacherClient.from_config(
                 cfg.teacher, student_tokenizer=tokenizer, tokenizer_hash=tokenizer_fingerprint(tokenizer)
             )
         else:
-            from teacher_server.client import TeacherClient
+            from teacher_server.client.zmq_client import TeacherClient
 
             self.client = TeacherClient.from_config(
                 cfg.teacher, tokenizer_hash=tokenizer_fingerprint(tokenizer), address=address
@@ -89,7 +89,7 @@ def start_local_teacher(cfg: GKDConfig, name: str = DEFAULT_TEACHER) -> Iterator
     <run_dir>/teacher_server.log (several teachers: one resolved config and log per teacher, named after it).
     """
     from recipe_gkd.plan.placement import build_plan, gpu_list
-    from teacher_server.launcher import start_teacher
+    from teacher_server.client.launcher import start_teacher
 
     run_dir = Path(cfg.trainer.run_dir)
     view, handle = teacher_views(cfg)[name], teacher_handles(cfg)[name]

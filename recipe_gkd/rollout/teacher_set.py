@@ -23,8 +23,8 @@ from recipe_gkd.config.teachers import TeacherHandle, record_teacher, teacher_ha
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.targets import build_target
 from recipe_gkd.teacher_prompt import teacher_prompt_bound
-from teacher_server.config import ConfigError
-from teacher_server.protocol import TeacherTopK, tokenizer_fingerprint
+from teacher_server.config.fields import ConfigError
+from teacher_server.wire.protocol import TeacherTopK, tokenizer_fingerprint
 
 T = TypeVar("T")
 

@@ -8,8 +8,10 @@ one_step_off runs before the actor trains on batch t, so it samples with the wei
 step, exactly what the overlapped Ray run samples with (its weight sync waits for generation).
 A worker's error is kept and raised when its work is awaited, as on Ray.
 
-Nothing here is bounded by a timeout: this is for tests and experiments on one machine, not a
-way to run a job (`python -m recipe_gkd.main` always runs on Ray).
+Product use: the self-check's stage 0 (recipe_gkd/selfcheck/stage0_actor.py `loop_check`) runs the whole loop
+this way on a machine without Ray or vLLM; the golden trajectories (benchmarks/golden_targets.py) and the tests
+run `gkd.train` through it too. Nothing here is bounded by a timeout: it rehearses the loop on one machine and
+is not a way to run a job (`python -m recipe_gkd.main` always runs on Ray).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.runtime.pools import Pending, Pools
 from recipe_gkd.targets import build_target
 from recipe_gkd.weight_sync import MIB, TimedIterator, iter_buckets
-from teacher_server.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherTopK
 
 
 @dataclass
@@ -146,7 +148,7 @@ class InProcessTeacher:
     """
 
     def __init__(self, cfg: GKDConfig) -> None:
-        from teacher_server.backends import BackendOptions, load_backend
+        from teacher_server.server.backends import BackendOptions, load_backend
 
         t = cfg.teacher
         if t.backend.value != "hf":
@@ -162,7 +164,7 @@ class InProcessTeacher:
     def score(
         self, sequences: list[np.ndarray], score_from: list[int], named_ids: list[np.ndarray] | None = None
     ) -> list[TeacherTopK]:
-        from teacher_server.backends import parsed_request
+        from teacher_server.server.backends import parsed_request
 
         request = parsed_request(
             sequences,

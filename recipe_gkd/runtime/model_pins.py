@@ -21,7 +21,7 @@ from typing import Any
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.config.teachers import teacher_handles
 from recipe_gkd.targets import build_target
-from teacher_server.config import TeacherBackend
+from teacher_server.config.teacher import TeacherBackend
 
 
 class Reader(enum.Enum):
@@ -86,7 +86,7 @@ def pin_models(cfg: GKDConfig) -> None:
     """In place: every hub id a process of the run reads becomes `org/name@<commit>` of this node's cache.
     Raises ConfigError naming the key when a reference is not here (nor downloadable, where the hub is reachable)."""
     from recipe_gkd.config.rules import require_built_asset
-    from teacher_server.model_refs import pin_model_ref
+    from teacher_server.config.model_refs import pin_model_ref
 
     for ref in model_refs(cfg, Reader.driver):
         require_built_asset(ref.value, ref.key)  # a missing repo-built model: the command that builds it
@@ -96,7 +96,7 @@ def pin_models(cfg: GKDConfig) -> None:
 def on_this_node(cfg: GKDConfig, reader: Reader) -> GKDConfig:
     """A copy of `cfg` with the references `reader` opens resolved to directories of this node's cache (cache only).
     Raises ConfigError naming the key, this node and how to download the model here."""
-    from teacher_server.model_refs import resolve_model_ref
+    from teacher_server.config.model_refs import resolve_model_ref
 
     local = copy.deepcopy(cfg)
     for ref in model_refs(local, reader):

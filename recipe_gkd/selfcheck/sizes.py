@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recipe_gkd.tiny_models import TinyModelSpec
+from recipe_gkd.offline_models import TinyModelSpec
 
 # Qwen3-0.6B's config.json (hidden 1024, 28 layers, 16 query / 8 key-value heads of 128, vocabulary 151936, tied).
 QWEN3_0_6B = TinyModelSpec(1024, 3072, 28, 16, 8, 40960, True, vocab_size=151936, head_dim=128, save_dtype="bfloat16")

@@ -38,7 +38,7 @@ def student_dir(models: Path, sizes: Sizes) -> Path:
 def student_model(models: Path, sizes: Sizes) -> Path:
     """The random model of the stage's shape (Qwen3 family, char tokenizer), built once under `models`
     (kept between runs: a rerun skips building it)."""
-    from recipe_gkd.tiny_models import build_tiny_causal_lm
+    from recipe_gkd.offline_models import build_tiny_causal_lm
 
     target = student_dir(models, sizes)
     if not (target / "config.json").is_file():
@@ -102,7 +102,7 @@ def stage0_config(out: Path, models: Path, sizes: Sizes, run: str, *overrides: s
 def wire_hidden_states(values_NH: np.ndarray) -> Any:
     """Hidden states as the rollout worker hands them on: rounded to the wire's bfloat16, in its 16 bits."""
     from recipe_gkd.targets.hidden import HiddenStates
-    from teacher_server import hidden_codec
+    from teacher_server.wire import hidden_codec
 
     return HiddenStates.from_float32(hidden_codec.round_to(values_NH.astype(np.float32), "bfloat16"), "bfloat16")
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from recipe_gkd.batch import TargetPayload
     from recipe_gkd.rollout.engine import Scorer
     from recipe_gkd.rollout.teacher_set import PromptJoin
-    from teacher_server.protocol import TeacherTopK
+    from teacher_server.wire.protocol import TeacherTopK
 
 
 class Target:

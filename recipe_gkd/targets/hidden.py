@@ -19,7 +19,7 @@ from recipe_gkd.config import GKDConfig, Precision
 from recipe_gkd.config.teachers import teacher_handles
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.targets.base import Target
-from teacher_server.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherTopK
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +50,7 @@ class HiddenStates:
     @staticmethod
     def from_float32(values_NH: np.ndarray, dtype: str) -> HiddenStates:
         """Values already rounded to `dtype` (the client decodes the wire to float32): re-encoded exactly."""
-        from teacher_server import hidden_codec
+        from teacher_server.wire import hidden_codec
 
         bits = np.frombuffer(hidden_codec.encode(values_NH, dtype), dtype="<u2").reshape(values_NH.shape)
         return HiddenStates(bits, dtype)
@@ -60,7 +60,7 @@ class HiddenStates:
         return tuple(self.bits.shape)
 
     def to_float32(self) -> np.ndarray:
-        from teacher_server import hidden_codec
+        from teacher_server.wire import hidden_codec
 
         return hidden_codec.decode(self.bits.tobytes(), self.dtype, self.bits.shape[-1]).reshape(self.bits.shape)
 

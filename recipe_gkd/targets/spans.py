@@ -19,7 +19,7 @@ from recipe_gkd.config import GKDConfig
 from recipe_gkd.cross_tokenizer.targets import AlignedScores
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.targets.base import Target
-from teacher_server.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherTopK
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -85,7 +85,7 @@ class CrossTokenizerSpans(Target):
         records: list[dict[str, Any]] | None,
         where: list[str],
     ) -> tuple[list[np.ndarray], list[int], list[dict[str, Any]] | None]:
-        """The teacher renders its own prompt in its own tokens and chat template (teacher_server/conversation.py):
+        """The teacher renders its own prompt in its own tokens and chat template (teacher_server/wire/conversation.py):
         the records go with the teacher's prompt as their prompt; the student's ids are decoded as before."""
         if records is None:
             raise ValueError("algorithm.cross_tokenizer needs each sequence's record")

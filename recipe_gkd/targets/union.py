@@ -18,8 +18,8 @@ import numpy as np
 from recipe_gkd.batch import EXCLUDED_ID
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.targets.topk import TopK
-from teacher_server.protocol import TeacherTopK
-from teacher_server.scores import repeated_named
+from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.scores import repeated_named
 
 
 class Union(TopK):

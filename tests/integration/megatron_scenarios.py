@@ -32,7 +32,7 @@ from recipe_gkd.config import (
 )
 from recipe_gkd.targets.hidden import HiddenStates
 from recipe_gkd.targets.spans import Spans
-from teacher_server.protocol import scores_from_logprobs
+from teacher_server.wire.protocol import scores_from_logprobs
 
 GLOBAL_BATCH = 8
 TOP_K = 8
@@ -134,7 +134,7 @@ def make_xtok_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -
 def make_hidden_sequences(seed: int, count: int, vocab: int, hidden_size: int) -> list[Sequence]:
     """make_sequences with the teacher's final hidden states (teacher.output=hidden) as the worker hands them on:
     random states rounded to the wire's bfloat16, in its 16 bits."""
-    from teacher_server import hidden_codec
+    from teacher_server.wire import hidden_codec
 
     sequences = make_sequences(seed, count, vocab)
     rng = np.random.default_rng([seed, 0x41D])

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from adam_bounds import assert_same_weights
 
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.plan.ports import reserve_ports
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
 SCRIPT = Path(__file__).with_name("checkpoint_scenarios.py")
 PHASE_TIMEOUT_S = 240

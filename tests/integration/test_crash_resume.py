@@ -23,8 +23,8 @@ import pytest
 from recipe_gkd.config import DEFAULT_CONFIG
 from recipe_gkd.data import epoch_order
 from recipe_gkd.observe.metrics import read_metrics
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.runtime.checkpoint import list_checkpoints, verify
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
 WORDS = ["abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd"]
 TAG_VAR = "RECIPE_GKD_TEST_TAG"

@@ -13,11 +13,11 @@ from test_recipe_smoke import run_cli
 from test_teacher_server import READY_TIMEOUT_S, write_teacher_yaml
 
 from recipe_gkd.observe.metrics import read_metrics
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
-from teacher_server.backends import BackendOptions, load_backend, parsed_request
-from teacher_server.client import TeacherClient, TeacherMismatchError
-from teacher_server.conversation import Conversation, Renderer
-from teacher_server.launcher import TeacherProcess, launch_teacher
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
+from teacher_server.client.launcher import TeacherProcess, launch_teacher
+from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError
+from teacher_server.server.backends import BackendOptions, load_backend, parsed_request
+from teacher_server.wire.conversation import Conversation, Renderer
 
 WORDS = ["abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd"]
 CONVERSATIONS = [

@@ -262,7 +262,7 @@ def test_students_of_each_family_through_the_loop(repo_root: Path, tmp_path: Pat
     import torch
     from transformers import AutoModelForCausalLM
 
-    from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+    from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 
     student = build_tiny_causal_lm(tmp_path / "student", seed=5, family=family)
     teacher = build_tiny_causal_lm(tmp_path / "teacher", seed=6, spec=TinyModelSpec(hidden_size=96), family=family)

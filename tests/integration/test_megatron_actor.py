@@ -26,8 +26,8 @@ from recipe_gkd.actor.collate import split_by_token_budget
 from recipe_gkd.actor.megatron_actor import MegatronActor
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.losses import gkd_loss_sum
+from recipe_gkd.offline_models import LLAMA3_ROPE_SHORT_CONTEXT, TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.plan.ports import reserve_ports
-from recipe_gkd.tiny_models import LLAMA3_ROPE_SHORT_CONTEXT, TinyModelSpec, build_tiny_causal_lm
 
 SCENARIO_SCRIPT = Path(scenarios.__file__)
 # Both launches together, on 2 busy cores (imports alone take ~10 s per process).

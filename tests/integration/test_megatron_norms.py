@@ -46,7 +46,7 @@ dist.destroy_process_group()
 def test_an_rmsnorm_student_builds_with_apex_installed_and_no_transformer_engine(
     tmp_path: Path, clean_env: dict[str, str]
 ) -> None:
-    from recipe_gkd.tiny_models import build_tiny_causal_lm
+    from recipe_gkd.offline_models import build_tiny_causal_lm
 
     model_dir = build_tiny_causal_lm(tmp_path / "qwen3", seed=0, family="qwen3")
     fake_apex = tmp_path / "site" / "apex"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from recipe_gkd.config import load_config
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_multi_turn import Recording, check_sampled_conversations, rollout

@@ -23,9 +23,9 @@ import torch
 from test_chatml_tokenizer import RecordingScorer
 
 from recipe_gkd.config import GKDConfig, load_config
+from recipe_gkd.offline_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.runtime.local_pools import InProcessTeacher
-from recipe_gkd.tiny_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from test_crash_resume import TAG_VAR, wait_gone
 
 from recipe_gkd.config import DEFAULT_CONFIG
 from recipe_gkd.observe.metrics import read_metrics
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.plan.ports import reserve_ports
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
 
 WORDS = ["abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd"]
 

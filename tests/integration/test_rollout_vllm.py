@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from recipe_gkd.config import load_config
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm, write_hub_layout
 from recipe_gkd.plan.ports import reserve_ports
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm, write_hub_layout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # vLLM's CPU attention has kernels for head sizes >= 32 only.

@@ -26,7 +26,7 @@ from recipe_gkd.config import DEFAULT_CONFIG
 from recipe_gkd.main import EXIT_STOPPED
 from recipe_gkd.observe.metrics import read_metrics
 from recipe_gkd.runtime.checkpoint import list_checkpoints, verify
-from teacher_server.launcher import launch_teacher
+from teacher_server.client.launcher import launch_teacher
 
 # The client declares the server dead after this long without a reply (then the run stops).
 TEACHER_TIMEOUT_S = 5

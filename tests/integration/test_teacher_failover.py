@@ -25,7 +25,7 @@ from recipe_gkd import gkd
 from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
 from recipe_gkd.rollout.teacher import TeacherScorer, autostart_teacher
 from recipe_gkd.runtime.local_pools import local_pools
-from teacher_server.client import TeacherClient
+from teacher_server.client.zmq_client import TeacherClient
 
 STEPS = 6  # two epochs of the 24 prompts, 8 per step
 KILL_AT_CALL = 4  # the teacher call of batch 3 (calls are one per step, in order)

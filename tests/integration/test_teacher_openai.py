@@ -28,11 +28,11 @@ from recipe_gkd.config import REPO_ROOT
 from recipe_gkd.main import EXIT_BAD_CONFIG, exit_code_for
 from recipe_gkd.observe.metrics import read_metrics
 from recipe_gkd.plan.ports import reserve_ports
-from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
-from teacher_server.client import TeacherDeadError, TeacherMismatchError, TeacherRequestError
-from teacher_server.config import ConfigError
-from teacher_server.openai_client import OpenAITeacherClient
-from teacher_server.protocol import tokenizer_fingerprint
+from teacher_server.client.openai_client import OpenAITeacherClient
+from teacher_server.client.zmq_client import TeacherDeadError, TeacherMismatchError, TeacherRequestError
+from teacher_server.config.fields import ConfigError
+from teacher_server.server.backends import Backend, BackendOptions, load_backend, parsed_request
+from teacher_server.wire.protocol import tokenizer_fingerprint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -215,7 +215,7 @@ def test_connect_checks_top_k_tokenizer_and_key(openai_teacher: Server) -> None:
 
 def test_cross_tokenizer_scores_equal_the_zeromq_routes(openai_teacher: Server) -> None:
     """algorithm.cross_tokenizer with teacher.backend=openai: the client renders with the teacher's tokenizer and
-    template (teacher_server/openai_text.py), vLLM scores those ids; aligned onto a student of another tokenizer (the
+    template (teacher_server/client/openai_text.py), vLLM scores those ids; aligned onto a student of another tokenizer (the
     Llama-3-shaped BPE of assets/demo_xtok) they equal the ZeroMQ hf route's: the replica's Renderer and the hf
     backend, in process (tests/integration/test_cross_tokenizer.py checks those equal the server's replies)."""
     from transformers import AutoTokenizer
@@ -223,8 +223,8 @@ def test_cross_tokenizer_scores_equal_the_zeromq_routes(openai_teacher: Server) 
     from recipe_gkd.config import load_config
     from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
     from recipe_gkd.data import encode_prompt
-    from teacher_server.conversation import Renderer
-    from teacher_server.openai_text import OpenAITextTeacher
+    from teacher_server.client.openai_text import OpenAITextTeacher
+    from teacher_server.wire.conversation import Renderer
 
     student = AutoTokenizer.from_pretrained(REPO_ROOT / "assets" / "demo_xtok" / "teacher")
     overrides = ["algorithm.cross_tokenizer=span", "teacher.backend=openai", "teacher.autostart=false"]

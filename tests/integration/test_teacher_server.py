@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import zmq
 
-from teacher_server import protocol as P
-from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
-from teacher_server.client import TeacherClient, TeacherMismatchError, TeacherRequestError, split_balanced
-from teacher_server.launcher import TeacherLaunchError, TeacherProcess, launch_teacher, start_teacher
+from teacher_server.client.launcher import TeacherLaunchError, TeacherProcess, launch_teacher, start_teacher
+from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError, TeacherRequestError, split_balanced
+from teacher_server.server.backends import Backend, BackendOptions, load_backend, parsed_request
+from teacher_server.wire import protocol as P
+from teacher_server.wire.score_frames import parse_score_reply, request_frames
 
 VOCAB = 102
 MAX_TOP_K = 64
@@ -212,7 +213,7 @@ def test_bad_named_ids_fail_alone(server: TeacherProcess) -> None:
     assert isinstance(missing, P.ErrorReply) and "2 array frame(s)" in missing.message
     good, frames = replies[99]
     assert isinstance(good, P.ScoreReply) and good.named_k == 2
-    batch = P.parse_score_reply(good, frames)
+    batch = parse_score_reply(good, frames)
     assert batch.named_logprobs is not None and batch.named_logprobs.shape == (3, 2)
 
 
@@ -313,7 +314,7 @@ def run_fuzz(address: str, n_frames: int, *, seed: int = 0, valid_every: int = 2
     outstanding = 0
 
     def send_valid(request_id: int) -> None:
-        sock.send_multipart(P.request_frames(request_id, [[1, 2, 3], [4, 5]], [1, 1], top_k=4, temperature=1.0))
+        sock.send_multipart(request_frames(request_id, [[1, 2, 3], [4, 5]], [1, 1], top_k=4, temperature=1.0))
 
     def receive() -> int:
         """One reply; returns how many requests it puts back in flight (a retried valid one)."""
@@ -321,7 +322,7 @@ def run_fuzz(address: str, n_frames: int, *, seed: int = 0, valid_every: int = 2
         frames = sock.recv_multipart()
         reply = P.decode_server_reply(frames[0])
         if isinstance(reply, P.ScoreReply):
-            batch = P.parse_score_reply(reply, frames[1:])
+            batch = parse_score_reply(reply, frames[1:])
             assert reply.request_id >= 1 << 32 and batch.n_scored.tolist() == [2, 1]
             report.valid_ok += 1
             return 0
@@ -470,4 +471,4 @@ def test_a_hidden_state_reply_carries_one_more_frame_of_two_bytes_per_value(serv
     assert isinstance(reply, P.ScoreReply) and reply.hidden_dtype == "bfloat16" and reply.hidden_size > 0
     assert len(frames) == 1 + 4 + 1
     assert len(frames[-1]) == 3 * reply.hidden_size * 2
-    assert P.parse_score_reply(reply, frames[1:]).hidden_states.shape == (3, reply.hidden_size)  # type: ignore[union-attr]
+    assert parse_score_reply(reply, frames[1:]).hidden_states.shape == (3, reply.hidden_size)  # type: ignore[union-attr]

@@ -16,15 +16,16 @@ import numpy as np
 import pytest
 import zmq
 
-from teacher_server import protocol as P
-from teacher_server.client import (
+from teacher_server.client.zmq_client import (
     TeacherClient,
     TeacherDeadError,
     TeacherMismatchError,
     TeacherRequestError,
     TeacherTimeoutError,
 )
-from teacher_server.server import Frontend, FrontendOptions
+from teacher_server.server.frontend import Frontend, FrontendOptions
+from teacher_server.wire import protocol as P
+from teacher_server.wire.score_frames import reply_frames, request_frames
 
 VOCAB = 50
 HEARTBEAT_S = 0.1
@@ -94,7 +95,7 @@ class FakeReplica:
             uniform[:, 0].copy(),
             P.tail_from_topk(uniform),
         )
-        return P.reply_frames(
+        return reply_frames(
             request.request_id,
             batch,
             vocab_size=self.register.vocab_size,
@@ -172,7 +173,7 @@ def test_full_queues_answer_busy(frontend: Frontend) -> None:
     try:
         _wait_for(lambda: frontend.replica_names() == ["fake"])
         for request_id in (1, 2, 3):  # queue_depth=2: the third finds every queue full
-            sock.send_multipart(P.request_frames(request_id, [[1, 2]], [1], top_k=2, temperature=1.0))
+            sock.send_multipart(request_frames(request_id, [[1, 2]], [1], top_k=2, temperature=1.0))
         assert sock.poll(int(WAIT_S * 1000))
         reply = P.decode_server_reply(sock.recv_multipart()[0])
         assert isinstance(reply, P.ErrorReply) and reply.request_id == 3

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from test_teacher_server import write_teacher_yaml
 
-from teacher_server.client import TeacherClient
-from teacher_server.launcher import stop_process_group
+from teacher_server.client.launcher import stop_process_group
+from teacher_server.client.zmq_client import TeacherClient
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "launch" / "start_teacher.sh"

@@ -14,10 +14,11 @@ import pytest
 import zmq
 from test_teacher_server import VOCAB, write_teacher_yaml
 
-from teacher_server import protocol as P
-from teacher_server.backends import BackendOptions, load_backend, parsed_request
-from teacher_server.client import TeacherClient
-from teacher_server.launcher import TeacherProcess, launch_teacher
+from teacher_server.client.launcher import TeacherProcess, launch_teacher
+from teacher_server.client.zmq_client import TeacherClient
+from teacher_server.server.backends import BackendOptions, load_backend, parsed_request
+from teacher_server.wire import protocol as P
+from teacher_server.wire.score_frames import request_frames
 
 READY_TIMEOUT_S = 180.0
 WAIT_S = 120.0
@@ -64,7 +65,7 @@ def test_two_replicas_serve_concurrently(server: TeacherProcess) -> None:
     try:
         for request_id in (1, 2):
             seqs = [rng.integers(0, VOCAB, size=SEQ_LEN) for _ in range(N_SEQS)]
-            sock.send_multipart(P.request_frames(request_id, seqs, [1] * N_SEQS, top_k=8, temperature=1.0))
+            sock.send_multipart(request_frames(request_id, seqs, [1] * N_SEQS, top_k=8, temperature=1.0))
         # While both requests compute, each replica holds one of them. One client polls (a new client per
         # poll took long enough on a loaded machine to miss the window of 8 short sequences).
         with _client(server.address) as watcher:

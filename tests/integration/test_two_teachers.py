@@ -18,7 +18,7 @@ from recipe_gkd.config import CONFIG_DIR, load_config
 from recipe_gkd.main import EXIT_STOPPED
 from recipe_gkd.observe.metrics import read_metrics
 from recipe_gkd.runtime.checkpoint import list_checkpoints
-from teacher_server.launcher import launch_teacher
+from teacher_server.client.launcher import launch_teacher
 
 PRESET = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"
 STEPS = 2

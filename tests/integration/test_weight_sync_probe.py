@@ -14,11 +14,11 @@ import pytest
 
 from recipe_gkd.batch import Sequence, TrainShard
 from recipe_gkd.config import WeightSyncConfig, load_config
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.rollout.worker import make_engine
 from recipe_gkd.runtime.ray_pools import RayRolloutWorker, ray_actor_worker_class, sync_weights
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
-from teacher_server.protocol import scores_from_logprobs
+from teacher_server.wire.protocol import scores_from_logprobs
 
 TOP_K = 4
 

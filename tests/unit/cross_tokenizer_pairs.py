@@ -1,6 +1,6 @@
 """Two byte-level BPE tokenizers trained on text with multi-byte characters, for the cross-tokenizer tests.
 
-recipe_gkd.tiny_models' BPEs learn from ASCII only; real ones (SmolLM2, Qwen, Llama 3) also hold pieces that
+recipe_gkd.offline_models' BPEs learn from ASCII only; real ones (SmolLM2, Qwen, Llama 3) also hold pieces that
 end inside a UTF-8 character, such as " \\xe2\\x80" (a space and the first two bytes of "—"): SmolLM2's
 vocabulary has 39. These two learn from lines with dashes, curly quotes, accents, combining marks, CJK and
 emoji, so their vocabularies carry such pieces, with different merges on each side:
@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from recipe_gkd.tiny_models import (
+from recipe_gkd.offline_models import (
     CHATML_SPECIAL_TOKENS,
     CHATML_TEMPLATE,
     IM_END,

@@ -104,7 +104,7 @@ HIDDEN = 24
 
 def hidden_sequence(sample_id: int, length: int, response_start: int, dtype: str) -> Sequence:
     """A sequence with the teacher's hidden states as the client decodes the wire (float32 of 16-bit values)."""
-    from teacher_server import hidden_codec
+    from teacher_server.wire import hidden_codec
 
     seq = sequence(sample_id, length, response_start)
     raw_NH = np.random.default_rng([sample_id, 7]).standard_normal((length - response_start, HIDDEN)) * 30

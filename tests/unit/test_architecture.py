@@ -12,7 +12,7 @@ PACKAGES = ("recipe_gkd", "teacher_server")
 # The only modules of recipe_gkd that may import Ray (the cluster; the workers as Ray actors).
 RAY_MODULES = {"recipe_gkd.runtime.ray_cluster", "recipe_gkd.runtime.ray_pools"}
 # The only modules that may import vLLM: the rollout engine and the teacher server's backend.
-VLLM_MODULES = {"recipe_gkd.rollout.vllm", "teacher_server.backends.vllm"}
+VLLM_MODULES = {"recipe_gkd.rollout.vllm", "teacher_server.server.backends.vllm"}
 # megatron-core stays inside the actor package.
 MEGATRON_PACKAGE = "recipe_gkd.actor"
 
@@ -133,6 +133,28 @@ def test_the_teacher_server_imports_nothing_from_the_trainer() -> None:
     }
     offenders = {k: v for k, v in offenders.items() if v}
     assert not offenders, f"teacher_server imports recipe_gkd: {offenders}"
+
+
+# teacher_server's layers: the wire at the bottom with the config both sides read; the client and the server above it,
+# the client reaching a server only over the wire (or as a subprocess). (layer, the layers it must not import)
+TEACHER_SERVER_SEAMS = (
+    ("teacher_server.config", ("teacher_server.wire", "teacher_server.client", "teacher_server.server")),
+    ("teacher_server.wire", ("teacher_server.client", "teacher_server.server", "teacher_server.config")),
+    ("teacher_server.client", ("teacher_server.server",)),
+)
+
+
+@pytest.mark.parametrize(("layer", "forbidden"), TEACHER_SERVER_SEAMS)
+def test_the_teacher_server_layers_import_downwards_only(layer: str, forbidden: tuple[str, ...]) -> None:
+    modules = project_modules()
+    members = [m for m in modules if m == layer or m.startswith(layer + ".")]
+    assert len(members) >= 3, f"{layer}: no such package"
+    offenders = {
+        name: sorted(m for m in imports_of(modules[name]) if any(m == f or m.startswith(f + ".") for f in forbidden))
+        for name in members
+    }
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, f"{layer} imports {', '.join(forbidden)}: {offenders}"
 
 
 # The loop and the callers of a target kind hold it through the registry (recipe_gkd.targets: build_target), never

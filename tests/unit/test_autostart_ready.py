@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-import teacher_server.launcher
+import teacher_server.client.launcher
 from recipe_gkd.config import load_config
 from recipe_gkd.rollout.teacher import AUTOSTART_MARGIN_S, start_local_teacher
-from teacher_server.settings import load_settings
+from teacher_server.server.settings import load_settings
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         seen.append({"config": config, **kwargs})
         yield None
 
-    monkeypatch.setattr(teacher_server.launcher, "start_teacher", fake_start)
+    monkeypatch.setattr(teacher_server.client.launcher, "start_teacher", fake_start)
     return seen
 
 
@@ -82,7 +82,7 @@ def test_a_uuid_mask_reaches_the_teacher_replicas(
     """CUDA_VISIBLE_DEVICES of GPU or MIG UUIDs before the run: the autostarted server gets them as --gpu-ids, and its
     replica is started with that UUID as its own CUDA_VISIBLE_DEVICES."""
     from teacher_server.__main__ import flag_overrides, parse_args
-    from teacher_server.supervisor import Supervisor
+    from teacher_server.server.supervisor import Supervisor
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mask)
     cfg = load_config("configs/presets/cpu_colocated.yaml", [f"trainer.run_dir={tmp_path}"])

@@ -170,7 +170,7 @@ def test_teacher_output_hidden_with_the_vllm_backend_validates_at_any_temperatur
 
 
 def test_cross_tokenizer_validates_with_the_openai_teacher() -> None:
-    """The client renders the conversation with the teacher's tokenizer (teacher_server/openai_text.py)."""
+    """The client renders the conversation with the teacher's tokenizer (teacher_server/client/openai_text.py)."""
     openai = ["teacher.backend=openai", "teacher.autostart=false", "teacher.address=http://h/v1"]
     cfg = load_config(None, ["algorithm.cross_tokenizer=span", *openai])
     assert (cfg.algorithm.cross_tokenizer.value, cfg.teacher.backend.value) == ("span", "openai")
@@ -374,8 +374,8 @@ def _family(model_id: str) -> str:
 @pytest.mark.parametrize("path", [p for p in PRESETS if not p.name.startswith("cpu_")], ids=lambda p: p.name)
 def test_gpu_presets_pair_real_models_and_can_start(path: Path) -> None:
     """What can be checked without downloading: hub ids, one tokenizer family, a secret where the teacher is exposed."""
-    from teacher_server.model_refs import HUB_ID
-    from teacher_server.settings import is_loopback
+    from teacher_server.config.model_refs import HUB_ID
+    from teacher_server.server.settings import is_loopback
 
     cfg = load_config(path)
     student, teacher = cfg.model.student_path, cfg.teacher.model_path

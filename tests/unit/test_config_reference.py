@@ -97,7 +97,7 @@ def test_the_teacher_servers_own_keys_are_in_the_reference() -> None:
     """The `server:` section of a teacher yaml (not in a run's schema) has its table, a row per field."""
     import dataclasses as dc
 
-    from teacher_server.settings import ServerSection
+    from teacher_server.server.settings import ServerSection
 
     page = render()
     section = page[page.index("## server\n") :]

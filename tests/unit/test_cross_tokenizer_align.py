@@ -11,13 +11,13 @@ import pytest
 from recipe_gkd.batch import FOLDED_BASE
 from recipe_gkd.cross_tokenizer.align import Span, align_spans, student_text
 from recipe_gkd.cross_tokenizer.targets import vocabulary_map
-from recipe_gkd.tiny_models import (
+from recipe_gkd.offline_models import (
     CHATML_DEFAULT_SYSTEM,
     build_char_tokenizer,
     build_chatml_bpe_tokenizer,
     build_llama3_bpe_tokenizer,
 )
-from teacher_server.conversation import Conversation, Renderer, RenderError, byte_offsets, token_byte_table
+from teacher_server.wire.conversation import Conversation, Renderer, RenderError, byte_offsets, token_byte_table
 
 TEXTS = [
     "Hello wörld, the answer is 42 — naïve 日本 🙂!",

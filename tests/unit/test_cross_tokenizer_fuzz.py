@@ -10,8 +10,8 @@ from cross_tokenizer_pairs import build_pair
 
 from recipe_gkd.cross_tokenizer.align import align_spans, student_text
 from recipe_gkd.cross_tokenizer.targets import aligned_scores, vocabulary_map
-from teacher_server.conversation import Conversation, Renderer, token_byte_table
-from teacher_server.protocol import TeacherTopK
+from teacher_server.wire.conversation import Conversation, Renderer, token_byte_table
+from teacher_server.wire.protocol import TeacherTopK
 
 SEED = 4545
 CASES = 800  # per direction: under a second each

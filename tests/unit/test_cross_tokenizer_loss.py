@@ -18,7 +18,7 @@ from recipe_gkd.losses import (
     sampled_reverse_kl_loss_sum,
     span_advantages,
 )
-from teacher_server.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherTopK
 
 B, T, V, K = 3, 9, 23, 5
 DIVERGENCES = [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3)]
@@ -225,8 +225,8 @@ class _InProcessTeacher:
     def __init__(self, model_dir) -> None:
         from transformers import AutoTokenizer
 
-        from teacher_server.backends import BackendOptions, load_backend
-        from teacher_server.conversation import Renderer
+        from teacher_server.server.backends import BackendOptions, load_backend
+        from teacher_server.wire.conversation import Renderer
 
         self.renderer = Renderer(AutoTokenizer.from_pretrained(model_dir))
         self.backend = load_backend("hf", BackendOptions(str(model_dir), max_top_k=64))
@@ -234,7 +234,7 @@ class _InProcessTeacher:
     def score_conversations(self, conversations):
         import dataclasses
 
-        from teacher_server.backends import parsed_request
+        from teacher_server.server.backends import parsed_request
 
         out = []
         for conversation in conversations:
@@ -252,7 +252,7 @@ def test_the_route_with_one_tokenizer_gives_the_same_tokenizer_arrays(tiny_model
     from recipe_gkd.config import load_config
     from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
     from recipe_gkd.data import encode_prompt
-    from teacher_server.backends import parsed_request
+    from teacher_server.server.backends import parsed_request
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     data = load_config(None, []).data

@@ -14,9 +14,9 @@ from recipe_gkd.cross_tokenizer.align import align_spans, student_text
 from recipe_gkd.cross_tokenizer.targets import aligned_scores, vocabulary_map
 from recipe_gkd.losses import cross_tokenizer_loss_sum, span_advantages
 from recipe_gkd.observe.metrics import alignment_columns
-from recipe_gkd.tiny_models import build_char_tokenizer, build_llama3_bpe_tokenizer
-from teacher_server.conversation import Conversation, Renderer, token_byte_table
-from teacher_server.protocol import TeacherTopK
+from recipe_gkd.offline_models import build_char_tokenizer, build_llama3_bpe_tokenizer
+from teacher_server.wire.conversation import Conversation, Renderer, token_byte_table
+from teacher_server.wire.protocol import TeacherTopK
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from recipe_gkd.demo.sft import (
     response_loss,
     sft_train,
 )
-from recipe_gkd.tiny_models import build_char_tokenizer
+from recipe_gkd.offline_models import build_char_tokenizer
 
 # The cpu_demo preset's limits (data.max_prompt_length, rollout.sampling.max_new_tokens).
 MAX_PROMPT_TOKENS = 32

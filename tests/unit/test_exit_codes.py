@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from recipe_gkd.config import ConfigError
 from recipe_gkd.main import EXIT_BAD_CONFIG, EXIT_FAILED, exit_code_for
-from teacher_server.client import TeacherDeadError, TeacherMismatchError
+from teacher_server.client.zmq_client import TeacherDeadError, TeacherMismatchError
 from teacher_server.vllm_version import UnsupportedVLLMError
 
 

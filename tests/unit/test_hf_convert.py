@@ -6,6 +6,7 @@ GPTModel at TP=1 and TP=2 over gloo) live in tests/integration/test_megatron_act
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -367,3 +368,15 @@ def test_the_drivers_json_read_refuses_what_the_actor_refuses(tmp_path: Path) ->
         hf_arch.read_student_arch(tmp_path)
     with pytest.raises(UnsupportedModelError, match=r"has no config\.json"):
         hf_arch.read_student_arch(tmp_path / "missing")
+
+
+def test_a_config_without_max_position_embeddings_is_refused_by_name(tmp_path: Path) -> None:
+    """The plan's reader takes a missing max_position_embeddings as 0 (unknown); the actor needs it for RoPE."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(**SHAPE).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["max_position_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="max_position_embeddings"):
+        hf_arch.read_student_arch(tmp_path)

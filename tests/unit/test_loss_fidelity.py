@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from recipe_gkd.losses import DIVERGENCES, gkd_loss
-from teacher_server.config import TeacherClientConfig
-from teacher_server.protocol import ScoreReply, TopKBatch, parse_score_reply, reply_frames
+from teacher_server.config.teacher import TeacherClientConfig
+from teacher_server.wire.protocol import ScoreReply, TopKBatch
+from teacher_server.wire.score_frames import parse_score_reply, reply_frames
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,7 +13,7 @@ import torch
 from recipe_gkd.batch import EXCLUDED_ID
 from recipe_gkd.losses import DIVERGENCES, gkd_loss
 from recipe_gkd.targets.union import union_scores
-from teacher_server.protocol import TeacherTopK, scores_from_logprobs
+from teacher_server.wire.protocol import TeacherTopK, scores_from_logprobs
 
 pytestmark = pytest.mark.timeout(120)
 

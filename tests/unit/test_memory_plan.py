@@ -259,6 +259,8 @@ def test_parameter_count_equals_transformers(family: str) -> None:
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config_dict["model_type"], **kwargs))
     unique = {id(p): p.numel() for p in model.parameters()}
     assert model_shape.shape_from_config(config_dict).num_params() == sum(unique.values())
+    # The same reader on the transformers config object (the actor's HFArch reads its numbers through it).
+    assert model_shape.shape_from_config(model.config).num_params() == sum(unique.values())
 
 
 def test_the_7b_shape_counts_7_6_billion_parameters() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from recipe_gkd.config import ConfigError
-from teacher_server.model_refs import resolve_model_ref
+from teacher_server.config.model_refs import resolve_model_ref
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER_COMMIT = "89abcdef0123456789abcdef0123456789abcdef"

@@ -284,7 +284,7 @@ def check_sampled_conversations(tokenizer: Any, engine: Recording, convs: list[C
 @pytest.fixture(scope="module")
 def tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny Llama with the ChatML BPE tokenizer and the tool template."""
-    from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+    from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 
     # Positions for a conversation: the tools' system prompt alone is ~400 tokens of this small vocabulary.
     spec = TinyModelSpec(max_position_embeddings=1024)

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from teacher_server.client import TeacherRequestError, TeacherTimeoutError
-from teacher_server.config import ConfigError
-from teacher_server.openai_client import OpenAITeacherClient, scores_from_prompt_logprobs
+from teacher_server.client.openai_client import OpenAITeacherClient, scores_from_prompt_logprobs
+from teacher_server.client.zmq_client import TeacherRequestError, TeacherTimeoutError
+from teacher_server.config.fields import ConfigError
 
 VOCAB = 11
 # (status, body) per request, in order; a callable body sees the request's JSON (tests/conftest.py `scripted`).

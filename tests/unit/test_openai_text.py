@@ -1,4 +1,4 @@
-"""teacher.backend=openai across tokenizers: the client renders with the teacher's tokenizer (teacher_server/openai_text.py),
+"""teacher.backend=openai across tokenizers: the client renders with the teacher's tokenizer (teacher_server/client/openai_text.py),
 against a scripted stdlib HTTP server serving a bigram "teacher" over the teacher's vocabulary.
 
 The real vLLM server is in tests/integration/test_teacher_openai.py.
@@ -22,11 +22,11 @@ from recipe_gkd.config import REPO_ROOT, GKDConfig, load_config
 from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
 from recipe_gkd.data import encode_prompt
 from recipe_gkd.main import EXIT_BAD_CONFIG, exit_code_for
-from teacher_server.client import TeacherMismatchError
-from teacher_server.config import ConfigError
-from teacher_server.conversation import Conversation, Renderer
-from teacher_server.openai_text import OpenAITextTeacher
-from teacher_server.protocol import TeacherTopK, scores_from_logprobs
+from teacher_server.client.openai_text import OpenAITextTeacher
+from teacher_server.client.zmq_client import TeacherMismatchError
+from teacher_server.config.fields import ConfigError
+from teacher_server.wire.conversation import Conversation, Renderer
+from teacher_server.wire.protocol import TeacherTopK, scores_from_logprobs
 
 # A Llama-3-shaped byte-level BPE teacher tokenizer (384 pieces) and the demo's char-tokenizer student.
 TEACHER = REPO_ROOT / "assets" / "demo_xtok" / "teacher"
@@ -171,7 +171,7 @@ def test_a_conversation_the_teacher_cannot_render_exits_2_before_any_request(
 
 
 def _unconnected_client(cfg: GKDConfig) -> Any:
-    from teacher_server.openai_client import OpenAITeacherClient
+    from teacher_server.client.openai_client import OpenAITeacherClient
 
     return OpenAITeacherClient(cfg.teacher.address, top_k=TOP_K, timeout_s=5.0, retries=0)
 

@@ -8,7 +8,7 @@ import torch
 from benchmarks.real_pair.prompts import all_prompts, generate_prompts
 from benchmarks.real_pair.pruning import kept_layers, prune_model, pruned_state_dict
 from benchmarks.real_pair.rouge import lcs_length, rouge_l, words
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 
 
 def test_rouge_l_matches_hand_computed_examples() -> None:

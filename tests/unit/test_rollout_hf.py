@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from recipe_gkd.config import load_config
+from recipe_gkd.offline_models import build_tiny_causal_lm
 from recipe_gkd.rollout.hf import HFEngine
 from recipe_gkd.rollout.worker import RolloutWorker
-from recipe_gkd.tiny_models import build_tiny_causal_lm
-from teacher_server.protocol import TeacherTopK, scores_from_logprobs
+from teacher_server.wire.protocol import TeacherTopK, scores_from_logprobs
 
 
 class HFTopKScorer:

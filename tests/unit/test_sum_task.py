@@ -11,7 +11,7 @@ from recipe_gkd.config import CONFIG_DIR, load_config
 from recipe_gkd.demo import build_assets, sum_task
 from recipe_gkd.demo.sft import IGNORE_INDEX, collate, encode_example, encode_prompt
 from recipe_gkd.demo.task import Example, reward
-from recipe_gkd.tiny_models import build_char_tokenizer
+from recipe_gkd.offline_models import build_char_tokenizer
 
 STEP = re.compile(r"\+(\d)=(\d+)")
 

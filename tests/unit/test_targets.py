@@ -30,7 +30,7 @@ from recipe_gkd.targets.objectives import SampledReverseKL, TargetDivergence, bu
 from recipe_gkd.targets.spans import CrossTokenizerSpans, Spans
 from recipe_gkd.targets.topk import TopK
 from recipe_gkd.targets.union import Union
-from teacher_server.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherTopK
 
 TWO = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"
 PAD, VOCAB, TOP_K, HIDDEN = 0, 50, 4, 6
@@ -195,7 +195,7 @@ def test_spans_collate_at_the_loss_positions_and_minus_one_elsewhere() -> None:
 
 def _wire(values_NH: np.ndarray) -> HiddenStates:
     """Hidden states as the client decodes the wire: values of bfloat16, in its 16 bits."""
-    from teacher_server import hidden_codec
+    from teacher_server.wire import hidden_codec
 
     return HiddenStates.from_float32(hidden_codec.round_to(values_NH.astype(np.float32), "bfloat16"), "bfloat16")
 

@@ -16,7 +16,7 @@ from recipe_gkd.actor.objective import ActorObjective
 from recipe_gkd.actor.teacher_head import find_teacher_head, load_teacher_head_shard, tokenizer_size
 from recipe_gkd.config import ConfigError, GKDConfig, load_config
 from recipe_gkd.main import check_teacher_head
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 
 
 def _head(model_dir: Path) -> torch.Tensor:

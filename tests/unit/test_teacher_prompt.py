@@ -15,10 +15,10 @@ from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
 from recipe_gkd.config.rules import teacher_longest_sequence
 from recipe_gkd.config.teachers import teacher_handles, teacher_views
 from recipe_gkd.data import check_record_fields
+from recipe_gkd.offline_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
 from recipe_gkd.rollout.teacher_set import TeacherSet
 from recipe_gkd.teacher_prompt import FieldPrompt, StudentPrompt, TemplatePrompt
-from recipe_gkd.tiny_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
-from teacher_server.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherTopK
 
 DEMO = CONFIG_DIR / "presets" / "cpu_demo.yaml"
 TWO = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"
@@ -223,7 +223,7 @@ def test_the_openai_route_sends_the_joined_ids_and_scores_from_the_join(
     and reads the prompt log-probs from the join on (a scripted vLLM /v1/completions answer)."""
     from test_openai_client import MODELS, completions
 
-    from teacher_server.openai_client import OpenAITeacherClient
+    from teacher_server.client.openai_client import OpenAITeacherClient
 
     address, script, seen = scripted
     vocab = len(tokenizer)
@@ -264,7 +264,7 @@ class RecordingText:
     def score_conversations(self, conversations: list[Any]) -> list[TeacherTopK]:
         import dataclasses
 
-        from teacher_server.protocol import scores_from_logprobs
+        from teacher_server.wire.protocol import scores_from_logprobs
 
         out = []
         for conversation in conversations:
@@ -286,7 +286,7 @@ def test_across_tokenizers_the_teacher_renders_its_own_prompt_in_its_own_templat
     from recipe_gkd.config import REPO_ROOT
     from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
     from recipe_gkd.data import encode_prompt
-    from teacher_server.conversation import Renderer
+    from teacher_server.wire.conversation import Renderer
 
     teacher_dir, student_dir = REPO_ROOT / "assets" / "demo_xtok" / "teacher", REPO_ROOT / "assets" / "demo" / "student"
     if not teacher_dir.is_dir() or not student_dir.is_dir():

@@ -13,11 +13,18 @@ import numpy as np
 import pytest
 
 from recipe_gkd.config import ConfigError, load_config
-from teacher_server import idcodec
-from teacher_server import protocol as P
-from teacher_server.backends import token_budget_groups
-from teacher_server.client import split_balanced
-from teacher_server.settings import derive_replica_address, load_settings, load_teacher_file
+from teacher_server.client.zmq_client import split_balanced
+from teacher_server.server.backends import token_budget_groups
+from teacher_server.server.settings import derive_replica_address, load_settings, load_teacher_file
+from teacher_server.wire import idcodec
+from teacher_server.wire import protocol as P
+from teacher_server.wire.score_frames import (
+    RequestLimits,
+    parse_score_reply,
+    parse_score_request,
+    reply_frames,
+    request_frames,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 102
@@ -25,9 +32,9 @@ VOCAB = 102
 
 def test_import_teacher_server_imports_no_engine() -> None:
     code = (
-        "import sys, teacher_server, teacher_server.protocol, teacher_server.client, teacher_server.server, "
-        "teacher_server.launcher, teacher_server.settings, teacher_server.supervisor, teacher_server.replica, "
-        "teacher_server.backends, teacher_server.__main__\n"
+        "import sys, teacher_server, teacher_server.wire.protocol, teacher_server.client.zmq_client, teacher_server.server.frontend, "
+        "teacher_server.client.launcher, teacher_server.server.settings, teacher_server.server.supervisor, teacher_server.server.replica, "
+        "teacher_server.server.backends, teacher_server.__main__\n"
         "print(sorted(m for m in ('vllm', 'transformers', 'torch') if m in sys.modules))"
     )
     out = subprocess.run(
@@ -100,10 +107,10 @@ def _random_batch(rng: np.random.Generator, n_scored: list[int], top_k: int, voc
 @pytest.mark.parametrize("id_encoding", ["int32", "elias_fano"])
 def test_reply_roundtrip(logprob_dtype: str, id_encoding: str) -> None:
     batch = _random_batch(np.random.default_rng(0), [3, 0, 5, 1], top_k=16, vocab=300)
-    frames = P.reply_frames(7, batch, vocab_size=300, logprob_dtype=logprob_dtype, id_encoding=id_encoding)
+    frames = reply_frames(7, batch, vocab_size=300, logprob_dtype=logprob_dtype, id_encoding=id_encoding)
     header = P.decode_server_reply(frames[0])
     assert isinstance(header, P.ScoreReply) and header.request_id == 7
-    out = P.parse_score_reply(header, frames[1:])
+    out = parse_score_reply(header, frames[1:])
     assert out.topk_logprobs.dtype == np.float32 and out.topk_ids.dtype == np.int32
     np.testing.assert_array_equal(out.n_scored, batch.n_scored)
     np.testing.assert_array_equal(out.sampled_logprob, batch.sampled_logprob)
@@ -120,7 +127,7 @@ def test_reply_roundtrip(logprob_dtype: str, id_encoding: str) -> None:
 
 def test_wire_bytes_per_token_meet_the_goal_at_k256() -> None:
     batch = _random_batch(np.random.default_rng(1), [64], top_k=256, vocab=32000)
-    frames = P.reply_frames(1, batch, vocab_size=32000, logprob_dtype="float16", id_encoding="elias_fano")
+    frames = reply_frames(1, batch, vocab_size=32000, logprob_dtype="float16", id_encoding="elias_fano")
     assert sum(len(f) for f in frames[1:]) / 64 <= 1024
 
 
@@ -128,10 +135,10 @@ def test_wire_bytes_per_token_meet_the_goal_at_k256() -> None:
 def test_top_k_zero_sends_four_bytes_per_token(id_encoding: str) -> None:
     """teacher.top_k=0: only the sampled token's logprob travels; the tail comes back as log 1 = 0."""
     batch = _random_batch(np.random.default_rng(2), [40, 0, 24], top_k=0, vocab=32000)
-    frames = P.reply_frames(3, batch, vocab_size=32000, logprob_dtype="float16", id_encoding=id_encoding)
+    frames = reply_frames(3, batch, vocab_size=32000, logprob_dtype="float16", id_encoding=id_encoding)
     assert sum(len(f) for f in frames[1:]) == 4 * 64
     header = P.decode_server_reply(frames[0])
-    out = P.parse_score_reply(header, frames[1:])
+    out = parse_score_reply(header, frames[1:])
     assert out.topk_ids.shape == (64, 0) and out.topk_logprobs.shape == (64, 0)
     np.testing.assert_array_equal(out.sampled_logprob, batch.sampled_logprob)
     np.testing.assert_array_equal(out.tail_logmass, np.zeros(64, np.float32))
@@ -153,20 +160,20 @@ def test_named_ids_roundtrip_and_cost_per_scored_token(id_encoding: str) -> None
         batch.tail_logmass,
     )
     kwargs = dict(vocab_size=vocab, logprob_dtype="float16", id_encoding=id_encoding)
-    frames = P.reply_frames(4, batch, **kwargs)
-    extra = sum(map(len, frames[1:])) - sum(map(len, P.reply_frames(4, plain, **kwargs)[1:]))
+    frames = reply_frames(4, batch, **kwargs)
+    extra = sum(map(len, frames[1:])) - sum(map(len, reply_frames(4, plain, **kwargs)[1:]))
     assert extra == (4 * k_s + 4) * sum(n_scored)
-    out = P.parse_score_reply(P.decode_server_reply(frames[0]), frames[1:])
+    out = parse_score_reply(P.decode_server_reply(frames[0]), frames[1:])
     np.testing.assert_array_equal(out.named_logprobs, batch.named_logprobs)
     np.testing.assert_array_equal(out.other_logmass, batch.other_logmass)
     assert [p.named_logprobs.shape for p in out.split()] == [(6, k_s), (0, k_s), (9, k_s)]
     # The request: the named ids as one int32 frame after the tokens, parsed back per position.
     seqs = [np.arange(1, n + 3) for n in n_scored]
     per_seq = np.split(named, np.cumsum(n_scored)[:-1])
-    req = P.request_frames(1, seqs, [2] * 3, top_k=top_k, temperature=1.0, named_ids=per_seq)
+    req = request_frames(1, seqs, [2] * 3, top_k=top_k, temperature=1.0, named_ids=per_seq)
     assert len(req[2]) == 4 * k_s * sum(n_scored)
-    limits = P.RequestLimits(vocab, 64, 1 << 20, max_named_ids=k_s)
-    parsed = P.parse_score_request(P.decode_client_message(req[0]), req[1:], limits)
+    limits = RequestLimits(vocab, 64, 1 << 20, max_named_ids=k_s)
+    parsed = parse_score_request(P.decode_client_message(req[0]), req[1:], limits)
     np.testing.assert_array_equal(parsed.named_ids, named)
     # The vllm backend's rest from values alone equals the exact one (each id counted once).
     other = P.other_from_union(ref.topk_logprobs, ref.topk_ids, ref.named_logprobs, named)
@@ -176,7 +183,7 @@ def test_named_ids_roundtrip_and_cost_per_scored_token(id_encoding: str) -> None
 @pytest.mark.parametrize(("hidden_dtype", "half_ulp"), [("bfloat16", 2.0**-8), ("float16", 2.0**-11)])
 def test_hidden_states_roundtrip_at_two_bytes_per_value(hidden_dtype: str, half_ulp: float) -> None:
     """teacher.output=hidden: one more reply frame of 2 bytes per value; values round to nearest, exact once rounded."""
-    from teacher_server import hidden_codec
+    from teacher_server.wire import hidden_codec
 
     rng = np.random.default_rng(8)
     n_scored, hidden = [5, 0, 3], 48
@@ -184,9 +191,9 @@ def test_hidden_states_roundtrip_at_two_bytes_per_value(hidden_dtype: str, half_
     batch = _random_batch(rng, n_scored, top_k=0, vocab=300)
     with_hidden = dataclasses.replace(batch, hidden_states=values)
     kwargs = dict(vocab_size=300, logprob_dtype="float16", id_encoding="int32")
-    frames = P.reply_frames(2, with_hidden, hidden_dtype=hidden_dtype, **kwargs)
-    assert len(frames) == len(P.reply_frames(2, batch, **kwargs)) + 1 and len(frames[-1]) == 2 * hidden * 8
-    out = P.parse_score_reply(P.decode_server_reply(frames[0]), frames[1:])
+    frames = reply_frames(2, with_hidden, hidden_dtype=hidden_dtype, **kwargs)
+    assert len(frames) == len(reply_frames(2, batch, **kwargs)) + 1 and len(frames[-1]) == 2 * hidden * 8
+    out = parse_score_reply(P.decode_server_reply(frames[0]), frames[1:])
     assert out.hidden_states is not None and out.hidden_states.dtype == np.float32
     assert np.all(np.abs(out.hidden_states - values) <= half_ulp * np.abs(values))
     np.testing.assert_array_equal(hidden_codec.round_to(values, hidden_dtype), out.hidden_states)
@@ -196,11 +203,11 @@ def test_hidden_states_roundtrip_at_two_bytes_per_value(hidden_dtype: str, half_
     if hidden_dtype == "bfloat16":
         assert hidden_codec.round_to(np.asarray([[1 + 2.0**-8]], np.float32), "bfloat16")[0, 0] == 1.0
     # A request for hidden states from a server that sends none is refused for that request only.
-    req = P.request_frames(1, [np.arange(1, 5)], [2], top_k=0, temperature=1.0, hidden_dtype=hidden_dtype)
+    req = request_frames(1, [np.arange(1, 5)], [2], top_k=0, temperature=1.0, hidden_dtype=hidden_dtype)
     with pytest.raises(P.ProtocolError, match="no hidden states"):
-        P.parse_score_request(P.decode_client_message(req[0]), req[1:], P.RequestLimits(300, 64, 1 << 20))
-    parsed = P.parse_score_request(
-        P.decode_client_message(req[0]), req[1:], P.RequestLimits(300, 64, 1 << 20, hidden_size=hidden)
+        parse_score_request(P.decode_client_message(req[0]), req[1:], RequestLimits(300, 64, 1 << 20))
+    parsed = parse_score_request(
+        P.decode_client_message(req[0]), req[1:], RequestLimits(300, 64, 1 << 20, hidden_size=hidden)
     )
     assert parsed.hidden_dtype == hidden_dtype
 
@@ -234,7 +241,7 @@ def _request(**changes: object) -> tuple[P.ScoreRequest, list[bytes]]:
     return P.ScoreRequest(**fields), [np.asarray(ids, dtype=np.int32).tobytes()]  # type: ignore[arg-type]
 
 
-LIMITS = P.RequestLimits(vocab_size=VOCAB, max_top_k=64, max_request_bytes=1 << 20, supports_temperature=False)
+LIMITS = RequestLimits(vocab_size=VOCAB, max_top_k=64, max_request_bytes=1 << 20, supports_temperature=False)
 
 
 @pytest.mark.parametrize(
@@ -261,13 +268,13 @@ LIMITS = P.RequestLimits(vocab_size=VOCAB, max_top_k=64, max_request_bytes=1 << 
 def test_parse_score_request_rejects(changes: dict[str, object], code: str) -> None:
     request, frames = _request(**changes)
     with pytest.raises(P.ProtocolError) as err:
-        P.parse_score_request(request, frames, LIMITS)
+        parse_score_request(request, frames, LIMITS)
     assert err.value.code == code
 
 
 def test_parse_score_request_accepts_and_splits() -> None:
     request, frames = _request()
-    parsed = P.parse_score_request(request, frames, LIMITS)
+    parsed = parse_score_request(request, frames, LIMITS)
     assert [s.tolist() for s in parsed.sequences()] == [[1, 2, 3], [4, 5]]
 
 
@@ -312,7 +319,7 @@ def test_hf_backend_matches_float64_reference(tiny_model_dir: Path, temperature:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from teacher_server.backends import BackendOptions, load_backend, parsed_request
+    from teacher_server.server.backends import BackendOptions, load_backend, parsed_request
 
     top_k = 16
     # A small token budget forces several padded groups.
@@ -345,7 +352,7 @@ def test_hf_backend_top_k_zero_scores_the_sampled_tokens(tiny_model_dir: Path) -
     import torch
     from transformers import AutoModelForCausalLM
 
-    from teacher_server.backends import BackendOptions, load_backend, parsed_request
+    from teacher_server.server.backends import BackendOptions, load_backend, parsed_request
 
     backend = load_backend("hf", BackendOptions(str(tiny_model_dir), max_top_k=64, max_batch_tokens=64))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -448,17 +455,17 @@ def test_the_teacher_server_refuses_the_openai_backend() -> None:
 
 
 def test_a_text_request_weighs_its_estimated_tokens_for_dispatch() -> None:
-    """The frontend sends a request to the replica with the fewest outstanding tokens (teacher_server/server.py `_pick`):
+    """The frontend sends a request to the replica with the fewest outstanding tokens (teacher_server/server/frontend.py `_pick`):
     a text request, not rendered yet, weighs its text's bytes / 4 + 1 per conversation, not 0 (with 0, every
     cross-tokenizer request went to one replica)."""
-    from teacher_server.conversation import Conversation
+    from teacher_server.wire.conversation import Conversation
 
     short = Conversation([{"role": "user", "content": "rev:abc"}], "", "cba", True)
     long = Conversation([{"role": "user", "content": "naïve " * 40}], "", "日本 " * 30, False)
-    frames = P.request_frames(7, [], [], top_k=4, temperature=1.0, conversations=[short, long])
+    frames = request_frames(7, [], [], top_k=4, temperature=1.0, conversations=[short, long])
     header = P.decode_client_message(frames[0])
     assert isinstance(header, P.ScoreRequest)
-    parsed = P.parse_score_request(header, frames[1:], LIMITS)
+    parsed = parse_score_request(header, frames[1:], LIMITS)
     assert parsed.conversations is not None and parsed.ids.size == 0
     # 7 + 3 bytes; 40 x 7 bytes ("naïve " is 7 in UTF-8) + 30 x 7 ("日本 ").
     assert parsed.n_tokens == (10 // 4 + 1) + (490 // 4 + 1) == 126
@@ -474,7 +481,7 @@ def test_a_server_without_text_requests_is_refused_at_connect_naming_the_key(
     from recipe_gkd.config import load_config
     from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
     from recipe_gkd.main import EXIT_BAD_CONFIG, exit_code_for
-    from teacher_server.client import TeacherClient, TeacherMismatchError
+    from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError
 
     fields = {
         f: getattr(P.HelloReply(1, 1, "s", "m", 10, "h", 8, [], [], 1, 1, "hf", True), f)

@@ -18,8 +18,8 @@ from recipe_gkd.data import check_record_teachers
 from recipe_gkd.observe.metrics import teacher_columns
 from recipe_gkd.plan.placement import build_plan, format_plan
 from recipe_gkd.rollout.teacher_set import TeacherSet
-from teacher_server.client import TeacherDeadError
-from teacher_server.protocol import TeacherTopK
+from teacher_server.client.zmq_client import TeacherDeadError
+from teacher_server.wire.protocol import TeacherTopK
 
 TWO = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"
 DEMO = CONFIG_DIR / "presets" / "cpu_demo.yaml"
@@ -199,7 +199,7 @@ def test_teacher_columns_are_the_handles_with_metric_columns() -> None:
 def test_start_teacher_serves_the_named_teacher_on_its_gpus(capsys: pytest.CaptureFixture[str]) -> None:
     """launch/start_teacher.sh --teacher NAME: the plan's GPUs of that teacher; the server serves its section."""
     from recipe_gkd.plan.placement import main as placement_cli
-    from teacher_server.settings import load_settings
+    from teacher_server.server.settings import load_settings
 
     assert placement_cli(["teacher-argv", "--config", str(TWO)]) == 2, "several teachers: --teacher is required"
     assert "--teacher NAME" in capsys.readouterr().err
@@ -217,7 +217,7 @@ def test_start_teacher_serves_the_named_teacher_on_its_gpus(capsys: pytest.Captu
 
 def test_connect_checks_every_teacher_and_names_the_one_that_does_not_match(monkeypatch: pytest.MonkeyPatch) -> None:
     from recipe_gkd.rollout import teacher as teacher_module
-    from teacher_server.client import TeacherMismatchError
+    from teacher_server.client.zmq_client import TeacherMismatchError
 
     connected: list[tuple[str, str | None]] = []
 

@@ -37,8 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from teacher_server import protocol as P
-from teacher_server.client import (
+from teacher_server.client.zmq_client import (
     BACKOFF_S,
     TeacherDeadError,
     TeacherMismatchError,
@@ -46,10 +45,11 @@ from teacher_server.client import (
     TeacherTimeoutError,
     split_balanced,
 )
-from teacher_server.config import ConfigError
+from teacher_server.config.fields import ConfigError
+from teacher_server.wire import protocol as P
 
 if TYPE_CHECKING:
-    from teacher_server.config import TeacherConfig
+    from teacher_server.config.teacher import TeacherConfig
 
 # HTTP statuses worth a retry: rate limited, or the server (or a proxy before it) failed.
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})

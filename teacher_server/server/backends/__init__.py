@@ -13,7 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
-from teacher_server.protocol import TOKEN_DTYPE, ParsedRequest, TopKBatch
+from teacher_server.wire.protocol import TOKEN_DTYPE, TopKBatch
+from teacher_server.wire.score_frames import ParsedRequest
 
 BACKENDS = ("hf", "vllm")
 
@@ -67,11 +68,11 @@ def load_backend(kind: str, options: BackendOptions) -> Backend:
     if not Path(options.model_path).is_dir():
         raise FileNotFoundError(f"teacher.model_path {options.model_path!r} is not a model directory")
     if kind == "hf":
-        from teacher_server.backends.hf import HFBackend
+        from teacher_server.server.backends.hf import HFBackend
 
         return HFBackend(options)
     if kind == "vllm":
-        from teacher_server.backends.vllm import VLLMBackend
+        from teacher_server.server.backends.vllm import VLLMBackend
 
         return VLLMBackend(options)
     if kind == "openai":

@@ -18,7 +18,8 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from teacher_server.config import ConfigError, TeacherBackend, TeacherConfig, TeacherLocation, validate_teacher_section
+from teacher_server.config.fields import ConfigError
+from teacher_server.config.teacher import TeacherBackend, TeacherConfig, TeacherLocation, validate_teacher_section
 
 STANDALONE_KEYS = frozenset({"teacher", "server"})
 PLACEMENT_COMMAND = "python -m recipe_gkd.plan.placement --config PRESET --node-rank N --print teacher-gpus"

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from teacher_server import protocol as P
+from teacher_server.wire import protocol as P
+from teacher_server.wire.score_frames import RequestLimits, parse_score_request
 
 log = logging.getLogger("teacher_server.frontend")
 
@@ -234,9 +235,9 @@ class Frontend:
         self._counts["busy" if code == P.ErrorCode.BUSY else "errors"] += 1
         self._send(self._clients, identity, [P.error_reply(request_id, code, message)])
 
-    def _limits(self) -> P.RequestLimits:
+    def _limits(self) -> RequestLimits:
         model = self._require_model()
-        return P.RequestLimits(
+        return RequestLimits(
             model.vocab_size,
             model.max_top_k,
             self.options.max_request_bytes,
@@ -272,7 +273,7 @@ class Frontend:
         )
 
     def _dispatch(self, identity: bytes, request: P.ScoreRequest, arrays: list[zmq.Frame]) -> None:
-        parsed = P.parse_score_request(request, [f.buffer for f in arrays], self._limits())
+        parsed = parse_score_request(request, [f.buffer for f in arrays], self._limits())
         replica = self._pick(request.replica)
         self._counts["requests"] += 1
         stripped = msgspec.structs.replace(request, auth=b"")

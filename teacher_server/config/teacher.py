@@ -1,76 +1,22 @@
 """The teacher server's settings: the `teacher` section (of a run preset or a standalone teacher yaml).
 
-The trainer (recipe_gkd/config.py) embeds the same section in its run config and checks it with
+The trainer (recipe_gkd/config/schema.py) embeds the same section in its run config and checks it with
 the same rules; `ConfigError` is the one error both raise for a bad value, naming the key.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
-
-class ConfigError(ValueError):
-    """A config value is wrong; `key` is the dotted path to change."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"config error at `{key}`: {message}")
-        self.key = key
-        self.message = message
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        # Rebuilt from (key, message) when it crosses a process boundary (a Ray worker's error).
-        return type(self), (self.key, self.message)
-
-
-def bounded(
-    default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None, note: str = ""
-) -> Any:
-    """A config field with its allowed range, declared where the field is; `check_fields` enforces it."""
-    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "note": note})
-
-
-def one_of(default: str, choices: tuple[str, ...]) -> Any:
-    """A string config field that takes one of `choices`; `check_fields` enforces it."""
-    return field(default=default, metadata={"choices": choices})
-
-
-def check_fields(section: Any, prefix: str) -> None:
-    """Every bound and choice declared on the fields of `section` and its nested sections, in field order.
-
-    Raises ConfigError naming the first field out of its range, e.g. `teacher.top_k: must be >= 1, got 0`.
-    """
-    for f in dataclasses.fields(section):
-        value, key = getattr(section, f.name), f"{prefix}.{f.name}"
-        if dataclasses.is_dataclass(value):
-            check_fields(value, key)
-            continue
-        if value is None or not f.metadata:
-            continue
-        m = f.metadata
-        if "choices" in m:
-            require(value in m["choices"], key, f"must be one of {m['choices']}, got {value!r}")
-            continue
-        note = f" ({m['note']})" if m["note"] else ""
-        low_ok = (m["ge"] is None or value >= m["ge"]) and (m["gt"] is None or value > m["gt"])
-        high_ok = m["le"] is None or value <= m["le"]
-        require(low_ok and high_ok, key, f"must be {_range_text(m)}{note}, got {value}")
-
-
-def _range_text(m: Any) -> str:
-    low = f"[{m['ge']}" if m["ge"] is not None else f"({m['gt']}" if m["gt"] is not None else ""
-    if m["le"] is not None:
-        return f"in {low or '(-inf'}, {m['le']}]"
-    return f">= {m['ge']}" if m["ge"] is not None else f"> {m['gt']}"
+from teacher_server.config.fields import bounded, check_fields, one_of, require
 
 
 class TeacherBackend(enum.StrEnum):
     vllm = "vllm"
     hf = "hf"
     # Not served by this package: the trainer's client talks to a vLLM OpenAI-compatible server at
-    # teacher.address (http://host:port/v1), see teacher_server/openai_client.py.
+    # teacher.address (http://host:port/v1), see teacher_server/client/openai_client.py.
     openai = "openai"
 
 
@@ -176,19 +122,13 @@ class TeacherConfig:
 
 # vLLM scores a sequence as a prompt and then samples one token after it, so a sequence must be
 # shorter than max_model_len: vllm/v1/engine/input_processor.py `_validate_prompt_len` (0.24.0,
-# 0.33.0) and the one sampled token's slot. teacher_server/backends/vllm.py refuses it first.
+# 0.33.0) and the one sampled token's slot. teacher_server/server/backends/vllm.py refuses it first.
 VLLM_LEN_MARGIN = 1
 
 
 def min_vllm_model_len(longest_sequence: int) -> int:
     """The smallest vLLM max_model_len that scores sequences of `longest_sequence` tokens."""
     return longest_sequence + VLLM_LEN_MARGIN
-
-
-def require(ok: bool, key: str, message: str) -> None:
-    """Raise ConfigError(key, message) unless `ok`."""
-    if not ok:
-        raise ConfigError(key, message)
 
 
 def validate_teacher_section(t: TeacherConfig) -> None:

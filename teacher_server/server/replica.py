@@ -1,6 +1,6 @@
 """One teacher replica process: load the backend, then serve the frontend over a DEALER socket.
 
-    python -m teacher_server.replica --spec '<ReplicaSpec as JSON>'
+    python -m teacher_server.server.replica --spec '<ReplicaSpec as JSON>'
 
 Started by the supervisor (`python -m teacher_server`) with CUDA_VISIBLE_DEVICES set to its
 GPUs. The main thread owns the socket (work in, results out, a Register heartbeat every
@@ -27,10 +27,11 @@ import msgspec
 import numpy as np
 import zmq
 
-from teacher_server import hidden_codec
-from teacher_server import protocol as P
-from teacher_server.backends import Backend, BackendOptions, load_backend, parsed_request
-from teacher_server.conversation import Renderer, RenderError
+from teacher_server.server.backends import Backend, BackendOptions, load_backend, parsed_request
+from teacher_server.wire import hidden_codec
+from teacher_server.wire import protocol as P
+from teacher_server.wire.conversation import Renderer, RenderError
+from teacher_server.wire.score_frames import ParsedRequest, RequestLimits, parse_score_request, reply_frames
 
 log = logging.getLogger("teacher_server.replica")
 
@@ -61,7 +62,7 @@ class _Work:
     arrays: list[bytes]
 
 
-def self_test_request(options: BackendOptions) -> P.ParsedRequest:
+def self_test_request(options: BackendOptions) -> ParsedRequest:
     """A replica's first request: one scored token, in the mode the server runs (teacher.output)."""
     if options.output == "hidden":
         return parsed_request([[0, 0]], [1], top_k=0, hidden_dtype=hidden_codec.HIDDEN_DTYPES[0])
@@ -69,7 +70,7 @@ def self_test_request(options: BackendOptions) -> P.ParsedRequest:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m teacher_server.replica")
+    parser = argparse.ArgumentParser(prog="python -m teacher_server.server.replica")
     parser.add_argument("--spec", required=True, help="ReplicaSpec as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -108,7 +109,7 @@ class ReplicaLoop:
             hidden_size=info.hidden_size,
             auth=P.auth_token(P.read_secret(spec.secret_file)),
         )
-        self.limits = P.RequestLimits(
+        self.limits = RequestLimits(
             info.vocab_size,
             info.max_top_k,
             UNLIMITED_BYTES,
@@ -195,7 +196,7 @@ class ReplicaLoop:
         header = item.header
         start = time.perf_counter()
         try:
-            request = P.parse_score_request(header, item.arrays, self.limits)
+            request = parse_score_request(header, item.arrays, self.limits)
             if request.conversations:
                 request, token_ids, offsets = self._render(request)
                 batch = dataclasses.replace(self.backend.score(request), token_ids=token_ids, byte_offsets=offsets)
@@ -208,7 +209,7 @@ class ReplicaLoop:
         except Exception as err:  # noqa: BLE001 - scoped to this request: reported to the client, logged here
             log.error("replica %s: request %d failed:\n%s", self.spec.name, header.request_id, traceback.format_exc())
             return [P.error_reply(header.request_id, P.ErrorCode.BACKEND_ERROR, f"{type(err).__name__}: {err}")]
-        return P.reply_frames(
+        return reply_frames(
             header.request_id,
             batch,
             vocab_size=self.backend.info.vocab_size,
@@ -219,8 +220,8 @@ class ReplicaLoop:
             hidden_dtype=header.hidden_dtype,
         )
 
-    def _render(self, request: P.ParsedRequest) -> tuple[P.ParsedRequest, np.ndarray, np.ndarray]:
-        """A text request in this teacher's tokens (teacher_server/conversation.py): the id request, and the
+    def _render(self, request: ParsedRequest) -> tuple[ParsedRequest, np.ndarray, np.ndarray]:
+        """A text request in this teacher's tokens (teacher_server/wire/conversation.py): the id request, and the
         token at each scored position [N] with its byte range in the response text [N, 2]."""
         if self._renderer is None:
             from transformers import AutoTokenizer

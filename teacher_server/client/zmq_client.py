@@ -27,11 +27,12 @@ import msgspec
 import numpy as np
 import zmq
 
-from teacher_server import protocol as P
-from teacher_server.conversation import Conversation
+from teacher_server.wire import protocol as P
+from teacher_server.wire.conversation import Conversation
+from teacher_server.wire.score_frames import parse_score_reply, request_frames
 
 if TYPE_CHECKING:
-    from teacher_server.config import TeacherConfig
+    from teacher_server.config.teacher import TeacherConfig
 
 PING_INTERVAL_S = 1.0
 BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
@@ -138,7 +139,7 @@ class TeacherClient:
         teacher.output=hidden: requests ask for the hidden states and no top-k (top_k 0: the hidden
         states give the whole distribution, the sampled token's logprob still comes along).
         """
-        from teacher_server.config import TeacherOutput
+        from teacher_server.config.teacher import TeacherOutput
 
         hidden = teacher.output == TeacherOutput.hidden
         return cls(
@@ -201,7 +202,7 @@ class TeacherClient:
 
     def score_conversations(self, conversations: Sequence[Conversation]) -> list[P.TeacherTopK]:
         """The teacher's scores of each conversation's response in the teacher's own tokens (algorithm.cross_tokenizer):
-        the server renders them (teacher_server/conversation.py); each result also carries its token ids and their
+        the server renders them (teacher_server/wire/conversation.py); each result also carries its token ids and their
         byte ranges in the response text. A conversation the teacher cannot render raises TeacherMismatchError.
         """
         if not conversations:
@@ -213,7 +214,7 @@ class TeacherClient:
         ]
         chunks = split_balanced([max(1, 4 * n) for n in sizes], self.max_inflight, TEXT_CHUNK_BYTES)
         requests = [
-            P.request_frames(
+            request_frames(
                 0,
                 [],
                 [],
@@ -306,7 +307,7 @@ class TeacherClient:
             raise TeacherMismatchError(
                 f"rollout.student_top_k={named_k} ids per position, but the {server.backend} teacher server scores "
                 f"at most {server.max_named_ids} named ids (0: a server without the feature, or a backend that "
-                "cannot; a vllm backend needs vLLM's V2 model runner, see teacher_server/backends/vllm.py): lower "
+                "cannot; a vllm backend needs vLLM's V2 model runner, see teacher_server/server/backends/vllm.py): lower "
                 "rollout.student_top_k, or set algorithm.support=teacher_topk"
             )
         return named_k
@@ -324,7 +325,7 @@ class TeacherClient:
         replica: str,
         named_ids: Sequence[np.ndarray] | None,
     ) -> list[bytes]:
-        return P.request_frames(
+        return request_frames(
             0,  # the real request id is set at each send
             arrays[lo:hi],
             score_from[lo:hi],
@@ -440,7 +441,7 @@ class TeacherClient:
         del state.pending[reply.request_id]
         if isinstance(reply, P.ScoreReply):
             try:
-                state.results[pending.chunk] = P.parse_score_reply(reply, [f.buffer for f in frames[1:]])
+                state.results[pending.chunk] = parse_score_reply(reply, [f.buffer for f in frames[1:]])
             except P.ProtocolError as err:
                 raise TeacherRequestError(err.code, err.message) from None
         elif isinstance(reply, expect):

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import msgspec
 
-from teacher_server import protocol as P
-from teacher_server.backends import BackendOptions
-from teacher_server.replica import READY_MARKER, ReplicaSpec
-from teacher_server.server import Frontend, FrontendOptions
-from teacher_server.settings import ReplicaSlot, ServerSettings
+from teacher_server.server.backends import BackendOptions
+from teacher_server.server.frontend import Frontend, FrontendOptions
+from teacher_server.server.replica import READY_MARKER, ReplicaSpec
+from teacher_server.server.settings import ReplicaSlot, ServerSettings
+from teacher_server.wire import protocol as P
 
 log = logging.getLogger("teacher_server")
 
@@ -139,7 +139,7 @@ class Supervisor:
         )
         log_path = self.log_dir / f"{slot.name}.log"
         log_offset = log_path.stat().st_size if log_path.exists() else 0
-        cmd = [sys.executable, "-m", "teacher_server.replica", "--spec", msgspec.json.encode(spec).decode()]
+        cmd = [sys.executable, "-m", "teacher_server.server.replica", "--spec", msgspec.json.encode(spec).decode()]
         with open(log_path, "ab") as log_file:  # the child keeps its own copy of the descriptor
             proc = subprocess.Popen(cmd, env=self._child_env(slot), stdout=log_file, stderr=subprocess.STDOUT)
         log.info("replica %s: pid %d, GPUs %s, log %s", slot.name, proc.pid, ",".join(slot.gpu_ids) or "-", log_path)
@@ -185,7 +185,7 @@ class Supervisor:
 
     def _probe_each_replica(self) -> None:
         """A real scoring round trip through the frontend to every replica before READY."""
-        from teacher_server.client import TeacherClient, TeacherError
+        from teacher_server.client.zmq_client import TeacherClient, TeacherError
 
         assert self.frontend is not None
         t = self.settings.teacher

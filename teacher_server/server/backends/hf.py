@@ -26,9 +26,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from teacher_server import hidden_codec
-from teacher_server.backends import BackendOptions, ModelInfo, token_budget_groups
-from teacher_server.protocol import ParsedRequest, TeacherTopK, TopKBatch, canonical_order, tokenizer_fingerprint
+from teacher_server.server.backends import BackendOptions, ModelInfo, token_budget_groups
+from teacher_server.wire import hidden_codec
+from teacher_server.wire.protocol import TeacherTopK, TopKBatch, canonical_order, tokenizer_fingerprint
+from teacher_server.wire.score_frames import ParsedRequest
 
 # Rows x vocabulary of fp32 logits materialised at once (2^26 floats = 256 MiB).
 LOGITS_CHUNK_ELEMENTS = 1 << 26
