@@ -173,9 +173,10 @@ def test_stage0_runs_with_the_image_and_the_recorded_wheels_alone(repo_root: Pat
     allowed |= {"recipe_gkd", "teacher_server"} | setuptools_vendored()
     imported_file = tmp_path / "imported.json"
     cmd = [sys.executable, "-c", BARE_IMAGE, json.dumps(sorted(allowed)), str(imported_file)]
-    cmd += ["--stage", "0", "--sizes", "tiny", "--out", str(tmp_path / "out"), "--budget-s", "120"]
+    # The budget is no subject here (each check's import set is): generous, so a loaded machine runs every check.
+    cmd += ["--stage", "0", "--sizes", "tiny", "--out", str(tmp_path / "out"), "--budget-s", "480"]
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo_root), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=repo_root, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=repo_root, env=env)
     record_file = tmp_path / "out" / "selfcheck.json"
     assert record_file.is_file(), done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads(record_file.read_text())
