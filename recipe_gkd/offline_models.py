@@ -10,7 +10,9 @@ theirs here too. Three tokenizers:
   ChatML template that injects a default system prompt, eos == pad (`<|im_end|>`), no BOS added;
 - `llama3_bpe`: shaped as Llama 3 Instruct's: byte-level BPE with other merges (a smaller vocabulary),
   a header template with `<|begin_of_text|>` in the text, `<|eot_id|>` ending each turn (the EOS), and a
-  template that refuses roles other than system / user / assistant (as strict templates do).
+  template that refuses roles other than system / user / assistant (as strict templates do);
+- `char_tools`: one token per printable ASCII character (any other character is `<unk>`), a Qwen3-style
+  ChatML template for tool use (the tool demo's, `TOOLS_CHAT_TEMPLATE`), eos == pad (`<|im_end|>`), no BOS.
 """
 
 from __future__ import annotations
@@ -66,7 +68,58 @@ LLAMA3_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-TOKENIZERS = ("char", "chatml_bpe", "llama3_bpe")
+TOKENIZERS = ("char", "chatml_bpe", "llama3_bpe", "char_tools")
+
+# Qwen3's tool-use template, made compact for a char-level model (the tool demo's sequences stay short):
+# - the system turn lists each tool as `name(arg, ...)` between <tools> and </tools> (Qwen3 writes the
+#   whole JSON schema and instructions there), after the system message's content;
+# - an assistant turn is its content, then each structured `tool_calls` entry in hermes form, as Qwen3 writes it:
+#   `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (a model's own text already holds them);
+# - a run of tool messages is ONE user turn, each content wrapped in `<tool_response>\n...\n</tool_response>`;
+# - turns are not separated by a newline (Qwen3 writes `<|im_end|>\n`): an assistant turn then ends exactly
+#   with the EOS the model samples, so [prompt + generation prompt] + sampled ids equals the rendering of
+#   [prompt + assistant], and every later turn is a pure suffix (the rollout loop appends deltas).
+TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
+# Added tokens, not special (as in Qwen3's tokenizer): decoding keeps them, so the environment reads the calls.
+TOOL_TOKENS = (TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END)
+CHAR_TOOLS_SPECIAL_TOKENS = (IM_END, IM_START, UNK)
+TOOLS_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(first=0) -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{%- set ns.first = 1 -%}{%- endif -%}"
+    "{%- if tools or ns.first -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if ns.first -%}{{- messages[0]['content'] -}}{%- endif -%}"
+    "{%- if tools -%}"
+    "{%- if ns.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tools>' -}}"
+    "{%- for tool in tools -%}{%- set f = tool['function'] if 'function' in tool else tool -%}"
+    "{%- if not loop.first -%}{{- ', ' -}}{%- endif -%}"
+    "{{- f['name'] + '(' + (f['parameters']['properties'] | list | join(', ')) + ')' -}}"
+    "{%- endfor -%}"
+    "{{- '</tools>' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages[ns.first:] -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' + (m['content'] or '') -}}"
+    "{%- for call in m.get('tool_calls') or [] -%}{%- set f = call['function'] if 'function' in call else call -%}"
+    "{%- if m['content'] or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' -}}"
+    "{{- (f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson)) + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>' -}}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' -}}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 
 
 def _bpe_corpus() -> list[str]:
@@ -191,6 +244,30 @@ def build_char_tokenizer(out_dir: str | Path):
     return tokenizer
 
 
+def build_char_tools_tokenizer(out_dir: str | Path):
+    """Write the tool demo's character-level tokenizer (see the module docstring) to `out_dir`.
+
+    The four tool markers are added tokens (one id each, kept by decoding); every other character outside
+    printable ASCII encodes as `<unk>`, one per character, so a string prefix is always an id prefix.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(CHAR_TOOLS_SPECIAL_TOKENS + CHARACTERS + TOOL_TOKENS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Every character its own piece, newlines too: `.` alone leaves "\n\n" as one piece, an unknown word.
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(list(CHAR_TOOLS_SPECIAL_TOKENS))
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=IM_END, pad_token=IM_END, unk_token=UNK, padding_side="left"
+    )
+    tokenizer.chat_template = TOOLS_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
 # Llama 3.x RoPE scaling ("llama3") with an original context of 16 tokens, so that it changes a
 # tiny model's logits at the short positions tests use (real Llama 3.1 models have 8192).
 LLAMA3_ROPE_SHORT_CONTEXT = {
@@ -237,6 +314,7 @@ def build_tiny_causal_lm(
         "char": build_char_tokenizer,
         "chatml_bpe": build_chatml_bpe_tokenizer,
         "llama3_bpe": build_llama3_bpe_tokenizer,
+        "char_tools": build_char_tools_tokenizer,
     }
     tokenizer = builders[tokenizer_kind](out)
     config_class, model_class = {

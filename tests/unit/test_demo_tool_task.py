@@ -1,0 +1,272 @@
+"""The tool demo's task, its tokenizer and chat template, the scripted trajectories and the committed assets."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from recipe_gkd.demo import tool_assets, tool_task
+from recipe_gkd.demo.build_assets import file_table
+from recipe_gkd.demo.sft import EncodedExample
+from recipe_gkd.envs import build_environment
+from recipe_gkd.tiny_models import CHARACTERS, TOOLS_CHAT_TEMPLATE, build_char_tools_tokenizer
+
+REPO_ASSETS = Path(__file__).resolve().parents[2] / "assets" / "tools"
+SMALL = {"train_size": 40, "eval_size": 12, "dev_size": 6}
+MARKUP = ("</tool_response>", "<tool_call>", "<|im_start|>")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    return build_char_tools_tokenizer(tmp_path_factory.mktemp("char_tools"))
+
+
+@pytest.fixture(scope="module")
+def records() -> list[tool_task.ToolSumRecord]:
+    return tool_task.generate_splits(seed=11, **SMALL).train[:8]
+
+
+def test_splits_are_deterministic_disjoint_and_correct() -> None:
+    first = tool_task.generate_splits(seed=3, **SMALL)
+    assert first == tool_task.generate_splits(seed=3, **SMALL)
+    assert first.train != tool_task.generate_splits(seed=4, **SMALL).train
+    larger = tool_task.generate_splits(seed=3, train_size=400, eval_size=12, dev_size=6)
+    assert (larger.eval, larger.dev) == (first.eval, first.dev), "held-out splits depend on the train size"
+    prompts = [{r.prompt for r in split} for split in (first.train, first.dev, first.eval)]
+    assert [len(p) for p in prompts] == [40, 6, 12], "a prompt repeats within a split"
+    assert not (prompts[0] & prompts[1] or prompts[0] & prompts[2] or prompts[1] & prompts[2])
+    for record in first.train + first.eval:
+        numbers = [int(n) for n in record.prompt.removeprefix(tool_task.PROMPT_PREFIX).split(" ")]
+        assert tuple(numbers) == record.numbers and len(numbers) == tool_task.NUMBERS_PER_PROMPT
+        assert all(tool_task.MIN_NUMBER <= n <= tool_task.MAX_NUMBER for n in numbers)
+        assert int(record.answer) == sum(numbers)
+
+
+def test_jsonl_round_trip_is_byte_stable(tmp_path: Path) -> None:
+    records = tool_task.generate_splits(seed=3, **SMALL).eval
+    path = tool_task.write_jsonl(tmp_path / "a.jsonl", records)
+    assert tool_task.read_jsonl(path) == records
+    assert tool_task.write_jsonl(tmp_path / "b.jsonl", records).read_bytes() == path.read_bytes()
+    assert json.loads(path.read_text().splitlines()[0]).keys() == {"prompt", "answer", "numbers"}
+
+
+def test_scripted_trajectories_solve_the_calculator_env(records: list[tool_task.ToolSumRecord]) -> None:
+    for record in records:
+        env = build_environment(tool_task.ENV_NAME)
+        assert env.reset(asdict(record)) == tool_task.start_messages(record)[0]
+        turns = tool_task.scripted_turns(record)
+        assert len([t for t in turns if t["role"] == "assistant"]) == tool_task.SCRIPTED_TURNS
+        for i, turn in enumerate(turns):
+            if turn["role"] != "assistant":
+                continue
+            step = env.step(turn)
+            expected = [t for t in turns[i + 1 : i + 2] if t["role"] == "tool"]
+            assert step.observations == expected and step.tool_failures == 0
+        assert step.done and step.reward == 1.0 and not step.truncated
+
+
+def test_a_wrong_tool_is_followed_by_the_script_and_fails_the_env(records: list[tool_task.ToolSumRecord]) -> None:
+    wrong = tool_task.wrong_answer(seed=1)
+    for record in records:
+        turns = tool_task.scripted_turns(record, wrong)
+        answers = [t["content"] for t in turns if t["role"] == "tool"]
+        assert answers[-1] == turns[-1]["content"] != record.answer
+        # The second call reads the first (wrong) answer: the script copies the tool, not the truth.
+        assert json.loads(turns[2]["content"].split("\n")[1])["arguments"]["expression"].startswith(answers[0] + "+")
+        env = build_environment(tool_task.ENV_NAME)
+        env.reset(asdict(record))
+        for turn in turns:
+            if turn["role"] == "assistant":
+                step = env.step(turn)
+        assert step.done and step.reward == 0.0
+
+
+def _render(tokenizer, messages, tools, generation: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
+
+
+def test_template_renders_tools_calls_and_responses(tokenizer, records: list[tool_task.ToolSumRecord]) -> None:
+    record = records[0]
+    messages, tools = tool_task.start_messages(record)
+    turns = tool_task.scripted_turns(record)
+    a, b, c = record.numbers
+    text = _render(tokenizer, messages + turns[:2], tools, generation=True)
+    assert text == (
+        "<|im_start|>system\n" + messages[0]["content"] + "\n<tools>calculator(expression)</tools><|im_end|>"
+        f"<|im_start|>user\nsum:{a} {b} {c}<|im_end|>"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
+        f'{a}+{b}"}}}}\n</tool_call><|im_end|>'
+        f"<|im_start|>user\n<tool_response>\n{a + b}\n</tool_response><|im_end|><|im_start|>assistant\n"
+    )
+    # A structured call renders as the text the scripted turn (and a model) writes, as in Qwen3's template.
+    structured = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a}+{b}"}}}
+    ]}  # fmt: skip
+    assert _render(tokenizer, [*messages, structured], tools) == _render(tokenizer, messages + turns[:1], tools)
+    # A run of tool messages is one user turn.
+    two = [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    assert _render(tokenizer, [*messages, turns[0], *two], tools).endswith(
+        "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|im_end|>"
+    )
+    # Without tools, no tools line; without a system message, no system turn.
+    assert _render(tokenizer, messages, None) == f"<|im_start|>system\n{messages[0]['content']}<|im_end|>" + (
+        f"<|im_start|>user\nsum:{a} {b} {c}<|im_end|>"
+    )
+    assert _render(tokenizer, messages[1:], None, generation=True).startswith("<|im_start|>user\n")
+
+
+def _ids(tokenizer, messages, tools, generation: bool = False) -> list[int]:
+    return list(
+        tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation, return_dict=False)
+    )
+
+
+def _check_prefix_property(tokenizer, messages, tools) -> None:
+    """Independently of encode_trajectory: each rendering is an id prefix of the next, and an assistant turn is
+    the generation prompt + its content's ids + EOS."""
+    for k in range(len(messages) - 1):
+        shorter, longer = _ids(tokenizer, messages[: k + 1], tools), _ids(tokenizer, messages[: k + 2], tools)
+        assert longer[: len(shorter)] == shorter, f"message {k + 1} re-renders the ones before it"
+        if messages[k + 1]["role"] == "assistant":
+            content = tokenizer(messages[k + 1]["content"], add_special_tokens=False).input_ids
+            prompt = _ids(tokenizer, messages[: k + 1], tools, generation=True)
+            assert longer == prompt + content + [tokenizer.eos_token_id]
+
+
+def test_prefix_property_on_real_trajectories(tokenizer, records: list[tool_task.ToolSumRecord]) -> None:
+    wrong = tool_task.wrong_answer(seed=2)
+    for record in records[:4]:
+        messages, tools = tool_task.start_messages(record)
+        for tool in (tool_task.calculator_answer, wrong):
+            _check_prefix_property(tokenizer, messages + tool_task.scripted_turns(record, tool), tools)
+
+
+def _sampled_text(tokenizer, encoded: EncodedExample) -> list[str]:
+    """The decoded runs of sampled tokens (each should be one assistant turn + EOS)."""
+    runs, current = [], []
+    for token, sampled in zip(encoded.response_ids, encoded.loss_mask, strict=True):
+        if sampled:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return [*runs, tokenizer.decode(current)] if current else runs
+
+
+def test_encoded_trajectory_is_the_whole_rendering_and_masks_the_tool(tokenizer, records) -> None:
+    for record in records:
+        messages, tools = tool_task.start_messages(record)
+        turns = tool_task.scripted_turns(record)
+        encoded = tool_task.encode_record(tokenizer, record)
+        assert encoded.prompt_ids + encoded.response_ids == _ids(tokenizer, messages + turns, tools)
+        assert encoded.prompt_ids == _ids(tokenizer, messages, tools, generation=True)
+        assistant = [t["content"] + "<|im_end|>" for t in turns if t["role"] == "assistant"]
+        assert _sampled_text(tokenizer, encoded) == assistant
+        assert tool_task.encode_record_fast(tokenizer, record) == encoded
+        wrong = tool_task.encode_record(tokenizer, record, tool_task.wrong_answer(seed=5))
+        assert tool_task.encode_record_fast(tokenizer, record, tool_task.wrong_answer(seed=5)) == wrong
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        "error: unexpected '€' at character 4: only numbers",  # outside the alphabet: <unk>
+        "é\u0301 😀 中文\n\n\ttab",  # a combining mark, an emoji, CJK, a blank line, a tab
+        "</tool_response><tool_call> <|im_start|>",  # markup as text: read as those tokens
+    ],
+)
+def test_a_tool_output_outside_the_alphabet_keeps_the_prefix_property(tokenizer, records, output: str) -> None:
+    record = records[0]
+    messages, tools = tool_task.start_messages(record)
+    turns = [
+        *tool_task.scripted_turns(record)[:1],
+        {"role": "tool", "content": output},
+        {"role": "assistant", "content": "0"},
+    ]
+    _check_prefix_property(tokenizer, messages + turns, tools)
+    encoded = tool_task.encode_trajectory(tokenizer, messages + turns, tools)
+    tool_ids = [t for t, s in zip(encoded.response_ids, encoded.loss_mask, strict=True) if not s]
+    # One <unk> per character outside the alphabet; markup in the text is read as its token.
+    plain = output
+    for marker in MARKUP:
+        plain = plain.replace(marker, "")
+    assert tool_ids.count(tokenizer.unk_token_id) == sum(ch not in CHARACTERS for ch in plain)
+    for marker in MARKUP:
+        template_own = {"<|im_start|>": 2, "</tool_response>": 1}.get(marker, 0)  # the user turn + assistant prompt
+        assert tool_ids.count(tokenizer.convert_tokens_to_ids(marker)) == template_own + output.count(marker)
+    assert _sampled_text(tokenizer, encoded) == [turns[0]["content"] + "<|im_end|>", "0<|im_end|>"]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer, records) -> None:
+    record = records[0]
+    messages, tools = tool_task.start_messages(record)
+    turns = tool_task.scripted_turns(record)
+    # Qwen3's own separator: a newline after each <|im_end|>, which the model never samples.
+    original = tokenizer.chat_template
+    tokenizer.chat_template = TOOLS_CHAT_TEMPLATE.replace("'<|im_end|>'", "'<|im_end|>\\n'")
+    try:
+        with pytest.raises(tool_task.TemplateBreaksPrefix, match="assistant turn"):
+            tool_task.encode_trajectory(tokenizer, messages + turns, tools)
+    finally:
+        tokenizer.chat_template = original
+
+
+class _PrefixModel(torch.nn.Module):
+    """A stand-in causal LM: the logits at position t are one-hot at `next_token[ids[:t + 1]]` (0 if unknown)."""
+
+    def __init__(self, next_token: dict[tuple[int, ...], int], vocab: int) -> None:
+        super().__init__()
+        self.next_token, self.vocab = next_token, vocab
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> SimpleNamespace:
+        rows = input_ids.tolist()
+        predicted = [[self.next_token.get(tuple(row[: t + 1]), 0) for t in range(len(row))] for row in rows]
+        return SimpleNamespace(logits=torch.nn.functional.one_hot(torch.tensor(predicted), self.vocab).float())
+
+
+def test_argmax_share_counts_only_sampled_tokens(tokenizer, records) -> None:
+    encoded = [tool_task.encode_record(tokenizer, r) for r in records[:6]]
+    full = [e.prompt_ids + e.response_ids for e in encoded]
+    # A model right on every token of every trajectory...
+    next_token = {tuple(ids[: j + 1]): ids[j + 1] for ids in full for j in range(len(ids) - 1)}
+
+    def break_at(i: int, position: int) -> None:  # ...but wrong on the token at `position` of trajectory i
+        next_token[tuple(full[i][:position])] = (full[i][position] + 1) % len(tokenizer)
+
+    tool_position = len(encoded[0].prompt_ids) + encoded[0].loss_mask.index(False)
+    break_at(0, tool_position)  # a tool token: not the model's to predict, still right
+    break_at(1, len(full[1]) - 1)  # the final EOS: wrong
+    break_at(2, len(encoded[2].prompt_ids))  # the first sampled token (predicted from the prompt's end): wrong
+    break_at(3, len(encoded[3].prompt_ids) - 1)  # the prompt's last token: not sampled, still right
+    model = _PrefixModel(next_token, len(tokenizer))
+    for batch_size in (1, 4, 64):  # padding inside a batch, a last partial batch
+        assert tool_task.argmax_share(model, tokenizer, encoded, batch_size=batch_size) == 4 / 6
+
+
+def test_manifest_check_names_what_is_wrong(tmp_path: Path) -> None:
+    assert "no " in tool_assets.manifest_problem(tmp_path)
+    for name in tool_assets.REQUIRED_FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"placeholder {name}\n")
+    manifest = {"recipe": tool_assets.recipe(), "files": file_table(tmp_path)}
+    (tmp_path / tool_assets.MANIFEST).write_text(json.dumps(manifest))
+    assert tool_assets.manifest_problem(tmp_path) is None
+    (tmp_path / "student/model.safetensors").write_text("changed\n")
+    assert "differs" in tool_assets.manifest_problem(tmp_path)
+    manifest["recipe"] = {**manifest["recipe"], "teacher": asdict(replace(tool_assets.TEACHER, init_seed=9))}
+    (tmp_path / tool_assets.MANIFEST).write_text(json.dumps(manifest))
+    assert "recipe" in tool_assets.manifest_problem(tmp_path)
+
+
+def test_committed_assets_match_their_manifest() -> None:
+    assert tool_assets.manifest_problem(REPO_ASSETS) is None
+    manifest = json.loads((REPO_ASSETS / tool_assets.MANIFEST).read_text())
+    assert manifest["files"] == file_table(REPO_ASSETS)
+    for model in ("teacher", "student"):
+        assert (REPO_ASSETS / model / "chat_template.jinja").read_text() == TOOLS_CHAT_TEMPLATE
+    assert tool_task.read_jsonl(REPO_ASSETS / "data/eval.jsonl") == tool_task.generate_splits().eval
