@@ -1,11 +1,11 @@
-"""The tool demo's task: add three 4-digit numbers with the calculator, one addition per call.
+"""The tool demo's task: add three 4-digit numbers (5000-9999) with the calculator, one addition per call.
 
-    user       "sum:4821 7390 1653"
-    assistant  <tool_call>\\n{"name": "calculator", "arguments": {"expression": "4821+7390"}}\\n</tool_call>
-    tool       12211
-    assistant  <tool_call>\\n{"name": "calculator", "arguments": {"expression": "12211+1653"}}\\n</tool_call>
-    tool       13864
-    assistant  13864
+    user       "sum:6437+8479+6720"
+    assistant  <tool_call>\\n{"name": "calculator", "arguments": {"expression": "6437+8479"}}\\n</tool_call>
+    tool       14916
+    assistant  <tool_call>\\n{"name": "calculator", "arguments": {"expression": "14916+6720"}}\\n</tool_call>
+    tool       21636
+    assistant  21636
 
 Sums of 4-digit numbers are beyond what the tiny char models compute in their heads, but every step of the
 script is a copy: the operands from the prompt, the running total from the last tool response, the answer
@@ -40,11 +40,15 @@ from recipe_gkd.tiny_models import IM_END, IM_START
 TASK_NAME = "tool_sum"
 ENV_NAME = "calculator"
 PROMPT_PREFIX = "sum:"
+# The prompt writes the numbers as the calls do (`4821+7390`): a call's operands are then copies of prompt text.
+OPERATOR = "+"
 NUMBERS_PER_PROMPT = 3
-MIN_NUMBER, MAX_NUMBER = 1000, 9999
+# Every running total then has 5 digits (10000 <= a + b, a + b + c <= 29997), so each copy sits at a fixed
+# distance from its source: the tiny models learn that within minutes of CPU, not hours.
+MIN_NUMBER, MAX_NUMBER = 5000, 9999
 TRAIN_SIZE = 20_000
 EVAL_SIZE = 500
-DEV_SIZE = 256
+DEV_SIZE = 128
 DEFAULT_SEED = 5050
 # Turns of a scripted trajectory: one call per addition, then the answer.
 SCRIPTED_TURNS = NUMBERS_PER_PROMPT
@@ -62,7 +66,7 @@ class ToolSumRecord:
 def make_record(numbers: Sequence[int]) -> ToolSumRecord:
     """The record asking for the sum of `numbers`."""
     return ToolSumRecord(
-        prompt=PROMPT_PREFIX + " ".join(str(n) for n in numbers), answer=str(sum(numbers)), numbers=tuple(numbers)
+        prompt=PROMPT_PREFIX + OPERATOR.join(str(n) for n in numbers), answer=str(sum(numbers)), numbers=tuple(numbers)
     )
 
 
@@ -133,7 +137,7 @@ def scripted_turns(record: ToolSumRecord, tool: ToolAnswer = calculator_answer) 
     turns: list[Message] = []
     total = str(record.numbers[0])
     for number in record.numbers[1:]:
-        expression = f"{total}+{number}"
+        expression = f"{total}{OPERATOR}{number}"
         turns.append({"role": "assistant", "content": call_text(expression)})
         total = tool(expression)
         turns.append(tool_message(total))

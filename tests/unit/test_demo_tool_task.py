@@ -41,7 +41,7 @@ def test_splits_are_deterministic_disjoint_and_correct() -> None:
     assert [len(p) for p in prompts] == [40, 6, 12], "a prompt repeats within a split"
     assert not (prompts[0] & prompts[1] or prompts[0] & prompts[2] or prompts[1] & prompts[2])
     for record in first.train + first.eval:
-        numbers = [int(n) for n in record.prompt.removeprefix(tool_task.PROMPT_PREFIX).split(" ")]
+        numbers = [int(n) for n in record.prompt.removeprefix(tool_task.PROMPT_PREFIX).split("+")]
         assert tuple(numbers) == record.numbers and len(numbers) == tool_task.NUMBERS_PER_PROMPT
         assert all(tool_task.MIN_NUMBER <= n <= tool_task.MAX_NUMBER for n in numbers)
         assert int(record.answer) == sum(numbers)
@@ -98,7 +98,7 @@ def test_template_renders_tools_calls_and_responses(tokenizer, records: list[too
     text = _render(tokenizer, messages + turns[:2], tools, generation=True)
     assert text == (
         "<|im_start|>system\n" + messages[0]["content"] + "\n<tools>calculator(expression)</tools><|im_end|>"
-        f"<|im_start|>user\nsum:{a} {b} {c}<|im_end|>"
+        f"<|im_start|>user\nsum:{a}+{b}+{c}<|im_end|>"
         '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
         f'{a}+{b}"}}}}\n</tool_call><|im_end|>'
         f"<|im_start|>user\n<tool_response>\n{a + b}\n</tool_response><|im_end|><|im_start|>assistant\n"
@@ -115,7 +115,7 @@ def test_template_renders_tools_calls_and_responses(tokenizer, records: list[too
     )
     # Without tools, no tools line; without a system message, no system turn.
     assert _render(tokenizer, messages, None) == f"<|im_start|>system\n{messages[0]['content']}<|im_end|>" + (
-        f"<|im_start|>user\nsum:{a} {b} {c}<|im_end|>"
+        f"<|im_start|>user\nsum:{a}+{b}+{c}<|im_end|>"
     )
     assert _render(tokenizer, messages[1:], None, generation=True).startswith("<|im_start|>user\n")
 
