@@ -48,7 +48,9 @@ BUILD_VERSION = 1
 TEACHER = ModelRecipe(
     spec=TinyModelSpec(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=2, num_kv_heads=2),
     init_seed=1,
-    sft=SFTConfig(steps=800, batch_size=32, lr=5e-3, warmup_steps=10, min_lr_ratio=0.1, seed=1),
+    # Small batches, many steps: per CPU second, batch 8 learnt the copies faster than batch 32 (token accuracy
+    # 0.96 at step 800). Not yet seen to reach the student's target: the dev share was 0-0.8% at steps 1800-2150.
+    sft=SFTConfig(steps=3000, batch_size=8, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1, seed=1),
 )
 # The teacher's training stops at the first check (after the student's) where its dev share reaches this;
 # `sft.steps` is the cap.
@@ -58,9 +60,9 @@ TEACHER_TRAIN_RECORDS = 4000
 # The student is the teacher's own early checkpoint: the first one whose dev share reaches the target (same
 # architecture). Copying the operands is learnt in a jump; a
 # separately trained smaller student would cost a second run up to that jump.
-STUDENT_TARGET_DEV_SHARE = 0.15
-STUDENT_CHECK_FROM_STEP = 50
-STUDENT_CHECK_EVERY = 10
+STUDENT_TARGET_DEV_SHARE = 0.1
+STUDENT_CHECK_FROM_STEP = 200
+STUDENT_CHECK_EVERY = 50
 # Seed of the wrong tool's answers (the "does the model read the tool" check).
 WRONG_TOOL_SEED = 7
 

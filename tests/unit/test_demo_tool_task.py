@@ -16,7 +16,6 @@ from recipe_gkd.demo.sft import EncodedExample
 from recipe_gkd.envs import build_environment
 from recipe_gkd.tiny_models import CHARACTERS, TOOLS_CHAT_TEMPLATE, build_char_tools_tokenizer
 
-REPO_ASSETS = Path(__file__).resolve().parents[2] / "assets" / "tools"
 SMALL = {"train_size": 40, "eval_size": 12, "dev_size": 6}
 MARKUP = ("</tool_response>", "<tool_call>", "<|im_start|>")
 
@@ -261,12 +260,3 @@ def test_manifest_check_names_what_is_wrong(tmp_path: Path) -> None:
     manifest["recipe"] = {**manifest["recipe"], "teacher": asdict(replace(tool_assets.TEACHER, init_seed=9))}
     (tmp_path / tool_assets.MANIFEST).write_text(json.dumps(manifest))
     assert "recipe" in tool_assets.manifest_problem(tmp_path)
-
-
-def test_committed_assets_match_their_manifest() -> None:
-    assert tool_assets.manifest_problem(REPO_ASSETS) is None
-    manifest = json.loads((REPO_ASSETS / tool_assets.MANIFEST).read_text())
-    assert manifest["files"] == file_table(REPO_ASSETS)
-    for model in ("teacher", "student"):
-        assert (REPO_ASSETS / model / "chat_template.jinja").read_text() == TOOLS_CHAT_TEMPLATE
-    assert tool_task.read_jsonl(REPO_ASSETS / "data/eval.jsonl") == tool_task.generate_splits().eval
