@@ -4,7 +4,7 @@
 
 The task (recipe_gkd/demo/tool_task.py): add three 4-digit numbers with the calculator, one call per addition.
 1. Write the task's train / held-out eval jsonl files; the models use the `char_tools` tokenizer and its
-   tool-use chat template (recipe_gkd/tiny_models.py).
+   tool-use chat template (recipe_gkd/offline_models.py).
 2. Train the teacher with the project's SFT loop (recipe_gkd/demo/sft.py) on scripted correct trajectories,
    loss on the assistant tokens only.
 3. Keep as the student the teacher's first checkpoint whose dev share reaches a low target.
@@ -38,7 +38,7 @@ from recipe_gkd.demo.build_assets import (
     install_built,
 )
 from recipe_gkd.demo.sft import SFTConfig, sft_train
-from recipe_gkd.tiny_models import TinyModelSpec, build_tiny_causal_lm
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 
 DEFAULT_OUT = Path("assets/tools")
 TOKENIZER_KIND = "char_tools"

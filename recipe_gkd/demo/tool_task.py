@@ -35,7 +35,7 @@ from recipe_gkd.demo.sft import EncodedExample, collate
 from recipe_gkd.envs.arithmetic import CalculatorTool
 from recipe_gkd.envs.protocol import Message, tool_message
 from recipe_gkd.envs.registry import build_environment
-from recipe_gkd.tiny_models import IM_END, IM_START
+from recipe_gkd.offline_models import IM_END, IM_START
 
 TASK_NAME = "tool_sum"
 ENV_NAME = "calculator"

@@ -14,7 +14,7 @@ from recipe_gkd.demo import tool_assets, tool_task
 from recipe_gkd.demo.build_assets import file_table
 from recipe_gkd.demo.sft import EncodedExample
 from recipe_gkd.envs import build_environment
-from recipe_gkd.tiny_models import CHARACTERS, TOOLS_CHAT_TEMPLATE, build_char_tools_tokenizer
+from recipe_gkd.offline_models import CHARACTERS, TOOLS_CHAT_TEMPLATE, build_char_tools_tokenizer
 
 SMALL = {"train_size": 40, "eval_size": 12, "dev_size": 6}
 MARKUP = ("</tool_response>", "<tool_call>", "<|im_start|>")
