@@ -260,3 +260,31 @@ def test_manifest_check_names_what_is_wrong(tmp_path: Path) -> None:
     manifest["recipe"] = {**manifest["recipe"], "teacher": asdict(replace(tool_assets.TEACHER, init_seed=9))}
     (tmp_path / tool_assets.MANIFEST).write_text(json.dumps(manifest))
     assert "recipe" in tool_assets.manifest_problem(tmp_path)
+
+
+def test_the_rollout_loops_template_deltas_give_the_scripted_encoding(tokenizer, records) -> None:
+    """The multi-turn rollout's own ChatTemplate (an independent implementation) appends the same ids."""
+    from recipe_gkd.rollout.multi_turn import ChatTemplate, Conversation
+
+    template = ChatTemplate(tokenizer)
+    for record in records[:3]:
+        messages, tools = tool_task.start_messages(record)
+        prompt = template.ids(messages, tools, generation_prompt=True)
+        env = build_environment(tool_task.ENV_NAME)
+        conv = Conversation(0, env, list(messages), tools, prompt, prompt)
+        turns = tool_task.scripted_turns(record)
+        for i, turn in enumerate(turns):
+            if turn["role"] != "assistant":
+                continue
+            conv.add([*tokenizer(turn["content"], add_special_tokens=False).input_ids, tokenizer.eos_token_id], True)
+            observations = [t for t in turns[i + 1 : i + 2] if t["role"] == "tool"]
+            if observations:
+                delta, conv.rendered = template.tool_turn(conv, turn, observations, ended_on_eos=True)
+                conv.add(delta, False)
+            conv.messages += [turn, *observations]
+        expected = tool_task.encode_record(tokenizer, record)
+        assert (conv.prompt_ids, conv.response_ids, conv.sampled) == (
+            expected.prompt_ids,
+            expected.response_ids,
+            expected.loss_mask,
+        )
