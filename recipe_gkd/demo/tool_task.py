@@ -7,7 +7,7 @@
     tool       21636
     assistant  21636
 
-Sums of 4-digit numbers are beyond what the tiny char models compute in their heads, but every step of the
+Sums of 4-digit numbers are beyond what the tiny models compute in their heads, but every step of the
 script is a copy: the operands from the prompt, the running total from the last tool response, the answer
 from the last one. So a model that uses the tool solves the task and one that ignores the tool's output
 cannot. Records are ``{"prompt", "answer", "numbers"}``; the `calculator` environment
@@ -118,15 +118,19 @@ def calculator_answer(expression: str) -> str:
 
 
 def wrong_answer(seed: int) -> ToolAnswer:
-    """A tool that answers a random number with the true result's digit count, never the true result."""
+    """A tool that answers `total+number` with `total+other`, `other` another number of the task's range: a wrong
+    result distributed as the true ones are (the same leading digits), so only a model that reads it follows it.
+
+    A uniform 5-digit number would not do: every true first total starts with 1, which a model can write without
+    reading the tool, and fail on a wrong one for that reason alone.
+    """
     rng = random.Random(seed)
 
     def answer(expression: str) -> str:
-        true = calculator_answer(expression)
-        low, high = 10 ** (len(true) - 1), 10 ** len(true) - 1
-        while (wrong := str(rng.randint(low, high))) == true:
+        total, _, number = expression.rpartition(OPERATOR)
+        while (other := rng.randint(MIN_NUMBER, MAX_NUMBER)) == int(number):
             pass
-        return wrong
+        return calculator_answer(f"{total}{OPERATOR}{other}")
 
     return answer
 
@@ -187,10 +191,17 @@ def encode_trajectory(tokenizer: Any, messages: list[Message], tools: list[dict[
     return EncodedExample(prompt_ids, ids[len(prompt_ids) :], sampled)
 
 
+def conversation(
+    record: ToolSumRecord, tool: ToolAnswer = calculator_answer
+) -> tuple[list[Message], list[dict[str, Any]]]:
+    """The whole scripted conversation of `record` (answered by `tool`) and the environment's tools."""
+    messages, tools = start_messages(record)
+    return messages + scripted_turns(record, tool), tools
+
+
 def encode_record(tokenizer: Any, record: ToolSumRecord, tool: ToolAnswer = calculator_answer) -> EncodedExample:
     """The scripted trajectory of `record` (answered by `tool`), encoded turn by turn as the rollout does."""
-    messages, tools = start_messages(record)
-    return encode_trajectory(tokenizer, messages + scripted_turns(record, tool), tools)
+    return encode_trajectory(tokenizer, *conversation(record, tool))
 
 
 # An assistant turn in TOOLS_CHAT_TEMPLATE's rendering: what follows its header up to its EOS, included.
@@ -201,11 +212,12 @@ def encode_record_fast(tokenizer: Any, record: ToolSumRecord, tool: ToolAnswer =
     """`encode_record`'s result from one rendering of the whole conversation (~10x faster: one template render
     and one tokenisation instead of one per turn); the sampled tokens are those inside an assistant turn.
 
-    Only for the `char_tools` template, whose turns `_ASSISTANT_TURN` finds; the build checks it equals
+    Only for TOOLS_CHAT_TEMPLATE, whose turns `_ASSISTANT_TURN` finds, with a tokenizer whose specials end its
+    pieces (no token spans a turn's edge); the build checks it equals
     `encode_record` on the dev split, and a test on several records.
     """
-    messages, tools = start_messages(record)
-    text = tokenizer.apply_chat_template(messages + scripted_turns(record, tool), tools=tools, tokenize=False)
+    messages, tools = conversation(record, tool)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     spans = [match.span(1) for match in _ASSISTANT_TURN.finditer(text)]
     sampled = [any(start <= begin < end for start, end in spans) for begin, _ in encoded["offset_mapping"]]

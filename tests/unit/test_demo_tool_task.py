@@ -14,15 +14,22 @@ from recipe_gkd.demo import tool_assets, tool_task
 from recipe_gkd.demo.build_assets import file_table
 from recipe_gkd.demo.sft import EncodedExample
 from recipe_gkd.envs import build_environment
-from recipe_gkd.offline_models import CHARACTERS, TOOLS_CHAT_TEMPLATE, build_char_tools_tokenizer
+from recipe_gkd.envs.tool_calls import HermesCalls, ToolCall
+from recipe_gkd.offline_models import TOOLS_CHAT_TEMPLATE, build_tools_bpe_tokenizer
 
 SMALL = {"train_size": 40, "eval_size": 12, "dev_size": 6}
 MARKUP = ("</tool_response>", "<tool_call>", "<|im_start|>")
+# The tokenizer's corpus in these tests: enough conversations for every piece of the template to merge.
+CORPUS_RECORDS = 200
+
+
+def _corpus(seed: int = 21) -> list:
+    return [tool_task.conversation(r) for r in tool_task.generate_splits(seed=seed, train_size=CORPUS_RECORDS).train]
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    return build_char_tools_tokenizer(tmp_path_factory.mktemp("char_tools"))
+    return build_tools_bpe_tokenizer(tmp_path_factory.mktemp("tools_bpe"), _corpus())
 
 
 @pytest.fixture(scope="module")
@@ -174,12 +181,12 @@ def test_encoded_trajectory_is_the_whole_rendering_and_masks_the_tool(tokenizer,
 @pytest.mark.parametrize(
     "output",
     [
-        "error: unexpected '€' at character 4: only numbers",  # outside the alphabet: <unk>
+        "error: unexpected '€' at character 4: only numbers",  # a 3-byte character the corpus never held
         "é\u0301 😀 中文\n\n\ttab",  # a combining mark, an emoji, CJK, a blank line, a tab
         "</tool_response><tool_call> <|im_start|>",  # markup as text: read as those tokens
     ],
 )
-def test_a_tool_output_outside_the_alphabet_keeps_the_prefix_property(tokenizer, records, output: str) -> None:
+def test_a_tool_output_outside_the_corpus_keeps_the_prefix_property(tokenizer, records, output: str) -> None:
     record = records[0]
     messages, tools = tool_task.start_messages(record)
     turns = [
@@ -190,15 +197,59 @@ def test_a_tool_output_outside_the_alphabet_keeps_the_prefix_property(tokenizer,
     _check_prefix_property(tokenizer, messages + turns, tools)
     encoded = tool_task.encode_trajectory(tokenizer, messages + turns, tools)
     tool_ids = [t for t, s in zip(encoded.response_ids, encoded.loss_mask, strict=True) if not s]
-    # One <unk> per character outside the alphabet; markup in the text is read as its token.
-    plain = output
-    for marker in MARKUP:
-        plain = plain.replace(marker, "")
-    assert tool_ids.count(tokenizer.unk_token_id) == sum(ch not in CHARACTERS for ch in plain)
+    # Byte fallback: no unknown token, and the delta decodes to the template's text around the output exactly.
+    assert tokenizer.unk_token_id is None
+    assert tokenizer.decode(tool_ids) == (
+        f"<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|><|im_start|>assistant\n"
+    )
+    # A character the corpus never held is split into its UTF-8 bytes, one token each: alone, a token decodes
+    # to a replacement character, not to a part of the text.
+    corpus_text = "".join(str(m["content"]) for messages, _ in _corpus() for m in messages)
+    for ch in sorted({c for c in output if c not in corpus_text}):
+        pieces = tokenizer(ch, add_special_tokens=False).input_ids
+        assert len(pieces) == len(ch.encode("utf-8")), ch
+        if len(pieces) > 1:
+            assert all(tokenizer.decode([p]) == "\ufffd" for p in pieces), ch
+    # Markup in the text is read as its token (as Qwen's tokenizer does): here the template's own markers only.
     for marker in MARKUP:
         template_own = {"<|im_start|>": 2, "</tool_response>": 1}.get(marker, 0)  # the user turn + assistant prompt
         assert tool_ids.count(tokenizer.convert_tokens_to_ids(marker)) == template_own + output.count(marker)
     assert _sampled_text(tokenizer, encoded) == [turns[0]["content"] + "<|im_end|>", "0<|im_end|>"]
+
+
+def test_bpe_copies_digits_one_by_one_and_compresses_the_markup(tokenizer, records) -> None:
+    """Every digit is one token (a copied number is copied token by token); the markup merges into few tokens;
+    the tool parser reads the call in the decoded sampled text."""
+    for record in records:
+        encoded = tool_task.encode_record(tokenizer, record)
+        ids = encoded.prompt_ids + encoded.response_ids
+        pieces = [tokenizer.decode([i]) for i in ids]
+        text = "".join(pieces)
+        assert sum(ch.isdigit() for ch in text) == sum(p.isdigit() for p in pieces)
+        assert all(len(p) == 1 for p in pieces if any(ch.isdigit() for ch in p))
+        # The char-level encoding of the same conversation took 175 + 199 tokens.
+        assert len(encoded.prompt_ids) <= 60 and len(encoded.response_ids) <= 100, len(ids)
+        call = _sampled_text(tokenizer, encoded)[0].removesuffix("<|im_end|>")
+        a, b, _ = record.numbers
+        assert HermesCalls().parse(call) == [ToolCall("calculator", {"expression": f"{a}+{b}"})]
+    # The tool-call and response markers are one token each (added tokens, kept by decoding).
+    for marker in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):
+        assert len(tokenizer(marker, add_special_tokens=False).input_ids) == 1
+        assert tokenizer.decode(tokenizer(marker, add_special_tokens=False).input_ids) == marker
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>" and tokenizer.bos_token is None
+
+
+def test_bpe_is_deterministic_and_learns_from_its_corpus(tmp_path: Path, tokenizer) -> None:
+    again = build_tools_bpe_tokenizer(tmp_path / "again", _corpus())
+    assert again.backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str()
+    # The merges come from the corpus: a word only another corpus holds is one token there, bytes here.
+    extra = ([{"role": "user", "content": "multiplication " * 20}], None)
+    other = build_tools_bpe_tokenizer(tmp_path / "other", [*_corpus(), extra])
+    assert len(other(" multiplication", add_special_tokens=False).input_ids) == 1
+    assert len(tokenizer(" multiplication", add_special_tokens=False).input_ids) > 5
+    # No merge spans a special token or a tool marker: they were cut out of the corpus.
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    assert not [m for m in merges if any(x in "".join(m) for x in ("im_", "tool_", "|>", "<|"))]
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer, records) -> None:
