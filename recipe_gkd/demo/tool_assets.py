@@ -54,8 +54,9 @@ BUILD_VERSION = 2
 TEACHER = ModelRecipe(
     spec=TinyModelSpec(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=4),
     init_seed=1,
-    # Copying is learnt in jumps (the dev share went 0 -> 73% -> 91% at steps 200-400 in a trial); a cosine over
-    # 800 steps decayed the rate before the last jump (21% at step 500), so the schedule spans the cap.
+    # Copying is learnt in jumps (dev share 0% at step 200, 8.6% at 220, 72.7% at 300, 99.2% at 600, where it
+    # stops); a cosine over 800 steps decayed the rate before the last jump (21% at step 500 in a trial), so the
+    # schedule spans the cap.
     sft=SFTConfig(steps=2000, batch_size=16, lr=3e-3, warmup_steps=50, min_lr_ratio=0.1, seed=1),
 )
 # The teacher's training stops at the first check (after the student's) where its dev share reaches this;
@@ -64,8 +65,9 @@ TEACHER_TARGET_DEV_SHARE = 0.95
 # The teacher trains on this many scripted trajectories (epochs over them), which are also the tokenizer's corpus.
 TEACHER_TRAIN_RECORDS = 4000
 # The student is the teacher's own early checkpoint: the first one whose dev share reaches the target (same
-# architecture, same tokenizer). Copying is learnt in a jump, so the checks are dense from where it can start.
-STUDENT_TARGET_DEV_SHARE = 0.1
+# architecture, same tokenizer). Copying is learnt in a jump, so the checks are dense from where it can start;
+# at 0.1 the student was step 240's, 18.2% on the eval split, more than "barely".
+STUDENT_TARGET_DEV_SHARE = 0.05
 STUDENT_CHECK_FROM_STEP = 150
 STUDENT_CHECK_EVERY = 10
 # Once the student is saved, the teacher's checks are sparser (each costs a forward pass over the dev split).

@@ -82,6 +82,10 @@ def test_a_wrong_tool_is_followed_by_the_script_and_fails_the_env(records: list[
         turns = tool_task.scripted_turns(record, wrong)
         answers = [t["content"] for t in turns if t["role"] == "tool"]
         assert answers[-1] == turns[-1]["content"] != record.answer
+        # Plausible: the first answer is the first number plus another number of the task's range (so it starts
+        # with the digits a true first total starts with), never the second number.
+        other = int(answers[0]) - record.numbers[0]
+        assert tool_task.MIN_NUMBER <= other <= tool_task.MAX_NUMBER and other != record.numbers[1]
         # The second call reads the first (wrong) answer: the script copies the tool, not the truth.
         assert json.loads(turns[2]["content"].split("\n")[1])["arguments"]["expression"].startswith(answers[0] + "+")
         env = build_environment(tool_task.ENV_NAME)
