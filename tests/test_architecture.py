@@ -6,8 +6,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO_ROOT as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("recipe_gkd", "teacher_server")
 # The only modules of recipe_gkd that may import Ray (the cluster; the workers as Ray actors).
 RAY_MODULES = {"recipe_gkd.runtime.ray_cluster", "recipe_gkd.runtime.ray_pools"}

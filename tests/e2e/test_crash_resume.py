@@ -7,113 +7,30 @@ expected `sample_ids` of every step come from `epoch_order` alone.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_runs import (
+    SAVE_EVERY,
+    TOTAL_STEPS,
+    WORDS,
+    cli,
+    env_with,
+    expected_sample_ids,
+    run_to_end,
+    wait_for_rows,
+    wait_gone,
+)
 
-from recipe_gkd.config import DEFAULT_CONFIG
-from recipe_gkd.data import epoch_order
 from recipe_gkd.observe.metrics import read_metrics
-from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.runtime.checkpoint import list_checkpoints, verify
-
-WORDS = ["abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd"]
-TAG_VAR = "RECIPE_GKD_TEST_TAG"
-BATCH = 8
-TOTAL_STEPS = 6
-SAVE_EVERY = 2
-SEED = 1  # data.seed of the CPU preset
-RUN_TIMEOUT_S = 420
-ORPHAN_GRACE_S = 20
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("crash")
-    student = build_tiny_causal_lm(root / "student", seed=0)
-    teacher = build_tiny_causal_lm(root / "teacher", seed=1, spec=TinyModelSpec(hidden_size=96, num_layers=3))
-    data = root / "data.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": f"rev:{w}", "response": w[::-1], "answer": w[::-1]}) + "\n" for w in WORDS)
-    )
-    return {"student": student, "teacher": teacher, "data": data}
-
-
-def cli(inputs: dict[str, Path], run_dir: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "recipe_gkd.main",
-        "--config",
-        str(DEFAULT_CONFIG),
-        f"model.student_path={inputs['student']}",
-        f"teacher.model_path={inputs['teacher']}",
-        f"data.train_files=[{inputs['data']}]",
-        f"data.eval_files=[{inputs['data']}]",
-        f"data.train_batch_size={BATCH}",
-        "data.eval_batch_size=8",
-        "actor.micro_batch_size=4",
-        "rollout.sampling.max_new_tokens=6",
-        "teacher.address=tcp://127.0.0.1:0",
-        "trainer.eval_every=0",
-        f"trainer.total_steps={TOTAL_STEPS}",
-        f"trainer.save_every={SAVE_EVERY}",
-        "trainer.keep_last=2",
-        f"trainer.run_dir={run_dir}",
-        *overrides,
-    ]
-
-
-def tagged_processes(tag: str) -> list[int]:
-    """Pids of live processes whose environment carries `tag` (every descendant of a run inherits it)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if f"{TAG_VAR}={tag}".encode() in environ:
-            found.append(int(entry.name))
-    return found
-
-
-def wait_gone(tag: str) -> list[int]:
-    deadline = time.monotonic() + ORPHAN_GRACE_S
-    while tagged_processes(tag) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return tagged_processes(tag)
-
-
-def env_with(tag: str) -> dict[str, str]:
-    return {**os.environ, TAG_VAR: tag, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-
-
-def run_to_end(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    tag = uuid.uuid4().hex
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env_with(tag), check=False)
-    assert not wait_gone(tag), "the run left processes behind"
-    return proc
-
-
-def wait_for_rows(proc: subprocess.Popen, run_dir: Path, rows: int) -> None:
-    """Until the running CLI `proc` has written `rows` rows to metrics.jsonl (or ended, or RUN_TIMEOUT_S passed)."""
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= rows:
-            return
-        time.sleep(0.05)
 
 
 def kill_after_rows(cmd: list[str], run_dir: Path, rows: int, log: Path) -> None:
@@ -132,18 +49,6 @@ def kill_after_rows(cmd: list[str], run_dir: Path, rows: int, log: Path) -> None
             proc.wait(timeout=30)
     leftover = wait_gone(tag)
     assert not leftover, f"kill -9 of the driver's process group left processes behind: {leftover}"
-
-
-def expected_sample_ids(steps: int, dataset_size: int) -> list[list[int]]:
-    """Per step: the sorted sample ids of stream positions [s * BATCH, (s + 1) * BATCH)."""
-    out = []
-    for s in range(steps):
-        ids = []
-        for position in range(s * BATCH, (s + 1) * BATCH):
-            epoch, offset = divmod(position, dataset_size)
-            ids.append(int(epoch_order(dataset_size, SEED, epoch)[offset]))
-        out.append(sorted(ids))
-    return out
 
 
 # The read-ahead schedule (its checkpoint's data position trails the stream); a sync resume is checked

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_recipe_smoke import run_cli
-from test_teacher_server import READY_TIMEOUT_S, write_teacher_yaml
+from cli_runs import run_cli
+from cross_tokenizer_pairs import CONVERSATIONS
+from teacher_servers import READY_TIMEOUT_S, write_teacher_yaml
 
 from recipe_gkd.observe.metrics import read_metrics
 from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
@@ -20,14 +21,6 @@ from teacher_server.server.backends import BackendOptions, load_backend, parsed_
 from teacher_server.wire.conversation import Conversation, Renderer
 
 WORDS = ["abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd"]
-CONVERSATIONS = [
-    Conversation([{"role": "user", "content": "rev:hello"}], "", "olleh", True),
-    Conversation(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "naïve?"}], "", "日本 🙂", False
-    ),
-    Conversation([], "rev:abc", "c b  a", True),
-    Conversation([{"role": "user", "content": "x"}], "", "", True),
-]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_crash_resume import cli, inputs, run_to_end  # noqa: F401 (fixture)
+from cli_runs import cli, run_to_end
 
 from recipe_gkd.main import EXIT_HANG
 
@@ -18,7 +18,7 @@ STUCK_TEACHER_S = 3600
 
 @pytest.mark.slow
 def test_a_stuck_rollout_dumps_every_stack_and_names_itself(
-    inputs: dict[str, Path],  # noqa: F811
+    inputs: dict[str, Path],
     tmp_path: Path,
 ) -> None:
     run_dir = tmp_path / "run"

@@ -8,15 +8,13 @@ import re
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_crash_resume import TAG_VAR, wait_gone
+from cli_runs import run_cli
 
-from recipe_gkd.config import DEFAULT_CONFIG
 from recipe_gkd.observe.metrics import read_metrics
 from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.plan.ports import reserve_ports
@@ -34,45 +32,6 @@ def tiny_run_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         "".join(json.dumps({"prompt": f"rev:{w}", "response": w[::-1], "answer": w[::-1]}) + "\n" for w in WORDS)
     )
     return {"student": student, "teacher": teacher, "data": data, "root": root}
-
-
-def run_cli(
-    inputs: dict[str, Path],
-    run_dir: Path,
-    *overrides: str,
-    timeout: float = 600,
-    python_path: str = "",
-    extra_env: dict[str, str] | None = None,
-) -> subprocess.CompletedProcess[str]:
-    tag = uuid.uuid4().hex
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, TAG_VAR: tag, "PYTHONPATH": f"{python_path}:{repo}" if python_path else repo}
-    env.update(extra_env or {})
-    cmd = [
-        sys.executable,
-        "-m",
-        "recipe_gkd.main",
-        "--config",
-        str(DEFAULT_CONFIG),
-        f"model.student_path={inputs['student']}",
-        f"teacher.model_path={inputs['teacher']}",
-        f"data.train_files=[{inputs['data']}]",
-        f"data.eval_files=[{inputs['data']}]",
-        "data.train_batch_size=8",
-        "data.eval_batch_size=8",
-        "actor.micro_batch_size=4",
-        "rollout.sampling.max_new_tokens=6",
-        "teacher.address=tcp://127.0.0.1:0",
-        # Requests on 2 busy cores beside 6 Ray workers may wait longer than the preset's 60 s
-        # (a test's own override still wins).
-        "teacher.timeout_s=180",
-        f"trainer.run_dir={run_dir}",
-        *overrides,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-    leftover = wait_gone(tag)
-    assert not leftover, f"the run left processes behind: {leftover}"
-    return proc
 
 
 def test_bad_override_exits_2_before_starting_anything(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:

@@ -3,20 +3,19 @@ the same command after the server is back continues, and every prompt is trained
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
-from test_crash_resume import (
+from cli_runs import (
     RUN_TIMEOUT_S,
     TOTAL_STEPS,
     WORDS,
+    _free_port,
     cli,
     env_with,
     expected_sample_ids,
-    inputs,  # noqa: F401 (fixture)
     run_to_end,
     wait_for_rows,
     wait_gone,
@@ -33,15 +32,9 @@ TEACHER_TIMEOUT_S = 5
 STOP_AFTER_ROWS = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_teacher_down_checkpoints_and_exits_then_the_rerun_continues(
-    inputs: dict[str, Path],  # noqa: F811
+    inputs: dict[str, Path],
     tmp_path: Path,
 ) -> None:
     address = f"tcp://127.0.0.1:{_free_port()}"

@@ -11,8 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_crash_resume import RUN_TIMEOUT_S, env_with, wait_for_rows, wait_gone
-from test_teacher_down import _free_port
+from cli_runs import RUN_TIMEOUT_S, _free_port, env_with, wait_for_rows, wait_gone
 
 from recipe_gkd.config import CONFIG_DIR, load_config
 from recipe_gkd.main import EXIT_STOPPED

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from test_teacher_server import write_teacher_yaml
+from teacher_servers import write_teacher_yaml
 
 from teacher_server.client.launcher import stop_process_group
 from teacher_server.client.zmq_client import TeacherClient

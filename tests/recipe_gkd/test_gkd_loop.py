@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from demo_loop import PROMPTS, demo_config, small_config
 
 from recipe_gkd import gkd
-from recipe_gkd.config import GKDConfig, load_config
+from recipe_gkd.config import GKDConfig
 from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
 from recipe_gkd.runtime import checkpoint
 from recipe_gkd.runtime.local_pools import local_pools
@@ -29,7 +30,6 @@ from recipe_gkd.runtime.local_pools import local_pools
 # batch 64, forward KL, lr 3e-4 since issue 40; `python -m recipe_gkd.main trainer.total_steps=6
 # algorithm.schedule=sync`). The in-process loop gives the same within 1.1e-5 relative (the wire's rounding).
 GOLDEN_LOSSES = [0.49173688, 0.47018682, 0.43015476, 0.47592264, 0.38262646, 0.4043198]
-PROMPTS = 24  # a small training set: 6 steps of 8 prompts are two epochs
 STALENESS = {"sync": [0, 0, 0, 0, 0, 0], "one_step_off": [0, 1, 1, 1, 1, 1], "two_step_off": [0, 1, 2, 2, 2, 2]}
 
 
@@ -44,30 +44,6 @@ def two_threads() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Path:
-    lines = (repo_root / "assets" / "demo" / "data" / "train.jsonl").read_text().splitlines()[:PROMPTS]
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def demo_config(repo_root: Path, run_dir: Path, *overrides: str) -> GKDConfig:
-    demo = repo_root / "assets" / "demo"
-    return load_config(
-        None,
-        [
-            f"model.student_path={demo / 'student'}",
-            f"teacher.model_path={demo / 'teacher'}",
-            f"data.train_files=[{demo / 'data' / 'train.jsonl'}]",
-            f"data.eval_files=[{demo / 'data' / 'eval.jsonl'}]",
-            f"trainer.run_dir={run_dir}",
-            "trainer.eval_every=0",
-            *overrides,
-        ],
-    )
-
-
 def train_in_process(cfg: GKDConfig, resume: Path | None = None) -> list[dict[str, Any]]:
     """gkd.train on local pools; returns the metrics rows."""
     metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.loggers, cfg.trainer.total_steps)
@@ -77,20 +53,6 @@ def train_in_process(cfg: GKDConfig, resume: Path | None = None) -> list[dict[st
     finally:
         metrics.close()
     return read_metrics(Path(cfg.trainer.run_dir))
-
-
-def small_config(repo_root: Path, data: Path, run_dir: Path, *overrides: str) -> GKDConfig:
-    """The demo's models on the small training set: 8 prompts, 8 new tokens a step, 6 steps (two epochs)."""
-    return demo_config(
-        repo_root,
-        run_dir,
-        f"data.train_files=[{data}]",
-        "data.train_batch_size=8",
-        "actor.micro_batch_size=8",
-        "rollout.sampling.max_new_tokens=8",
-        "trainer.total_steps=6",
-        *overrides,
-    )
 
 
 def small_run(repo_root: Path, data: Path, run_dir: Path, schedule: str, *overrides: str) -> list[dict[str, Any]]:

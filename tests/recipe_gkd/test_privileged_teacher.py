@@ -20,7 +20,7 @@ import pytest
 import torch
 
 # pytest's default (prepend) import mode puts this directory on sys.path: the in-process teacher that records.
-from test_chatml_tokenizer import RecordingScorer
+from scorers import RecordingScorer
 
 from recipe_gkd.config import GKDConfig, load_config
 from recipe_gkd.offline_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START

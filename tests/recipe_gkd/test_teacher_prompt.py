@@ -221,7 +221,7 @@ def test_the_openai_route_sends_the_joined_ids_and_scores_from_the_join(
 ) -> None:
     """teacher.backend=openai: the client sends the teacher's prompt + the student's response as the token-id prompt
     and reads the prompt log-probs from the join on (a scripted vLLM /v1/completions answer)."""
-    from test_openai_client import MODELS, completions
+    from openai_script import MODELS, completions
 
     from teacher_server.client.openai_client import OpenAITeacherClient
 

@@ -26,6 +26,7 @@ from recipe_gkd.offline_models import (
     _bpe_corpus,
     _byte_level_bpe,
 )
+from teacher_server.wire.conversation import Conversation
 
 CORPUS_SEED = 45
 STUDENT_VOCAB = 640
@@ -88,3 +89,13 @@ def piece_bytes(tok: Any, token_id: int) -> bytes | None:
         return None
     decoder = gpt2_byte_decoder()
     return bytes(decoder[c] for c in tok.convert_ids_to_tokens(token_id))
+
+
+CONVERSATIONS = [
+    Conversation([{"role": "user", "content": "rev:hello"}], "", "olleh", True),
+    Conversation(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "naïve?"}], "", "日本 🙂", False
+    ),
+    Conversation([], "rev:abc", "c b  a", True),
+    Conversation([{"role": "user", "content": "x"}], "", "", True),
+]

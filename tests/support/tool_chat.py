@@ -18,6 +18,7 @@ import numpy as np
 
 from recipe_gkd.envs import Message, StepResult
 from recipe_gkd.rollout.engine import Generation
+from recipe_gkd.rollout.multi_turn import Conversation, Limits, MultiTurnRollout
 
 QWEN_TOOL_TEMPLATE = (
     "{%- if tools %}"
@@ -139,3 +140,62 @@ class EchoEnv:
                 "function": {"name": "echo", "description": "Echo.", "parameters": {"type": "object"}},
             }
         ]
+
+
+def rollout(engine: Any, new_env: Any, *, max_turns: int = 6, max_total: int = 4096, max_new: int = 200) -> Any:
+    return MultiTurnRollout(engine, new_env, Limits(max_turns, max_total, max_new), max_prompt_length=2048)
+
+
+def segments(conv: Conversation) -> list[tuple[bool, list[int], list[float]]]:
+    """The response as runs of (sampled, ids, logprobs)."""
+    runs: list[tuple[bool, list[int], list[float]]] = []
+    for token, sampled, lp in zip(conv.response_ids, conv.sampled, conv.logprobs, strict=True):
+        if not runs or runs[-1][0] != sampled:
+            runs.append((sampled, [], []))
+        runs[-1][1].append(token)
+        runs[-1][2].append(lp)
+    return runs
+
+
+class Recording:
+    """An engine that keeps what the wrapped engine's generate returned, call by call."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.returned: list[list[Any]] = []
+
+    def generate(self, prompts: list[list[int]], **kwargs: Any) -> list[Any]:
+        out = self.engine.generate(prompts, **kwargs)
+        self.returned.append(out)
+        return out
+
+
+def check_sampled_conversations(tokenizer: Any, engine: Recording, convs: list[Conversation]) -> None:
+    """Each conversation of a real engine: its sampled runs are the engine's own ids and logprobs; the runs between
+    them are the template's text between the turns, tokenized on their own (an independent route: text, not ids);
+    the whole decodes to the template's rendering of the final conversation."""
+    eos = tokenizer.eos_token_id
+    for i, conv in enumerate(convs):
+        runs = segments(conv)
+        assert [s for s, _, _ in runs] == [True, False] * (conv.turns - 1) + [True]
+        for turn, (_, ids, lps) in enumerate(runs[::2]):
+            gen = engine.returned[turn][i]
+            assert ids == gen.response_ids
+            np.testing.assert_array_equal(np.float32(lps), gen.logprobs)
+        assistants = [k for k, m in enumerate(conv.messages) if m["role"] == "assistant"]
+        for turn, (_, ids, lps) in enumerate(runs[1::2]):
+            # [..., assistant turn `turn`] and [..., assistant turn `turn`, its tool messages]
+            text_a = tokenizer.apply_chat_template(
+                conv.messages[: assistants[turn] + 1], tools=conv.tools, tokenize=False
+            )
+            text_b = tokenizer.apply_chat_template(
+                conv.messages[: assistants[turn + 1]], tools=conv.tools, tokenize=False, add_generation_prompt=True
+            )
+            assert text_b.startswith(text_a)
+            close = "\n" if runs[2 * turn][1][-1] == eos else "<|im_end|>\n"
+            assert ids == tokenizer.encode(close + text_b[len(text_a) :], add_special_tokens=False)
+            assert set(lps) == {0.0}
+        whole = tokenizer.apply_chat_template(conv.messages, tools=conv.tools, tokenize=False)
+        decoded = tokenizer.decode(conv.prompt_ids + conv.response_ids, skip_special_tokens=False)
+        assert whole == decoded + ("\n" if conv.response_ids[-1] == eos else "<|im_end|>\n")

@@ -16,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from adam_bounds import assert_same_weights
+from repo_paths import SUPPORT_DIR
 
 from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.plan.ports import reserve_ports
 
-SCRIPT = Path(__file__).with_name("checkpoint_scenarios.py")
+SCRIPT = SUPPORT_DIR / "checkpoint_scenarios.py"
 PHASE_TIMEOUT_S = 240
 # Different TP sizes sum the vocabulary-parallel loss in another order: fp32 rounding only.
 RESHARD_TOL = 1e-5

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from repo_paths import REPO_ROOT
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from recipe_gkd.actor import hf_arch, hf_convert, mcore_model
@@ -285,7 +286,7 @@ def test_importing_the_actor_does_not_import_megatron() -> None:
         "import sys, recipe_gkd, recipe_gkd.actor.megatron_actor, recipe_gkd.actor.hf_convert, recipe_gkd.actor.hf_arch, recipe_gkd.actor.mcore_model;"
         "bad = [m for m in sys.modules if m.startswith('megatron')]; assert not bad, bad"
     )
-    root = Path(__file__).resolve().parents[2]
+    root = REPO_ROOT
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=120)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from adam_bounds import assert_same_weights
+from repo_paths import REPO_ROOT
 
 from recipe_gkd.actor.collate import split_by_token_budget
 from recipe_gkd.actor.megatron_actor import MegatronActor
@@ -162,7 +163,7 @@ def runs(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     """Run the 1-rank and the 2-rank scenario launches concurrently, then the 4-rank one; their result directories."""
     root = tmp_path_factory.mktemp("megatron_runs")
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     # 3 processes share 2 cores: one thread each avoids oversubscription stalls in gloo.
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
     one = _launch(1, ONE_RANK_JOBS, models, root / "w1", env)
@@ -571,7 +572,7 @@ assert seen == {"before": False, "device": "cpu"}, seen
 @pytest.mark.slow
 def test_cpu_compat_maps_cuda_to_cpu_per_thread_and_forks_cpu_rng() -> None:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     subprocess.run([sys.executable, "-c", CPU_COMPAT_CHECK], check=True, env=env, timeout=180)
 
 
@@ -623,7 +624,7 @@ def test_actor_runs_as_a_ray_actor(ray_local: None, tiny_model_dir: Path) -> Non
 def test_actor_on_cuda_matches_hf(models: Path, tmp_path: Path) -> None:
     """The same scenarios on CUDA (nccl): logits vs HF, TP=1 training, and TP=2 and PP=2 with 2 GPUs."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     runs_dir: dict[str, Path] = {}
     worlds = [1, 2] if torch.cuda.device_count() >= 2 else [1]
     for world in worlds:

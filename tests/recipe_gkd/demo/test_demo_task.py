@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from repo_paths import REPO_ROOT
 
 from recipe_gkd.demo import build_assets, task
 from recipe_gkd.demo.evaluate import greedy_accuracy
@@ -26,7 +27,7 @@ from recipe_gkd.offline_models import build_char_tokenizer
 # The cpu_demo preset's limits (data.max_prompt_length, rollout.sampling.max_new_tokens).
 MAX_PROMPT_TOKENS = 32
 MAX_NEW_TOKENS = 16
-REPO_ASSETS = Path(__file__).resolve().parents[2] / "assets" / "demo"
+REPO_ASSETS = REPO_ROOT / "assets" / "demo"
 
 
 @pytest.fixture(scope="module")

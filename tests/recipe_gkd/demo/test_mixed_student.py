@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO_ROOT as REPO
 
 from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
 from recipe_gkd.config.rules import check_local_paths
@@ -16,7 +17,6 @@ from recipe_gkd.demo import mixed_student
 from recipe_gkd.demo.build_assets import sha256_file
 from recipe_gkd.main import resolve_config_models
 
-REPO = Path(__file__).resolve().parents[2]
 REPO_ASSETS = REPO / "assets" / "two_teachers"
 TWO = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from repo_paths import REPO_ROOT
+
 SCRIPT = """
 import logging, sys, warnings
 warnings.simplefilter("always")
@@ -26,7 +28,7 @@ logging.getLogger("ray._private.worker").warning("a worker died unexpectedly")
 
 
 def test_known_noise_goes_to_the_log_and_the_rest_to_the_console(tmp_path: Path) -> None:
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO_ROOT
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=repo, capture_output=True, text=True, timeout=120
     )
@@ -65,7 +67,7 @@ sys.stderr.flush()
 
 
 def test_known_vllm_lines_go_to_the_log_and_the_rest_to_the_console(tmp_path: Path) -> None:
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO_ROOT
     proc = subprocess.run(
         [sys.executable, "-c", VLLM_LIKE, str(tmp_path)],
         capture_output=True,

@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from repo_paths import SUPPORT_DIR
 
-SCENARIO = Path(__file__).with_name("worker_tmp_scenario.py")
+SCENARIO = SUPPORT_DIR / "worker_tmp_scenario.py"
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from scorers import RecordingScorer
 
 from recipe_gkd import gkd
 from recipe_gkd.actor.collate import collate
@@ -25,7 +26,6 @@ from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
 from recipe_gkd.offline_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.runtime.local_pools import InProcessTeacher, local_pools
-from teacher_server.wire.protocol import TeacherTopK
 
 pytestmark = pytest.mark.slow
 
@@ -64,18 +64,6 @@ def chatml_config(student: Path, teacher: Path, data: Path, run_dir: Path, *over
             *overrides,
         ],
     )
-
-
-class RecordingScorer:
-    """The in-process teacher, keeping what it was asked to score (a Scorer, like the server's client)."""
-
-    def __init__(self, teacher: InProcessTeacher) -> None:
-        self.teacher = teacher
-        self.asked: list[tuple[list[int], int]] = []
-
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
-        self.asked += [(s.tolist(), start) for s, start in zip(sequences, score_from, strict=True)]
-        return self.teacher.score(sequences, score_from)
 
 
 def test_the_tokenizer_is_shaped_like_real_instruct_models(chatml_models: dict[str, Path]) -> None:

@@ -11,11 +11,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+from repo_paths import REPO_ROOT
 from tool_chat import (
     AWKWARD_RESULT,
     EchoEnv,
+    Recording,
     ScriptedPolicy,
+    check_sampled_conversations,
+    rollout,
     scripted_logprobs,
+    segments,
     tool_call,
     with_tool_template,
 )
@@ -52,24 +57,9 @@ def calculator(max_turns: int = 6, tool_timeout_s: float = 5.0) -> Any:
     return lambda: build_environment("calculator", max_turns=max_turns, tool_timeout_s=tool_timeout_s)
 
 
-def rollout(engine: Any, new_env: Any, *, max_turns: int = 6, max_total: int = 4096, max_new: int = 200) -> Any:
-    return MultiTurnRollout(engine, new_env, Limits(max_turns, max_total, max_new), max_prompt_length=2048)
-
-
 def render(tokenizer: Any, conv: Conversation, **kwargs: Any) -> list[int]:
     """The whole conversation rendered by the template at once (the independent reference)."""
     return list(tokenizer.apply_chat_template(conv.messages, tools=conv.tools or None, return_dict=False, **kwargs))
-
-
-def segments(conv: Conversation) -> list[tuple[bool, list[int], list[float]]]:
-    """The response as runs of (sampled, ids, logprobs)."""
-    runs: list[tuple[bool, list[int], list[float]]] = []
-    for token, sampled, lp in zip(conv.response_ids, conv.sampled, conv.logprobs, strict=True):
-        if not runs or runs[-1][0] != sampled:
-            runs.append((sampled, [], []))
-        runs[-1][1].append(token)
-        runs[-1][2].append(lp)
-    return runs
 
 
 def assert_whole_rendering(tokenizer: Any, conv: Conversation) -> None:
@@ -237,50 +227,6 @@ def test_episode_seeds_are_a_function_of_seed_sample_and_epoch(tokenizer: Any) -
 # ----------------------------------------------------------------------------- a real tiny model (HF engine)
 
 
-class Recording:
-    """An engine that keeps what the wrapped engine's generate returned, call by call."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.returned: list[list[Any]] = []
-
-    def generate(self, prompts: list[list[int]], **kwargs: Any) -> list[Any]:
-        out = self.engine.generate(prompts, **kwargs)
-        self.returned.append(out)
-        return out
-
-
-def check_sampled_conversations(tokenizer: Any, engine: Recording, convs: list[Conversation]) -> None:
-    """Each conversation of a real engine: its sampled runs are the engine's own ids and logprobs; the runs between
-    them are the template's text between the turns, tokenized on their own (an independent route: text, not ids);
-    the whole decodes to the template's rendering of the final conversation."""
-    eos = tokenizer.eos_token_id
-    for i, conv in enumerate(convs):
-        runs = segments(conv)
-        assert [s for s, _, _ in runs] == [True, False] * (conv.turns - 1) + [True]
-        for turn, (_, ids, lps) in enumerate(runs[::2]):
-            gen = engine.returned[turn][i]
-            assert ids == gen.response_ids
-            np.testing.assert_array_equal(np.float32(lps), gen.logprobs)
-        assistants = [k for k, m in enumerate(conv.messages) if m["role"] == "assistant"]
-        for turn, (_, ids, lps) in enumerate(runs[1::2]):
-            # [..., assistant turn `turn`] and [..., assistant turn `turn`, its tool messages]
-            text_a = tokenizer.apply_chat_template(
-                conv.messages[: assistants[turn] + 1], tools=conv.tools, tokenize=False
-            )
-            text_b = tokenizer.apply_chat_template(
-                conv.messages[: assistants[turn + 1]], tools=conv.tools, tokenize=False, add_generation_prompt=True
-            )
-            assert text_b.startswith(text_a)
-            close = "\n" if runs[2 * turn][1][-1] == eos else "<|im_end|>\n"
-            assert ids == tokenizer.encode(close + text_b[len(text_a) :], add_special_tokens=False)
-            assert set(lps) == {0.0}
-        whole = tokenizer.apply_chat_template(conv.messages, tools=conv.tools, tokenize=False)
-        decoded = tokenizer.decode(conv.prompt_ids + conv.response_ids, skip_special_tokens=False)
-        assert whole == decoded + ("\n" if conv.response_ids[-1] == eos else "<|im_end|>\n")
-
-
 @pytest.fixture(scope="module")
 def tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny Llama with the ChatML BPE tokenizer and the tool template."""
@@ -380,7 +326,7 @@ class torch_no_eos:
 def echo_worker(cfg: Any, envs: list[EchoEnv]) -> Any:
     """A rollout worker with an in-process teacher, its conversations held with EchoEnv (a random model never calls
     the calculator by itself); `envs` collects every environment built."""
-    from test_rollout_hf import HFTopKScorer
+    from scorers import HFTopKScorer
 
     from recipe_gkd.rollout.worker import RolloutWorker
 
@@ -497,7 +443,7 @@ def test_episode_columns() -> None:
 
 # ----------------------------------------------------------------------------- what rollout.env refuses
 
-PRESETS = Path(__file__).resolve().parents[2] / "configs" / "presets"
+PRESETS = REPO_ROOT / "configs" / "presets"
 
 
 @pytest.mark.parametrize(

@@ -3,17 +3,11 @@ the template's own tokens between the turns, and decode to the template's render
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from tool_chat import AWKWARD_RESULT, EchoEnv, Recording, check_sampled_conversations, rollout, with_tool_template
 
 from recipe_gkd.config import load_config
 from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_multi_turn import Recording, check_sampled_conversations, rollout
-from tool_chat import AWKWARD_RESULT, EchoEnv, with_tool_template
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # vLLM's CPU attention has kernels for head sizes >= 32 only; positions for the tools' long system prompt.

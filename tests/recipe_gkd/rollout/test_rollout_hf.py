@@ -7,34 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from scorers import HFTopKScorer
 
 from recipe_gkd.config import load_config
 from recipe_gkd.offline_models import build_tiny_causal_lm
 from recipe_gkd.rollout.hf import HFEngine
 from recipe_gkd.rollout.worker import RolloutWorker
-from teacher_server.wire.protocol import TeacherTopK, scores_from_logprobs
-
-
-class HFTopKScorer:
-    """A hand-written teacher obeying the Scorer interface: an HF model scored in-process."""
-
-    def __init__(self, model_dir: Path, top_k: int) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
-        self.top_k = top_k
-        self.calls: list[tuple[list[np.ndarray], list[int]]] = []
-
-    @torch.no_grad()
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
-        self.calls.append((sequences, score_from))
-        out = []
-        for seq, first in zip(sequences, score_from, strict=True):
-            ids = torch.as_tensor(seq, dtype=torch.long)[None]
-            logprobs_LV = torch.log_softmax(self.model(input_ids=ids).logits[0], dim=-1)
-            # Row j describes token first + j, predicted from position first + j - 1.
-            out.append(scores_from_logprobs(logprobs_LV[first - 1 : len(seq) - 1].numpy(), seq[first:], self.top_k))
-        return out
 
 
 def _cfg(model_dir: Path, data_dir: Path, *extra: str):

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_paths import SUPPORT_DIR
 
-SCENARIO = Path(__file__).with_name("watchdog_scenario.py")
+SCENARIO = SUPPORT_DIR / "watchdog_scenario.py"
 
 
 @pytest.mark.slow

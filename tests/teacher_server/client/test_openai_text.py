@@ -16,7 +16,7 @@ import pytest
 
 # pytest's default (prepend) import mode puts this directory on sys.path: vLLM's reply shape. The scripted server:
 # tests/conftest.py `scripted`.
-from test_openai_client import MODELS, Script, prompt_logprobs
+from openai_script import MODELS, Script, prompt_logprobs
 
 from recipe_gkd.config import REPO_ROOT, GKDConfig, load_config
 from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer

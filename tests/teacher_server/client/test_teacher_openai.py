@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_recipe_smoke import run_cli
+from cli_runs import run_cli
 
 from recipe_gkd.config import REPO_ROOT
 from recipe_gkd.main import EXIT_BAD_CONFIG, exit_code_for

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_gkd_loop import PROMPTS, small_config, small_data  # noqa: F401 (fixture)
+from demo_loop import PROMPTS, small_config
 
 from recipe_gkd import gkd
 from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
@@ -74,7 +74,7 @@ class KillingScorer:
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_a_killed_replica_stalls_the_step_by_its_restart_at_most(
     repo_root: Path,
-    small_data: Path,  # noqa: F811
+    small_data: Path,
     tmp_path: Path,
     replicas: int,
 ) -> None:

@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from teacher_servers import MAX_REQUEST_MB, MAX_TOP_K, READY_TIMEOUT_S, VOCAB, write_teacher_yaml
 
 from teacher_server.client.launcher import TeacherLaunchError, TeacherProcess, launch_teacher, start_teacher
 from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError, TeacherRequestError, split_balanced
@@ -20,35 +21,12 @@ from teacher_server.server.backends import Backend, BackendOptions, load_backend
 from teacher_server.wire import protocol as P
 from teacher_server.wire.score_frames import parse_score_reply, request_frames
 
-VOCAB = 102
-MAX_TOP_K = 64
-# Small, so that the fuzzer's "huge" frames stay cheap: 256 KiB (libzmq drops frames above 4x).
-MAX_REQUEST_MB = 0.25
 MAX_REQUEST_BYTES = int(MAX_REQUEST_MB * (1 << 20))
-READY_TIMEOUT_S = 180.0
 REPLY_TIMEOUT_MS = 20_000
 RETRY_PAUSE_S = 0.05  # before a refused valid request is sent again
 FUZZ_FRAMES = 2000
 # RSS growth of the frontend over a fuzz run that counts as bounded.
 RSS_GROWTH_LIMIT = 64 << 20
-
-
-def write_teacher_yaml(path: Path, model_dir: Path, **teacher: object) -> Path:
-    """A standalone teacher yaml for tests: loopback, ephemeral port."""
-    fields: dict[str, object] = dict(
-        address="tcp://127.0.0.1:0",
-        backend="hf",
-        model_path=str(model_dir),
-        replicas=1,
-        top_k=8,
-        max_top_k=MAX_TOP_K,
-        timeout_s=60,
-        max_request_mb=MAX_REQUEST_MB,
-        replica_timeout_s=5,
-    )
-    fields.update(teacher)
-    path.write_text(msgspec.json.encode({"teacher": fields, "server": {"log_dir": str(path.parent / "logs")}}).decode())
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from test_teacher_server import VOCAB, write_teacher_yaml
+from teacher_servers import VOCAB, write_teacher_yaml
 
 from teacher_server.client.launcher import TeacherProcess, launch_teacher
 from teacher_server.client.zmq_client import TeacherClient

@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+from repo_paths import REPO_ROOT
 
 from recipe_gkd.config import ConfigError, load_config
 from teacher_server.client.zmq_client import split_balanced
@@ -26,7 +27,6 @@ from teacher_server.wire.score_frames import (
     request_frames,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 102
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_teacher_server import VOCAB, write_teacher_yaml
+from repo_paths import REPO_ROOT
+from teacher_servers import VOCAB, write_teacher_yaml
 
 from teacher_server.client.launcher import TeacherProcess, launch_teacher
 from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError
@@ -185,7 +186,7 @@ def test_vllm_server_round_trip(vllm_server: TeacherProcess) -> None:
 def test_text_requests_through_the_vllm_backend_equal_hf(vllm_server: TeacherProcess, vllm_bpe_model: Path) -> None:
     """algorithm.cross_tokenizer: the replica renders the conversation before any backend, so a vllm teacher scores the
     tokens the hf backend scores for the same rendering, with the same byte offsets."""
-    from test_cross_tokenizer import CONVERSATIONS
+    from cross_tokenizer_pairs import CONVERSATIONS
     from transformers import AutoTokenizer
 
     from teacher_server.wire.conversation import Renderer
@@ -203,7 +204,7 @@ def test_text_requests_through_the_vllm_backend_equal_hf(vllm_server: TeacherPro
 
 
 # teacher.output=hidden with the vllm backend: a pooling-mode engine (teacher_server/server/backends/vllm.py module doc).
-DEMO_TEACHER = Path(__file__).resolve().parents[2] / "assets" / "demo" / "teacher"
+DEMO_TEACHER = REPO_ROOT / "assets" / "demo" / "teacher"
 # Half an ulp of each 16-bit wire dtype relative to the value (8 and 11 significant bits).
 HALF_ULP = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
 # vLLM's CPU kernels against HF's in float32, on the demo teacher's final hidden states (measured 2.9e-5 at most).
