@@ -52,7 +52,7 @@ def kill_after_rows(cmd: list[str], run_dir: Path, rows: int, log: Path) -> None
 
 
 # The read-ahead schedule (its checkpoint's data position trails the stream); a sync resume is checked
-# against the uninterrupted run in-process (tests/integration/test_gkd_loop.py).
+# against the uninterrupted run in-process (tests/recipe_gkd/test_gkd_loop.py).
 CRASH_CASES = [("one_step_off", 1)]
 # The rerun's actor: two pipeline stages, its weights to the rollout over a gloo group (tensor parallel through the
 # CLI: test_recipe_smoke.py's TP x DP run).

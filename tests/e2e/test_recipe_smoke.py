@@ -264,7 +264,7 @@ def test_union_support_reverse_kl_runs_through_the_cli(facet_runs: dict[str, Pat
 
 
 # (schedule, total_steps, staleness of each trained batch). Includes runs shorter than the pipeline.
-# Every schedule's order, staleness and exactly-once are checked in-process (tests/integration/test_gkd_loop.py);
+# Every schedule's order, staleness and exactly-once are checked in-process (tests/recipe_gkd/test_gkd_loop.py);
 # on Ray: two_step_off, whose rollout worker scores batch t+1 in one thread while generating t+2 in another (the
 # default demo's schedule, test_the_default_demo_for_a_few_steps), one_step_off with a run shorter than its pipeline
 # (facet_runs) and in the TP x DP run below; across epochs, the kill -9 resume (test_crash_resume.py).
@@ -434,7 +434,7 @@ except UnsupportedVLLMError as err:
 def test_an_unsupported_vllm_is_refused_naming_the_key(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
     """A vllm package of a release outside the supported range (faked on PYTHONPATH) stops the rollout engine before
     it starts; the driver reports it in one line, exit 1 (a worker's error through Ray: the config-error run above and
-    tests/unit/test_exit_codes.py)."""
+    tests/recipe_gkd/test_exit_codes.py)."""
     fake = tmp_path / "fake_site"
     (fake / "vllm").mkdir(parents=True)
     (fake / "vllm" / "__init__.py").write_text('__version__ = "0.11.0"\n')
@@ -523,7 +523,7 @@ def test_teacher_output_hidden_with_another_vocabulary_exits_2(
     tiny_run_inputs: dict[str, Path], tmp_path: Path
 ) -> None:
     """A teacher whose head lacks rows for ids the tokenizer produces is refused before anything starts (a head
-    padded past the student's, as Qwen2.5's larger models pad theirs, is not: tests/unit/test_teacher_head.py)."""
+    padded past the student's, as Qwen2.5's larger models pad theirs, is not: tests/recipe_gkd/actor/test_teacher_head.py)."""
     spec = TinyModelSpec(vocab_size=64)  # the char tokenizer has 102 ids
     teacher = build_tiny_causal_lm(tmp_path / "teacher", seed=1, spec=spec)
     inputs = {**tiny_run_inputs, "teacher": teacher}

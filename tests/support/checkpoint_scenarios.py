@@ -1,7 +1,7 @@
 """Actor ranks that train, save or load dist checkpoints, each then training one more step (launched by
 test_actor_checkpoint.py; megatron runs here, never in the pytest process).
 
-    python tests/integration/checkpoint_scenarios.py --rank R --world W \
+    python tests/support/checkpoint_scenarios.py --rank R --world W \
         --job PARALLEL,MODEL,CHECKPOINT,MODE,OUT,PORT [--job ...]
 
 Each --job builds its own actor (tp|pp|dp of size W, on MODEL, its process group on PORT) one after the other

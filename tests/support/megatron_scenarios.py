@@ -1,6 +1,6 @@
 """Runs MegatronActor scenarios in one rank process (launched by test_megatron_actor.py).
 
-    python tests/integration/megatron_scenarios.py --rank R --world W --workdir D \
+    python tests/support/megatron_scenarios.py --rank R --world W --workdir D \
         --models M --ports P1,P2,... --jobs job1,job2,... [--device cpu|cuda]
 
 Each actor gets a fresh process group on the next port of --ports (every rank takes them in

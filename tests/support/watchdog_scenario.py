@@ -1,6 +1,6 @@
 """A two-node fake Ray cluster, one blocked worker per node, one watchdog dump (run by test_watchdog_nodes.py).
 
-    python tests/integration/watchdog_scenario.py RUN_DIR
+    python tests/support/watchdog_scenario.py RUN_DIR
 
 Prints one JSON line: each worker's node, its stack file, and the dump directory.
 """

@@ -1,7 +1,7 @@
 """A run's Ray job (recipe_gkd.runtime.ray_cluster, the CPU demo's config) with one worker that imports megatron-core,
 killed as the run kills its workers. Prints whether the worker had wandb and its temporary directory.
 
-    python tests/integration/worker_tmp_scenario.py RUN_DIR
+    python tests/support/worker_tmp_scenario.py RUN_DIR
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The actor's dist checkpoint: a resumed step equals the uninterrupted one, also at another TP or PP size.
 
-Each rank is a subprocess (tests/integration/checkpoint_scenarios.py) serving the TP, PP and DP
+Each rank is a subprocess (tests/support/checkpoint_scenarios.py) serving the TP, PP and DP
 (distributed optimizer) scenarios in turn. Phase 1 trains two steps at size 1 and at size 2 and saves;
 phase 2 loads each checkpoint at the other size and trains the third step, which must match the third
 step of the run that never stopped. (Through the CLI, after kill -9: test_crash_resume.py.)

@@ -1,7 +1,7 @@
 """HF <-> megatron weight layout and TP sharding (pure torch: megatron itself is not imported).
 
 The end-to-end checks (megatron logits == HF logits, the round trip through a real
-GPTModel at TP=1 and TP=2 over gloo) live in tests/integration/test_megatron_actor.py.
+GPTModel at TP=1 and TP=2 over gloo) live in tests/recipe_gkd/actor/test_megatron_actor.py.
 """
 
 from __future__ import annotations

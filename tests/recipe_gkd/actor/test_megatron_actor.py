@@ -1,6 +1,6 @@
 """MegatronActor on CPU over gloo, checked against HF transformers and against itself.
 
-The actor runs in subprocesses (tests/integration/megatron_scenarios.py): one 1-rank process
+The actor runs in subprocesses (tests/support/megatron_scenarios.py): one 1-rank process
 and one 2-rank group run concurrently, once per module; each test reads their results. The
 references are independent: HF `LlamaForCausalLM`/`Qwen2ForCausalLM` in fp32 for logits, the
 exported weights and the loss (HF logits + recipe_gkd.losses, sequence by sequence).

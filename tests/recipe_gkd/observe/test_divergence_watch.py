@@ -106,7 +106,7 @@ def test_a_resumed_run_keeps_its_start_and_what_it_said(tmp_path: Path) -> None:
 def test_a_run_stopped_for_divergence_exits_5(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """main's exit code for gkd.RunDiverged (raised by the loop: tests/integration/test_gkd_loop.py)."""
+    """main's exit code for gkd.RunDiverged (raised by the loop: tests/recipe_gkd/test_gkd_loop.py)."""
     from recipe_gkd import gkd, main
 
     def diverges(cfg: GKDConfig, plan: object) -> Path:

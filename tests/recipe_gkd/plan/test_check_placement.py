@@ -44,7 +44,7 @@ def _seen_rows(stdout: str) -> list[tuple[str, int, int, str]]:
 
 
 # A shared node: CUDA_VISIBLE_DEVICES=3,5,6,7 before the run. Ray hands out those devices, and the plan's check
-# expects the masked ones (plan id i -> MASK[i]; the teacher's --gpu-ids 6,7: tests/unit/test_placement.py).
+# expects the masked ones (plan id i -> MASK[i]; the teacher's --gpu-ids 6,7: tests/recipe_gkd/plan/test_placement.py).
 MASK = "3,5,6,7"
 MASKED_PRESET = "1x4_a1_r1_t2.yaml"
 

@@ -122,7 +122,7 @@ ONE_BY_EIGHT = CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"
 
 @pytest.fixture(autouse=True)
 def no_gpu_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plans of the presets' own figures on any machine: no GPU to read (tests/unit/test_gpu_memory.py reads one)."""
+    """Plans of the presets' own figures on any machine: no GPU to read (tests/recipe_gkd/plan/test_gpu_memory.py reads one)."""
     monkeypatch.setattr("recipe_gkd.plan.gpu_memory.query_gpus", lambda: None)
 
 

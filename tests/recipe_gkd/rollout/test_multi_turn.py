@@ -1,6 +1,6 @@
 """Multi-turn rollouts, token in, token out (recipe_gkd/rollout/multi_turn.py) on a byte-level BPE tokenizer with a
 Qwen-style ChatML tool template (system prompt, eos == pad): a scripted policy for exact ids, a real tiny model on
-the HF engine for sampled ones (the vLLM engine: tests/integration/test_multi_turn_vllm.py)."""
+the HF engine for sampled ones (the vLLM engine: tests/recipe_gkd/rollout/test_multi_turn_vllm.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible teacher client against a scripted stdlib HTTP server (tests/conftest.py `scripted`):
 parsing, retries, timeouts, errors.
 
-The real vLLM server is in tests/integration/test_teacher_openai.py; this one answers what each test scripts.
+The real vLLM server is in tests/teacher_server/client/test_teacher_openai.py; this one answers what each test scripts.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """teacher.backend=openai across tokenizers: the client renders with the teacher's tokenizer (teacher_server/client/openai_text.py),
 against a scripted stdlib HTTP server serving a bigram "teacher" over the teacher's vocabulary.
 
-The real vLLM server is in tests/integration/test_teacher_openai.py.
+The real vLLM server is in tests/teacher_server/client/test_teacher_openai.py.
 """
 
 from __future__ import annotations

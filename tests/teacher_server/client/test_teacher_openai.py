@@ -217,7 +217,7 @@ def test_cross_tokenizer_scores_equal_the_zeromq_routes(openai_teacher: Server) 
     """algorithm.cross_tokenizer with teacher.backend=openai: the client renders with the teacher's tokenizer and
     template (teacher_server/client/openai_text.py), vLLM scores those ids; aligned onto a student of another tokenizer (the
     Llama-3-shaped BPE of assets/demo_xtok) they equal the ZeroMQ hf route's: the replica's Renderer and the hf
-    backend, in process (tests/integration/test_cross_tokenizer.py checks those equal the server's replies)."""
+    backend, in process (tests/e2e/test_cross_tokenizer.py checks those equal the server's replies)."""
     from transformers import AutoTokenizer
 
     from recipe_gkd.config import load_config
