@@ -242,3 +242,14 @@ def scripted() -> Iterator[tuple[str, list[tuple[int, object]], list[dict]]]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Path:
+    """The demo's first PROMPTS training prompts (tests/support/demo_loop.py), written once per module."""
+    from demo_loop import PROMPTS
+
+    lines = (repo_root / "assets" / "demo" / "data" / "train.jsonl").read_text().splitlines()[:PROMPTS]
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
