@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from chatml import CHATML_PROMPTS, TEACHER_ANSWER
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Tests run on the CPU of a 2-core machine: keep torch from oversubscribing it.
@@ -107,17 +108,6 @@ def vllm_in_this_process() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-# A student and a teacher with the tokenizer real instruct models ship (byte-level BPE, ChatML with a default
-# system prompt, eos == pad, no BOS): the teacher is taught to answer every prompt with TEACHER_ANSWER and stop.
-TEACHER_ANSWER = "ok"
-CHATML_PROMPTS = [f"rev:{w}" for w in ("abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy")] + [
-    "Please write one long sentence about water.",
-    "What is the answer?",
-    "Say hello to the world",
-    "sum:31415",
-]
 
 
 def teach_to_answer(model_dir: Path, prompts: list[str], answer: str, steps: int = 60, lr: float = 1e-2) -> None:

@@ -56,8 +56,8 @@ def test_one_fake_gpu_with_the_vllm_rollout_engine(
     BPE, eos == pad), with the held-out evaluation before and after (greedy, by vLLM, timed in eval.jsonl) and a clean
     console (the engine's known-harmless lines go to the run's log). The colocated set-up and sync do not depend on
     the engine: the HF engine's run on this preset was dropped for the suite's time."""
+    from chatml import CHATML_PROMPTS
     from cli_runs import THIRD_PARTY_NOISE, VLLM_NOISE
-    from conftest import CHATML_PROMPTS
 
     student = build_tiny_causal_lm(tmp_path / "student", seed=0, spec=VLLM_SPEC, tokenizer_kind="chatml_bpe")
     student = write_hub_layout(student)

@@ -367,7 +367,7 @@ def test_a_chatml_tokenizer_and_eval_records_mostly_without_answers(
     hidden states (teacher.output=hidden): the actor applies the teacher's head and trains on the exact
     full-vocabulary forward KL."""
     import datasets
-    from conftest import CHATML_PROMPTS, TEACHER_ANSWER
+    from chatml import CHATML_PROMPTS, TEACHER_ANSWER
 
     def chat(prompt: str, reply: str | None = None) -> list[dict[str, str]]:
         return [{"role": "user", "content": prompt}] + ([{"role": "assistant", "content": reply}] if reply else [])
