@@ -15,14 +15,13 @@ from recipe_gkd.plan.placement import build_plan
 FAKE = ["cluster.fake_gpus=true", "cluster.ray_address=null", "cluster.placement_timeout_s=60"]
 
 
-# What Ray itself decides (a bundle's GPUs and node, seen from inside its worker) in each distinct situation: one node
-# with GPUs kept back for the teacher (1x8_a1_r3_t4), one node given whole to the workers (1x8_a4_r4_t0_remote), two
-# nodes (2x8_a8_r4_t4), and a CUDA_VISIBLE_DEVICES mask (1x4_a1_r1_t2, below). Every preset's plan is checked
-# in-process (tests/unit/test_placement.py, test_gpu_presets.py); the other presets place the same way with other
-# counts, and each check starts a Ray cluster (~10-30 s of the suite).
+# What Ray itself decides (a bundle's GPUs and node, seen from inside its worker) in each distinct situation: GPUs kept
+# back for the teacher under a CUDA_VISIBLE_DEVICES mask (1x4_a1_r1_t2, below), one node given whole to the workers
+# (1x8_a4_r4_t0_remote), two nodes with the teacher's GPUs kept back on the second (2x8_a8_r4_t4). Every preset's plan
+# is checked in-process (tests/recipe_gkd/plan/test_placement.py, tests/configs/test_gpu_presets.py); the other
+# presets place the same way with other counts, and each check starts a Ray cluster (~10-30 s of the suite).
 MULTI_GPU = [
-    CONFIG_DIR / "presets" / name
-    for name in ("1x4_a1_r1_t2.yaml", "1x8_a1_r3_t4.yaml", "1x8_a4_r4_t0_remote.yaml", "2x8_a8_r4_t4.yaml")
+    CONFIG_DIR / "presets" / name for name in ("1x4_a1_r1_t2.yaml", "1x8_a4_r4_t0_remote.yaml", "2x8_a8_r4_t4.yaml")
 ]
 
 
