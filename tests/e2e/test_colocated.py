@@ -48,16 +48,33 @@ def check_one_gpu_run(proc: subprocess.CompletedProcess[str], run_dir: Path, ste
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_one_fake_gpu_with_the_vllm_rollout_engine(tmp_path: Path, repo_root: Path) -> None:
+def test_one_fake_gpu_with_the_vllm_rollout_engine(
+    tmp_path: Path, repo_root: Path, chatml_models: dict[str, Path]
+) -> None:
     """The preset with the vLLM engine (1x1_colocated.yaml's, the one-GPU user's) beside the actor, on a student shipped
-    as Qwen3 ships (tied, lm_head.weight kept, sharded), with the held-out evaluation before and after. The colocated
-    set-up and sync do not depend on the engine: the HF engine's run on this preset was dropped for the suite's time."""
-    student = write_hub_layout(build_tiny_causal_lm(tmp_path / "student", seed=0, spec=VLLM_SPEC))
+    as Qwen3 ships (tied, lm_head.weight kept, sharded) with the tokenizer real instruct models ship (ChatML byte-level
+    BPE, eos == pad), with the held-out evaluation before and after (greedy, by vLLM, timed in eval.jsonl) and a clean
+    console (the engine's known-harmless lines go to the run's log). The colocated set-up and sync do not depend on
+    the engine: the HF engine's run on this preset was dropped for the suite's time."""
+    from chatml import CHATML_PROMPTS
+    from cli_runs import THIRD_PARTY_NOISE, VLLM_NOISE
+
+    student = build_tiny_causal_lm(tmp_path / "student", seed=0, spec=VLLM_SPEC, tokenizer_kind="chatml_bpe")
+    student = write_hub_layout(student)
     assert "lm_head.weight" in json.loads((student / "model.safetensors.index.json").read_text())["weight_map"]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CHATML_PROMPTS))
     run_dir = tmp_path / "run"
-    overrides = [f"model.student_path={student}", "rollout.backend=vllm", "trainer.total_steps=2"]
-    overrides += ["trainer.eval_every=2", "data.eval_batch_size=16", "data.train_batch_size=16"]
-    overrides += ["actor.micro_batch_size=16"]
+    overrides = [f"model.student_path={student}", f"teacher.model_path={chatml_models['teacher']}"]
+    overrides += [f"data.train_files=[{data}]", f"data.eval_files=[{data}]", "data.max_prompt_length=64"]
+    overrides += ["rollout.backend=vllm", "trainer.total_steps=2", "trainer.eval_every=2"]
+    overrides += ["data.eval_batch_size=8", "data.train_batch_size=8", "actor.micro_batch_size=8"]
     proc = run_colocated(run_dir, *overrides)
     check_one_gpu_run(proc, run_dir, 2)
-    assert [e["step"] for e in read_metrics(run_dir, "eval.jsonl")] == [0, 2]
+    assert all(r["response_tokens"] > 0 for r in read_metrics(run_dir))
+    evals = read_metrics(run_dir, "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2]
+    assert all(0 < e["eval_generate_s"] <= e["eval_s"] and e["eval_sequences"] == 8 for e in evals)
+    console = proc.stdout + proc.stderr
+    for noise in (*THIRD_PARTY_NOISE, *VLLM_NOISE):
+        assert noise not in console, f"{noise!r} reached the console:\n{console[-6000:]}"

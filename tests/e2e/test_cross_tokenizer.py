@@ -18,7 +18,7 @@ from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 from teacher_server.client.launcher import TeacherProcess, launch_teacher
 from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError
 from teacher_server.server.backends import BackendOptions, load_backend, parsed_request
-from teacher_server.wire.conversation import Conversation, Renderer
+from teacher_server.wire.conversation import Renderer
 
 WORDS = ["abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd"]
 
@@ -53,14 +53,6 @@ def test_text_requests_equal_the_in_process_rendering_and_backend(server: Teache
         assert reply.byte_offsets[-1, 1] == len(conversation.response.encode())
         np.testing.assert_allclose(reply.topk_logprobs, expected.topk_logprobs, rtol=0, atol=1e-6)
         np.testing.assert_allclose(reply.sampled_logprob, expected.sampled_logprob, rtol=0, atol=1e-6)
-
-
-def test_a_conversation_the_teacher_cannot_render_is_a_mismatch_and_the_server_lives(server: TeacherProcess) -> None:
-    tool = Conversation([{"role": "tool", "content": "42"}], "", "ok", False)
-    with TeacherClient(server.address, timeout_s=60.0, top_k=8) as client:
-        with pytest.raises(TeacherMismatchError, match=r"teacher\.chat_template"):
-            client.score_conversations([CONVERSATIONS[0], tool])
-        assert len(client.score_conversations(CONVERSATIONS[:1])) == 1
 
 
 @pytest.fixture(scope="module")
@@ -99,21 +91,43 @@ def test_the_cli_distills_across_tokenizers(xtok_inputs: dict[str, Path], tmp_pa
         )
 
 
-def test_another_tokenizer_without_cross_tokenizer_exits_2_naming_it(
-    xtok_inputs: dict[str, Path], tmp_path: Path
+def test_another_tokenizer_without_cross_tokenizer_is_a_bad_input_naming_it(
+    server: TeacherProcess, xtok_inputs: dict[str, Path]
 ) -> None:
-    proc = run_cli(xtok_inputs, tmp_path / "run", "trainer.total_steps=1", timeout=300)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "algorithm.cross_tokenizer" in proc.stderr.strip().splitlines()[-1]
+    """The rollout worker's teacher client (TeacherScorer) meets the server of a teacher of another tokenizer without
+    algorithm.cross_tokenizer: refused at its handshake naming the key, an exit-2 error (test_exit_codes.py: also
+    from a worker, through Ray), before any step."""
+    from transformers import AutoTokenizer
+
+    from recipe_gkd.config import load_config
+    from recipe_gkd.main import exit_code_for
+    from recipe_gkd.rollout.teacher import TeacherScorer
+
+    overrides = [f"model.student_path={xtok_inputs['student']}", f"teacher.model_path={xtok_inputs['teacher']}"]
+    cfg = load_config(None, [*overrides, "teacher.autostart=false", f"teacher.address={server.address}"])
+    with pytest.raises(TeacherMismatchError, match=r"algorithm\.cross_tokenizer") as info:
+        TeacherScorer(cfg, AutoTokenizer.from_pretrained(xtok_inputs["student"]), server.address)
+    assert exit_code_for(info.value) == 2
 
 
-def test_a_role_the_teacher_template_refuses_exits_2_naming_the_key(
-    xtok_inputs: dict[str, Path], tmp_path: Path
+def test_a_role_the_teacher_template_refuses_is_a_bad_input_naming_the_key(
+    server: TeacherProcess, xtok_inputs: dict[str, Path]
 ) -> None:
-    data = tmp_path / "tool.jsonl"
-    messages = [{"role": "tool", "content": "rev:abcde"}, {"role": "user", "content": "go"}]
-    data.write_text("".join(json.dumps({"prompt": messages, "response": "edcba"}) + "\n" for _ in range(8)))
-    inputs = {**xtok_inputs, "data": data}
-    proc = run_cli(inputs, tmp_path / "run", "algorithm.cross_tokenizer=span", "trainer.total_steps=1", timeout=300)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "teacher.chat_template" in proc.stderr.strip().splitlines()[-1]
+    """A record whose prompt holds a tool turn, as the rollout worker turns it into the teacher's conversation
+    (conversation_of): the teacher's template refuses the role, the reply names teacher.chat_template (exit 2), and
+    the server lives on."""
+    from recipe_gkd.config import load_config
+    from recipe_gkd.cross_tokenizer.align import StudentText
+    from recipe_gkd.cross_tokenizer.targets import conversation_of
+    from recipe_gkd.main import exit_code_for
+
+    cfg = load_config(None, [f"model.student_path={xtok_inputs['student']}", "algorithm.cross_tokenizer=span"])
+    record = {"prompt": [{"role": "tool", "content": "rev:abcde"}, {"role": "user", "content": "go"}]}
+    offsets = np.array([[0, 5]], np.int32)
+    conversation = conversation_of(record, cfg.data, StudentText("edcba", offsets, np.array([True]), False))
+    assert [m["role"] for m in conversation.messages] == ["tool", "user"]
+    with TeacherClient(server.address, timeout_s=60.0, top_k=8) as client:
+        with pytest.raises(TeacherMismatchError, match=r"teacher\.chat_template") as info:
+            client.score_conversations([CONVERSATIONS[0], conversation])
+        assert len(client.score_conversations(CONVERSATIONS[:1])) == 1
+    assert exit_code_for(info.value) == 2

@@ -1,7 +1,6 @@
-"""Two teachers in one run through the CLI (issue 37): configs/presets/cpu_two_teachers.yaml trains a few
-steps with each record scored by the teacher it names; one teacher going down for good stops the run with
-a checkpoint, exit 3 and a last line naming that teacher and its address; a resumed run keeps every
-record's teacher and trains each prompt once."""
+"""Two teachers in one run through the CLI: configs/presets/cpu_two_teachers.yaml trains with each record scored by
+the teacher it names; one teacher going down for good stops the run with a checkpoint, exit 3 and a last line
+naming that teacher and its address; the rerun resumes, keeps every record's teacher and trains each prompt once."""
 
 from __future__ import annotations
 
@@ -11,16 +10,19 @@ import uuid
 from pathlib import Path
 
 import pytest
-from cli_runs import RUN_TIMEOUT_S, _free_port, env_with, wait_for_rows, wait_gone
+from cli_runs import RUN_TIMEOUT_S, env_with, wait_for_rows, wait_gone
 
 from recipe_gkd.config import CONFIG_DIR, load_config
 from recipe_gkd.main import EXIT_STOPPED
 from recipe_gkd.observe.metrics import read_metrics
-from recipe_gkd.runtime.checkpoint import list_checkpoints
+from recipe_gkd.plan.ports import reserve_ports
+from recipe_gkd.runtime.checkpoint import list_checkpoints, verify
 from teacher_server.client.launcher import launch_teacher
 
 PRESET = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"
-STEPS = 2
+TOTAL_STEPS = 6
+# The `sum` teacher is stopped once the run has trained this many steps.
+STOP_AFTER_ROWS = 2
 
 
 def _cmd(run_dir: Path, *overrides: str) -> list[str]:
@@ -46,42 +48,6 @@ def _record_teachers() -> list[str]:
     cfg = load_config(PRESET)
     with open(cfg.data.train_files[0]) as f:
         return [json.loads(line)[cfg.data.teacher_key] for line in f if line.strip()]
-
-
-@pytest.mark.slow
-def test_one_teacher_down_for_good_stops_naming_it(tmp_path: Path) -> None:
-    address = f"tcp://127.0.0.1:{_free_port()}"
-    # The `sum` teacher on the preset's GPU 3, started here; `reverse` autostarted by the run.
-    server_args = ["teacher.model_path=assets/paper/teacher", f"teacher.address={address}", "server.gpu_ids=[3]"]
-    run_dir = tmp_path / "run"
-    cmd = _cmd(
-        run_dir,
-        "trainer.total_steps=200",
-        "trainer.eval_every=0",
-        "trainer.save_every=1000",  # the checkpoint must come from the failure itself
-        "teachers.sum.autostart=false",
-        f"teachers.sum.address={address}",
-        "teachers.sum.timeout_s=5",
-        "teachers.sum.client.retries=1",
-    )
-    tag = uuid.uuid4().hex
-    with launch_teacher(PRESET.parent / "cpu_paper.yaml", server_args, log_path=tmp_path / "sum_teacher.log"):
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(tag))
-        try:
-            wait_for_rows(proc, run_dir, 2)
-            assert proc.poll() is None, "the run ended before the teacher was stopped"
-        except BaseException:
-            proc.kill()
-            proc.wait(timeout=30)
-            raise
-    # The `sum` server is stopped for good when the `with` block exits.
-    out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
-    assert not wait_gone(tag), "the stopped run left processes behind"
-    assert proc.returncode == EXIT_STOPPED, out[-2000:] + err[-4000:]
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("error: teacher server down") and "teacher 'sum'" in last, last
-    assert f"teachers.sum.address={address}" in last, last
-    assert list_checkpoints(run_dir), "no checkpoint written when the teacher went down"
 
 
 def _check_each_record_scored_by_its_teacher(run_dir: Path) -> None:
@@ -112,30 +78,62 @@ def _check_each_record_scored_by_its_teacher(run_dir: Path) -> None:
         assert row["eval_teacher_reverse_kl"] != pytest.approx(row["eval_teacher_sum_kl"], rel=1e-2)
 
 
+def _stopped_by_the_sum_teacher(cmd: list[str], run_dir: Path, server_args: list[str], log: Path) -> str:
+    """Run `cmd` with the `sum` teacher up until the run has trained STOP_AFTER_ROWS steps, then stop that teacher
+    for good; the run's stderr once it has exited 3 (EXIT_STOPPED), leaving no process behind."""
+    tag = uuid.uuid4().hex
+    with launch_teacher(PRESET.parent / "cpu_paper.yaml", server_args, log_path=log):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(tag))
+        try:
+            wait_for_rows(proc, run_dir, STOP_AFTER_ROWS)
+            assert proc.poll() is None, "the run ended before the teacher was stopped"
+        except BaseException:
+            proc.kill()
+            proc.wait(timeout=30)
+            raise
+    # The `sum` server is stopped (SIGTERM to its group) when the `with` block exits.
+    out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert not wait_gone(tag), "the stopped run left processes behind"
+    assert proc.returncode == EXIT_STOPPED, out[-2000:] + err[-4000:]
+    assert "Traceback" not in err
+    return err
+
+
 @pytest.mark.slow
-def test_the_preset_scores_each_record_by_its_teacher_and_a_resume_keeps_them(tmp_path: Path) -> None:
-    """The two-teacher preset for 2 steps, then the same command to 4 resumes from its checkpoint: every record is
-    scored by the teacher it names, trained once across the resume."""
+def test_a_teacher_down_stops_naming_it_and_the_rerun_keeps_every_records_teacher(tmp_path: Path) -> None:
+    """The two-teacher preset with its `sum` teacher started here (`reverse` autostarted by the run): the `sum` server
+    stopped for good after two trained steps stops the run with a checkpoint of every trained step, exit 3 and a
+    last line naming that teacher and its address; the same command with the server back resumes from that
+    checkpoint to the end. Every record is scored by the teacher it names and trained once across both runs.
+    (One teacher is a set of one: the stop, its checkpoint and the rerun are the same code for a single teacher.)"""
+    address = f"tcp://127.0.0.1:{reserve_ports(1)[0]}"
+    server_args = ["teacher.model_path=assets/paper/teacher", f"teacher.address={address}", "server.gpu_ids=[3]"]
     run_dir = tmp_path / "run"
-    for steps in (STEPS, 2 * STEPS):  # the second command resumes from the first one's checkpoint at step STEPS
+    sum_teacher = ["teachers.sum.autostart=false", f"teachers.sum.address={address}", "teachers.sum.client.retries=1"]
+    common = [f"trainer.total_steps={TOTAL_STEPS}", "data.eval_batch_size=20", "trainer.save_every=1000", *sum_teacher]
+    # The first run notices the stopped server within seconds, and evaluates nothing (the checkpoint must come from
+    # the failure itself); the rerun may change both (neither is in the checkpoint's training setup).
+    first = _cmd(run_dir, *common, "teachers.sum.timeout_s=5", "trainer.eval_every=0")
+    err = _stopped_by_the_sum_teacher(first, run_dir, server_args, tmp_path / "sum_teacher1.log")
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: teacher server down") and "teacher 'sum'" in last, last
+    assert f"teachers.sum.address={address}" in last and "rerun the same command" in last, last
+    trained = len(read_metrics(run_dir))
+    assert STOP_AFTER_ROWS <= trained < TOTAL_STEPS
+    saved = [p for p in list_checkpoints(run_dir) if verify(p) is None]
+    assert [p.name for p in saved] == [f"step_{trained:06d}"], "the failure checkpoints every trained step"
+
+    rerun = _cmd(run_dir, *common, f"trainer.eval_every={TOTAL_STEPS}")
+    with launch_teacher(PRESET.parent / "cpu_paper.yaml", server_args, log_path=tmp_path / "sum_teacher2.log"):
         tag = uuid.uuid4().hex
-        cmd = _cmd(
-            run_dir,
-            f"trainer.total_steps={steps}",
-            f"trainer.eval_every={STEPS}",
-            "data.eval_batch_size=20",
-            f"trainer.save_every={STEPS}",
-        )
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env_with(tag), check=False
+            rerun, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env_with(tag), check=False
         )
-        assert not wait_gone(tag), "the run left processes behind"
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        assert "teacher 'reverse' server autostarted" in proc.stdout
-        assert "teacher 'sum' server autostarted" in proc.stdout
-    assert "resuming from checkpoint" in proc.stdout
+    assert not wait_gone(tag), "the run left processes behind"
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "resuming from checkpoint" in proc.stdout and "teacher 'reverse' server autostarted" in proc.stdout
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 2 * STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(1, TOTAL_STEPS + 1))
     _check_each_record_scored_by_its_teacher(run_dir)
-    trained = [i for row in rows for i in row["sample_ids"]]
-    assert len(trained) == len(set(trained)), "a prompt was trained twice across the resume"
+    trained_ids = [i for row in rows for i in row["sample_ids"]]
+    assert len(trained_ids) == len(set(trained_ids)), "a prompt was trained twice across the resume"

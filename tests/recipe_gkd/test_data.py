@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from recipe_gkd.config import ConfigError, GKDConfig, load_config
+from recipe_gkd.config import CONFIG_DIR, ConfigError, GKDConfig, load_config
 from recipe_gkd.data import (
     Dataset,
     RecordFile,
     ShardedStream,
     answer_reward,
     check_record_fields,
+    check_record_teachers,
     encode_prompt,
     encode_response,
     epoch_order,
@@ -151,6 +152,44 @@ def test_worker_memory_does_not_hold_the_dataset(tmp_path: Path) -> None:
     )
     grown_kib = int(proc.stdout.strip())
     assert grown_kib < 10_000, f"reader grew by {grown_kib} KiB for a 60 MB dataset"
+
+
+def _driver_check_peak_bytes(tmp_path: Path, records: int, suffix: str) -> int:
+    """tracemalloc's peak over the driver's checks of every record (each names its teacher and carries the field its
+    teacher's prompt reads) of a file of `records` records."""
+    import tracemalloc
+
+    rows = [{"prompt": f"rev:{i}", "hint": f"h{i}" * 20, "teacher": ("reverse", "sum")[i % 2]} for i in range(records)]
+    path = tmp_path / f"{records}{suffix}"
+    if suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=1000)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    files = [f"data.train_files=[{path}]", "data.eval_files=[]", "trainer.eval_every=0"]
+    teachers = load_config(CONFIG_DIR / "presets" / "cpu_two_teachers.yaml", files)
+    privileged = load_config(
+        CONFIG_DIR / "presets" / "cpu_privileged.yaml", [*files, "data.teacher_prompt_template='{prompt} {hint}'"]
+    )
+    tracemalloc.start()
+    try:
+        check_record_teachers(teachers)
+        check_record_fields(privileged)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_the_drivers_checks_of_every_record_do_not_hold_the_dataset(tmp_path: Path, suffix: str) -> None:
+    """The driver reads every local record for the teacher it names and its teacher prompt's fields before anything
+    starts: record by record (a parquet file a batch of rows at a time), so ten times the records take no more
+    memory (a list of every record's value grows by ~8 MiB here, by gigabytes for tens of millions of records)."""
+    small = _driver_check_peak_bytes(tmp_path, 5_000, suffix)
+    big = _driver_check_peak_bytes(tmp_path, 50_000, suffix)
+    assert big < small + 256 * 1024, f"peak {small / 2**20:.2f} MiB for 5,000 records, {big / 2**20:.2f} MiB for 50,000"
 
 
 def _cfg_with(files: list[Path], **data: str) -> GKDConfig:

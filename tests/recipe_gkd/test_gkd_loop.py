@@ -96,6 +96,18 @@ def test_every_schedule_trains_every_batch_once_with_its_staleness(
         assert [r["loss"] for r in rows][1:] != [r["loss"] for r in sync_rows][1:], "stale batches train differently"
 
 
+@pytest.mark.parametrize(("schedule", "steps"), [("one_step_off", 1), ("two_step_off", 1), ("two_step_off", 2)])
+def test_a_run_shorter_than_its_pipeline_trains_each_of_its_batches_once(
+    repo_root: Path, small_data: Path, tmp_path: Path, sync_rows: list[dict[str, Any]], schedule: str, steps: int
+) -> None:
+    """total_steps below the schedule's read-ahead: each of its batches trained once, in order, on sync's data."""
+    rows = small_run(repo_root, small_data, tmp_path / "run", schedule, f"trainer.total_steps={steps}")
+    assert [r["batch"] for r in rows] == list(range(steps))
+    assert [r["weight_version"] for r in rows] == list(range(1, steps + 1))
+    assert [r["staleness"] for r in rows] == STALENESS[schedule][:steps]
+    assert [r["sample_ids"] for r in rows] == [r["sample_ids"] for r in sync_rows[:steps]]
+
+
 @pytest.mark.slow
 def test_sampled_reverse_kl_at_top_k_zero_through_the_loop(repo_root: Path, small_data: Path, tmp_path: Path) -> None:
     """The policy-gradient objective on two_step_off batches, with only the sampled tokens' teacher logprobs."""

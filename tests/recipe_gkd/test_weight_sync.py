@@ -237,6 +237,8 @@ class ChannelRollout(RolloutWorker):
 def _group(actors: list, rollouts: list, timeout_s: float = 30) -> None:
     import ray
 
+    # Every actor's process started first: a short group timeout bounds the join, not the workers' start.
+    ray.get([a.__ray_ready__.remote() for a in [*actors, *rollouts]], timeout=120)
     port = reserve_ports(1)[0]
     world = 1 + len(rollouts)
     joins = [actors[0].init_weight_group.remote("gloo", "127.0.0.1", port, world, timeout_s)]

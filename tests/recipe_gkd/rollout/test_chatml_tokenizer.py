@@ -39,7 +39,7 @@ def chatml_text(user: str) -> str:
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from conftest import CHATML_PROMPTS
+    from chatml import CHATML_PROMPTS
 
     path = tmp_path_factory.mktemp("chatml_data") / "train.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CHATML_PROMPTS))
@@ -129,7 +129,7 @@ def test_the_response_mask_includes_the_eos_the_student_sampled(stopping_rollout
 def test_the_student_and_the_teacher_see_the_same_prompt_ids(
     stopping_rollout: dict[str, Any], chatml_models: dict[str, Path]
 ) -> None:
-    from conftest import CHATML_PROMPTS
+    from chatml import CHATML_PROMPTS
     from transformers import AutoModelForCausalLM
 
     tokenizer = stopping_rollout["worker"].engine.tokenizer

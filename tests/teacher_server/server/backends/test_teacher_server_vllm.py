@@ -317,25 +317,29 @@ def test_a_teacher_with_a_scaled_head_is_refused_for_hidden_states(tmp_path: Pat
         check_plain_head(str(tmp_path))
 
 
-@pytest.mark.slow
-def test_vllm_hidden_server_round_trip(tmp_path: Path) -> None:
-    """teacher.output=hidden through the ZeroMQ server on the vllm backend: the demo teacher's final hidden states
-    reach the client and give its logprobs; a top-k client is refused at the handshake."""
-    pytest.importorskip("vllm")
-    yaml_path = write_teacher_yaml(
-        tmp_path / "teacher.yaml", _demo_teacher(), backend="vllm", dtype="float32", output="hidden", max_model_len=128
+def test_a_top_k_client_is_told_the_vllm_hidden_replica_serves_hidden_states_only(vllm_hidden_backend: Backend) -> None:
+    """The handshake a server on this replica answers (its model's max_top_k and hidden size, as the frontend's
+    HelloReply carries them): a top-k client is refused naming teacher.output=hidden, a hidden-state client accepted.
+    (The replica's states through the ZeroMQ server: test_teacher_server.py's hidden round trip on the hf backend;
+    a vllm replica in a server process of its own: test_vllm_server_round_trip.)"""
+    info = vllm_hidden_backend.info
+    hello = P.HelloReply(
+        request_id=0,
+        version=P.PROTOCOL_VERSION,
+        server_id="s",
+        model_id=str(DEMO_TEACHER),
+        vocab_size=info.vocab_size,
+        tokenizer_hash=info.tokenizer_hash,
+        max_top_k=info.max_top_k,
+        logprob_dtypes=sorted(P.LOGPROB_DTYPES),
+        id_encodings=list(P.ID_ENCODINGS),
+        max_request_bytes=1 << 20,
+        replicas=1,
+        backend="vllm",
+        supports_temperature=info.supports_temperature,
+        max_named_ids=info.max_named_ids,
+        hidden_size=info.hidden_size,
     )
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with launch_teacher(
-        yaml_path, ready_timeout_s=READY_TIMEOUT_S, log_path=tmp_path / "server.log", env=env
-    ) as server:
-        with (
-            TeacherClient(server.address, top_k=8) as client,
-            pytest.raises(TeacherMismatchError, match=r"teacher\.output=hidden only"),
-        ):
-            client.connect()
-        with TeacherClient(server.address, top_k=0, hidden_dtype="bfloat16") as client:
-            assert client.connect().hidden_size == 128
-            seqs, starts = _demo_batch(seed=4)
-            got = client.score(seqs, starts)
-    _check_hidden_gives_teacher_logits(got, seqs, starts, "bfloat16")
+    with pytest.raises(TeacherMismatchError, match=r"teacher\.top_k=8 .* teacher\.output=hidden only"):
+        TeacherClient("tcp://127.0.0.1:1", top_k=8)._check_handshake(hello)
+    TeacherClient("tcp://127.0.0.1:1", top_k=0, hidden_dtype="bfloat16")._check_handshake(hello)
