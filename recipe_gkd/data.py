@@ -14,9 +14,10 @@ including one smaller than the number of workers.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from recipe_gkd.config.teachers import record_teacher, records_name_teachers, te
 from recipe_gkd.messages import checked_messages, prompt_messages
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
+# Rows of a parquet file read at a time where the driver checks every record.
+PARQUET_BATCH_ROWS = 4096
 # A hub dataset: ORG/NAME:SPLIT or ORG/NAME/CONFIG:SPLIT (NAME:SPLIT for the few without an org).
 HUB_DATASET = re.compile(r"^(?P<repo>[\w.-]+(?:/[\w.-]+)?)(?:/(?P<config>[\w.-]+))?:(?P<split>[\w.-]+)$")
 DATA_SOURCES = (
@@ -293,17 +296,25 @@ def check_record_teachers(cfg: GKDConfig) -> None:
                 record_teacher(cfg, {cfg.data.teacher_key: value}, f"record {index} of {path}")
 
 
-def _field_values(path: Path, field_name: str, every: bool = False) -> list[Any]:
-    """The value of `field_name` in every record of a local .jsonl / .parquet file (None where absent; a parquet
-    file without the column: no values, or with `every` one None per row)."""
+def _field_values(path: Path, field_name: str, every: bool = False) -> Iterator[Any]:
+    """The value of `field_name` in each record of a local .jsonl / .parquet file, one record at a time (the driver
+    checks datasets larger than its memory): None where absent; a parquet file without the column: no values, or
+    with `every` one None per row."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        if field_name not in pq.read_schema(path).names:
-            return [None] * pq.ParquetFile(path).metadata.num_rows if every else []
-        return pq.read_table(path, columns=[field_name]).column(field_name).to_pylist()
+        table = pq.ParquetFile(path)
+        if field_name not in table.schema_arrow.names:
+            if every:
+                yield from itertools.repeat(None, table.metadata.num_rows)
+            return
+        for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field_name]):
+            yield from batch.column(0).to_pylist()
+        return
     with path.open("rb") as f:
-        return [json.loads(line).get(field_name) for line in f if line.strip()]
+        for line in f:
+            if line.strip():
+                yield json.loads(line).get(field_name)
 
 
 def first_record_fields(source: str, key: str) -> set[str]:

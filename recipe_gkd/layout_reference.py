@@ -29,18 +29,18 @@ SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)\.(\s|$)")
 INTRO = f"""# Layout
 
 ```bash
-python -m pytest tests/unit/test_architecture.py    # the seams below
+python -m pytest tests/test_architecture.py    # the seams below
 ```
 
 Generated from the tree by `{COMMAND}`: each package and module with the first sentence of its
 docstring (a test fails when this page differs from what the tree generates; edit the docstring, then rerun it).
 
-The seams `tests/unit/test_architecture.py` checks: no import cycle; Ray imported by `runtime/ray_pools.py` and
+The seams `tests/test_architecture.py` checks: no import cycle; Ray imported by `runtime/ray_pools.py` and
 `runtime/ray_cluster.py` only; vLLM by one module on each side (`rollout/vllm.py`, `teacher_server/server/backends/vllm.py`);
 megatron-core inside `recipe_gkd/actor/` only; `teacher_server/` imports nothing of `recipe_gkd`, and inside it
 `wire/` and `config/` import neither `server/` nor `client/` (nor each other) and `client/` imports no `server/`
 module; the product imports nothing of `recipe_gkd/demo/`. (A bad config or a dry run imports none of torch, Ray, vLLM,
-megatron-core: `tests/unit/test_config.py`.)
+megatron-core: `tests/recipe_gkd/config/test_config.py`.)
 """
 
 AROUND = """## Around the packages
@@ -51,7 +51,7 @@ AROUND = """## Around the packages
 | `configs/teacher/` | standalone teacher server yamls (`python -m teacher_server --config PATH`) |
 | `launch/` | the launch scripts: Ray on each node, the teacher server, the run |
 | `benchmarks/` | each script prints a table and writes JSON under `benchmarks/results/` ([benchmarks.md](benchmarks.md)) |
-| `tests/` | `unit/` (in-process) and `integration/` (processes, Ray, servers); markers `slow`, `vllm`, `gpu` |
+| `tests/` | the tree's mirror: a module's tests under its own path (`recipe_gkd/rollout/multi_turn.py`: `tests/recipe_gkd/rollout/`, `launch/`: `tests/launch/`); `e2e/` the whole program through the CLI; `support/` the helpers tests share; markers `slow`, `vllm`, `gpu` |
 | `docs/` | the guides; `docs/results/` the measurement reports they cite |
 | `assets/` | the CPU demos' models and data, built offline (`python -m recipe_gkd.demo.build_assets`) |
 """

@@ -114,6 +114,12 @@ def report_memory_plan(cfg: GKDConfig) -> bool:
     return True
 
 
+def error_line(err: BaseException) -> str:
+    """The last line the CLI prints for an error it reports itself. Ray wraps an error raised in a worker; its
+    cause carries the one-line message."""
+    return f"error: {getattr(err, 'cause', None) or err}"
+
+
 def exit_code_for(err: BaseException) -> int | None:
     """The exit code of an error whose message is written for the user (naming what to change), else None."""
     from recipe_gkd.actor.hf_arch import UnsupportedModelError
@@ -194,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_code_for(err)
         if code is None:
             raise  # not an error this tool reports itself: the traceback is the report
-        # Ray wraps an error raised in a worker; its cause carries the one-line message.
-        print(f"error: {getattr(err, 'cause', None) or err}", file=sys.stderr)
+        print(error_line(err), file=sys.stderr)
         return code
     return 0
 

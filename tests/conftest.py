@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from chatml import CHATML_PROMPTS, TEACHER_ANSWER
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Tests run on the CPU of a 2-core machine: keep torch from oversubscribing it.
@@ -108,17 +110,6 @@ def vllm_in_this_process() -> Iterator[None]:
                 os.environ[key] = value
 
 
-# A student and a teacher with the tokenizer real instruct models ship (byte-level BPE, ChatML with a default
-# system prompt, eos == pad, no BOS): the teacher is taught to answer every prompt with TEACHER_ANSWER and stop.
-TEACHER_ANSWER = "ok"
-CHATML_PROMPTS = [f"rev:{w}" for w in ("abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy")] + [
-    "Please write one long sentence about water.",
-    "What is the answer?",
-    "Say hello to the world",
-    "sum:31415",
-]
-
-
 def teach_to_answer(model_dir: Path, prompts: list[str], answer: str, steps: int = 60, lr: float = 1e-2) -> None:
     """Supervised fine-tuning in place: every prompt (through the chat template) -> `answer` + EOS."""
     import torch
@@ -162,17 +153,46 @@ def chatml_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def chatml_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """{"student": random tiny Llama, "teacher": one taught to answer TEACHER_ANSWER}, both with the ChatML BPE tokenizer."""
+def built_once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """`build(directory)` run by the first test process of the run that asks; the others wait for it and reuse it.
+
+    Under pytest-xdist every worker has its own session fixtures; the workers' temporary directories share a
+    parent (pytest's basetemp), where the first worker builds under an exclusive lock and marks it done.
+    """
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # popen-gwN/.. : this run's, shared by its workers
+    out, done = root / f"shared_{name}", root / f"shared_{name}.done"
+    with open(root / f"shared_{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held while another worker builds: the build's own time, no timeout
+        try:
+            if not done.is_file():
+                shutil.rmtree(out, ignore_errors=True)  # a build interrupted by a failure
+                out.mkdir()
+                build(out)
+                done.touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return out
+
+
+def _build_chatml_models(root: Path) -> None:
     from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 
-    root = tmp_path_factory.mktemp("chatml")
-    student = build_tiny_causal_lm(root / "student", seed=0, tokenizer_kind="chatml_bpe")
+    build_tiny_causal_lm(root / "student", seed=0, tokenizer_kind="chatml_bpe")
     spec = TinyModelSpec(hidden_size=96, num_layers=3)
     teacher = build_tiny_causal_lm(root / "teacher", seed=1, spec=spec, tokenizer_kind="chatml_bpe")
     teach_to_answer(teacher, CHATML_PROMPTS, TEACHER_ANSWER)
-    return {"student": student, "teacher": teacher}
+
+
+@pytest.fixture(scope="session")
+def chatml_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """{"student": random tiny Llama, "teacher": one taught to answer TEACHER_ANSWER}, both with the ChatML BPE tokenizer
+    (the teaching takes ~10-40 s: built once per run, shared by the xdist workers; read-only for the tests)."""
+    root = built_once_per_run(tmp_path_factory, "chatml_models", _build_chatml_models)
+    return {"student": root / "student", "teacher": root / "teacher"}
 
 
 @pytest.fixture()
@@ -212,3 +232,14 @@ def scripted() -> Iterator[tuple[str, list[tuple[int, object]], list[dict]]]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Path:
+    """The demo's first PROMPTS training prompts (tests/support/demo_loop.py), written once per module."""
+    from demo_loop import PROMPTS
+
+    lines = (repo_root / "assets" / "demo" / "data" / "train.jsonl").read_text().splitlines()[:PROMPTS]
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,7 +1,7 @@
 """Depth pruning of a Llama-family HF causal LM: keep some decoder layers, renumber them, copy the rest.
 
 Pure functions on a config dict and a state dict, so the choice of layers and the renaming are
-tested on a tiny model (tests/unit/test_real_pair.py) and applied unchanged to the real teacher.
+tested on a tiny model (tests/benchmarks/real_pair/test_real_pair.py) and applied unchanged to the real teacher.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Per student response token j (the arrays of recipe_gkd.batch.Sequence, one row p
   ids EXCLUDED_ID: values for ULD's sorted comparison (arXiv 2402.12030), whatever the vocabularies.
 
 With identical tokenizers every span is shared and one token long, and these are exactly the
-same-tokenizer arrays (tests/unit/test_cross_tokenizer_loss.py checks the loss is then equal).
+same-tokenizer arrays (tests/recipe_gkd/losses/test_cross_tokenizer_loss.py checks the loss is then equal).
 """
 
 from __future__ import annotations

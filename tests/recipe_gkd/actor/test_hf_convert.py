@@ -1,0 +1,383 @@
+"""HF <-> megatron weight layout and TP sharding (pure torch: megatron itself is not imported).
+
+The end-to-end checks (megatron logits == HF logits, the round trip through a real
+GPTModel at TP=1 and TP=2 over gloo) live in tests/recipe_gkd/actor/test_megatron_actor.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from repo_paths import REPO_ROOT
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from recipe_gkd.actor import hf_arch, hf_convert, mcore_model
+from recipe_gkd.actor.hf_arch import HFArch, UnsupportedModelError
+from recipe_gkd.actor.layout import rank_layout
+from recipe_gkd.config import GKDConfig
+
+SHAPE = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
+def llama(vocab: int = 101, kv_heads: int = 2, tied: bool = True) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, num_key_value_heads=kv_heads, tie_word_embeddings=tied, **SHAPE)
+    return LlamaForCausalLM(config)
+
+
+def qwen2(kv_heads: int = 1) -> torch.nn.Module:
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=90, num_key_value_heads=kv_heads, **SHAPE))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_()
+    return model
+
+
+def qwen3(kv_heads: int = 2, tied: bool = True) -> torch.nn.Module:
+    """Qwen3: per-head q/k RMSNorm, a head_dim of its own (not hidden / heads), no biases."""
+    torch.manual_seed(4)
+    config = Qwen3Config(vocab_size=97, num_key_value_heads=kv_heads, head_dim=16, tie_word_embeddings=tied, **SHAPE)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # HF initialises the norms to 1: random ones make the q/k norm mapping real
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+def hf_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+MODELS = {
+    "llama_tied": lambda: llama(tied=True),
+    "llama_untied": lambda: llama(tied=False),
+    "llama_mha_untied": lambda: llama(kv_heads=4, tied=False),
+    "qwen2_bias_kv1": qwen2,
+    "qwen3_qknorm": qwen3,
+    "qwen3_qknorm_untied": lambda: qwen3(tied=False),
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_round_trip_through_tp_shards_is_bitwise(which: str, tp: int) -> None:
+    model = MODELS[which]()
+    arch = hf_arch.read_hf_arch(model.config)
+    hf_arch.check_parallel_layout(arch, tp)
+    state = hf_params(model)
+    full = hf_convert.hf_to_mcore_full(state, arch, tp)
+    assert list(full) == hf_convert.mcore_param_names(arch)
+    shards = {name: [hf_convert.shard_for_tp(name, t, r, tp) for r in range(tp)] for name, t in full.items()}
+    for name, parts in shards.items():
+        if hf_convert.partition_dim(name) is not None:
+            assert sum(p.numel() for p in parts) == full[name].numel()
+    rebuilt = {name: hf_convert.unshard_from_tp(name, parts) for name, parts in shards.items()}
+    back = hf_convert.mcore_full_to_hf(rebuilt, arch)
+    assert back.keys() == state.keys()  # tied: embed_tokens only, as HF's named_parameters
+    for name, tensor in state.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_vocabulary_is_padded_to_a_multiple_of_tp() -> None:
+    arch = hf_arch.read_hf_arch(llama(vocab=101, tied=False).config)
+    full = hf_convert.hf_to_mcore_full(hf_params(llama(vocab=101, tied=False)), arch, tp_size=2)
+    assert hf_arch.padded_vocab_size(101, 2) == 102
+    assert hf_arch.padded_vocab_size(102, 2) == 102
+    assert full[hf_convert.EMBEDDING].shape == (102, 48)
+    assert full[hf_convert.OUTPUT_LAYER].shape == (102, 48)
+    assert torch.all(full[hf_convert.OUTPUT_LAYER][101:] == 0)
+
+
+def test_fused_qkv_is_interleaved_per_kv_group() -> None:
+    """Rows tagged with their head: group g holds q heads 2g, 2g+1, then k_g, then v_g."""
+    arch = hf_arch.read_hf_arch(llama(kv_heads=2).config)  # 4 q heads, 2 groups, head_dim 12
+    dim = arch.head_dim
+    q = torch.arange(4).repeat_interleave(dim)[:, None].float().expand(-1, 48)
+    k = (10 + torch.arange(2)).repeat_interleave(dim)[:, None].float().expand(-1, 48)
+    v = (20 + torch.arange(2)).repeat_interleave(dim)[:, None].float().expand(-1, 48)
+    fused = hf_convert.fuse_qkv(q, k, v, arch)
+    heads = fused[::dim, 0].tolist()
+    assert heads == [0, 1, 10, 20, 2, 3, 11, 21]
+    assert all(torch.equal(a, b) for a, b in zip(hf_convert.split_qkv(fused, arch), (q, k, v), strict=True))
+
+
+def test_tp_shards_follow_megatron_layouts() -> None:
+    arch = hf_arch.read_hf_arch(llama(kv_heads=2).config)
+    gate = torch.arange(64.0)[:, None].expand(-1, 48)
+    up = 100 + gate
+    fc1 = torch.cat([gate, up])
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    rank1 = hf_convert.shard_for_tp(name, fc1, tp_rank=1, tp_size=2)
+    # SwiGLU chunks the local output in two: each rank must hold [gate_r; up_r].
+    assert rank1[:, 0].tolist() == list(range(32, 64)) + list(range(132, 164))
+    proj = torch.arange(48.0 * 64).reshape(48, 64)
+    assert torch.equal(hf_convert.shard_for_tp("x.self_attention.linear_proj.weight", proj, 1, 2), proj[:, 32:])
+    norm = torch.ones(48)
+    assert hf_convert.shard_for_tp("decoder.final_layernorm.weight", norm, 1, 2) is norm
+    assert hf_convert.partition_dim("decoder.layers.3.self_attention.linear_qkv.bias") == 0
+    del arch
+
+
+# Llama 3.1/3.2's frequency-dependent RoPE scaling.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 5e5,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def test_llama3_rope_scaling_is_read_whole() -> None:
+    arch = hf_arch.read_hf_arch(LlamaConfig(rope_parameters=LLAMA3_ROPE, **SHAPE))
+    assert arch.llama3_rope == (32.0, 1.0, 4.0, 8192) and arch.rope_theta == 5e5
+    assert hf_arch.read_hf_arch(LlamaConfig(**SHAPE)).llama3_rope is None
+
+
+def test_mistral_with_a_sliding_window_is_refused() -> None:
+    from transformers import MistralConfig
+
+    assert hf_arch.read_hf_arch(MistralConfig(sliding_window=None, **SHAPE)).model_type == "mistral"
+    with pytest.raises(hf_arch.UnsupportedModelError, match="sliding_window=4096"):
+        hf_arch.read_hf_arch(MistralConfig(sliding_window=4096, **SHAPE))
+
+
+def test_read_hf_arch_reads_gqa_rope_and_bias() -> None:
+    arch = hf_arch.read_hf_arch(qwen2().config)
+    assert arch == HFArch(
+        model_type="qwen2",
+        vocab_size=90,
+        hidden_size=48,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=12,
+        rms_norm_eps=qwen2().config.rms_norm_eps,
+        rope_theta=qwen2().config.rope_parameters["rope_theta"],
+        max_position_embeddings=qwen2().config.max_position_embeddings,
+        tie_word_embeddings=qwen2().config.tie_word_embeddings,
+        qkv_bias=True,
+        initializer_range=0.02,
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+)
+def test_unsupported_llama_features_are_refused(change: dict, match: str) -> None:
+    config = LlamaConfig(**SHAPE)
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(UnsupportedModelError, match=match):
+        hf_arch.read_hf_arch(config)
+
+
+def test_unsupported_model_type_names_the_key() -> None:
+    class Gpt2Like:
+        model_type = "gpt2"
+
+    with pytest.raises(UnsupportedModelError, match=r"model\.student_path"):
+        hf_arch.read_hf_arch(Gpt2Like())
+
+
+def test_parallel_layout_errors_name_the_tp_key() -> None:
+    arch = hf_arch.read_hf_arch(llama(kv_heads=2).config)
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.tp=3"):
+        hf_arch.check_parallel_layout(arch, 3)
+    hf_arch.check_parallel_layout(hf_arch.read_hf_arch(qwen2(kv_heads=1).config), 4)  # kv=1 < tp is fine
+
+
+def test_pipeline_stages_must_split_the_layers_evenly() -> None:
+    arch = hf_arch.read_hf_arch(llama().config)  # 2 layers
+    hf_arch.check_parallel_layout(arch, 1, 2)
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.pp=3 must divide .*num_hidden_layers=2"):
+        hf_arch.check_parallel_layout(arch, 1, 3)
+
+
+def test_context_parallel_is_refused_naming_the_key() -> None:
+    hf_arch.check_context_parallel(1)
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.cp"):
+        hf_arch.check_context_parallel(2)
+
+
+def six_layer_arch(tied: bool) -> HFArch:
+    config = LlamaConfig(vocab_size=101, tie_word_embeddings=tied, **{**SHAPE, "num_hidden_layers": 6})
+    return hf_arch.read_hf_arch(config)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("pp", [1, 2, 3, 6])
+def test_pipeline_stages_partition_the_model(tied: bool, pp: int) -> None:
+    """Every parameter lives on exactly one stage (its owner), under a name with the stage's local layer number."""
+    arch = six_layer_arch(tied)
+    stages = [hf_convert.stage_param_names(arch, rank, pp) for rank in range(pp)]
+    owned = [{g for local, g in stage.items() if local == g or g != hf_convert.EMBEDDING} for stage in stages]
+    assert sorted(g for names in owned for g in names) == sorted(hf_convert.mcore_param_names(arch))
+    for rank, names in enumerate(owned):
+        assert all(hf_convert.owner_stage(g, arch, pp) == rank for g in names)
+    for rank, stage in enumerate(stages):
+        layers = hf_convert.stage_layers(arch, rank, pp)
+        for local, g in stage.items():
+            if g.startswith("decoder.layers."):
+                assert hf_convert.layer_index(g) == layers.start + hf_convert.layer_index(local)
+                assert local.split(".", 3)[3] == g.split(".", 3)[3]
+    assert hf_convert.EMBEDDING in stages[0] and hf_convert.FINAL_NORM in stages[-1]
+    # Tied and pipelined: the last stage holds a copy of the embedding as its output layer.
+    copy = stages[-1].get(hf_convert.OUTPUT_LAYER)
+    assert copy == (hf_convert.EMBEDDING if tied and pp > 1 else None if tied else hf_convert.OUTPUT_LAYER)
+
+
+def test_rank_layout_is_megatron_order() -> None:
+    cfg = GKDConfig()
+    cfg.actor.gpus_per_node = 4
+    cfg.actor.megatron.tp = 2
+    coords = [(rank_layout(cfg, r).tp_rank, rank_layout(cfg, r).dp_rank) for r in range(4)]
+    assert coords == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert rank_layout(cfg, 3).dp_size == 2
+
+
+def test_rank_layout_puts_pipeline_stages_outermost() -> None:
+    """megatron's "tp-cp-ep-dp-pp" order: 8 ranks at TP=2, PP=2 -> DP=2."""
+    cfg = GKDConfig()
+    cfg.actor.gpus_per_node = 8
+    cfg.actor.megatron.tp = 2
+    cfg.actor.megatron.pp = 2
+    layouts = [rank_layout(cfg, r) for r in range(8)]
+    # TP varies fastest, then DP; the pipeline stage is outermost.
+    assert [(x.tp_rank, x.dp_rank, x.pp_rank) for x in layouts] == [
+        (tp, dp, pp) for pp in range(2) for dp in range(2) for tp in range(2)
+    ]
+    assert all(x.global_rank(x.tp_rank, x.dp_rank, x.pp_rank) == x.rank for x in layouts)
+    assert [x.is_last_stage for x in layouts] == [False] * 4 + [True] * 4
+
+
+def read_all(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    reader = hf_convert.HFCheckpointReader(model_dir)
+    return {name: reader.read(name) for name in names}
+
+
+def test_checkpoint_reader_reads_safetensors(tmp_path: Path) -> None:
+    model = llama(tied=False)
+    model.save_pretrained(tmp_path)
+    state = read_all(tmp_path, list(hf_params(model)))
+    for name, tensor in hf_params(model).items():
+        assert torch.equal(state[name], tensor)
+    with pytest.raises(FileNotFoundError, match=r"model\.student_path"):
+        hf_convert.HFCheckpointReader(tmp_path / "missing")
+
+
+def test_importing_the_actor_does_not_import_megatron() -> None:
+    code = (
+        "import sys, recipe_gkd, recipe_gkd.actor.megatron_actor, recipe_gkd.actor.hf_convert, recipe_gkd.actor.hf_arch, recipe_gkd.actor.mcore_model;"
+        "bad = [m for m in sys.modules if m.startswith('megatron')]; assert not bad, bad"
+    )
+    root = REPO_ROOT
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=120)
+
+
+def test_checkpoint_reader_follows_a_sharded_index(tmp_path: Path) -> None:
+    model = llama(tied=False)
+    model.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / hf_arch.SAFETENSORS_INDEX).is_file()
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"not part of the model")
+    state = read_all(tmp_path, list(hf_params(model)))
+    for name, tensor in hf_params(model).items():
+        assert torch.equal(state[name], tensor)
+
+
+@pytest.mark.parametrize(("tied", "tp", "pp"), [(False, 2, 2), (True, 1, 2), (True, 2, 1)])
+def test_a_rank_reads_only_its_stage_and_gets_its_shards(tmp_path: Path, tied: bool, tp: int, pp: int) -> None:
+    """load_stage_shards == slicing the full conversion, and it reads no tensor of another stage."""
+    model = llama(tied=tied)
+    model.save_pretrained(tmp_path, max_shard_size="50KB")  # several files behind an index
+    arch = hf_arch.read_hf_arch(model.config)
+    full = hf_convert.hf_to_mcore_full(hf_params(model), arch, tp)
+    for stage in range(pp):
+        names = list(hf_convert.stage_param_names(arch, stage, pp).values())
+        for tp_rank in range(tp):
+            reader = hf_convert.HFCheckpointReader(tmp_path)
+            shards = hf_convert.load_stage_shards(reader, arch, names, tp_rank, tp)
+            assert set(shards) == set(names)
+            for name in names:
+                assert torch.equal(shards[name], hf_convert.shard_for_tp(name, full[name], tp_rank, tp)), name
+            layers = hf_convert.stage_layers(arch, stage, pp)
+            other = [i for i in range(arch.num_layers) if i not in layers]
+            read_layers = {int(n.split(".")[2]) for n in reader.read_names if n.startswith("model.layers.")}
+            assert read_layers == set(layers) and not read_layers & set(other)
+            assert ("model.embed_tokens.weight" in reader.read_names) == (stage == 0 or (tied and stage == pp - 1))
+            assert ("model.norm.weight" in reader.read_names) == (stage == pp - 1)
+    assert hf_convert.HFCheckpointReader(tmp_path).numel("model.norm.weight") == arch.hidden_size
+    with pytest.raises(KeyError, match=r"model\.student_path"):
+        hf_convert.HFCheckpointReader(tmp_path).read("model.nope")
+
+
+@pytest.mark.parametrize(
+    ("recompute", "attention", "expected"),
+    [
+        ("none", "sdpa", {"recompute_granularity": None}),
+        ("selective", "sdpa", {"recompute_granularity": "selective", "recompute_modules": ["mlp"]}),
+        ("selective", "unfused", {"recompute_granularity": "selective", "recompute_modules": ["mlp", "core_attn"]}),
+        (
+            "full",
+            "sdpa",
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        ),
+    ],
+)
+def test_recompute_setting_maps_to_megatrons_fields(recompute: str, attention: str, expected: dict) -> None:
+    assert mcore_model.recompute_settings(recompute, attention) == expected
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(lambda: LlamaConfig(**SHAPE), id="llama"),
+        pytest.param(lambda: LlamaConfig(tie_word_embeddings=False, **SHAPE), id="llama-untied"),
+        pytest.param(lambda: LlamaConfig(rope_parameters=LLAMA3_ROPE, **SHAPE), id="llama3.1-rope"),
+        pytest.param(lambda: Qwen2Config(**SHAPE), id="qwen2"),
+        pytest.param(lambda: Qwen3Config(**SHAPE), id="qwen3"),
+    ],
+)
+def test_the_drivers_json_read_equals_the_actors_autoconfig_read(config, tmp_path: Path) -> None:
+    """The driver checks the student from config.json without transformers; the actor reads it via AutoConfig."""
+    from transformers import AutoConfig
+
+    config().save_pretrained(tmp_path)
+    assert hf_arch.read_student_arch(tmp_path) == hf_arch.read_hf_arch(AutoConfig.from_pretrained(tmp_path))
+
+
+def test_the_drivers_json_read_refuses_what_the_actor_refuses(tmp_path: Path) -> None:
+    from transformers import MistralConfig
+
+    MistralConfig(sliding_window=4096, **SHAPE).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
+        hf_arch.read_student_arch(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=r"has no config\.json"):
+        hf_arch.read_student_arch(tmp_path / "missing")
+
+
+def test_a_config_without_max_position_embeddings_is_refused_by_name(tmp_path: Path) -> None:
+    """The plan's reader takes a missing max_position_embeddings as 0 (unknown); the actor needs it for RoPE."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(**SHAPE).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["max_position_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="max_position_embeddings"):
+        hf_arch.read_student_arch(tmp_path)

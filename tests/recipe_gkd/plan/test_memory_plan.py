@@ -1,0 +1,581 @@
+"""The per-GPU memory plan (recipe_gkd.plan.memory_plan) and --dry-run's use of it.
+
+Model shapes are the published config.json numbers of the models the GPU presets name; they
+are written into a private Hugging Face cache layout, so the plan reads them as it would on a
+user's machine (config.json only, no weights, no network).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
+from recipe_gkd.main import main
+from recipe_gkd.plan import memory_plan, model_shape
+
+QWEN25_7B = {
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 32768,
+}
+# Published shapes of every model the GPU presets name (the teachers of remote presets are not planned).
+HUB_MODELS = {
+    "Qwen/Qwen2.5-7B-Instruct": QWEN25_7B,
+    # The two teachers of 1x8_two_teachers.yaml: Qwen2.5-7B's shape; the math model's context is 4096.
+    "Qwen/Qwen2.5-Math-7B-Instruct": {**QWEN25_7B, "max_position_embeddings": 4096},
+    "Qwen/Qwen2.5-Coder-7B-Instruct": QWEN25_7B,
+    "Qwen/Qwen2.5-1.5B-Instruct": {
+        **QWEN25_7B,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "Qwen/Qwen3-1.7B": {
+        "model_type": "qwen3",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 40960,
+    },
+    "Qwen/Qwen3-0.6B": {
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 40960,
+    },
+    "Qwen/Qwen3-8B": {
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 40960,
+    },
+    "Qwen/Qwen3-32B": {
+        "model_type": "qwen3",
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 40960,
+    },
+    "meta-llama/Llama-3.2-1B-Instruct": {
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
+    },
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+    },
+}
+GPU_PRESETS = sorted(p for p in (CONFIG_DIR / "presets").glob("*.yaml") if not p.name.startswith("cpu_"))
+REMOTE_PRESET = CONFIG_DIR / "presets" / "1x8_a4_r4_t0_remote.yaml"
+ONE_BY_EIGHT = CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"
+
+
+@pytest.fixture(autouse=True)
+def no_gpu_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans of the presets' own figures on any machine: no GPU to read (tests/recipe_gkd/plan/test_gpu_memory.py reads one)."""
+    monkeypatch.setattr("recipe_gkd.plan.gpu_memory.query_gpus", lambda: None)
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A Hugging Face cache holding only config.json of every preset model (huggingface_hub's layout)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    for repo, config in HUB_MODELS.items():
+        folder = cache / f"models--{repo.replace('/', '--')}"
+        snapshot = folder / "snapshots" / ("0" * 40)
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text(json.dumps(config))
+        (folder / "refs").mkdir()
+        (folder / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def qwen7b_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "qwen2.5-7b-shaped"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(QWEN25_7B))
+    return directory
+
+
+def test_a_7b_student_on_one_actor_gpu_exits_2_naming_the_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    student = qwen7b_dir(tmp_path)
+    one_gpu = ["actor.gpus_per_node=1", "actor.megatron.tp=1", "rollout.gpus_per_node=7"]
+    one_gpu += ["data.train_batch_size=126", "data.eval_batch_size=63"]
+    code = main(["--config", str(REMOTE_PRESET), "--dry-run", f"model.student_path={student}", *one_gpu])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "config error at `actor.megatron.tp`: actor rank does not fit" in err
+    assert "actor rank (x1)" in out and "DOES NOT FIT" in out
+    assert "GiB per GPU of 79.0 GiB, from cluster.gpu_memory_gib=0 and no GPU here" in out
+
+
+def test_a_7b_student_at_the_presets_split_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--config", str(REMOTE_PRESET), "--dry-run", f"model.student_path={qwen7b_dir(tmp_path)}"])
+    out, _ = capsys.readouterr()
+    assert code == 0, out
+    actor_line = next(line for line in out.splitlines() if line.strip().startswith("actor rank"))
+    assert actor_line.strip().startswith("actor rank (x4)") and actor_line.endswith("fits")
+    for part in ("weights", "gradient buffer", "optimizer state", "activations", "logits and loss", "KV cache"):
+        assert part in out
+    assert "not planned: teacher: teacher.location=remote" in out
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS, ids=lambda p: p.name)
+def test_every_gpu_preset_fits_its_own_plan(preset: Path, hub_cache: Path) -> None:
+    plan = memory_plan.build_memory_plan(load_config(preset))
+    assert plan is not None
+    # Every model is in the cache: only a remote teacher (planned on its own host) is left out.
+    assert all("teacher.location=remote" in reason for reason in plan.skipped), plan.skipped
+    planned = {role.role for role in plan.roles}
+    assert {"actor rank", "rollout GPU"} <= planned
+    cfg = load_config(preset)
+    # Every teacher planned, each on its own replicas (several teachers: `teacher NAME GPU`).
+    assert {f"teacher {n} GPU" for n in cfg.teachers} <= planned
+    if cfg.cluster.colocate:  # the GPU holding every role, planned as a whole too
+        assert plan.roles[0].role.startswith("GPU (colocated") and "teacher GPU" in planned
+    for role in plan.roles:
+        assert role.fits, memory_plan.format_memory_plan(plan)
+    memory_plan.check_memory_plan(plan)
+
+
+def test_a_hub_id_missing_from_the_cache_is_reported_not_downloaded(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["--config", str(REMOTE_PRESET), "--dry-run", "model.student_path=org/not-cached"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert "not planned: model.student_path='org/not-cached': no config.json here or in the Hugging Face cache" in out
+
+
+def test_activation_overflow_names_recompute_then_the_micro_batch(tmp_path: Path) -> None:
+    student = str(qwen7b_dir(tmp_path))
+    long = [f"model.student_path={student}", "actor.micro_batch_size=16", "data.max_prompt_length=4096"]
+    cfg = load_config(REMOTE_PRESET, long)
+    plan = memory_plan.build_memory_plan(cfg)
+    with pytest.raises(ConfigError) as err:
+        memory_plan.check_memory_plan(plan)  # type: ignore[arg-type]
+    assert err.value.key == "actor.megatron.recompute"
+    cfg = load_config(REMOTE_PRESET, [*long, "actor.megatron.recompute=full"])
+    with pytest.raises(ConfigError) as err:
+        memory_plan.check_memory_plan(memory_plan.build_memory_plan(cfg))  # type: ignore[arg-type]
+    assert err.value.key == "actor.micro_batch_size"
+    # Recompute and a token budget bring the same step back under the GPU.
+    fixed = [*long, "actor.megatron.recompute=selective", "actor.max_tokens_per_micro_batch=8192"]
+    memory_plan.check_memory_plan(memory_plan.build_memory_plan(load_config(REMOTE_PRESET, fixed)))  # type: ignore[arg-type]
+
+
+def test_a_rollout_share_too_small_for_the_weights_names_its_key(tmp_path: Path) -> None:
+    cfg = load_config(
+        REMOTE_PRESET, [f"model.student_path={qwen7b_dir(tmp_path)}", "rollout.gpu_memory_utilization=0.2"]
+    )
+    with pytest.raises(ConfigError) as err:
+        memory_plan.check_memory_plan(memory_plan.build_memory_plan(cfg))  # type: ignore[arg-type]
+    assert err.value.key == "rollout.gpu_memory_utilization"
+
+
+def test_memory_check_false_prints_and_goes_on(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    student = qwen7b_dir(tmp_path)
+    args = ["actor.gpus_per_node=1", "actor.megatron.tp=1", "rollout.gpus_per_node=7", "data.train_batch_size=126"]
+    args += ["data.eval_batch_size=63", "debug.memory_check=false", f"model.student_path={student}"]
+    assert main(["--config", str(REMOTE_PRESET), "--dry-run", *args]) == 0
+    assert "warning: config error at `actor.megatron.tp`" in capsys.readouterr().out
+
+
+def test_no_plan_on_cpu() -> None:
+    assert memory_plan.build_memory_plan(load_config(None)) is None
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama_tied", "llama_untied"])
+def test_parameter_count_equals_transformers(family: str) -> None:
+    """Shape.num_params against the same shape instantiated by transformers (an independent count)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = dict(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2
+    )
+    settings = {
+        "qwen2": dict(model_type="qwen2", vocab_size=300, tie_word_embeddings=False),
+        "qwen3": dict(model_type="qwen3", vocab_size=300, head_dim=16, tie_word_embeddings=True),
+        "llama_tied": dict(model_type="llama", vocab_size=301, tie_word_embeddings=True),
+        "llama_untied": dict(model_type="llama", vocab_size=301, tie_word_embeddings=False),
+    }[family]
+    config_dict = {**base, **settings}
+    kwargs = {k: v for k, v in config_dict.items() if k != "model_type"}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config_dict["model_type"], **kwargs))
+    unique = {id(p): p.numel() for p in model.parameters()}
+    assert model_shape.shape_from_config(config_dict).num_params() == sum(unique.values())
+    # The same reader on the transformers config object (the actor's HFArch reads its numbers through it).
+    assert model_shape.shape_from_config(model.config).num_params() == sum(unique.values())
+
+
+def test_the_7b_shape_counts_7_6_billion_parameters() -> None:
+    # Qwen2.5-7B's model card: 7.61B parameters.
+    assert model_shape.shape_from_config(QWEN25_7B).num_params() == pytest.approx(7.61e9, rel=0.005)
+
+
+def test_vllm_weights_and_kv_cache_are_in_the_engines_dtype(tmp_path: Path) -> None:
+    """The rollout engine loads the student in the training precision: fp32 doubles weights and KV bytes per token."""
+    student = f"model.student_path={qwen7b_dir(tmp_path)}"
+    rollouts = {}
+    for precision in ("bf16", "fp32"):
+        cfg = load_config(REMOTE_PRESET, [student, f"actor.precision={precision}", "debug.memory_check=false"])
+        plan = memory_plan.build_memory_plan(cfg)
+        assert plan is not None
+        rollouts[precision] = next(r for r in plan.roles if r.role == "rollout GPU")
+    bf16_weights, fp32_weights = rollouts["bf16"].parts[0], rollouts["fp32"].parts[0]
+    assert fp32_weights[1] == 2 * bf16_weights[1] and "fp32" in fp32_weights[0]
+    shape = model_shape.shape_from_config(QWEN25_7B)
+    assert shape.kv_bytes_per_token(1, 4) == 2 * shape.kv_bytes_per_token(1, 2)
+    assert "KiB each" in rollouts["fp32"].parts[-1][0] and rollouts["fp32"].parts[-1][1] < rollouts["bf16"].parts[-1][1]
+
+
+COLOCATED = CONFIG_DIR / "presets" / "1x1_colocated.yaml"
+
+
+def test_the_one_gpu_preset_prints_every_roles_share_and_the_sum(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--config", str(COLOCATED), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    gpu = out[out.index("GPU (colocated") :].splitlines()
+    assert gpu[0].startswith("GPU (colocated: actor rank, rollout engine, teacher replica) (x1):") and gpu[0].endswith(
+        "fits"
+    )
+    shares = {"actor": 0.40, "rollout": 0.20, "teacher": 0.25}
+    for role, share in shares.items():
+        line = next(x for x in gpu if f"{role}.gpu_memory_utilization" in x)
+        assert float(line.split()[0]) == pytest.approx(share * 79.0, abs=0.01)
+    block = gpu[1 : next(i for i, x in enumerate(gpu) if "note:" in x)]
+    outside = [x for x in block if "outside its share" in x]
+    assert any("actor rank: CUDA context" in x for x in outside)
+    assert any("teacher GPU: prompt log-prob buffers" in x for x in outside)
+    # Each vLLM process's CUDA context, and the layer the rollout engine's in-place reload materialises.
+    assert any("rollout GPU: CUDA context of the vLLM process" in x for x in outside)
+    assert any("teacher GPU: CUDA context of the vLLM process" in x for x in outside)
+    assert any("rollout GPU: in-place reload: one layer materialised" in x for x in outside)
+    total = float(gpu[0].split("): ")[1].split()[0])
+    assert total == pytest.approx(sum(float(x.split()[0]) for x in block), abs=0.06)  # rounded to 0.1 and 0.01
+    assert "shares sum to 0.85 of the GPU" in out
+    assert "GPU 0 of node 0 is shared (colocated): actor 0, rollout 0, teacher 0" in out
+
+
+def test_the_one_gpu_shares_print_without_any_config_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--config", str(COLOCATED), "--dry-run", "model.student_path=org/a", "teacher.model_path=org/b"]) == 0
+    out = capsys.readouterr().out
+    assert "0.40 x 79.0: actor.gpu_memory_utilization" in out and "0.25 x 79.0: teacher.gpu_memory_utilization" in out
+    assert "not planned: model.student_path='org/a'" in out
+
+
+def test_colocated_roles_that_overfill_the_gpu_name_the_largest_share(hub_cache: Path) -> None:
+    cfg = load_config(COLOCATED, ["actor.gpu_memory_utilization=0.5", "teacher.gpu_memory_utilization=0.3"])
+    with pytest.raises(ConfigError) as err:
+        memory_plan.check_memory_plan(memory_plan.build_memory_plan(cfg))  # type: ignore[arg-type]
+    assert err.value.key == "actor.gpu_memory_utilization"
+    assert "roles on one GPU need" in err.value.message
+
+
+def test_an_actor_share_too_small_for_its_state_names_the_share(hub_cache: Path) -> None:
+    cfg = load_config(COLOCATED, ["actor.gpu_memory_utilization=0.1"])
+    with pytest.raises(ConfigError) as err:
+        memory_plan.check_memory_plan(memory_plan.build_memory_plan(cfg))  # type: ignore[arg-type]
+    assert err.value.key == "actor.gpu_memory_utilization"
+
+
+def test_the_teachers_prompt_logprob_buffer_lies_outside_its_vllm_share(hub_cache: Path) -> None:
+    """vLLM fills its whole share with KV cache (its profile run scores no prompt): the V1 runner's
+    logits + fp32 copy + fp32 log-softmax of one chunk (12.4 GB at 8192 x 151936) must fit beside it."""
+    preset = CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"
+    cfg = load_config(preset, ["teacher.max_model_len=8192"])
+    teacher = next(r for r in memory_plan.build_memory_plan(cfg).roles if r.role == "teacher GPU")  # type: ignore[union-attr]
+    assert teacher.total == pytest.approx(cfg.teacher.gpu_memory_utilization * 79.0 * memory_plan.GIB)
+    # Beside the buffers: the replica's CUDA context and its NCCL buffers (2 GPUs a replica), 0.5 GiB each.
+    assert teacher.outside_total == pytest.approx(8192 * 151936 * 10 + 1.0 * memory_plan.GIB)
+    # 0.9 x 79 GiB for vLLM + 11.6 GiB beside it > 79 GiB: the share to lower is named.
+    with pytest.raises(ConfigError) as err:
+        memory_plan.check_memory_plan(memory_plan.build_memory_plan(cfg))  # type: ignore[arg-type]
+    assert err.value.key == "teacher.gpu_memory_utilization"
+    memory_plan.check_memory_plan(  # the preset's 4096 tokens (5.8 GiB beside the share) fit
+        memory_plan.build_memory_plan(load_config(preset))  # type: ignore[arg-type]
+    )
+
+
+def test_fp32_grouped_attention_counts_the_repeated_keys_and_values() -> None:
+    shape = model_shape.shape_from_config(HUB_MODELS["Qwen/Qwen3-0.6B"])
+    bf16 = memory_plan.actor_bytes_per_token_and_layer(shape, 1, 2, 4096, "none", "sdpa")
+    fp32 = memory_plan.actor_bytes_per_token_and_layer(shape, 1, 4, 4096, "none", "sdpa")
+    # fp32: keys and values repeated to 16 heads (the memory-efficient kernel), no [s, s] term.
+    assert fp32 - 2 * bf16 == pytest.approx(4 * (2 * 16 - 2 * 8) * 128)
+
+
+def test_the_optimizer_steps_temporary_counts_where_it_exceeds_the_freed_activations(tmp_path: Path) -> None:
+    """torch's foreach AdamW makes an fp32 sqrt(v) per parameter of the optimizer's shard at the step, when the
+    activations and logits are already freed: 3.81B params on a rank, replicated optimizer -> 14.19 GiB, of
+    which 14.19 - 0.75 (full recompute) - 3.26 (logits) = 10.18 GiB is beyond the backward pass's peak."""
+    student = f"model.student_path={qwen7b_dir(tmp_path)}"
+    lean = [student, "actor.megatron.recompute=full", "actor.max_tokens_per_micro_batch=2560"]
+    lean.append("actor.megatron.distributed_optimizer=false")
+    shape = model_shape.shape_from_config(QWEN25_7B)
+    parts = dict(memory_plan.actor_memory(load_config(REMOTE_PRESET, lean), shape).parts)
+    (name,) = [n for n in parts if n.startswith("optimizer step temporary")]
+    params = next(b for n, b in parts.items() if n.startswith("weights")) / 2  # bf16 weights
+    activations = next(b for n, b in parts.items() if n.startswith("activations"))
+    logits = next(b for n, b in parts.items() if n.startswith("logits"))
+    assert parts[name] == pytest.approx(params * 4 - activations - logits)
+    assert parts[name] / memory_plan.GIB == pytest.approx(10.18, abs=0.01) and "14.19 GiB" in name
+    # The preset's own step (distributed over 2, no recompute): the temporary fits in the freed activations.
+    parts = dict(memory_plan.actor_memory(load_config(REMOTE_PRESET, [student]), shape).parts)
+    assert next(b for n, b in parts.items() if n.startswith("optimizer step temporary")) == 0.0
+
+
+def test_each_vllm_process_has_its_context_and_the_rollout_its_reload_layer_outside_its_share() -> None:
+    """Outside a vLLM share: the process's CUDA context (0.5 GiB), NCCL with tensor parallelism (0.5 GiB), and
+    for a rollout engine the largest layer its in-place reload materialises (Qwen2.5-7B: the 152064 x 3584
+    embedding, 1.09 GB in bf16 at TP 1, half at TP 2)."""
+    shape = model_shape.shape_from_config(QWEN25_7B)
+    cfg = load_config(REMOTE_PRESET)
+    for tp, nccl in ((1, 0.0), (2, 0.5)):
+        role = memory_plan.vllm_memory(
+            "rollout GPU",
+            4,
+            shape,
+            tp,
+            0.5,
+            4096,
+            cfg,
+            dtype_bytes=2,
+            beyond_profile=memory_plan.reload_layer(shape, tp, 2),
+        )
+        outside = dict(role.outside)
+        assert outside["CUDA context of the vLLM process"] == 0.5 * memory_plan.GIB
+        assert outside.get(f"NCCL buffers (tensor parallel {tp})", 0.0) == nccl * memory_plan.GIB
+        (reload,) = [b for n, b in outside.items() if n.startswith("in-place reload")]
+        assert reload == 152064 * 3584 * 2 / tp
+    teacher = memory_plan.teacher_memory(cfg, shape)
+    assert not any(n.startswith("in-place reload") for n, _ in teacher.outside)  # a teacher is never reloaded
+
+
+def test_teacher_output_hidden_counts_the_teacher_head_its_hidden_states_and_the_loss_chunks(tmp_path: Path) -> None:
+    """teacher.output=hidden on a Qwen2.5-7B-shaped actor at TP 2 with a teacher of the same shape: the head's
+    rows of this rank (152064 / 2 x 3584 in bf16 = 545 MB), the micro-batch's 16-bit hidden states and the loss rows' copy, and the loss's
+    chunk buffers (DEFAULT_CHUNK_BYTES in all, the numbers recipe_gkd/losses/hidden.py uses)."""
+    from recipe_gkd.losses import hidden as hidden_loss
+    from recipe_gkd.losses import student_logits
+
+    assert memory_plan.HIDDEN_LOSS_CHUNK_BYTES == student_logits.DEFAULT_CHUNK_BYTES
+    assert memory_plan.HIDDEN_CHUNK_BUFFERS == hidden_loss.HIDDEN_CHUNK_BUFFERS
+    shape = model_shape.shape_from_config(QWEN25_7B)
+    cfg = load_config(REMOTE_PRESET, [f"model.student_path={qwen7b_dir(tmp_path)}"])
+    without = dict(memory_plan.actor_memory(cfg, shape).parts)
+    parts = dict(memory_plan.actor_memory(cfg, shape, teacher=shape).parts)
+    added = {name: size for name, size in parts.items() if name not in without}
+    tp = cfg.actor.megatron.tp
+    tokens = cfg.actor.max_tokens_per_micro_batch or cfg.actor.micro_batch_size * (
+        cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    )
+    assert sorted(added.values()) == sorted(
+        [152064 // tp * 3584 * 2, tokens * 3584 * 4, float(memory_plan.HIDDEN_LOSS_CHUNK_BYTES)]
+    )
+
+
+def two_colocated_teachers(tmp_path: Path, **shares: float) -> Path:
+    """1x1_colocated.yaml with two vLLM teachers (its teacher twice, named math and code), each with its own share."""
+    import yaml
+
+    preset = yaml.safe_load(COLOCATED.read_text())
+    teacher = preset.pop("teacher")
+    preset["teachers"] = {name: {**teacher, "gpu_memory_utilization": share} for name, share in shares.items()}
+    preset["data"] |= {"teacher_key": "teacher", "default_teacher": next(iter(shares))}
+    path = tmp_path / "two_colocated.yaml"
+    path.write_text(yaml.safe_dump(preset, sort_keys=False))
+    return path
+
+
+def test_two_colocated_teachers_each_share_every_gpu_within_its_own_share(
+    hub_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """cluster.colocate with several teachers: each teacher's replica on every GPU, each its own memory share,
+    all shares planned on the one GPU."""
+    from recipe_gkd.plan.placement import build_plan
+
+    path = two_colocated_teachers(tmp_path, math=0.15, code=0.10)
+    cfg = load_config(path)
+    plan = build_plan(cfg)
+    assert [(s.teacher, s.gpu_ids) for s in plan.teacher] == [("math", (0,)), ("code", (0,))]
+    assert plan.teacher_gpu_ids(0, "code") == plan.teacher_gpu_ids(0) == (0,) and plan.teacher_only_gpu_ids(0) == ()
+    assert plan.shared_gpus(0) == {0: ["actor 0", "rollout 0", "teacher math 0", "teacher code 0"]}
+    assert main(["--config", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    gpu = out[out.index("GPU (colocated") :].splitlines()
+    assert gpu[0].startswith("GPU (colocated: actor rank, rollout engine, 2 teacher replicas (one per teacher)) (x1):")
+    for key, share in (("teachers.math", 0.15), ("teachers.code", 0.10)):
+        line = next(x for x in gpu if f"{share:.2f} x 79.0: {key}.gpu_memory_utilization, the teacher replica" in x)
+        assert float(line.split()[0]) == pytest.approx(share * 79.0, abs=0.01)
+    # Each teacher's vLLM process brings its own CUDA context outside its share.
+    assert sum("teacher math GPU: CUDA context" in x or "teacher code GPU: CUDA context" in x for x in gpu) == 2
+    assert "shares sum to 0.85 of the GPU" in out
+
+
+@pytest.mark.parametrize(
+    ("shares", "overrides", "key"),
+    [
+        ({"math": 0.25, "code": 0.25}, [], "actor.gpu_memory_utilization"),  # 0.4 + 0.2 + 0.25 + 0.25 > 1
+        ({"math": 0.15, "code": 0.10}, ["teachers.code.replicas=2"], "teachers.code.replicas"),
+    ],
+)
+def test_two_colocated_teachers_are_checked_each(
+    tmp_path: Path, shares: dict[str, float], overrides: list[str], key: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(two_colocated_teachers(tmp_path, **shares), overrides)
+    assert err.value.key == key, str(err.value)
+
+
+def test_a_hidden_state_teacher_is_charged_no_prompt_logprob_buffers(hub_cache: Path) -> None:
+    """teacher.output=hidden runs a pooling engine that asks for no prompt log-probs (its profile run pools a full
+    batch inside its share): on the one-GPU preset the 3.1 GB of the log-prob teacher's buffers are not charged."""
+    plans = {
+        output: memory_plan.build_memory_plan(load_config(COLOCATED, [f"teacher.output={output}"]))
+        for output in ("topk", "hidden")
+    }
+    teachers = {o: next(r for r in p.roles if r.role == "teacher GPU") for o, p in plans.items()}  # type: ignore[union-attr]
+    (buffers,) = [b for n, b in teachers["topk"].outside if n.startswith("prompt log-prob buffers")]
+    cfg = load_config(COLOCATED)
+    shape = model_shape.shape_from_config(HUB_MODELS[cfg.teacher.model_path])
+    tokens = min(cfg.teacher.max_model_len or shape.max_position_embeddings, memory_plan.VLLM_BATCHED_TOKENS)
+    assert buffers == tokens * shape.vocab_size * (2 + 4 + 4) and buffers / 1e9 == pytest.approx(3.1, abs=0.05)
+    assert teachers["hidden"].outside == [("CUDA context of the vLLM process", 0.5 * memory_plan.GIB)]
+    gpus = {o: p.roles[0] for o, p in plans.items()}  # type: ignore[union-attr]
+    assert gpus["topk"].total - gpus["hidden"].total == pytest.approx(buffers)
+
+
+def test_the_object_store_holds_the_hidden_states_of_the_batches_in_flight(hub_cache: Path) -> None:
+    """teacher.output=hidden on 1x8_a1_r3_t4: every response token's teacher state crosses Ray's object store, in
+    the wire's 16 bits (half the float32 1.5 GiB a step), for the batch trained and those the schedule runs ahead."""
+    preset = CONFIG_DIR / "presets" / "1x8_a1_r3_t4.yaml"
+    topk = load_config(preset)
+    teacher_hidden = HUB_MODELS[topk.teacher.model_path]["hidden_size"]
+    per_batch = topk.data.train_batch_size * topk.rollout.sampling.max_new_tokens * teacher_hidden * 2
+    for schedule, batches in (("sync", 1), ("one_step_off", 2), ("two_step_off", 3)):
+        cfg = load_config(preset, ["teacher.output=hidden", f"algorithm.schedule={schedule}"])
+        assert memory_plan.hidden_shard_bytes(cfg) == batches * per_batch
+        assert memory_plan.object_store_mib(cfg) == memory_plan.object_store_mib(topk) + math.ceil(
+            batches * per_batch / 2**20
+        )
+    assert memory_plan.hidden_shard_bytes(topk) == 0
+
+
+def test_the_cross_tokenizer_loss_at_tp_2_is_counted_over_the_gathered_vocabulary(tmp_path: Path) -> None:
+    """Across tokenizers each TP rank gathers the whole vocabulary for the loss: the plan counts XTOK_GATHERED_BYTES
+    per token per id of it, which the loss's measured peak on CPU (benchmarks/bench_cross_tokenizer_memory.py: the
+    real loss, forward and backward, behind megatron's gather) must not exceed, and comes near."""
+    shape = model_shape.shape_from_config(QWEN25_7B)
+    student = [f"model.student_path={qwen7b_dir(tmp_path)}", "algorithm.cross_tokenizer=span"]
+    at_tp = {
+        tp: dict(
+            memory_plan.actor_memory(load_config(REMOTE_PRESET, [*student, f"actor.megatron.tp={tp}"]), shape).parts
+        )
+        for tp in (1, 2)
+    }
+    cfg = load_config(REMOTE_PRESET, [*student, "actor.megatron.tp=2"])
+    tokens = cfg.actor.max_tokens_per_micro_batch or cfg.actor.micro_batch_size * (
+        cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    )
+    (gathered,) = [b for n, b in at_tp[2].items() if n.startswith("cross-tokenizer loss over the gathered vocabulary")]
+    assert gathered == tokens * 152064 * memory_plan.XTOK_GATHERED_BYTES
+    assert not any(n.startswith("cross-tokenizer loss") for n in at_tp[1])
+    same_tokenizer = load_config(REMOTE_PRESET, [student[0], "actor.megatron.tp=2"])
+    assert not any(
+        n.startswith("cross-tokenizer loss") for n, _ in memory_plan.actor_memory(same_tokenizer, shape).parts
+    )
+    from benchmarks.bench_cross_tokenizer_memory import measured_bytes
+
+    for objective in ("span", "uld"):
+        measured = measured_bytes(objective, tokens=256, vocab=16384, tp=2)
+        assert 0.7 * memory_plan.XTOK_GATHERED_BYTES <= measured <= memory_plan.XTOK_GATHERED_BYTES, objective
+
+
+def test_a_teacher_with_its_own_prompt_is_planned_for_its_own_bound() -> None:
+    """A teacher prompt of its own (data.teacher_prompt_key): the teacher scores up to data.max_teacher_prompt_length +
+    rollout.sampling.max_new_tokens tokens; a model with fewer positions names the bound."""
+    shape = model_shape.shape_from_config(QWEN25_7B)
+    plain = memory_plan.teacher_memory(load_config(ONE_BY_EIGHT, ["cluster.gpu_memory_gib=80"]), shape)
+    assert not any("scores sequences" in n for n in plain.notes)
+    cfg = load_config(
+        ONE_BY_EIGHT,
+        [
+            "cluster.gpu_memory_gib=80",
+            "teacher.max_model_len=0",
+            "data.teacher_prompt_key=hint",
+            "data.max_teacher_prompt_length=4096",
+        ],
+    )
+    longest = 4096 + cfg.rollout.sampling.max_new_tokens
+    teacher = memory_plan.teacher_memory(cfg, shape)
+    assert f"scores sequences of up to {longest} tokens (data.max_teacher_prompt_length" in " ".join(teacher.notes)
+    too_long = shape.max_position_embeddings - cfg.rollout.sampling.max_new_tokens + 1
+    cfg = load_config(
+        ONE_BY_EIGHT,
+        [
+            "cluster.gpu_memory_gib=80",
+            "teacher.max_model_len=0",
+            "data.teacher_prompt_key=hint",
+            f"data.max_teacher_prompt_length={too_long}",
+        ],
+    )
+    teacher = memory_plan.teacher_memory(cfg, shape)
+    assert not teacher.fits and teacher.key == "data.max_teacher_prompt_length", teacher.problem

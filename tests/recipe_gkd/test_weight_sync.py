@@ -1,0 +1,339 @@
+"""Weight sync over Ray (object store) and a gloo group: buckets, versions, and errors or timeouts on either side
+fail loudly."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from recipe_gkd.config import GKDConfig, WeightSyncConfig, load_config
+from recipe_gkd.plan.ports import reserve_ports
+from recipe_gkd.rollout.worker import RolloutWorker
+from recipe_gkd.runtime.ray_cluster import SpillWatch, ray_env, spilled_bytes
+from recipe_gkd.runtime.ray_pools import sync_weights
+from recipe_gkd.weight_sync import (
+    MIB,
+    CollectiveChannel,
+    TimedIterator,
+    WeightSyncError,
+    bucket_layout,
+    bucketize,
+    iter_buckets,
+    pack_bucket,
+    unpack_bucket,
+)
+
+
+def test_bucketize_keeps_order_and_bounds() -> None:
+    rng = np.random.default_rng(0)
+    named = {f"w{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate([10, 300, 5, 5, 1000, 1])}
+    buckets = bucketize(named, bucket_bytes=1300)
+    assert [k for b in buckets for k in b] == list(named)
+    for b in buckets:
+        total = sum(a.nbytes for a in b.values())
+        assert total <= 1300 or len(b) == 1, "only a single oversized tensor may exceed the bound"
+    assert len(bucketize(named, bucket_bytes=10**9)) == 1
+
+
+def test_buckets_of_a_stream_are_yielded_before_the_stream_ends() -> None:
+    consumed: list[str] = []
+
+    def stream():
+        for i in range(6):
+            consumed.append(f"w{i}")
+            yield f"w{i}", np.zeros(100, dtype=np.float32)  # 400 bytes each
+
+    buckets = iter_buckets(stream(), bucket_bytes=800)
+    assert list(next(buckets)) == ["w0", "w1"]
+    assert consumed == ["w0", "w1", "w2"], "a bucket goes out once the next tensor would overflow it, not later"
+    assert [list(b) for b in buckets] == [["w2", "w3"], ["w4", "w5"]]
+
+
+def test_timed_iterator_counts_only_the_producer() -> None:
+    def slow():
+        for i in range(3):
+            time.sleep(0.05)
+            yield i
+
+    timed = TimedIterator(slow())
+    for _ in timed:
+        time.sleep(0.1)  # the consumer's time is not counted
+    assert 0.15 <= timed.seconds < 0.25
+
+
+class FakeActor:
+    """Obeys the actor's export interface; rank 0 owns the weights."""
+
+    def __init__(self, rank: int, named: dict[str, np.ndarray], fail: bool = False) -> None:
+        self.rank, self.named, self.fail = rank, named, fail
+
+    def export_weight_buckets(self, bucket_mb: int) -> list | None:
+        from recipe_gkd.runtime.ray_pools import put_buckets
+
+        if self.fail:
+            raise RuntimeError("gather over TP failed on rank 0")
+        return put_buckets(self.named.items(), bucket_mb) if self.rank == 0 else None
+
+
+class FakeRollout:
+    """Obeys the rollout's update interface; records what it loaded."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.loaded: dict[str, np.ndarray] = {}
+        self.version = 0
+
+    def update_weights(self, version: int, bucket_refs: list, timeout_s: float) -> dict[str, float]:
+        import ray
+
+        time.sleep(self.delay_s)
+        for ref in bucket_refs:
+            self.loaded.update(ray.get(ref, timeout=timeout_s))
+        self.version = version
+        return {"load_s": 0.0}
+
+    def state(self) -> tuple[int, dict[str, np.ndarray]]:
+        return self.version, self.loaded
+
+
+def _remote(cls: type):
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return ray.remote(num_cpus=0)(cls)
+
+
+def _named() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {f"layer{i}.weight": rng.standard_normal((64, 64)).astype(np.float32) for i in range(8)}
+
+
+def test_every_rollout_gets_every_tensor(ray_local: None) -> None:
+    import ray
+
+    named = _named()
+    actors = [_remote(FakeActor).remote(r, named) for r in range(2)]
+    rollouts = [_remote(FakeRollout).remote() for _ in range(3)]
+    stats = sync_weights(
+        actors, rollouts, version=5, settings=WeightSyncConfig("object_store", bucket_mb=1, timeout_s=30)
+    )
+    assert stats["sync_export_s"] >= 0 and stats["sync_load_s"] >= 0
+    for version, loaded in ray.get([r.state.remote() for r in rollouts], timeout=30):
+        assert version == 5 and loaded.keys() == named.keys()
+        assert all(np.array_equal(loaded[k], named[k]) for k in named)
+
+
+def test_actor_error_fails_the_sync_with_its_message(ray_local: None) -> None:
+    actors = [_remote(FakeActor).remote(0, _named(), True)]
+    rollouts = [_remote(FakeRollout).remote()]
+    with pytest.raises(WeightSyncError, match="gather over TP failed"):
+        sync_weights(actors, rollouts, version=1, settings=WeightSyncConfig("object_store", bucket_mb=1, timeout_s=30))
+
+
+def test_stuck_rollout_times_out_naming_the_key(ray_local: None) -> None:
+    actors = [_remote(FakeActor).remote(0, _named())]
+    rollouts = [_remote(FakeRollout).remote(delay_s=20)]
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"weight_sync\.timeout_s=1"):
+        sync_weights(actors, rollouts, version=1, settings=WeightSyncConfig("object_store", bucket_mb=1, timeout_s=1))
+    assert time.monotonic() - start < 10
+
+
+# ---------------------------------------------------------------- collective transport (gloo)
+
+
+def test_pack_unpack_roundtrip_mixed_dtypes_and_shapes() -> None:
+    import torch
+
+    rng = np.random.default_rng(2)
+    bucket = {
+        "a": torch.from_numpy(rng.standard_normal((3, 5)).astype(np.float32)),
+        "b": torch.from_numpy(rng.integers(-9, 9, 7).astype(np.int64)),
+        "c": torch.from_numpy(rng.standard_normal(()).astype(np.float64)),
+        "d": torch.zeros((0, 4), dtype=torch.float32),
+        "e": torch.from_numpy(rng.standard_normal((2, 3)).astype(np.float16)),
+        "f": torch.randn(5, 3, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16),
+    }
+    layout = bucket_layout(bucket)
+    assert all(t["offset"] % 64 == 0 for t in layout["tensors"])
+    out = unpack_bucket(pack_bucket(bucket, layout, torch.device("cpu")), layout)
+    assert list(out) == list(bucket)
+    for name, tensor in bucket.items():
+        assert out[name].dtype == tensor.dtype and out[name].shape == tensor.shape
+        assert torch.equal(out[name], tensor)
+
+
+def test_floating_tensors_travel_in_the_wire_dtype() -> None:
+    import torch
+
+    from recipe_gkd.weight_sync import _wire_tensor
+
+    weights = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    wire = _wire_tensor(weights, torch.bfloat16)
+    assert wire.dtype == torch.bfloat16 and torch.equal(wire, torch.from_numpy(weights).to(torch.bfloat16))
+    assert _wire_tensor(np.arange(3), torch.bfloat16).dtype == torch.int64  # integers as they are
+    assert _wire_tensor(weights, None).dtype == torch.float32
+
+
+class ChannelActor(FakeActor):
+    """Rank 0 of a gloo weight-sync group, with the real actor worker's broadcast interface."""
+
+    def init_weight_group(self, backend: str, host: str, port: int, world: int, timeout_s: float) -> None:
+        self.channel = CollectiveChannel(backend, host, port, 0, world, timeout_s)
+
+    def broadcast_weights(self, bucket_mb: int) -> dict[str, float]:
+        if self.fail:
+            raise RuntimeError("gather over TP failed on rank 0")
+        if self.rank != 0:
+            return {}
+        return {"export_s": 0.0, "bytes": float(self.channel.send(self.named.items(), bucket_mb * MIB))}
+
+    def alive(self) -> bool:
+        return True
+
+
+class RecordingEngine:
+    """The engine interface's weight methods; loading `bad_tensor` fails as a wrong name would."""
+
+    def __init__(self, bad_tensor: str) -> None:
+        self.bad_tensor = bad_tensor
+        self.loaded: dict[str, np.ndarray] = {}
+
+    def update_weights(self, named) -> set[str]:
+        for name, tensor in named:
+            if name == self.bad_tensor:
+                raise KeyError(f"the rollout model has no {self.bad_tensor}")
+            self.loaded[name] = tensor.numpy().copy()
+        return set(self.loaded)
+
+    def join_weight_group(self, backend: str, host: str, port: int, first_rank: int, world: int, timeout_s: float):
+        self.channel = CollectiveChannel(backend, host, port, first_rank, world, timeout_s)
+
+    def receive_weights(self) -> set[str]:
+        from recipe_gkd.weight_sync import load_draining
+
+        return load_draining(self.channel.receive(), self.update_weights)
+
+
+class ChannelRollout(RolloutWorker):
+    """The real rollout worker's group join and receive, over a recording engine."""
+
+    def __init__(self, delay_s: float = 0.0, bad_tensor: str = "") -> None:
+        super().__init__(load_config(None, []), 0, 1)
+        self.engine = RecordingEngine(bad_tensor)
+        self.delay_s = delay_s
+
+    def receive_weights(self, version: int) -> dict[str, float]:
+        time.sleep(self.delay_s)
+        return super().receive_weights(version)
+
+    def state(self) -> tuple[int, dict[str, np.ndarray]]:
+        return self.weight_version, self.engine.loaded
+
+
+def _group(actors: list, rollouts: list, timeout_s: float = 30) -> None:
+    import ray
+
+    # Every actor's process started first: a short group timeout bounds the join, not the workers' start.
+    ray.get([a.__ray_ready__.remote() for a in [*actors, *rollouts]], timeout=120)
+    port = reserve_ports(1)[0]
+    world = 1 + len(rollouts)
+    joins = [actors[0].init_weight_group.remote("gloo", "127.0.0.1", port, world, timeout_s)]
+    joins += [
+        r.init_weight_group.remote("gloo", "127.0.0.1", port, i + 1, world, timeout_s) for i, r in enumerate(rollouts)
+    ]
+    ray.get(joins, timeout=60)
+
+
+def test_gloo_broadcast_reaches_every_rollout_bit_for_bit(ray_local: None) -> None:
+    import ray
+
+    rng = np.random.default_rng(3)
+    named = _named() | {"big.weight": rng.standard_normal((700, 700)).astype(np.float32)}  # > 1 MiB: own bucket
+    actors = [_remote(ChannelActor).remote(r, named) for r in range(2)]
+    rollouts = [_remote(ChannelRollout).remote() for _ in range(3)]
+    _group(actors, rollouts)
+    for version in (1, 2):
+        stats = sync_weights(
+            actors, rollouts, version=version, settings=WeightSyncConfig("gloo", bucket_mb=1, timeout_s=30)
+        )
+        assert stats["sync_load_s"] >= 0
+    for version, loaded in ray.get([r.state.remote() for r in rollouts], timeout=30):
+        assert version == 2 and list(loaded) == list(named)
+        assert all(np.array_equal(loaded[k], named[k]) for k in named)
+
+
+def test_gloo_load_error_fails_the_sync_promptly_with_its_message(ray_local: None) -> None:
+    import ray
+
+    big = {"big.weight": np.ones((700, 700), dtype=np.float32)}  # a second bucket after the failing one
+    actors = [_remote(ChannelActor).remote(0, _named() | big)]
+    rollouts = [_remote(ChannelRollout).remote(), _remote(ChannelRollout).remote(bad_tensor="layer0.weight")]
+    _group(actors, rollouts)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"has no layer0\.weight"):
+        sync_weights(actors, rollouts, version=1, settings=WeightSyncConfig("gloo", bucket_mb=1, timeout_s=30))
+    assert time.monotonic() - start < 20
+    # The failing receiver drained the broadcast: rank 0 is free again, not blocked until gloo's 30 s timeout.
+    assert ray.get(actors[0].alive.remote(), timeout=5)
+
+
+def test_gloo_stuck_rollout_times_out_naming_the_key(ray_local: None) -> None:
+    actors = [_remote(ChannelActor).remote(0, _named())]
+    rollouts = [_remote(ChannelRollout).remote(delay_s=60)]
+    _group(actors, rollouts, timeout_s=2)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"weight_sync\.timeout_s=2"):
+        sync_weights(actors, rollouts, version=1, settings=WeightSyncConfig("gloo", bucket_mb=1, timeout_s=2))
+    # Cut at the timeout, long before the stuck rollout's 60 s (a loaded 2-core CI machine took > 15 s once).
+    assert time.monotonic() - start < 30
+
+
+# Ray's object store spilling (a whole weight version larger than the store): the run says so once, in its own
+# words; the raylet's own "Spilled N MiB" lines are off.
+
+
+def test_the_raylet_does_not_print_its_spill_lines() -> None:
+    assert ray_env(GKDConfig())["RAY_verbose_spill_logs"] == "0"
+
+
+def test_spilling_is_said_once_naming_the_key(ray_local: None) -> None:
+    import ray
+
+    watch = SpillWatch(store_mb=256)
+    if spilled_bytes() == 0:
+        assert watch.check() is None, "nothing spilled yet: nothing to say"
+    # The session's object store holds 256 MiB: 320 MiB of live objects must spill.
+    refs = [ray.put(np.ones(32 * 1024 * 1024 // 8)) for _ in range(10)]
+    assert spilled_bytes() > 0
+    # The raylet is asked at calls 1, 2, 4, ...: within the next 3 calls it is asked at least once.
+    warnings = [w for w in (watch.check() for _ in range(3)) if w]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: Ray's object store is full and has spilled")
+    assert "cluster.ray_object_store_mb=256" in warnings[0] and "weight_sync.transport=gloo" in warnings[0]
+    assert all(watch.check() is None for _ in range(8)), "said once"
+    del refs
+
+
+def test_object_store_arrays_carry_bf16_as_its_bit_pattern() -> None:
+    """numpy has no bfloat16: bf16 tensors cross the object store as int16 and come back bit for bit."""
+    import torch
+
+    from recipe_gkd.weight_sync import from_host_arrays, to_host_arrays
+
+    generator = torch.Generator().manual_seed(0)
+    named = {
+        "model.embed_tokens.weight": torch.randn(7, 5, generator=generator).to(torch.bfloat16),
+        "model.norm.weight": torch.randn(5, generator=generator),
+    }
+    wire = dict(to_host_arrays(named.items()))
+    assert wire["bf16:model.embed_tokens.weight"].dtype == np.int16 and wire["model.norm.weight"].dtype == np.float32
+    for array in wire.values():
+        array.setflags(write=False)  # as Ray's object store hands them out
+    back = dict(from_host_arrays(wire.items()))
+    assert back.keys() == named.keys()
+    assert back["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert torch.equal(back["model.embed_tokens.weight"], named["model.embed_tokens.weight"])
+    assert np.array_equal(back["model.norm.weight"], named["model.norm.weight"].numpy())

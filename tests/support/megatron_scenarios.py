@@ -1,0 +1,424 @@
+"""Runs MegatronActor scenarios in one rank process (launched by test_megatron_actor.py).
+
+    python tests/support/megatron_scenarios.py --rank R --world W --workdir D \
+        --models M --ports P1,P2,... --jobs job1,job2,... [--device cpu|cuda]
+
+Each actor gets a fresh process group on the next port of --ports (every rank takes them in
+the same order). Each job builds its actors from the HF models under M, runs, and rank 0 writes
+`D/<job>.npz`. Megatron runs in these processes only: the pytest process never imports it,
+so its CUDA compat patches and process groups never leak into other tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recipe_gkd.batch import FOLDED_BASE, Sequence, TrainShard
+from recipe_gkd.config import (
+    Attention,
+    CrossTokenizer,
+    Device,
+    Divergence,
+    GKDConfig,
+    Precision,
+    Recompute,
+    TeacherOutput,
+)
+from recipe_gkd.targets.hidden import HiddenStates
+from recipe_gkd.targets.spans import Spans
+from teacher_server.wire.protocol import scores_from_logprobs
+
+GLOBAL_BATCH = 8
+TOP_K = 8
+PROBE_SHAPE = (3, 12)
+SAMPLER_SALT = 0x5A
+# What train_step reports for algorithm.divergence=sampled_reverse_kl (recipe_gkd.observe.rows.POLICY_KEYS).
+# Not whole minutes: megatron's groups take minutes (rounded up), the world group seconds.
+SETUP_TIMEOUT_S = 3630.0
+POLICY_KEYS = ("advantage_mean", "ratio_mean", "ratio_min", "ratio_max", "ratio_clipped_frac")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def make_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> list[Sequence]:
+    """Random prompt+response sequences with a random teacher's exact top-k log-probs."""
+    rng = np.random.default_rng(seed)
+    sequences = []
+    for i in range(count):
+        length = int(rng.integers(6, 24))
+        response_start = int(rng.integers(1, length))
+        ids = rng.integers(0, vocab, length).astype(np.int32)
+        logits = rng.normal(size=(length - response_start, vocab)) * 2.0
+        logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        scores = scores_from_logprobs(logprobs, ids[response_start:], top_k)
+        # The sampler's logprobs (sampled_reverse_kl's s_old) near a random model's -log V, from their own
+        # stream so that the other arrays stay what they were.
+        stale = np.random.default_rng([seed, i, SAMPLER_SALT]).normal(size=length - response_start) * 0.3
+        sequences.append(
+            Sequence(
+                sample_id=i,
+                input_ids=ids,
+                response_start=response_start,
+                on_policy=True,
+                teacher_topk_logprobs=scores.topk_logprobs,
+                teacher_topk_ids=scores.topk_ids,
+                teacher_tail_logmass=scores.tail_logmass,
+                teacher_sampled_logprob=scores.sampled_logprob,
+                rollout_logprobs=(stale - np.log(vocab)).astype(np.float32),
+            )
+        )
+    return sequences
+
+
+def make_masked_sequences(seed: int, count: int, vocab: int, other: bool = False) -> list[Sequence]:
+    """make_sequences as multi-turn rollouts hand them on: in every response of 3+ tokens a run the student did not
+    sample (a tool's output; Sequence.sampled_mask) whose rollout logprob is the placeholder 0.0. `other`: the same
+    batch with other values at those rows (rollout and teacher logprobs, teacher top-k rows and tail)."""
+    rng = np.random.default_rng([seed, 0x7001])
+    sequences = make_sequences(seed, count, vocab)
+    for seq in sequences:
+        n = seq.num_response_tokens
+        mask = np.ones(n, dtype=bool)
+        if n >= 3:
+            start = int(rng.integers(1, n - 1))
+            mask[start : int(rng.integers(start + 1, n))] = False
+        seq.sampled_mask = mask
+        off, k = ~mask, int((~mask).sum())
+        assert seq.rollout_logprobs is not None
+        seq.rollout_logprobs[off] = 0.0
+        if other:
+            values = np.random.default_rng([seed, 0x7002, seq.sample_id])
+            seq.rollout_logprobs[off] = -values.exponential(2.0, k)
+            seq.teacher_sampled_logprob[off] = -values.exponential(2.0, k)
+            seq.teacher_topk_logprobs[off] = np.sort(-values.exponential(3.0, seq.teacher_topk_logprobs[off].shape))
+            seq.teacher_topk_logprobs[off] = seq.teacher_topk_logprobs[off][:, ::-1]
+            seq.teacher_topk_ids[off] = values.permutation(vocab)[: seq.teacher_topk_ids.shape[1]]
+            seq.teacher_tail_logmass[off] = -values.exponential(0.5, k)
+    return sequences
+
+
+def make_xtok_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> list[Sequence]:
+    """make_sequences shaped as a cross-tokenizer scorer maps its reply (recipe_gkd/cross_tokenizer/targets.py).
+
+    Per response: spans of 1-3 student tokens tiling it but for an unaligned tail (span_len -1); a multi-token
+    span's first position carries the teacher's log-probability of its text (teacher_sampled_logprob); one-token
+    spans keep the top-k, some with pieces the student lacks (FOLDED_BASE + column) and some with none shared.
+    """
+    rng = np.random.default_rng([seed, 0x38B])
+    sequences = make_sequences(seed, count, vocab, top_k)
+    for seq in sequences:
+        n = seq.num_response_tokens
+        span_len = np.full(n, -1, dtype=np.int32)
+        t = 0
+        while t < n - 1:  # the last token stays unaligned (a truncated character)
+            length = min(int(rng.choice([1, 1, 2, 3])), n - 1 - t)
+            span_len[t : t + length] = 0
+            span_len[t] = length
+            if length > 1:
+                seq.teacher_sampled_logprob[t] = -rng.uniform(0.2, 4.0)
+            elif rng.random() < 0.5:  # fold some pieces (all of them: a one-token span with nothing shared)
+                folded = rng.random(top_k) < (1.0 if rng.random() < 0.3 else 0.4)
+                seq.teacher_topk_ids[t] = np.where(folded, FOLDED_BASE + np.arange(top_k), seq.teacher_topk_ids[t])
+            t += length
+        seq.payload = Spans(span_len)
+    return sequences
+
+
+def make_hidden_sequences(seed: int, count: int, vocab: int, hidden_size: int) -> list[Sequence]:
+    """make_sequences with the teacher's final hidden states (teacher.output=hidden) as the worker hands them on:
+    random states rounded to the wire's bfloat16, in its 16 bits."""
+    from teacher_server.wire import hidden_codec
+
+    sequences = make_sequences(seed, count, vocab)
+    rng = np.random.default_rng([seed, 0x41D])
+    for seq in sequences:
+        raw = (rng.standard_normal((seq.num_response_tokens, hidden_size)) * 2).astype(np.float32)
+        seq.payload = HiddenStates.from_float32(hidden_codec.round_to(raw, "bfloat16"), "bfloat16")
+    return sequences
+
+
+def rank_shards(
+    seed: int, vocab: int, dp_rank: int, dp_size: int, make: Callable[..., list[Sequence]] = make_sequences
+) -> list[TrainShard]:
+    """This data-parallel rank's part of a GLOBAL_BATCH batch, as two shards (two rollout workers)."""
+    sequences = make(seed, GLOBAL_BATCH, vocab)
+    per_rank = GLOBAL_BATCH // dp_size
+    mine = sequences[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    half = len(mine) // 2
+    return [TrainShard(step=seed, weight_version=0, sequences=mine[:half]), TrainShard(seed, 0, mine[half:])]
+
+
+def probe_ids(vocab: int) -> np.ndarray:
+    return np.random.default_rng(123).integers(0, vocab, PROBE_SHAPE).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+def make_cfg(model_dir: str, world: int, device: str, **actor: Any) -> GKDConfig:
+    cfg = GKDConfig()
+    cfg.cluster.device = Device(device)
+    cfg.model.student_path = model_dir
+    cfg.actor.gpus_per_node = world
+    cfg.debug.setup_timeout_s = SETUP_TIMEOUT_S
+    cfg.actor.megatron.tp = actor.pop("tp", 1)
+    cfg.actor.megatron.pp = actor.pop("pp", 1)
+    cfg.actor.micro_batch_size = actor.pop("micro_batch_size", 4)
+    cfg.actor.precision = Precision(actor.pop("precision", "fp32"))
+    cfg.actor.max_tokens_per_micro_batch = actor.pop("max_tokens_per_micro_batch", 0)
+    cfg.algorithm.divergence = Divergence(actor.pop("divergence", "forward_kl"))
+    cfg.algorithm.ratio_clip = actor.pop("ratio_clip", 0.0)
+    cfg.algorithm.cross_tokenizer = CrossTokenizer(actor.pop("cross_tokenizer", "none"))
+    m = cfg.actor.megatron
+    m.distributed_optimizer = actor.pop("distributed_optimizer", False)
+    m.recompute = Recompute(actor.pop("recompute", "none"))
+    m.attention = Attention(actor.pop("attention", "sdpa"))
+    for key, value in actor.items():
+        setattr(cfg.actor.optim, key, value)
+    return cfg
+
+
+class Job:
+    def __init__(self, args: argparse.Namespace, ports: Iterator[int], name: str) -> None:
+        self.args, self.ports, self.name = args, ports, name
+        self.out: dict[str, np.ndarray] = {}
+
+    def actor(self, model: str, **actor: Any) -> Any:
+        from recipe_gkd.actor.megatron_actor import MegatronActor
+
+        teacher = actor.pop("teacher_model", "")
+        cfg = make_cfg(str(Path(self.args.models) / model), self.args.world, self.args.device, **actor)
+        if teacher:  # teacher.output=hidden with that model's head
+            cfg.teacher.output = TeacherOutput.hidden
+            cfg.teacher.model_path = str(Path(self.args.models) / teacher)
+        a = MegatronActor(cfg, self.args.rank, self.args.world, "127.0.0.1", next(self.ports))
+        info = a.setup()
+        self.out["info"] = np.array(json.dumps(info))
+        self.out["group_timeouts_s"] = np.array(json.dumps(group_timeouts_s(a)))
+        return a
+
+    def export(self, a: Any, prefix: str) -> None:
+        state = a.export_hf_state_dict()
+        if state is not None:
+            self.out.update({f"{prefix}/{k}": v for k, v in state.items()})
+
+    def shards(self, a: Any, seed: int, vocab: int) -> list[TrainShard]:
+        xtok = a.cfg.algorithm.cross_tokenizer != CrossTokenizer.none
+        make = make_xtok_sequences if xtok else make_sequences
+        return rank_shards(seed, vocab, a.layout.dp_rank, a.layout.dp_size, make)
+
+    def train(self, a: Any, seeds: list[int], vocab: int) -> None:
+        stats = [a.train_step(self.shards(a, s, vocab)) for s in seeds]
+        for key in ("loss", "grad_norm", "lr", "num_tokens", *POLICY_KEYS):
+            if key in stats[0]:
+                self.out[key] = np.array([s[key] for s in stats])
+        self.out["optimizer_state_numel"] = np.array(optimizer_state_numel(a.optimizer))
+
+    def save(self) -> None:
+        if self.args.rank == 0:
+            np.savez(Path(self.args.workdir) / f"{self.name}.npz", **self.out)
+
+
+def group_timeouts_s(a: Any) -> dict[str, float]:
+    """The timeout of the world group and of each megatron group this rank holds (gloo's own option)."""
+    import torch.distributed as dist
+
+    groups = {"world": dist.group.WORLD, "tp": a.tp_group, "dp": a.dp_group, "pp": a.pp_group, "mp": a.mp_group}
+    return {name: g._get_backend(a.device).options._timeout.total_seconds() for name, g in groups.items()}
+
+
+def optimizer_state_numel(optimizer: Any) -> int:
+    """Elements of this rank's Adam state (moments, and fp32 master weights when bf16): what sharding shrinks."""
+    import torch
+
+    total = 0
+    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in leaf.optimizer.state.values():
+            total += sum(t.numel() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    return total
+
+
+def _logits_job(parallel: str) -> Callable[[Job], None]:
+    """Per model variant: logits and the untouched export (HF -> mcore -> HF), `parallel` ("tp"/"pp") = world."""
+
+    def run(job: Job) -> None:
+        for model in ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm", "llama3_rope", "mistral"):
+            a = job.actor(model, **{parallel: job.args.world})
+            vocab = a.arch.vocab_size
+            job.out[f"{model}/logits"] = a.forward_logits(probe_ids(vocab))
+            job.export(a, f"{model}/export")
+            a.shutdown()
+
+    return run
+
+
+def _train_job(model: str, seeds: list[int], **actor: Any) -> Callable[[Job], None]:
+    def run(job: Job) -> None:
+        a = job.actor(model, **actor)
+        vocab = a.arch.vocab_size
+        job.export(a, "before")
+        job.train(a, seeds, vocab)
+        job.export(a, "after")
+        job.out["eval"] = np.array(json.dumps(a.eval_loss(job.shards(a, 99, vocab))))
+        mask = np.ones(PROBE_SHAPE, dtype=bool)
+        mask[0, :3] = False  # left padding on row 0
+        mask[1, -2:] = False  # right padding on row 1
+        job.out["probe_ids"] = probe_ids(vocab)
+        job.out["probe_mask"] = mask
+        job.out["probe_logprobs"] = a.token_logprobs(probe_ids(vocab), mask)
+        a.shutdown()
+
+    return run
+
+
+def _masked_job(job: Job) -> None:
+    """Multi-turn batches (tokens the student did not sample), sampled_reverse_kl: one step from the same weights on
+    the batch with placeholders at the unsampled rows (`placeholder_*`) and on the one with other values (`other_*`)."""
+    for prefix, other in (("placeholder", False), ("other", True)):
+        a = job.actor("llama_untied_odd", micro_batch_size=3, lr=1e-3, **SAMPLED)
+        vocab = a.arch.vocab_size
+
+        def make(seed: int, count: int, vocab: int, other: bool = other) -> list[Sequence]:
+            return make_masked_sequences(seed, count, vocab, other)
+
+        shards = rank_shards(1, vocab, a.layout.dp_rank, a.layout.dp_size, make)
+        stats = a.train_step(shards)
+        for key in ("loss", "grad_norm", "num_tokens", *POLICY_KEYS):
+            job.out[f"{prefix}_{key}"] = np.array(stats[key])
+        job.out[f"{prefix}_eval"] = np.array(json.dumps(a.eval_loss(shards)))
+        job.export(a, f"{prefix}_after")
+        a.shutdown()
+
+
+def _hidden_job(job: Job) -> None:
+    """teacher.output=hidden, 4 micro-batches of 2: one step's loss, and the bytes of the micro-batches' teacher
+    states alive whenever the loss runs (each micro-batch's tensor tracked from its collation until it is freed)."""
+    import weakref
+
+    from recipe_gkd.actor import collate as collate_module
+
+    live: dict[int, int] = {}
+    shapes: list[tuple[int, ...]] = []
+    collate = collate_module.collate
+
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        micro = collate(*args, **kwargs)
+        states = micro.payload
+        live[id(states)] = states.numel() * states.element_size()
+        shapes.append(tuple(states.shape))
+        weakref.finalize(states, live.pop, id(states), None)
+        return micro
+
+    collate_module.collate = tracked
+    a = job.actor("llama_tied", micro_batch_size=2, teacher_model="llama_untied", **NO_CLIP)
+    peaks: list[int] = []
+    loss_sum = a.objective.target.loss_sum
+
+    def measured(*args: Any, **kwargs: Any) -> Any:
+        peaks.append(sum(live.values()))
+        return loss_sum(*args, **kwargs)
+
+    a.objective.target.loss_sum = measured
+    hidden_size = a.objective.target.head_vH.shape[1]
+    sequences = make_hidden_sequences(7, GLOBAL_BATCH, a.arch.vocab_size, hidden_size)
+    job.out["loss"] = np.array([a.train_step([TrainShard(step=7, weight_version=0, sequences=sequences)])["loss"]])
+    job.out["live_bytes_at_loss"] = np.array(peaks)
+    job.out["micro_batch_shapes"] = np.array(shapes)
+    collate_module.collate = collate
+    a.shutdown()
+
+
+def _save_job(model: str, **actor: Any) -> Callable[[Job], None]:
+    def run(job: Job) -> None:
+        a = job.actor(model, **actor)
+        a.train_step(rank_shards(5, a.arch.vocab_size, a.layout.dp_rank, a.layout.dp_size))
+        a.save_hf(str(Path(job.args.workdir) / f"{job.name}_hf"))
+        job.out["probe_logprobs"] = a.token_logprobs(probe_ids(a.arch.vocab_size))
+        a.shutdown()
+
+    return run
+
+
+NO_CLIP = {"clip_grad": 0.0, "lr": 1e-3}
+SAMPLED = {"divergence": "sampled_reverse_kl", "ratio_clip": 0.2}
+XTOK = {"cross_tokenizer": "span"}
+# eps >> |grad| makes Adam's first step ~ lr * grad / eps: linear in the (clipped) gradient.
+LINEAR_ADAM = {"eps": 1.0e3, "lr": 1.0e3}
+JOBS: dict[str, Callable[[Job], None]] = {
+    "logits": _logits_job("tp"),
+    "logits_pp": _logits_job("pp"),
+    # Global-token normalization: one batch, micro-batch 8 vs 1 vs DP=2 (x micro-batch 2).
+    "mb8": _train_job("llama_tied", [1], micro_batch_size=8, **NO_CLIP),
+    "mb1": _train_job("llama_tied", [1], micro_batch_size=1, **NO_CLIP),
+    # Micro-batches by tokens (sorted, unequal row counts) and the memory-saving settings: the same update as mb8.
+    "tokens50": _train_job("llama_tied", [1], max_tokens_per_micro_batch=50, **NO_CLIP),
+    "recompute_full": _train_job("llama_tied", [1], micro_batch_size=8, recompute="full", **NO_CLIP),
+    "recompute_selective": _train_job(
+        "llama_tied", [1], micro_batch_size=8, recompute="selective", attention="unfused", **NO_CLIP
+    ),
+    "unfused": _train_job("llama_tied", [1], micro_batch_size=8, attention="unfused", **NO_CLIP),
+    "dp2": _train_job("llama_tied", [1], micro_batch_size=2, **NO_CLIP),
+    "dp2_distopt": _train_job("llama_tied", [1], micro_batch_size=2, distributed_optimizer=True, **NO_CLIP),
+    # bf16 params with fp32 master weights, sharded (the GPU presets' setting) vs replicated; three clipped steps.
+    "bf16_dp2": _train_job("llama_tied", [1, 2, 3], micro_batch_size=2, precision="bf16", lr=1e-3),
+    "bf16_dp2_distopt": _train_job(
+        "llama_tied", [1, 2, 3], micro_batch_size=2, precision="bf16", distributed_optimizer=True, lr=1e-3
+    ),
+    # TP=2 vs TP=1: three steps on different batches, Adam with clipping at 1.0, warmup.
+    "tp1_steps": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, warmup_steps=2),
+    "tp2_steps": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, warmup_steps=2),
+    "tp2_tied_steps": _train_job("llama_tied", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3),
+    # PP=2 (one layer per stage, 1F1B over 2 micro-batches of unequal lengths) vs TP=1.
+    "pp2_steps": _train_job("llama_untied_odd", [1, 2, 3], pp=2, micro_batch_size=3, lr=1e-3, warmup_steps=2),
+    "pp2_tied_steps": _train_job("llama_tied", [1, 2, 3], pp=2, micro_batch_size=3, lr=1e-3),
+    "tp2pp2_steps": _train_job("llama_untied_odd", [1, 2, 3], tp=2, pp=2, micro_batch_size=3, lr=1e-3, warmup_steps=2),
+    # DP=2 x PP=2 on the tied model: the tied embedding's gradient is summed over DP and over the stages.
+    "dp2pp2": _train_job("llama_tied", [1], pp=2, micro_batch_size=2, **NO_CLIP),
+    "tp1_tied_steps": _train_job("llama_tied", [1, 2, 3], micro_batch_size=3, lr=1e-3),
+    # Clipping: same step without and with a clip far below the gradient norm.
+    "noclip": _train_job("llama_tied", [1], clip_grad=0.0, **LINEAR_ADAM),
+    "clip": _train_job("llama_tied", [1], clip_grad=1.0e-3, **LINEAR_ADAM),
+    "bf16": _train_job("llama_tied", [1], precision="bf16", **NO_CLIP),
+    "save_tp2": _save_job("llama_untied_odd", tp=2),
+    "hidden_mb2": _hidden_job,
+    # Multi-turn batches: the tokens the student did not sample train nothing, whatever values they carry.
+    "tp1_masked": _masked_job,
+    # The sampled-token reverse KL (stale s_old, PPO clip) at TP=2 and PP=2 vs one rank.
+    "tp1_sampled": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, **SAMPLED),
+    "tp2_sampled": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, **SAMPLED),
+    "pp2_sampled": _train_job("llama_untied_odd", [1, 2, 3], pp=2, micro_batch_size=3, lr=1e-3, **SAMPLED),
+    # algorithm.cross_tokenizer (spans, folded pieces) at TP=2 vs one rank: the loss over the gathered vocabulary
+    # (101 padded to 102), and the sampled-token reverse KL with span advantages over the TP group.
+    "tp1_xtok": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, **XTOK),
+    "tp2_xtok": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, **XTOK),
+    "tp1_xtok_sampled": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, **XTOK, **SAMPLED),
+    "tp2_xtok_sampled": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, **XTOK, **SAMPLED),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--models", required=True)
+    parser.add_argument("--ports", required=True, help="comma-separated free ports, one per actor built")
+    parser.add_argument("--jobs", required=True)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    ports = iter(int(p) for p in args.ports.split(","))
+    for name in args.jobs.split(","):
+        job = Job(args, ports, name)
+        JOBS[name](job)
+        job.save()
+
+
+if __name__ == "__main__":
+    main()
