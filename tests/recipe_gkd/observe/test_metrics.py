@@ -59,6 +59,35 @@ def test_plots_draw_a_line_per_teacher() -> None:
     plt.close(single)
 
 
+def test_a_multi_turn_run_plots_its_tool_use_per_trajectory() -> None:
+    """metrics.jsonl holds a step's totals (tool calls, failures) and its sequences; the fourth panel divides."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [
+        {"step": 1, "loss": 0.2, "sequences": 32, "turns": 2.5, "tool_calls": 48.0, "tool_failures": 8.0}
+        | {"tool_token_frac": 0.4},
+        {"step": 2, "loss": 0.1, "sequences": 16, "turns": 3.0, "tool_calls": 32.0, "tool_failures": 0.0}
+        | {"tool_token_frac": 0.35},
+    ]
+    fig = training_figure(steps, [{"step": 0, "eval_reward": 0.1}], teacher_accuracy=None)
+    assert len(fig.axes) == 4
+    lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[3].get_lines()}
+    assert lines == {
+        "turns": [2.5, 3.0],
+        "tool calls": [1.5, 2.0],
+        "tool failures": [0.25, 0.0],
+        "tool-token fraction": [0.4, 0.35],
+    }
+    plt.close(fig)
+    # A single-turn run's rows (no turns) keep the three panels.
+    single = training_figure([{"step": 1, "loss": 1.0, "sequences": 8}], [], teacher_accuracy=None)
+    assert len(single.axes) == 3
+    plt.close(single)
+
+
 def test_table_without_evaluation() -> None:
     assert "no evaluation" in before_after_table([], None, "forward_kl")
 
