@@ -276,7 +276,7 @@ def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> No
     overrides = [
         "trainer.total_steps=4",
         "trainer.eval_every=2",
-        "data.eval_batch_size=64",
+        "data.eval_batch_size=16",
         f"trainer.run_dir={run_dir}",
     ]
     returncode, screen = run_in_terminal([sys.executable, "-m", "recipe_gkd.main", *overrides], repo_root, 600)
