@@ -71,11 +71,12 @@ def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # Each case starts its own actor and rollout processes (~20-40 s of the suite): the fp32 logprob equality over both
 # transports at one stage; two pipeline stages in bf16 over both transports, where the checksums compare every weight
 # exactly (gloo: bf16 buckets straight from the gathered shards, the GPU path's code, stage 2's layers sent in bf16;
-# the object store: int16 bit patterns in numpy, viewed back as bf16 by the rollout worker); vLLM's workers.
+# the object store: int16 bit patterns in numpy, viewed back as bf16 by the rollout worker). Into vLLM's workers:
+# tests/recipe_gkd/rollout/test_rollout_vllm.py (both paths, every TP worker) and tests/e2e/test_colocated.py (the
+# engine samples with the actor's weights after each sync, < 1e-4).
 PROBE_CASES = [
     ("object_store+gloo", 1, "hf", "fp32"),
     ("gloo+object_store", 2, "hf", "bf16"),
-    pytest.param("gloo+object_store", 1, "vllm", "fp32", marks=pytest.mark.vllm),
 ]
 
 
