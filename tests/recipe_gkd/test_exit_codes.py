@@ -48,3 +48,28 @@ def test_a_config_error_raised_in_a_ray_worker_is_exit_2_with_its_own_line(ray_l
     assert exit_code_for(info.value) == EXIT_BAD_CONFIG
     line = error_line(info.value)
     assert line == "error: config error at `data.prompt_key`: record has no field 'prompt' (fields: ['question'])"
+
+
+def _connect_to_nothing(address: str) -> None:
+    """What a rollout worker's teacher client does at set-up, against an address nothing listens on."""
+    from teacher_server.client.zmq_client import TeacherClient
+
+    TeacherClient(address, timeout_s=0.5, retries=1).connect()
+
+
+def test_an_unreachable_teacher_seen_by_a_ray_worker_is_exit_1_with_its_own_line(ray_local: None) -> None:
+    """The worker's TeacherDeadError through Ray's own wrapping: exit 1, one line naming teacher.address."""
+    import sys
+
+    import ray
+
+    from recipe_gkd.plan.ports import reserve_ports
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    address = f"tcp://127.0.0.1:{reserve_ports(1)[0]}"  # nothing listens there
+    with pytest.raises(Exception) as info:
+        ray.get(ray.remote(num_cpus=0)(_connect_to_nothing).remote(address), timeout=120)
+    assert exit_code_for(info.value) == EXIT_FAILED
+    line = error_line(info.value)
+    assert line.startswith(f"error: no teacher server answered at teacher.address={address}"), line
+    assert "\n" not in line
