@@ -12,7 +12,9 @@ no longer fits in what is left is recorded as skipped with the seconds it lacked
   (teacher.output=topk) and one with teacher.output=hidden;
 - `loss_topk`, `loss_hidden`, `loss_span`: forward + backward of the three losses on fp32 logits (what megatron's
   Float16Module hands the loss) at each of the stage's token counts: seconds and peak against the plan's lines;
-- `loop`: stage0_actor.py `loop_check`, a few steps of `gkd.train` on the in-process pools.
+- `loop`: stage0_actor.py `loop_check`, a few steps of `gkd.train` on the in-process pools;
+- `learn_demo`, `learn_tools`: recipe_gkd/selfcheck/stage0_learn.py, two CPU demo presets as shipped on the GPU
+  in bf16: the held-out accuracy's gain against what the preset reaches on a CPU.
 """
 
 from __future__ import annotations
@@ -33,16 +35,19 @@ from recipe_gkd.selfcheck.sizes import Sizes
 RECOMPUTE = ("none", "selective", "full")
 VISIBLE_DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 SMI_QUERY = "index,uuid,memory.total,mig.mode.current"
-# A check's seconds on one H100 at the GPU sizes, estimated (scaled down for the smaller sizes): the budget
-# skips a check whose estimate no longer fits. The actor's include building the model once (~30 s).
+# A check's seconds at the GPU sizes, about twice those measured on one H200 (the stage's first GPU run: device
+# 4.6, model 20, actor 3-11, each loss < 1, loop 23, learn_demo 26, learn_tools 98), scaled down for the smaller
+# sizes: the budget skips a check whose estimate no longer fits. The actor's include building the model once.
 GPU_ESTIMATE_S = {
-    "device": 5.0,
+    "device": 10.0,
     "model": 40.0,
-    "actor": 30.0,
-    "loss_topk": 20.0,
-    "loss_hidden": 20.0,
-    "loss_span": 30.0,
-    "loop": 90.0,
+    "actor": 25.0,
+    "loss_topk": 10.0,
+    "loss_hidden": 10.0,
+    "loss_span": 10.0,
+    "loop": 60.0,
+    "learn_demo": 60.0,
+    "learn_tools": 200.0,
 }
 
 
@@ -57,7 +62,7 @@ class StageCheck:
 
 def stage0_checks(out: Path, models: Path, sizes: Sizes) -> list[StageCheck]:
     """Every check of stage 0 in the order it runs (cheap and independent first, the whole loop last)."""
-    from recipe_gkd.selfcheck import stage0_actor
+    from recipe_gkd.selfcheck import stage0_actor, stage0_learn
 
     est = {k: v * sizes.estimate_scale for k, v in GPU_ESTIMATE_S.items()}
     checks = [StageCheck("device", est["device"], lambda: device_check(out, models, sizes))]
@@ -82,6 +87,10 @@ def stage0_checks(out: Path, models: Path, sizes: Sizes) -> list[StageCheck]:
         )
     )
     checks.append(StageCheck("loop", est["loop"], lambda: stage0_actor.loop_check(out, models, sizes)))
+    checks += [
+        StageCheck(name, est[name], lambda name=name: stage0_learn.learn_check(name, out, models, sizes))  # type: ignore[misc]
+        for name in stage0_learn.LEARN_PRESETS
+    ]
     return checks
 
 

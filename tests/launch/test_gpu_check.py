@@ -183,9 +183,12 @@ def test_stage0_runs_with_the_image_and_the_recorded_wheels_alone(repo_root: Pat
     failed = {c["name"]: c["detail"][-800:] for c in result["checks"] if c["status"] != "passed"}
     assert done.returncode == 0 and not failed, f"{failed}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
     names = [c["name"] for c in result["checks"]]
-    assert names[0] == "device" and "loop" in names and len(names) == 10 and not result["skipped"], names
-    loop = next(c for c in result["checks"] if c["name"] == "loop")["figures"]
-    assert loop["steps"] == 2 and all(d is not None for d in loop["sync_logprob_diff_per_step"])
+    assert names[0] == "device" and len(names) == 12 and not result["skipped"], names
+    figures = {c["name"]: c["figures"] for c in result["checks"]}
+    assert figures["loop"]["steps"] == 2 and all(d is not None for d in figures["loop"]["sync_logprob_diff_per_step"])
+    # The learning checks: the CPU presets (the tool one's environment and multi-turn rollout) at 2 steps.
+    assert figures["learn_demo"]["steps"] == figures["learn_tools"]["steps"] == 2
+    assert set(figures["learn_tools"]["accuracy_per_eval"]) == {"0", "2"}
     imported = set(json.loads(imported_file.read_text()))
     unused = {w["name"] for w in wheels if not set(w["imports"]) & imported}
     assert not unused, f"carried but never imported by stage 0: {unused}"

@@ -263,3 +263,46 @@ def test_stage0_device_check_reads_what_the_memory_plan_reads(
     assert check.status == "passed" and check.figures["plan_gpu_gib"] == plan_gib
     name = CUDA_DEVICES[visible][0]
     assert check.figures["plan_source"] == f"GPU {visible or '0'} of this node ({name}), as CUDA sees it"
+
+
+@pytest.mark.parametrize("name", ["learn_demo", "learn_tools"])
+def test_stage0_learning_checks_run_the_cpu_presets_as_shipped_on_the_gpu_in_bf16(tmp_path: Path, name: str) -> None:
+    """The learning checks' GPU configs (found valid here, not in the GPU's minutes): the preset's objective,
+    schedule, learning rate and batch unchanged; CUDA, bf16 and the distributed optimizer; the preset's 150 steps,
+    evaluated before the first and after the last; the assets' paths made absolute (the check runs anywhere)."""
+    from recipe_gkd.config import Device, Precision, load_config
+    from recipe_gkd.selfcheck.sizes import GPU
+    from recipe_gkd.selfcheck.stage0_learn import LEARN_PRESETS, learn_config
+
+    preset = load_config(LEARN_PRESETS[name], [])
+    cfg = learn_config(name, tmp_path, GPU)
+    assert cfg.cluster.device == Device.cuda and cfg.actor.precision == Precision.bf16
+    assert cfg.actor.megatron.distributed_optimizer and not cfg.cluster.fake_gpus
+    assert cfg.trainer.total_steps == preset.trainer.total_steps == 150 and cfg.trainer.eval_every == 150
+    assert cfg.data.eval_batch_size == 200 and cfg.trainer.save_every == 0
+    assert (cfg.algorithm, cfg.actor.optim, cfg.rollout.sampling) == (
+        preset.algorithm,
+        preset.actor.optim,
+        preset.rollout.sampling,
+    )
+    assert cfg.data.train_batch_size == preset.data.train_batch_size and cfg.rollout.env == preset.rollout.env
+    for path in (cfg.model.student_path, cfg.teacher.model_path, *cfg.data.train_files, *cfg.data.eval_files):
+        assert Path(path).is_absolute() and Path(path).exists(), path
+    assert Path(cfg.trainer.run_dir) == tmp_path / name
+
+
+def test_stage0_learning_verdict_asks_for_every_step_both_evaluations_and_the_gain() -> None:
+    """The learning check fails, saying why, on a missing step, a loss not finite, an evaluation missing at the
+    first or last step, or a gain below the sizes' least; it passes with the accuracies in its detail."""
+    from recipe_gkd.selfcheck.sizes import GPU
+    from recipe_gkd.selfcheck.stage0_learn import learn_verdict
+
+    rows = [{"step": s, "loss": 0.1} for s in range(1, 151)]
+    evals = [{"step": 0, "eval_reward": 0.27}, {"step": 150, "eval_reward": 0.79}]
+    assert learn_verdict(rows, evals, GPU) == ("passed", "held-out accuracy 27.0% -> 79.0% (+52.0%)")
+    assert learn_verdict(rows[:-1], evals, GPU)[1] == "149 of 150 steps logged, or a loss not finite"
+    assert learn_verdict([*rows[:-1], {"step": 150, "loss": float("nan")}], evals, GPU)[0] == "failed"
+    assert learn_verdict(rows, evals[1:], GPU) == ("failed", "evaluations at steps [150], expected 0 and 150")
+    assert learn_verdict(rows, evals[:1], GPU) == ("failed", "evaluations at steps [0], expected 0 and 150")
+    status, detail = learn_verdict(rows, [evals[0], {"step": 150, "eval_reward": 0.45}], GPU)
+    assert status == "failed" and "a gain of +18.0%, below the 20%" in detail

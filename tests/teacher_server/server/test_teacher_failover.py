@@ -39,6 +39,7 @@ class KillingScorer:
         self.inner, self.address, self.victims = inner, address, victims
         self.calls = 0
         self.durations: list[float] = []
+        self.ended: list[float] = []  # monotonic time at the end of each call
         self.killed_at = 0.0
         self.killed_pids: list[int] = []
         self.restart_s = -1.0  # from the kill until a new process of every killed replica has registered
@@ -55,6 +56,7 @@ class KillingScorer:
         start = time.monotonic()
         result = self.inner.score(sequences, score_from)
         self.durations.append(time.monotonic() - start)
+        self.ended.append(time.monotonic())
         return result
 
     def _kill(self) -> None:
@@ -123,4 +125,13 @@ def test_a_killed_replica_stalls_the_step_by_its_restart_at_most(
     if replicas == 1:
         assert stall <= restart + 1.0, f"stall {stall:.2f} s > restart {restart:.2f} s + 1 s"
     else:
-        assert stall <= 1.0, f"stall {stall:.2f} s with a second replica alive"
+        # With a second replica alive the re-sent request is served there: the call ends before the killed replica
+        # is back, and its stall is a small part of the restart (both measured on the same clock, so a loaded
+        # machine stretches them alike; waiting for the restart, or for teacher.replica_timeout_s, fails both).
+        back_at = scorer.killed_at + restart
+        assert scorer.ended[KILL_AT_CALL - 1] < back_at, (
+            f"the step's call ended {scorer.ended[KILL_AT_CALL - 1] - back_at:.2f} s after the killed replica was back"
+        )
+        assert stall <= 0.5 * restart, (
+            f"stall {stall:.2f} s > half the restart ({restart:.2f} s) with a second replica alive"
+        )

@@ -1,0 +1,139 @@
+"""Stage 0's learning checks: a CPU preset's distillation, as shipped, run on the GPU in bf16 (no Ray, no vLLM).
+
+The demo presets train a student the project builds offline (assets/) to a known gain on a CPU. Here the same
+preset runs on the in-process pools (recipe_gkd/runtime/local_pools.py) with every role on GPU 0: the megatron
+actor in bf16 with the distributed optimizer, the HF rollout engine and the HF teacher on CUDA, its schedule,
+learning rate and objective unchanged. The check passes when the held-out accuracy (the environment's reward,
+greedy, evaluated before the first step and after the last) gains at least the sizes' `learn_min_gain`:
+the GPU path does not just run, it learns what the CPU run learns.
+
+- `learn_demo`: configs/presets/cpu_demo.yaml (the running-sum task, single turn);
+- `learn_tools`: configs/presets/cpu_tools.yaml (the same task solved with the calculator over several turns,
+  the tool's tokens masked out of the loss).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recipe_gkd.config import CONFIG_DIR, REPO_ROOT, GKDConfig, load_config, to_yaml
+from recipe_gkd.selfcheck.record import GIB, Check
+from recipe_gkd.selfcheck.sizes import Sizes
+
+LEARN_PRESETS = {
+    "learn_demo": CONFIG_DIR / "presets" / "cpu_demo.yaml",
+    "learn_tools": CONFIG_DIR / "presets" / "cpu_tools.yaml",
+}
+# One process holds every role on the GPU: the actor's cap on the process leaves the rest for the engines.
+ACTOR_SHARE = 0.9
+
+
+def learn_config(name: str, models: Path, sizes: Sizes) -> GKDConfig:
+    """The preset of check `name` with its assets' paths made absolute, on the stage's device (bf16 on CUDA),
+    `sizes.learn_steps` steps with an evaluation of `sizes.learn_eval_records` records before and after."""
+    preset = LEARN_PRESETS[name]
+    overrides = [
+        f"trainer.total_steps={sizes.learn_steps}",
+        f"trainer.eval_every={sizes.learn_steps}",
+        "trainer.save_every=0",
+        f"data.eval_batch_size={sizes.learn_eval_records}",
+        # The run directory (with the student's final export) beside the models, not in `out` (whose files
+        # come back from the machine); the record takes its metrics.
+        f"trainer.run_dir={models / name}",
+        "debug.log_memory=true",
+    ]
+    if sizes.device == "cuda":
+        overrides += [
+            "cluster.device=cuda",
+            "cluster.fake_gpus=false",
+            "actor.precision=bf16",
+            "actor.megatron.distributed_optimizer=true",
+            f"actor.gpu_memory_utilization={ACTOR_SHARE}",
+        ]
+    cfg = load_config(preset, overrides)
+    # The presets name their assets relative to the repository (where `make demo` runs); the check runs anywhere.
+    return load_config(
+        preset,
+        [
+            *overrides,
+            f"model.student_path={REPO_ROOT / cfg.model.student_path}",
+            f"teacher.model_path={REPO_ROOT / cfg.teacher.model_path}",
+            f"data.train_files=[{','.join(str(REPO_ROOT / f) for f in cfg.data.train_files)}]",
+            f"data.eval_files=[{','.join(str(REPO_ROOT / f) for f in cfg.data.eval_files)}]",
+        ],
+    )
+
+
+def learn_check(name: str, out: Path, models: Path, sizes: Sizes) -> Check:
+    """Run check `name`'s preset for `sizes.learn_steps` steps on the in-process pools; the held-out accuracy
+    before and after, per-phase seconds, peaks, and passed when the gain reaches `sizes.learn_min_gain`."""
+    import torch
+
+    from recipe_gkd import gkd
+    from recipe_gkd.observe.metrics import EVAL_FILE, MetricsLogger, read_metrics
+    from recipe_gkd.runtime.local_pools import local_pools
+    from recipe_gkd.selfcheck.full import run_figures
+
+    cfg = learn_config(name, models, sizes)
+    run_dir = Path(cfg.trainer.run_dir)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a rerun's metrics start empty
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "resolved_config.yaml").write_text(to_yaml(cfg))
+    on_gpu = sizes.device == "cuda"
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.loggers, cfg.trainer.total_steps)
+    try:
+        with local_pools(cfg) as pools:
+            setup_s = pools.setup_s
+            gkd.train(cfg, pools, metrics, None)
+    finally:
+        metrics.close()
+        if on_gpu:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    wall_s = time.perf_counter() - start
+    rows = read_metrics(run_dir)
+    evals = read_metrics(run_dir, EVAL_FILE)
+    (out / name).mkdir(parents=True, exist_ok=True)
+    for file in ("metrics.jsonl", EVAL_FILE, "resolved_config.yaml"):
+        shutil.copy(run_dir / file, out / name / file)
+    student_bytes = sum(f.stat().st_size for f in Path(cfg.model.student_path).glob("*.safetensors"))
+    figures: dict[str, Any] = {
+        "preset": str(LEARN_PRESETS[name].relative_to(REPO_ROOT)),
+        "schedule": cfg.algorithm.schedule.value,
+        "precision": cfg.actor.precision.value,
+        "setup_s": setup_s,
+        "wall_s": wall_s,
+    } | run_figures(run_dir, student_bytes)
+    figures["accuracy_per_eval"] = {int(r["step"]): r["eval_reward"] for r in evals}
+    figures["loss_first_last"] = [rows[0]["loss"], rows[-1]["loss"]] if rows else []
+    if on_gpu:
+        figures["process_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+    status, detail = learn_verdict(rows, evals, sizes)
+    return Check(name, status, time.perf_counter() - start, figures, detail)
+
+
+def learn_verdict(rows: list[dict[str, Any]], evals: list[dict[str, Any]], sizes: Sizes) -> tuple[str, str]:
+    """(status, detail): every step logged with a finite loss, evaluations before the first step and after the
+    last, and the held-out accuracy's gain at least `sizes.learn_min_gain`."""
+    if len(rows) != sizes.learn_steps or not all(np.isfinite(r["loss"]) for r in rows):
+        return "failed", f"{len(rows)} of {sizes.learn_steps} steps logged, or a loss not finite"
+    steps = [int(r["step"]) for r in evals]
+    if steps[:1] != [0] or steps[-1:] != [sizes.learn_steps]:
+        return "failed", f"evaluations at steps {steps}, expected 0 and {sizes.learn_steps}"
+    before, after = evals[0]["eval_reward"], evals[-1]["eval_reward"]
+    gain = after - before
+    if gain < sizes.learn_min_gain:
+        return "failed", (
+            f"held-out accuracy {before:.1%} -> {after:.1%} in {sizes.learn_steps} steps: a gain of {gain:+.1%}, "
+            f"below the {sizes.learn_min_gain:.0%} the preset reaches on a CPU"
+        )
+    return "passed", f"held-out accuracy {before:.1%} -> {after:.1%} ({gain:+.1%})"
