@@ -128,28 +128,46 @@ class RolloutPipeline:
     two_step_off: batch t+2 is generated and batch t+1 scored while the actor trains on batch t.
     Work is only launched for steps < trainer.total_steps, so nothing is left in flight at the end.
     A resumed run starts at batch `first` (the rollout workers were set back to its data position).
+
+    A periodic checkpoint (trainer.save_every) is a pipeline boundary: no batch after it is launched before it,
+    and the pipeline starts afresh there, as at the run's start. So the batches after a checkpoint are sampled
+    with its weights, in the run that saved it and in a run resumed from it alike: a resumed run repeats the
+    trajectories of the uninterrupted one, token for token. The cost: the overlap of one step (one_step_off) or
+    two (two_step_off) per checkpoint.
     """
 
     def __init__(self, cfg: GKDConfig, pools: Pools, first: int = 0) -> None:
         self.rollout, self.dp_size, self.first = pools.rollout, pools.actor.dp_size, first
         self.depth = PIPELINE_DEPTH[cfg.algorithm.schedule]
         self.total = cfg.trainer.total_steps
+        self.save_every = cfg.trainer.save_every
         self.generating: dict[int, Pending] = {}  # two_step_off: step -> generate()
         self.producing: dict[int, Pending] = {}  # step -> produce() / score()
 
+    def starts_afresh(self, step: int) -> bool:
+        """Batch `step` begins a pipeline: the run's first, or the first after a periodic checkpoint."""
+        return step == self.first or (self.save_every > 0 and step % self.save_every == 0)
+
+    def horizon(self, step: int) -> int:
+        """The first batch after `step` that may not be launched yet: the next boundary, or the end."""
+        if self.save_every == 0:
+            return self.total
+        return min(self.total, (step // self.save_every + 1) * self.save_every)
+
     def next_batch(self, step: int) -> Rollout:
         start = time.perf_counter()
-        if step == self.first:
+        if self.starts_afresh(step):
             self._prefill(step)
         if self.depth == 0:
             self._produce(step)
         results = self.rollout.wait(self.producing.pop(step), f"rollout of step {step}")
-        if self.depth == 1 and step + 1 < self.total:
+        horizon = self.horizon(step)
+        if self.depth == 1 and step + 1 < horizon:
             self._produce(step + 1)
         if self.depth == 2:
-            if step + 1 < self.total:
+            if step + 1 < horizon:
                 self._score(step + 1)
-            if step + 2 < self.total:
+            if step + 2 < horizon:
                 self._generate(step + 2)
         stats = [s for s, _ in results]
         return Rollout(stats, by_rank(results, self.dp_size), time.perf_counter() - start)
@@ -167,7 +185,7 @@ class RolloutPipeline:
         if self.depth == 2:
             self._generate(step)
             self._score(step)
-            if step + 1 < self.total:
+            if step + 1 < self.horizon(step):
                 self._generate(step + 1)
 
     def _produce(self, step: int) -> None:

@@ -20,7 +20,6 @@ import pytest
 from cli_runs import (
     SAVE_EVERY,
     TOTAL_STEPS,
-    WORDS,
     cli,
     env_with,
     expected_sample_ids,
@@ -28,6 +27,7 @@ from cli_runs import (
     wait_for_rows,
     wait_gone,
 )
+from repo_paths import REPO_ROOT
 
 from recipe_gkd.observe.metrics import read_metrics
 from recipe_gkd.runtime.checkpoint import list_checkpoints, verify
@@ -51,9 +51,42 @@ def kill_after_rows(cmd: list[str], run_dir: Path, rows: int, log: Path) -> None
     assert not leftover, f"kill -9 of the driver's process group left processes behind: {leftover}"
 
 
-# The read-ahead schedule (its checkpoint's data position trails the stream); a sync resume is checked
+# The read-ahead schedule (its checkpoint's data position trails the stream); every schedule's resume is checked
 # against the uninterrupted run in-process (tests/recipe_gkd/test_gkd_loop.py).
 CRASH_CASES = [("one_step_off", 1)]
+# The killed run is multi-turn: the tool demo's committed student calls the calculator (configs/presets/cpu_tools.yaml).
+TOOL_ASSETS = REPO_ROOT / "assets" / "tools"
+TOOL_RECORDS = 24
+MULTI_TURN = [
+    "rollout.env=calculator",
+    "rollout.max_turns=4",
+    "rollout.max_total_tokens=224",
+    "rollout.tool_timeout_s=5",
+    "rollout.sampling.max_new_tokens=40",
+    "data.max_prompt_length=64",
+]
+# A trajectory as the step rows hold it: a batch sampled with the same weights and seeds repeats every column.
+TRAJECTORY_COLUMNS = (
+    "batch",
+    "sample_ids",
+    "staleness",
+    "response_tokens",
+    "reward",
+    "turns",
+    "tool_calls",
+    "tool_failures",
+    "tool_tokens",
+)
+
+
+@pytest.fixture(scope="module")
+def tool_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    data = tmp_path_factory.mktemp("crash_tools") / "train.jsonl"
+    records = (TOOL_ASSETS / "data" / "train.jsonl").read_text().splitlines(keepends=True)[:TOOL_RECORDS]
+    data.write_text("".join(records))
+    return {"student": TOOL_ASSETS / "student", "teacher": TOOL_ASSETS / "teacher", "data": data}
+
+
 # The rerun's actor: two pipeline stages, its weights to the rollout over a gloo group (tensor parallel through the
 # CLI: test_recipe_smoke.py's TP x DP run).
 PP2 = ["cluster.gpus_per_node=4", "actor.gpus_per_node=2", "actor.megatron.pp=2", "weight_sync.transport=gloo"]
@@ -62,13 +95,15 @@ PP2 = ["cluster.gpus_per_node=4", "actor.gpus_per_node=2", "actor.megatron.pp=2"
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "case_seed"), CRASH_CASES, ids=[c[0] for c in CRASH_CASES])
 def test_kill_9_then_resume_trains_every_prompt_once(
-    inputs: dict[str, Path], tmp_path: Path, schedule: str, case_seed: int
+    tool_inputs: dict[str, Path], tmp_path: Path, schedule: str, case_seed: int
 ) -> None:
-    """kill -9 at PP=1, rerun the command at PP=2 over a gloo weight-sync group: it resumes from the last complete
-    checkpoint at the other pipeline size and trains every prompt once, in the uninterrupted order. Its export (stage 1
-    sends its layers to rank 0) equals, bit for bit, the export tool's from the last checkpoint into one stage."""
+    """kill -9 of a multi-turn run (the calculator) at PP=1, rerun the command at PP=2 over a gloo weight-sync group:
+    it resumes from the last complete checkpoint at the other pipeline size and trains every prompt once, in the
+    uninterrupted order; the batches it redoes with the checkpoint's weights repeat the killed run's trajectories
+    (turns, tool calls, tokens, rewards). Its export (stage 1 sends its layers to rank 0) equals, bit for bit, the
+    export tool's from the last checkpoint into one stage."""
     run_dir = tmp_path / "run"
-    cmd = cli(inputs, run_dir, f"algorithm.schedule={schedule}")
+    cmd = cli(tool_inputs, run_dir, f"algorithm.schedule={schedule}", *MULTI_TURN)
     crash_rows = random.Random(case_seed).randint(SAVE_EVERY + 1, TOTAL_STEPS - 1)  # a random step > 2
     kill_after_rows(cmd, run_dir, crash_rows, tmp_path / "killed.log")
     written = read_metrics(run_dir)
@@ -83,9 +118,17 @@ def test_kill_9_then_resume_trains_every_prompt_once(
     assert [r["step"] for r in rows] == list(range(1, TOTAL_STEPS + 1)), "every step exactly once"
     assert [r["batch"] for r in rows] == list(range(TOTAL_STEPS))
     assert [r["weight_version"] for r in rows] == list(range(1, TOTAL_STEPS + 1))
-    assert [r["sample_ids"] for r in rows] == expected_sample_ids(TOTAL_STEPS, len(WORDS)), (
+    assert [r["sample_ids"] for r in rows] == expected_sample_ids(TOTAL_STEPS, TOOL_RECORDS), (
         "the trained prompt sequence differs from an uninterrupted run's"
     )
+    assert all(r["tool_calls"] > 0 for r in rows), "the student calls the tool at every step"
+    # one_step_off after checkpoint f: batches f and f + 1 are both sampled with its weights, in either run.
+    resumed_at = int(complete[-1].name.split("_")[-1])
+    redone = range(resumed_at, min(resumed_at + 2, len(written)))
+    assert redone, f"the killed run wrote no step after checkpoint {resumed_at} (rows: {len(written)})"
+    for i in redone:
+        for key in TRAJECTORY_COLUMNS:
+            assert rows[i][key] == written[i][key], f"batch {i}: {key} {rows[i][key]} != {written[i][key]} (killed run)"
     kept = list_checkpoints(run_dir)
     assert [p.name for p in kept] == ["step_000004", "step_000006"], "trainer.keep_last=2"
     assert_export_on_demand_equals_the_final_export(run_dir, tmp_path / "exported")

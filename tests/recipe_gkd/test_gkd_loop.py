@@ -205,19 +205,31 @@ def test_a_broken_schedule_is_caught(
         check_schedule(rows, "one_step_off", sync_rows)
 
 
+# With a checkpoint every 3 steps the pipeline starts afresh at batch 3: its batch is sampled with the checkpoint's
+# weights in the uninterrupted run too.
+STALENESS_SAVING_EVERY_3 = {"sync": [0] * 6, "one_step_off": [0, 1, 1, 0, 1, 1], "two_step_off": [0, 1, 2, 0, 1, 2]}
+
+
 @pytest.mark.slow
-def test_a_resumed_run_equals_the_uninterrupted_one(repo_root: Path, small_data: Path, tmp_path: Path) -> None:
-    # sync: an async schedule's resumed batch is sampled with the checkpoint's weights, not staler ones.
-    common = ("algorithm.schedule=sync", "trainer.save_every=3")
-    whole = small_run(repo_root, small_data, tmp_path / "whole", "sync", *common)
+@pytest.mark.parametrize("schedule", ["sync", "one_step_off", "two_step_off"])
+def test_a_resumed_run_equals_the_uninterrupted_one(
+    repo_root: Path, small_data: Path, tmp_path: Path, schedule: str
+) -> None:
+    """A run stopped after its checkpoint at step 3 and resumed from it logs what the uninterrupted run logs: the
+    same batches, sampled with the same weights (staleness), the same sampled responses (lengths, rewards,
+    the sampled tokens' log-ratio to the teacher) and the same losses; on every schedule, read-ahead ones included."""
+    common = ("trainer.save_every=3",)
+    whole = small_run(repo_root, small_data, tmp_path / "whole", schedule, *common)
+    assert [r["staleness"] for r in whole] == STALENESS_SAVING_EVERY_3[schedule]
     run_dir = tmp_path / "halves"
-    small_run(repo_root, small_data, run_dir, "sync", *common, "trainer.total_steps=3")
-    cfg = small_config(repo_root, small_data, run_dir, *common)
+    small_run(repo_root, small_data, run_dir, schedule, *common, "trainer.total_steps=3")
+    cfg = small_config(repo_root, small_data, run_dir, f"algorithm.schedule={schedule}", *common)
     resumed = train_in_process(cfg, resume=checkpoint.prepare_resume(cfg))
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6], "the first half's rows are kept, the rest appended"
-    for key in ("batch", "sample_ids", "weight_version", "staleness"):
+    for key in ("batch", "sample_ids", "weight_version", "staleness", "response_tokens", "reward"):
         assert [r[key] for r in resumed] == [r[key] for r in whole], key
-    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in whole], rtol=1e-5)
+    for key in ("loss", "sampled_reverse_kl", "teacher_topk_mass"):
+        np.testing.assert_allclose([r[key] for r in resumed], [r[key] for r in whole], rtol=1e-5, err_msg=key)
 
 
 def test_more_than_one_actor_rank_is_refused(repo_root: Path, tmp_path: Path) -> None:
