@@ -17,7 +17,7 @@ from repo_paths import REPO_ROOT
 from teacher_servers import VOCAB, write_teacher_yaml
 
 from teacher_server.client.launcher import TeacherProcess, launch_teacher
-from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError
+from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError, TeacherRequestError
 from teacher_server.server.backends import Backend, BackendOptions, load_backend, parsed_request
 from teacher_server.wire import protocol as P
 from teacher_server.wire.score_frames import RequestLimits, parse_score_request
@@ -27,15 +27,6 @@ TOP_K = 16
 # vLLM's CPU kernels and HF's differ in summation order.
 ATOL = 1e-4
 READY_TIMEOUT_S = 300.0
-
-
-@pytest.fixture(scope="module")
-def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with head_dim 32: vLLM's CPU attention has no kernel for the default 16."""
-    from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
-
-    spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
-    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny_vllm"), seed=0, spec=spec)
 
 
 # A run whose longest scored sequence is data.max_prompt_length + rollout.sampling.max_new_tokens.
@@ -57,29 +48,59 @@ def least_model_len() -> int:
 
 
 @pytest.fixture(scope="module")
-def vllm_backend(vllm_model_dir: Path, vllm_in_this_process: None) -> Iterator[Backend]:
-    """The engine built with the smallest max_model_len the config accepts (LONGEST)."""
+def vllm_bpe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with head_dim 32 (vLLM's CPU attention has no kernel for the default 16), a Llama-3-shaped
+    byte-level BPE and chat template (text requests need one)."""
+    from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
+
+    spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("vllm_bpe"), seed=0, spec=spec, tokenizer_kind="llama3_bpe")
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_bpe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TeacherProcess]:
+    """One teacher server on the vllm backend (a process of its own) for every logprob test below: token requests
+    against the HF backend, the refusals, text requests (algorithm.cross_tokenizer). Its engine is built with the
+    smallest max_model_len the config accepts (LONGEST)."""
     pytest.importorskip("vllm")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    options = BackendOptions(str(vllm_model_dir), max_top_k=64, dtype="float32", max_model_len=least_model_len())
-    yield load_backend("vllm", options)
+    root = tmp_path_factory.mktemp("vllm_server")
+    yaml_path = write_teacher_yaml(
+        root / "teacher.yaml", vllm_bpe_model, backend="vllm", dtype="float32", max_model_len=least_model_len()
+    )
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with launch_teacher(yaml_path, ready_timeout_s=READY_TIMEOUT_S, log_path=root / "server.log", env=env) as server:
+        yield server
 
 
-def _batch() -> tuple[list[np.ndarray], list[int]]:
+@pytest.fixture(scope="module")
+def hf_bpe(vllm_bpe_model: Path) -> Backend:
+    """The HF backend on the same model: the reference."""
+    return load_backend("hf", BackendOptions(str(vllm_bpe_model), max_top_k=64))
+
+
+def _batch(vocab: int) -> tuple[list[np.ndarray], list[int]]:
     rng = np.random.default_rng(0)
-    seqs = [rng.integers(0, VOCAB, size=n).astype(np.int32) for n in (12, 40, 3, 25)]
+    seqs = [rng.integers(0, vocab, size=n).astype(np.int32) for n in (12, 40, 3, 25)]
     return seqs, [5, 1, 3, 24]
 
 
-def test_vllm_matches_hf_at_temperature_one(vllm_backend: Backend, vllm_model_dir: Path) -> None:
-    hf = load_backend("hf", BackendOptions(str(vllm_model_dir), max_top_k=64))
-    assert (
-        vllm_backend.info.vocab_size == hf.info.vocab_size
-        and vllm_backend.info.tokenizer_hash == hf.info.tokenizer_hash
-    )
-    seqs, starts = _batch()
-    got = vllm_backend.score(parsed_request(seqs, starts, top_k=TOP_K)).split()
-    want = hf.score(parsed_request(seqs, starts, top_k=TOP_K)).split()
+def _client(server: TeacherProcess, top_k: int = TOP_K) -> TeacherClient:
+    # float32 on the wire: the comparison with HF is of the engine's values, not of the wire's rounding.
+    return TeacherClient(server.address, timeout_s=120.0, top_k=top_k, logprob_dtype="float32")
+
+
+@pytest.mark.slow
+def test_vllm_matches_hf_at_temperature_one(vllm_server: TeacherProcess, hf_bpe: Backend) -> None:
+    with _client(vllm_server) as client:
+        hello = client.connect()
+        assert (hello.backend, hello.vocab_size, hello.tokenizer_hash) == (
+            "vllm",
+            hf_bpe.info.vocab_size,
+            hf_bpe.info.tokenizer_hash,
+        )
+        seqs, starts = _batch(hello.vocab_size)
+        got = client.score(seqs, starts)
+    want = hf_bpe.score(parsed_request(seqs, starts, top_k=TOP_K)).split()
     for seq, start, g, w in zip(seqs, starts, got, want, strict=True):
         assert g.n_scored == w.n_scored == seq.size - start
         if not g.n_scored:
@@ -94,41 +115,50 @@ def test_vllm_matches_hf_at_temperature_one(vllm_backend: Backend, vllm_model_di
         )
 
 
-def test_vllm_top_k_zero_scores_the_sampled_tokens_only(vllm_backend: Backend, vllm_model_dir: Path) -> None:
-    hf = load_backend("hf", BackendOptions(str(vllm_model_dir), max_top_k=64))
-    seqs, starts = _batch()
-    got = vllm_backend.score(parsed_request(seqs, starts, top_k=0)).split()
-    want = hf.score(parsed_request(seqs, starts, top_k=0)).split()
+@pytest.mark.slow
+def test_vllm_top_k_zero_scores_the_sampled_tokens_only(vllm_server: TeacherProcess, hf_bpe: Backend) -> None:
+    seqs, starts = _batch(hf_bpe.info.vocab_size)
+    with _client(vllm_server, top_k=0) as client:
+        got = client.score(seqs, starts)
+    want = hf_bpe.score(parsed_request(seqs, starts, top_k=0)).split()
     for seq, start, g, w in zip(seqs, starts, got, want, strict=True):
         assert g.topk_ids.shape == (seq.size - start, 0)
         np.testing.assert_allclose(g.sampled_logprob, w.sampled_logprob, atol=ATOL)
         np.testing.assert_array_equal(g.tail_logmass, np.zeros(seq.size - start, np.float32))
 
 
-def test_the_longest_sequence_the_config_allows_is_scored(vllm_backend: Backend) -> None:
-    """A full-length prompt whose response runs to max_new_tokens reaches the teacher whole."""
+@pytest.mark.slow
+def test_the_longest_sequence_the_config_allows_is_scored(vllm_server: TeacherProcess, hf_bpe: Backend) -> None:
+    """A full-length prompt whose response runs to max_new_tokens reaches the teacher whole; one token more is
+    refused naming teacher.max_model_len."""
     longest = 48 + 16
-    seq = np.random.default_rng(1).integers(0, VOCAB, size=longest).astype(np.int32)
-    (got,) = vllm_backend.score(parsed_request([seq], [48], top_k=TOP_K)).split()
-    assert got.n_scored == 16 and np.isfinite(got.topk_logprobs).all()
-    with pytest.raises(ValueError, match=r"teacher\.max_model_len"):
-        vllm_backend.score(parsed_request([np.append(seq, seq[:1])], [48], top_k=TOP_K))
+    seq = np.random.default_rng(1).integers(0, hf_bpe.info.vocab_size, size=longest).astype(np.int32)
+    with _client(vllm_server) as client:
+        (got,) = client.score([seq], [48])
+        assert got.n_scored == 16 and np.isfinite(got.topk_logprobs).all()
+        with pytest.raises(TeacherRequestError, match=r"teacher\.max_model_len"):
+            client.score([np.append(seq, seq[:1])], [48])
 
 
-def test_vllm_named_ids_equal_hf_or_are_refused(vllm_backend: Backend, vllm_model_dir: Path) -> None:
+@pytest.mark.slow
+def test_vllm_named_ids_equal_hf_or_are_refused(vllm_server: TeacherProcess, hf_bpe: Backend) -> None:
     """With the V2 model runner (GPUs with Triton) vLLM scores named ids like HF's full distribution; vllm-cpu
-    runs V1, where the handshake says max_named_ids=0 (the client refuses union before sending)."""
-    from teacher_server.server.backends.vllm import named_ids_supported
-
-    assert vllm_backend.info.max_named_ids == (64 if named_ids_supported(vllm_backend.llm) else 0)  # type: ignore[attr-defined]
-    if not vllm_backend.info.max_named_ids:
-        return
-    hf = load_backend("hf", BackendOptions(str(vllm_model_dir), max_top_k=64))
-    seqs, starts = _batch()
+    runs V1, where the handshake says max_named_ids=0 and the client refuses named ids before sending."""
+    seqs, starts = _batch(hf_bpe.info.vocab_size)
     rng = np.random.default_rng(1)
-    named = [rng.integers(0, VOCAB, size=(s.size - f, 6)).astype(np.int32) for s, f in zip(seqs, starts, strict=True)]
-    got = vllm_backend.score(parsed_request(seqs, starts, top_k=TOP_K, named_ids=named)).split()
-    want = hf.score(parsed_request(seqs, starts, top_k=TOP_K, named_ids=named)).split()
+    named = [
+        rng.integers(0, hf_bpe.info.vocab_size, size=(s.size - f, 6)).astype(np.int32)
+        for s, f in zip(seqs, starts, strict=True)
+    ]
+    with _client(vllm_server) as client:
+        hello = client.connect()
+        assert hello.max_named_ids in (0, 64)
+        if not hello.max_named_ids:
+            with pytest.raises(TeacherMismatchError):
+                client.score(seqs, starts, named_ids=named)
+            return
+        got = client.score(seqs, starts, named_ids=named)
+    want = hf_bpe.score(parsed_request(seqs, starts, top_k=TOP_K, named_ids=named)).split()
     for g, w in zip(got, want, strict=True):
         assert g.named_logprobs is not None and w.named_logprobs is not None
         np.testing.assert_allclose(g.named_logprobs, w.named_logprobs, atol=ATOL)
@@ -136,50 +166,23 @@ def test_vllm_named_ids_equal_hf_or_are_refused(vllm_backend: Backend, vllm_mode
         np.testing.assert_allclose(g.other_logmass, w.other_logmass, atol=1e-3)
 
 
-def test_vllm_refuses_temperatures_other_than_one(vllm_backend: Backend) -> None:
-    assert not vllm_backend.info.supports_temperature
-    with pytest.raises(ValueError, match=r"teacher\.temperature"):
-        vllm_backend.score(parsed_request([[1, 2, 3]], [1], top_k=4, temperature=0.7))
-    limits = RequestLimits(VOCAB, 64, 1 << 20, supports_temperature=False)
-    request = P.ScoreRequest(P.PROTOCOL_VERSION, 1, [3], [1], 4, 0.7)
-    with pytest.raises(P.ProtocolError) as err:
-        parse_score_request(request, [np.array([1, 2, 3], np.int32).tobytes()], limits)
-    assert err.value.code == P.ErrorCode.UNSUPPORTED
-
-
-@pytest.fixture(scope="module")
-def vllm_bpe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """vllm_model_dir's shape with a Llama-3-shaped byte-level BPE and chat template (text requests need one)."""
-    from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
-
-    spec = TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
-    return build_tiny_causal_lm(tmp_path_factory.mktemp("vllm_bpe"), seed=0, spec=spec, tokenizer_kind="llama3_bpe")
-
-
-@pytest.fixture(scope="module")
-def vllm_server(vllm_bpe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TeacherProcess]:
-    """One teacher server on the vllm backend (a process of its own) for both round trips below: token requests, and
-    text requests (algorithm.cross_tokenizer)."""
-    pytest.importorskip("vllm")
-    root = tmp_path_factory.mktemp("vllm_server")
-    yaml_path = write_teacher_yaml(root / "teacher.yaml", vllm_bpe_model, backend="vllm", dtype="float32")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with launch_teacher(yaml_path, ready_timeout_s=READY_TIMEOUT_S, log_path=root / "server.log", env=env) as server:
-        yield server
-
-
 @pytest.mark.slow
-def test_vllm_server_round_trip(vllm_server: TeacherProcess) -> None:
+def test_vllm_refuses_temperatures_other_than_one(vllm_server: TeacherProcess, hf_bpe: Backend) -> None:
+    """At the handshake (the client is told before it sends), and in a request that names one all the same."""
     with (
         TeacherClient(vllm_server.address, top_k=8, temperature=0.5) as client,
         pytest.raises(TeacherMismatchError, match=r"teacher\.temperature"),
     ):
         client.connect()
-    with TeacherClient(vllm_server.address, top_k=8) as client:
-        seqs, starts = _batch()
-        assert [s.n_scored for s in client.score(seqs, starts)] == [
-            s.size - f for s, f in zip(seqs, starts, strict=True)
-        ]
+    with _client(vllm_server) as client:
+        assert not client.connect().supports_temperature
+        with pytest.raises(TeacherRequestError, match=r"teacher\.temperature"):
+            client.score([[1, 2, 3]], [1], temperature=0.7)
+    limits = RequestLimits(VOCAB, 64, 1 << 20, supports_temperature=False)
+    request = P.ScoreRequest(P.PROTOCOL_VERSION, 1, [3], [1], 4, 0.7)
+    with pytest.raises(P.ProtocolError) as err:
+        parse_score_request(request, [np.array([1, 2, 3], np.int32).tobytes()], limits)
+    assert err.value.code == P.ErrorCode.UNSUPPORTED
 
 
 @pytest.mark.slow
