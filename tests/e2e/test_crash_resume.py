@@ -20,7 +20,7 @@ import pytest
 from cli_runs import (
     SAVE_EVERY,
     TOTAL_STEPS,
-    cli,
+    checkpointed_cli,
     env_with,
     expected_sample_ids,
     run_to_end,
@@ -103,7 +103,7 @@ def test_kill_9_then_resume_trains_every_prompt_once(
     (turns, tool calls, tokens, rewards). Its export (stage 1 sends its layers to rank 0) equals, bit for bit, the
     export tool's from the last checkpoint into one stage."""
     run_dir = tmp_path / "run"
-    cmd = cli(tool_inputs, run_dir, f"algorithm.schedule={schedule}", *MULTI_TURN)
+    cmd = checkpointed_cli(tool_inputs, run_dir, f"algorithm.schedule={schedule}", *MULTI_TURN)
     crash_rows = random.Random(case_seed).randint(SAVE_EVERY + 1, TOTAL_STEPS - 1)  # a random step > 2
     kill_after_rows(cmd, run_dir, crash_rows, tmp_path / "killed.log")
     written = read_metrics(run_dir)
@@ -160,7 +160,7 @@ def test_sigterm_stops_workers_and_teacher_keeps_the_checkpoint_and_exits_143(
     run_dir = tmp_path / "run"
     tag = uuid.uuid4().hex
     log = tmp_path / "terminated.log"
-    cmd = cli(inputs, run_dir, "algorithm.schedule=one_step_off", "trainer.total_steps=1000")
+    cmd = checkpointed_cli(inputs, run_dir, "algorithm.schedule=one_step_off", "trainer.total_steps=1000")
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env_with(tag), start_new_session=True)
     try:

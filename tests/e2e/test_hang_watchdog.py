@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cli_runs import cli, run_to_end
+from cli_runs import checkpointed_cli, run_to_end
 
 from recipe_gkd.main import EXIT_HANG
 
@@ -23,7 +23,7 @@ def test_a_stuck_rollout_dumps_every_stack_and_names_itself(
 ) -> None:
     run_dir = tmp_path / "run"
     overrides = [f"debug.hang_timeout_s={HANG_TIMEOUT_S}", f"debug.teacher_latency_s={STUCK_TEACHER_S}"]
-    proc = run_to_end(cli(inputs, run_dir, "trainer.save_every=0", *overrides))
+    proc = run_to_end(checkpointed_cli(inputs, run_dir, "trainer.save_every=0", *overrides))
     assert proc.returncode == EXIT_HANG, proc.stdout[-2000:] + proc.stderr[-4000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "phase 'rollout of step 0'" in last and "stuck: rollout0 at rollout/teacher_set.py" in last, last

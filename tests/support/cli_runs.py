@@ -24,7 +24,9 @@ RUN_TIMEOUT_S = 420
 ORPHAN_GRACE_S = 20
 
 
-def cli(inputs: dict[str, Path], run_dir: Path, *overrides: str) -> list[str]:
+def cli_command(inputs: dict[str, Path], run_dir: Path, *overrides: str) -> list[str]:
+    """`python -m recipe_gkd.main` on the tests' tiny models and data (`inputs`: student, teacher, data): every CLI
+    run of the suite starts from this command; a test's own overrides come last and win."""
     return [
         sys.executable,
         "-m",
@@ -40,13 +42,24 @@ def cli(inputs: dict[str, Path], run_dir: Path, *overrides: str) -> list[str]:
         "actor.micro_batch_size=4",
         "rollout.sampling.max_new_tokens=6",
         "teacher.address=tcp://127.0.0.1:0",
+        # Requests on 2 busy cores beside 6 Ray workers may wait longer than the preset's 60 s.
+        "teacher.timeout_s=180",
+        f"trainer.run_dir={run_dir}",
+        *overrides,
+    ]
+
+
+def checkpointed_cli(inputs: dict[str, Path], run_dir: Path, *overrides: str) -> list[str]:
+    """The crash tests' command: TOTAL_STEPS steps without evaluation, a checkpoint every SAVE_EVERY, two kept."""
+    return cli_command(
+        inputs,
+        run_dir,
         "trainer.eval_every=0",
         f"trainer.total_steps={TOTAL_STEPS}",
         f"trainer.save_every={SAVE_EVERY}",
         "trainer.keep_last=2",
-        f"trainer.run_dir={run_dir}",
         *overrides,
-    ]
+    )
 
 
 def tagged_processes(tag: str) -> list[int]:
@@ -116,27 +129,7 @@ def run_cli(
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, TAG_VAR: tag, "PYTHONPATH": f"{python_path}:{repo}" if python_path else repo}
     env.update(extra_env or {})
-    cmd = [
-        sys.executable,
-        "-m",
-        "recipe_gkd.main",
-        "--config",
-        str(DEFAULT_CONFIG),
-        f"model.student_path={inputs['student']}",
-        f"teacher.model_path={inputs['teacher']}",
-        f"data.train_files=[{inputs['data']}]",
-        f"data.eval_files=[{inputs['data']}]",
-        "data.train_batch_size=8",
-        "data.eval_batch_size=8",
-        "actor.micro_batch_size=4",
-        "rollout.sampling.max_new_tokens=6",
-        "teacher.address=tcp://127.0.0.1:0",
-        # Requests on 2 busy cores beside 6 Ray workers may wait longer than the preset's 60 s
-        # (a test's own override still wins).
-        "teacher.timeout_s=180",
-        f"trainer.run_dir={run_dir}",
-        *overrides,
-    ]
+    cmd = cli_command(inputs, run_dir, *overrides)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     leftover = wait_gone(tag)
     assert not leftover, f"the run left processes behind: {leftover}"
