@@ -29,7 +29,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 import zipfile
 from dataclasses import asdict
 from pathlib import Path
@@ -40,7 +39,7 @@ import torch
 from benchmarks.real_pair import prompts as prompt_set
 from benchmarks.real_pair.pruning import kept_layers, prune_model
 from benchmarks.real_pair.scoring import greedy, score_student
-from recipe_gkd.demo.build_assets import deterministic_torch, files_problem, install_built, sha256_file
+from recipe_gkd.demo.build_assets import Laps, build_unless_current, recipe_manifest_problem, sha256_file
 from recipe_gkd.demo.sft import SFTConfig, sft_train
 from recipe_gkd.demo.task import Example
 
@@ -63,7 +62,6 @@ STUDENT_LAYERS = 15
 PRUNING = "ends"
 KEEP = kept_layers(30, STUDENT_LAYERS, PRUNING)
 HEAL = SFTConfig(steps=24, batch_size=8, lr=3e-4, warmup_steps=4, min_lr_ratio=0.1, seed=1)
-ENTRIES = ("data", "teacher", "student")
 MANIFEST = "manifest.json"
 
 
@@ -139,18 +137,10 @@ def teacher_records(teacher: Any, tokenizer: Any, prompts: list[str]) -> list[di
 def _build_into(work: Path, cache: Path) -> dict[str, Any]:
     import transformers
 
-    seconds: dict[str, float] = {}
-    t = start = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal t
-        seconds[name] = round(time.perf_counter() - t, 1)
-        print(f"  {name}: {seconds[name]:.1f} s", flush=True)
-        t = time.perf_counter()
-
+    laps = Laps()
     teacher, tokenizer = load_dequantized(fetch_gguf(cache))
     save_model(teacher, tokenizer, work / "teacher")
-    lap("teacher")
+    laps.lap("teacher")
     total = HEAL_PROMPTS + TRAIN_PROMPTS + EVAL_PROMPTS
     every = prompt_set.generate_prompts(total, PROMPT_SEED)
     splits = {
@@ -161,19 +151,18 @@ def _build_into(work: Path, cache: Path) -> dict[str, Any]:
     records = {name: teacher_records(teacher, tokenizer, p) for name, p in splits.items()}
     for name, rows in records.items():
         write_records(work / "data" / f"{name}.jsonl", rows)
-    lap("teacher_responses")
+    laps.lap("teacher_responses")
     student = prune_model(teacher, KEEP)
     evals = records["eval"]
     eval_args = (tokenizer, [r["prompt"] for r in evals], [r["response"] for r in evals], MAX_NEW_TOKENS)
     pruned, _ = score_student(student, teacher, *eval_args)
-    lap("score_pruned")
+    laps.lap("score_pruned")
     heal = [Example(r["prompt"], r["response"], "") for r in records["heal"]]
     losses = sft_train(student, tokenizer, heal, HEAL)
-    lap("heal")
+    laps.lap("heal")
     healed, _ = score_student(student, teacher, *eval_args)
     save_model(student, tokenizer, work / "student")
-    lap("score_healed")
-    seconds["total"] = round(time.perf_counter() - start, 1)
+    laps.lap("score_healed")
     return {
         "recipe": recipe(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
@@ -186,44 +175,27 @@ def _build_into(work: Path, cache: Path) -> dict[str, Any]:
             "eval_pruned": asdict(pruned),
             "eval_healed": asdict(healed),
         },
-        "seconds": seconds,
+        "seconds": laps.total(),
     }
 
 
 def manifest_problem(out: Path) -> str | None:
     """Why `out` does not hold the complete pair of the current recipe (None when it does)."""
-    path = out / MANIFEST
-    if not path.is_file():
-        return f"no {path}"
-    manifest = json.loads(path.read_text())
-    if manifest.get("recipe") != json.loads(json.dumps(recipe())):
-        return "the recipe changed since the pair was built"
-    files = manifest.get("files", {})
-    missing = [name for name in ("teacher/model.safetensors", "student/model.safetensors") if name not in files]
-    if missing:
-        return f"the manifest lacks {missing}"
-    return files_problem(out, files)
+    return recipe_manifest_problem(out, recipe(), ("teacher/model.safetensors", "student/model.safetensors"))
 
 
 def build(out: Path, cache: Path, force: bool = False) -> dict[str, Any]:
-    problem = manifest_problem(out)
-    if problem is None and not force:
-        print(f"real pair: {out} is complete and matches the recipe; nothing to do (--force rebuilds)")
-        return json.loads((out / MANIFEST).read_text())
-    print(f"real pair: building into {out} ({'--force' if problem is None else problem})", flush=True)
-
-    def build_into(work: Path) -> dict[str, Any]:
-        with deterministic_torch(BUILD_THREADS):
-            return _build_into(work, cache)
-
-    manifest = install_built(out, build_into)
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    s = manifest["student"]
-    print(
-        f"real pair: teacher {manifest['teacher']['params']:,} params; student {s['params']:,} params "
-        f"(layers {KEEP}); held-out KL(teacher || student) {s['eval_pruned']['teacher_kl']:.2f} pruned -> "
-        f"{s['eval_healed']['teacher_kl']:.2f} healed; data {manifest['data']}; {manifest['seconds']['total']:.0f} s"
+    manifest, built = build_unless_current(
+        out, "real pair", manifest_problem(out), force, lambda work: _build_into(work, cache), threads=BUILD_THREADS
     )
+    if built:
+        s = manifest["student"]
+        print(
+            f"real pair: teacher {manifest['teacher']['params']:,} params; student {s['params']:,} params "
+            f"(layers {KEEP}); held-out KL(teacher || student) {s['eval_pruned']['teacher_kl']:.2f} pruned -> "
+            f"{s['eval_healed']['teacher_kl']:.2f} healed; data {manifest['data']}; "
+            f"{manifest['seconds']['total']:.0f} s"
+        )
     return manifest
 
 

@@ -242,14 +242,20 @@ def file_table(root: Path, entries: Sequence[str] = ENTRIES) -> dict[str, dict[s
 
 def manifest_problem(out: Path, assets: TaskAssets = DEMO) -> str | None:
     """Why `out` does not hold complete assets of the current recipe (None when it does)."""
+    return recipe_manifest_problem(out, recipe(assets), REQUIRED_FILES)
+
+
+def recipe_manifest_problem(out: Path, current_recipe: dict[str, Any], required: Sequence[str]) -> str | None:
+    """Why `out` does not hold what `current_recipe` builds (None when it does): no manifest, another recipe, a
+    `required` file missing from the manifest, or a file that differs from it. Every asset builder's check."""
     path = out / MANIFEST
     if not path.is_file():
         return f"no {path}"
     manifest = json.loads(path.read_text())
-    if manifest.get("recipe") != json.loads(json.dumps(recipe(assets))):
-        return "the recipe changed since the assets were built"
+    if manifest.get("recipe") != json.loads(json.dumps(current_recipe)):
+        return "the recipe changed since the last build"
     files = manifest.get("files", {})
-    missing = [name for name in REQUIRED_FILES if name not in files]
+    missing = [name for name in required if name not in files]
     if missing:
         return f"the manifest lacks {missing}"
     return files_problem(out, files)
@@ -266,7 +272,8 @@ def files_problem(out: Path, files: dict[str, Any]) -> str | None:
     return None
 
 
-def _load(model_dir: Path) -> tuple[Any, Any]:
+def load_model(model_dir: Path) -> tuple[Any, Any]:
+    """(model in float32, tokenizer) of a built model directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -277,17 +284,17 @@ def _load(model_dir: Path) -> tuple[Any, Any]:
 def train_teacher(model_dir: Path, splits: task.Splits, assets: TaskAssets) -> dict[str, Any]:
     """Initialise and fully train the teacher in `model_dir`; returns its manifest entry."""
     build_tiny_causal_lm(model_dir, seed=assets.teacher.init_seed, spec=assets.teacher.spec)
-    model, tokenizer = _load(model_dir)
+    model, tokenizer = load_model(model_dir)
     losses = sft_train(model, tokenizer, splits.train, assets.teacher.sft, encode=assets.teacher_encode)
     model.save_pretrained(str(model_dir), safe_serialization=True)
-    return {"params": _params(model), "steps": len(losses), "final_loss": losses[-1]}
+    return {"params": count_params(model), "steps": len(losses), "final_loss": losses[-1]}
 
 
 def train_student(model_dir: Path, splits: task.Splits, assets: TaskAssets) -> dict[str, Any]:
     """Initialise the student in `model_dir` and warm it up until its dev accuracy hits the target."""
     student = assets.student
     build_tiny_causal_lm(model_dir, seed=student.init_seed, spec=student.spec)
-    model, tokenizer = _load(model_dir)
+    model, tokenizer = load_model(model_dir)
     dev_accuracy: list[float] = []
 
     def reached_target(steps_done: int) -> bool:
@@ -303,66 +310,99 @@ def train_student(model_dir: Path, splits: task.Splits, assets: TaskAssets) -> d
             f"in {student.sft.steps} steps; raise the student's sft.steps"
         )
     model.save_pretrained(str(model_dir), safe_serialization=True)
-    return {"params": _params(model), "steps": len(losses), "final_loss": losses[-1], "dev_accuracy": dev_accuracy[-1]}
+    return {
+        "params": count_params(model),
+        "steps": len(losses),
+        "final_loss": losses[-1],
+        "dev_accuracy": dev_accuracy[-1],
+    }
 
 
-def _params(model: torch.nn.Module) -> int:
+def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
 def build(out: Path, force: bool = False, assets: TaskAssets = DEMO) -> dict[str, Any]:
     """Build the assets into `out` unless a complete matching manifest is there; returns the manifest."""
-    problem = manifest_problem(out, assets)
+    manifest, built = build_unless_current(
+        out, f"{assets.name} assets", manifest_problem(out, assets), force, lambda work: _build_into(work, assets)
+    )
+    if built:
+        _print_summary(out, manifest, assets)
+    return manifest
+
+
+def build_unless_current(
+    out: Path,
+    label: str,
+    problem: str | None,
+    force: bool,
+    build_into: Callable[[Path], dict[str, Any]],
+    entries: Sequence[str] = ENTRIES,
+    threads: int = BUILD_THREADS,
+) -> tuple[dict[str, Any], bool]:
+    """Every asset builder's frame: (the manifest, whether it was built now). With `problem` None (the manifest
+    matches) and no `force`, the manifest already there. Otherwise `build_into(work)` runs with deterministic torch
+    on `threads` threads, its `entries` replace `out`'s (install_built), and the manifest it returned, with the
+    file table and their total bytes, is written last."""
     if problem is None and not force:
-        print(f"{assets.name} assets: {out} is complete and matches the recipe; nothing to do (--force rebuilds)")
-        return json.loads((out / MANIFEST).read_text())
-    print(f"{assets.name} assets: building into {out} ({'--force' if problem is None else problem})", flush=True)
+        print(f"{label}: {out} is complete and matches the recipe; nothing to do (--force rebuilds)")
+        return json.loads((out / MANIFEST).read_text()), False
+    print(f"{label}: building into {out} ({'--force' if problem is None else problem})", flush=True)
 
-    def build_into(work: Path) -> dict[str, Any]:
-        with deterministic_torch():
-            return _build_into(work, assets)
+    def deterministic(work: Path) -> dict[str, Any]:
+        with deterministic_torch(threads):
+            return build_into(work)
 
-    manifest = install_built(out, build_into)
+    manifest = install_built(out, deterministic, entries)
     manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"].values())
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    _print_summary(out, manifest, assets)
-    return manifest
+    return manifest, True
+
+
+class Laps:
+    """A builder's phase timer: `lap(name)` records and prints the seconds since the previous lap."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.start = self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self.last, 2)
+        print(f"  {name}: {self.seconds[name]:.1f} s", flush=True)
+        self.last = now
+
+    def total(self) -> dict[str, float]:
+        """The laps and the total since the timer started."""
+        return {**self.seconds, "total": round(time.perf_counter() - self.start, 2)}
 
 
 def _build_into(work: Path, assets: TaskAssets) -> dict[str, Any]:
     import transformers
 
-    seconds: dict[str, float] = {}
-    start = time.perf_counter()
-
-    def lap(name: str, since: float) -> float:
-        seconds[name] = round(time.perf_counter() - since, 2)
-        print(f"  {name}: {seconds[name]:.1f} s", flush=True)
-        return time.perf_counter()
-
-    t = time.perf_counter()
+    laps = Laps()
     splits = assets.splits()
     task.write_jsonl(work / "data/train.jsonl", splits.train)
     task.write_jsonl(work / "data/eval.jsonl", splits.eval)
-    t = lap("data", t)
+    laps.lap("data")
     teacher = train_teacher(work / "teacher", splits, assets)
-    t = lap("teacher_train", t)
+    laps.lap("teacher_train")
     student = train_student(work / "student", splits, assets)
-    t = lap("student_warmup", t)
+    laps.lap("student_warmup")
     eval_file = work / "data/eval.jsonl"
     for entry, model in ((teacher, "teacher"), (student, "student")):
         entry["eval_accuracy"] = greedy_accuracy(
             work / model, eval_file, match=assets.answer_match, max_new_tokens=assets.max_new_tokens
         )
-    lap("eval", t)
-    seconds["total"] = round(time.perf_counter() - start, 2)
+    laps.lap("eval")
     return {
         "recipe": recipe(assets),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "data": {"train": len(splits.train), "eval": len(splits.eval)},
         "teacher": teacher,
         "student": student,
-        "seconds": seconds,
+        "seconds": laps.total(),
     }
 
 

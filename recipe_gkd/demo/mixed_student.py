@@ -24,7 +24,6 @@ import argparse
 import json
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,11 +34,11 @@ from recipe_gkd.demo import sum_task, task
 from recipe_gkd.demo.build_assets import (
     BUILD_THREADS,
     STUDENT,
+    Laps,
     ModelRecipe,
     _model_recipe,
-    deterministic_torch,
-    files_problem,
-    install_built,
+    build_unless_current,
+    recipe_manifest_problem,
     sha256_file,
 )
 from recipe_gkd.demo.evaluate import accuracy_on
@@ -111,18 +110,12 @@ def dev_splits() -> dict[str, list[task.Example]]:
 
 def manifest_problem(out: Path) -> str | None:
     """Why `out` does not hold a complete student of the current recipe and training file (None when it does)."""
-    path = out / MANIFEST
-    if not path.is_file():
-        return f"no {path}"
-    manifest = json.loads(path.read_text())
-    if manifest.get("recipe") != json.loads(json.dumps(recipe())):
-        return "the recipe changed since the student was built"
-    if manifest.get("train_file_sha256") != sha256_file(out / TRAIN_FILE):
+    problem = recipe_manifest_problem(out, recipe(), ("student/model.safetensors",))
+    if problem is None and json.loads((out / MANIFEST).read_text()).get("train_file_sha256") != sha256_file(
+        out / TRAIN_FILE
+    ):
         return f"{out / TRAIN_FILE} changed since the student was built"
-    files = manifest.get("files", {})
-    if "student/model.safetensors" not in files:
-        return "the manifest lacks student/model.safetensors"
-    return files_problem(out, files)
+    return problem
 
 
 def _accuracies(model: torch.nn.Module, tokenizer: Any, examples: dict[str, list[task.Example]]) -> dict[str, float]:
@@ -198,38 +191,33 @@ def build(out: Path, force: bool = False) -> dict[str, Any]:
         raise FileNotFoundError(
             f"no {train_path}: build the mixed data set first: python -m recipe_gkd.demo.two_teachers"
         )
-    problem = manifest_problem(out)
-    if problem is None and not force:
-        print(f"mixed student: {out} is complete and matches the recipe; nothing to do (--force rebuilds)")
-        return json.loads((out / MANIFEST).read_text())
-    print(f"mixed student: building into {out / 'student'} ({'--force' if problem is None else problem})", flush=True)
-    start = time.perf_counter()
 
     def build_into(work: Path) -> dict[str, Any]:
-        with deterministic_torch():
-            student = warm_up(work / "student", read_train(train_path))
-            student["eval_accuracy"] = heldout_accuracy(work / "student", out / "data/eval.jsonl", EVAL_RECORDS)
-        return {"student": student}
+        import transformers
 
-    import transformers
+        laps = Laps()
+        student = warm_up(work / "student", read_train(train_path))
+        laps.lap("warm_up")
+        student["eval_accuracy"] = heldout_accuracy(work / "student", out / "data/eval.jsonl", EVAL_RECORDS)
+        laps.lap("eval")
+        return {
+            "recipe": recipe(),
+            "train_file_sha256": sha256_file(train_path),
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "student": student,
+            "seconds": laps.total()["total"],
+        }
 
-    built = install_built(out, build_into, entries=("student",))
-    student = built["student"]
-    manifest = {
-        "recipe": recipe(),
-        "train_file_sha256": sha256_file(train_path),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "student": student,
-        "seconds": round(time.perf_counter() - start, 2),
-        "files": built["files"],
-    }
-    # The manifest goes in last: its presence means the student beside it is complete.
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    accuracy = " ".join(f"{n}={a:.1%}" for n, a in student["eval_accuracy"].items())
-    print(
-        f"mixed student: {student['params']:,} params, {student['steps']} steps, held-out accuracy {accuracy} "
-        f"(first {EVAL_RECORDS} records of {out / 'data/eval.jsonl'}); built in {manifest['seconds']:.0f} s"
+    manifest, built = build_unless_current(
+        out, "mixed student", manifest_problem(out), force, build_into, entries=("student",)
     )
+    if built:
+        student = manifest["student"]
+        accuracy = " ".join(f"{n}={a:.1%}" for n, a in student["eval_accuracy"].items())
+        print(
+            f"mixed student: {student['params']:,} params, {student['steps']} steps, held-out accuracy {accuracy} "
+            f"(first {EVAL_RECORDS} records of {out / 'data/eval.jsonl'}); built in {manifest['seconds']:.0f} s"
+        )
     return manifest
 
 

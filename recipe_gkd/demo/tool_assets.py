@@ -20,9 +20,7 @@ and deterministic torch algorithms make a rebuild on the same machine and torch 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +29,13 @@ import torch
 from recipe_gkd.demo import tool_task
 from recipe_gkd.demo.build_assets import (
     BUILD_THREADS,
-    MANIFEST,
     REQUIRED_FILES,
+    Laps,
     ModelRecipe,
-    deterministic_torch,
-    files_problem,
-    install_built,
+    build_unless_current,
+    count_params,
+    load_model,
+    recipe_manifest_problem,
 )
 from recipe_gkd.demo.sft import SFTConfig, sft_train
 from recipe_gkd.offline_models import (
@@ -119,29 +118,7 @@ def _model_recipe(model: ModelRecipe) -> dict[str, Any]:
 
 def manifest_problem(out: Path) -> str | None:
     """Why `out` does not hold complete assets of the current recipe (None when it does)."""
-    path = out / MANIFEST
-    if not path.is_file():
-        return f"no {path}"
-    manifest = json.loads(path.read_text())
-    if manifest.get("recipe") != json.loads(json.dumps(recipe())):
-        return "the recipe changed since the assets were built"
-    files = manifest.get("files", {})
-    missing = [name for name in REQUIRED_FILES if name not in files]
-    if missing:
-        return f"the manifest lacks {missing}"
-    return files_problem(out, files)
-
-
-def _load(model_dir: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    return model, tokenizer
-
-
-def _params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    return recipe_manifest_problem(out, recipe(), REQUIRED_FILES)
 
 
 def train_teacher_and_student(work: Path, splits: tool_task.ToolSplits) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -150,7 +127,7 @@ def train_teacher_and_student(work: Path, splits: tool_task.ToolSplits) -> tuple
     records = splits.train[:TEACHER_TRAIN_RECORDS]
     tokenizer = build_tools_bpe_tokenizer(work / "teacher", [tool_task.conversation(r) for r in records])
     build_tiny_causal_lm(work / "teacher", seed=TEACHER.init_seed, spec=TEACHER.spec, tokenizer=tokenizer)
-    model, tokenizer = _load(work / "teacher")
+    model, tokenizer = load_model(work / "teacher")
     dev = [tool_task.encode_record_fast(tokenizer, r) for r in splits.dev]
     if dev != [tool_task.encode_record(tokenizer, r) for r in splits.dev]:
         raise RuntimeError("the fast encoding differs from the turn-by-turn one on the dev split")
@@ -169,7 +146,7 @@ def train_teacher_and_student(work: Path, splits: tool_task.ToolSplits) -> tuple
         if dev_share[-1][1] >= STUDENT_TARGET_DEV_SHARE:
             model.save_pretrained(str(work / "student"), safe_serialization=True)
             tokenizer.save_pretrained(str(work / "student"))
-            student.update(params=_params(model), steps=steps_done, dev_share=dev_share[-1][1])
+            student.update(params=count_params(model), steps=steps_done, dev_share=dev_share[-1][1])
         return False
 
     losses = sft_train(model, tokenizer, records, TEACHER.sft, stop=checkpoint, encode=tool_task.encode_record_fast)  # type: ignore[arg-type]
@@ -181,7 +158,7 @@ def train_teacher_and_student(work: Path, splits: tool_task.ToolSplits) -> tuple
     model.save_pretrained(str(work / "teacher"), safe_serialization=True)
     student["final_loss"] = losses[student["steps"] - 1]
     teacher = {
-        "params": _params(model),
+        "params": count_params(model),
         "steps": len(losses),
         "final_loss": losses[-1],
         "dev_share": dev_share[-1][1],
@@ -192,7 +169,7 @@ def train_teacher_and_student(work: Path, splits: tool_task.ToolSplits) -> tuple
 
 def eval_shares(model_dir: Path, records: list[tool_task.ToolSumRecord]) -> dict[str, float]:
     """The model's argmax share on `records` with the calculator's answers and with wrong ones."""
-    model, tokenizer = _load(model_dir)
+    model, tokenizer = load_model(model_dir)
     honest = [tool_task.encode_record_fast(tokenizer, r) for r in records]
     wrong_tool = tool_task.wrong_answer(WRONG_TOOL_SEED)
     wrong = [tool_task.encode_record_fast(tokenizer, r, wrong_tool) for r in records]
@@ -205,26 +182,17 @@ def eval_shares(model_dir: Path, records: list[tool_task.ToolSumRecord]) -> dict
 def _build_into(work: Path) -> dict[str, Any]:
     import transformers
 
-    seconds: dict[str, float] = {}
-    start = time.perf_counter()
-
-    def lap(name: str, since: float) -> float:
-        seconds[name] = round(time.perf_counter() - since, 2)
-        print(f"  {name}: {seconds[name]:.1f} s", flush=True)
-        return time.perf_counter()
-
-    t = time.perf_counter()
+    laps = Laps()
     splits = tool_task.generate_splits()
     tool_task.write_jsonl(work / "data/train.jsonl", splits.train)
     tool_task.write_jsonl(work / "data/eval.jsonl", splits.eval)
-    t = lap("data", t)
+    laps.lap("data")
     teacher, student = train_teacher_and_student(work, splits)
-    t = lap("teacher_train", t)
-    _, tokenizer = _load(work / "teacher")
+    laps.lap("teacher_train")
+    _, tokenizer = load_model(work / "teacher")
     teacher |= eval_shares(work / "teacher", splits.eval)
     student |= eval_shares(work / "student", splits.eval)
-    lap("eval", t)
-    seconds["total"] = round(time.perf_counter() - start, 2)
+    laps.lap("eval")
     sequence = tool_task.encode_record(tokenizer, splits.eval[0])
     return {
         "recipe": recipe(),
@@ -237,32 +205,21 @@ def _build_into(work: Path) -> dict[str, Any]:
         },
         "teacher": teacher,
         "student": student,
-        "seconds": seconds,
+        "seconds": laps.total(),
     }
 
 
 def build(out: Path, force: bool = False) -> dict[str, Any]:
     """Build the assets into `out` unless a complete matching manifest is there; returns the manifest."""
-    problem = manifest_problem(out)
-    if problem is None and not force:
-        print(f"tool assets: {out} is complete and matches the recipe; nothing to do (--force rebuilds)")
-        return json.loads((out / MANIFEST).read_text())
-    print(f"tool assets: building into {out} ({'--force' if problem is None else problem})", flush=True)
-
-    def build_into(work: Path) -> dict[str, Any]:
-        with deterministic_torch():
-            return _build_into(work)
-
-    manifest = install_built(out, build_into)
-    manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"].values())
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    t, s = manifest["teacher"], manifest["student"]
-    print(
-        f"tool assets: teacher {t['params']:,} params, {t['steps']} steps, eval share {t['eval_share']:.1%} "
-        f"(wrong tool {t['eval_share_wrong_tool']:.1%}); student {s['params']:,} params, {s['steps']} steps, "
-        f"eval share {s['eval_share']:.1%} (wrong tool {s['eval_share_wrong_tool']:.1%}); "
-        f"{manifest['total_bytes'] / 2**20:.1f} MiB in {out}; built in {manifest['seconds']['total']:.0f} s"
-    )
+    manifest, built = build_unless_current(out, "tool assets", manifest_problem(out), force, _build_into)
+    if built:
+        t, s = manifest["teacher"], manifest["student"]
+        print(
+            f"tool assets: teacher {t['params']:,} params, {t['steps']} steps, eval share {t['eval_share']:.1%} "
+            f"(wrong tool {t['eval_share_wrong_tool']:.1%}); student {s['params']:,} params, {s['steps']} steps, "
+            f"eval share {s['eval_share']:.1%} (wrong tool {s['eval_share_wrong_tool']:.1%}); "
+            f"{manifest['total_bytes'] / 2**20:.1f} MiB in {out}; built in {manifest['seconds']['total']:.0f} s"
+        )
     return manifest
 
 

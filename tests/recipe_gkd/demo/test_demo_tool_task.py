@@ -12,7 +12,7 @@ import torch
 from repo_paths import REPO_ROOT
 
 from recipe_gkd.demo import tool_assets, tool_task
-from recipe_gkd.demo.build_assets import file_table
+from recipe_gkd.demo.build_assets import MANIFEST, file_table
 from recipe_gkd.demo.sft import EncodedExample
 from recipe_gkd.envs import build_environment
 from recipe_gkd.envs.tool_calls import HermesCalls, ToolCall
@@ -309,12 +309,12 @@ def test_manifest_check_names_what_is_wrong(tmp_path: Path) -> None:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(f"placeholder {name}\n")
     manifest = {"recipe": tool_assets.recipe(), "files": file_table(tmp_path)}
-    (tmp_path / tool_assets.MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
     assert tool_assets.manifest_problem(tmp_path) is None
     (tmp_path / "student/model.safetensors").write_text("changed\n")
     assert "differs" in tool_assets.manifest_problem(tmp_path)
     manifest["recipe"] = {**manifest["recipe"], "teacher": asdict(replace(tool_assets.TEACHER, init_seed=9))}
-    (tmp_path / tool_assets.MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
     assert "recipe" in tool_assets.manifest_problem(tmp_path)
 
 
