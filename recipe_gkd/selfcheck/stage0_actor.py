@@ -219,9 +219,7 @@ def actor_check(out: Path, models: Path, sizes: Sizes, recompute: str, output: s
 def loop_check(out: Path, models: Path, sizes: Sizes) -> Check:
     import torch
 
-    from recipe_gkd import gkd
-    from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
-    from recipe_gkd.runtime.local_pools import local_pools
+    from recipe_gkd.observe.metrics import read_metrics
     from recipe_gkd.selfcheck.full import export_bytes, run_figures
 
     student_model(models, sizes)
@@ -238,24 +236,9 @@ def loop_check(out: Path, models: Path, sizes: Sizes) -> Check:
         f"trainer.run_dir={models / 'loop_run'}",
     )
     run_dir = Path(cfg.trainer.run_dir)
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # a rerun's metrics start empty
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "resolved_config.yaml").write_text(to_yaml(cfg))
     on_gpu = sizes.device == "cuda"
-    if on_gpu:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.loggers, cfg.trainer.total_steps)
-    try:
-        with local_pools(cfg) as pools:
-            setup_s = pools.setup_s
-            gkd.train(cfg, pools, metrics, None)
-    finally:
-        metrics.close()
-        if on_gpu:
-            torch.cuda.set_per_process_memory_fraction(1.0)
+    setup_s = train_in_process(cfg, on_gpu)
     rows = read_metrics(run_dir)
     (out / "loop").mkdir(parents=True, exist_ok=True)
     for name in ("metrics.jsonl", "resolved_config.yaml"):
@@ -268,3 +251,32 @@ def loop_check(out: Path, models: Path, sizes: Sizes) -> Check:
     ok = len(rows) == sizes.loop_steps and all(np.isfinite(r["loss"]) for r in rows)
     detail = "" if ok else f"{len(rows)} of {sizes.loop_steps} steps logged, or a loss not finite"
     return Check("loop", "passed" if ok else "failed", time.perf_counter() - start, figures, detail)
+
+
+def train_in_process(cfg: GKDConfig, on_gpu: bool) -> float:
+    """`gkd.train` of `cfg` on the in-process pools into a fresh trainer.run_dir (its resolved config written
+    first; peaks counted from here on the GPU); returns the pools' set-up seconds."""
+    import torch
+
+    from recipe_gkd import gkd
+    from recipe_gkd.observe.metrics import MetricsLogger
+    from recipe_gkd.runtime.local_pools import local_pools
+
+    run_dir = Path(cfg.trainer.run_dir)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a rerun's metrics start empty
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "resolved_config.yaml").write_text(to_yaml(cfg))
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.loggers, cfg.trainer.total_steps)
+    try:
+        with local_pools(cfg) as pools:
+            setup_s = pools.setup_s
+            gkd.train(cfg, pools, metrics, None)
+    finally:
+        metrics.close()
+        if on_gpu:
+            torch.cuda.set_per_process_memory_fraction(1.0)  # the actor capped the whole process
+    return setup_s

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd.config import CONFIG_DIR, REPO_ROOT, GKDConfig, load_config, to_yaml
+from recipe_gkd.config import CONFIG_DIR, REPO_ROOT, GKDConfig, load_config
 from recipe_gkd.selfcheck.record import GIB, Check
 from recipe_gkd.selfcheck.sizes import Sizes
 
@@ -74,31 +74,15 @@ def learn_check(name: str, out: Path, models: Path, sizes: Sizes) -> Check:
     before and after, per-phase seconds, peaks, and passed when the gain reaches `sizes.learn_min_gain`."""
     import torch
 
-    from recipe_gkd import gkd
-    from recipe_gkd.observe.metrics import EVAL_FILE, MetricsLogger, read_metrics
-    from recipe_gkd.runtime.local_pools import local_pools
+    from recipe_gkd.observe.metrics import EVAL_FILE, read_metrics
     from recipe_gkd.selfcheck.full import run_figures
+    from recipe_gkd.selfcheck.stage0_actor import train_in_process
 
     cfg = learn_config(name, models, sizes)
     run_dir = Path(cfg.trainer.run_dir)
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # a rerun's metrics start empty
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "resolved_config.yaml").write_text(to_yaml(cfg))
     on_gpu = sizes.device == "cuda"
-    if on_gpu:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.loggers, cfg.trainer.total_steps)
-    try:
-        with local_pools(cfg) as pools:
-            setup_s = pools.setup_s
-            gkd.train(cfg, pools, metrics, None)
-    finally:
-        metrics.close()
-        if on_gpu:
-            torch.cuda.set_per_process_memory_fraction(1.0)
+    setup_s = train_in_process(cfg, on_gpu)
     wall_s = time.perf_counter() - start
     rows = read_metrics(run_dir)
     evals = read_metrics(run_dir, EVAL_FILE)
