@@ -126,12 +126,12 @@ def test_a_killed_replica_stalls_the_step_by_its_restart_at_most(
         assert stall <= restart + 1.0, f"stall {stall:.2f} s > restart {restart:.2f} s + 1 s"
     else:
         # With a second replica alive the re-sent request is served there: the call ends before the killed replica
-        # is back, and its stall is a small part of the restart (both measured on the same clock, so a loaded
-        # machine stretches them alike; waiting for the restart, or for teacher.replica_timeout_s, fails both).
+        # is back (so no restarted process can have served it), and well within teacher.replica_timeout_s (a frontend
+        # that noticed the death only by its silence would stall that long). Both are orderings on one clock, not a
+        # wall-clock bound: a loaded machine stretches a quiet 0.1 s stall to seconds (8.5 s seen in a full run).
         back_at = scorer.killed_at + restart
         assert scorer.ended[KILL_AT_CALL - 1] < back_at, (
             f"the step's call ended {scorer.ended[KILL_AT_CALL - 1] - back_at:.2f} s after the killed replica was back"
         )
-        assert stall <= 0.5 * restart, (
-            f"stall {stall:.2f} s > half the restart ({restart:.2f} s) with a second replica alive"
-        )
+        silence = cfg.teacher.replica_timeout_s
+        assert stall < silence / 2, f"stall {stall:.2f} s: not below half of teacher.replica_timeout_s ({silence} s)"
