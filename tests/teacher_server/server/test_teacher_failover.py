@@ -25,7 +25,7 @@ from recipe_gkd import gkd
 from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
 from recipe_gkd.rollout.teacher import TeacherScorer, autostart_teacher
 from recipe_gkd.runtime.local_pools import local_pools
-from teacher_server.client.zmq_client import TeacherClient
+from teacher_server.client.zmq_client import TeacherClient, TeacherError
 
 STEPS = 6  # two epochs of the 24 prompts, 8 per step
 KILL_AT_CALL = 4  # the teacher call of batch 3 (calls are one per step, in order)
@@ -52,7 +52,9 @@ class KillingScorer:
             self.killed_pids = [pids[name] for name in self.victims]
             for pid in self.killed_pids:
                 os.kill(pid, signal.SIGSTOP)
-            threading.Timer(FROZEN_S, self._kill).start()
+            timer = threading.Timer(FROZEN_S, self._kill)
+            timer.daemon = True  # it watches for the restart; the test may end (and stop the server) before that
+            timer.start()
         start = time.monotonic()
         result = self.inner.score(sequences, score_from)
         self.durations.append(time.monotonic() - start)
@@ -65,7 +67,10 @@ class KillingScorer:
             os.kill(pid, signal.SIGKILL)
         with TeacherClient(self.address, timeout_s=30) as client:
             while time.monotonic() < self.killed_at + 120:
-                restarted = {r.name for r in client.stats().replicas if r.pid not in self.killed_pids}
+                try:
+                    restarted = {r.name for r in client.stats().replicas if r.pid not in self.killed_pids}
+                except TeacherError:
+                    return  # the server stopped: the test ended without waiting for the restart
                 if set(self.victims) <= restarted:
                     self.restart_s = time.monotonic() - self.killed_at
                     return
@@ -101,8 +106,10 @@ def test_a_killed_replica_stalls_the_step_by_its_restart_at_most(
         try:
             with local_pools(cfg, scorer=scorer) as pools:
                 gkd.train(cfg, pools, metrics, None)
+            # One replica: the stall is bounded by the restart, which must be known. Two: only whether the restart
+            # came before the step's call ended, known already if it did.
             deadline = time.monotonic() + 120
-            while scorer.restart_s < 0 and time.monotonic() < deadline:
+            while replicas == 1 and scorer.restart_s < 0 and time.monotonic() < deadline:
                 time.sleep(0.1)
         finally:
             metrics.close()
@@ -118,20 +125,21 @@ def test_a_killed_replica_stalls_the_step_by_its_restart_at_most(
     normal = statistics.median(d for i, d in enumerate(scorer.durations) if i != KILL_AT_CALL - 1)
     stall = scorer.durations[KILL_AT_CALL - 1] - FROZEN_S - normal
     restart = scorer.restart_s
-    assert restart > 0, "the killed replica was restarted"
     print(
         f"replicas={replicas}: stall {stall:.2f} s after the kill, restart {restart:.2f} s, normal call {normal:.3f} s"
     )
     if replicas == 1:
+        assert restart > 0, "the killed replica was restarted"
         assert stall <= restart + 1.0, f"stall {stall:.2f} s > restart {restart:.2f} s + 1 s"
     else:
         # With a second replica alive the re-sent request is served there: the call ends before the killed replica
-        # is back (so no restarted process can have served it), and well within teacher.replica_timeout_s (a frontend
-        # that noticed the death only by its silence would stall that long). Both are orderings on one clock, not a
-        # wall-clock bound: a loaded machine stretches a quiet 0.1 s stall to seconds (8.5 s seen in a full run).
-        back_at = scorer.killed_at + restart
-        assert scorer.ended[KILL_AT_CALL - 1] < back_at, (
-            f"the step's call ended {scorer.ended[KILL_AT_CALL - 1] - back_at:.2f} s after the killed replica was back"
+        # is back (restart_s is still unknown then, or later than the call's end), so no restarted process can
+        # have served it, and well within teacher.replica_timeout_s (a frontend that noticed the death only by
+        # its silence would stall that long). Orderings on one clock, not a wall-clock bound: a loaded machine
+        # stretches a quiet 0.1 s stall to seconds (8.5 s seen in a full run).
+        ended = scorer.ended[KILL_AT_CALL - 1]
+        assert restart < 0 or ended < scorer.killed_at + restart, (
+            f"the step's call ended {ended - scorer.killed_at - restart:.2f} s after the killed replica was back"
         )
         silence = cfg.teacher.replica_timeout_s
         assert stall < silence / 2, f"stall {stall:.2f} s: not below half of teacher.replica_timeout_s ({silence} s)"
