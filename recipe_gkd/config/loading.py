@@ -6,6 +6,7 @@ Unknown keys fail with a "did you mean" hint (KEY_ALIASES first), wrong types wi
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
     Raises ConfigError naming the key for unknown keys, wrong types and rule violations.
     """
-    schema = OmegaConf.structured(GKDConfig)
+    schema = _schema()
     yaml_path = Path(path) if path is not None else DEFAULT_CONFIG
     if not yaml_path.is_file():
         raise ConfigError("--config", f"no such file {yaml_path}")
@@ -36,6 +37,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     teachers_config.resolve_teachers(cfg)
     validate(cfg)
     return cfg
+
+
+@functools.cache
+def _schema() -> DictConfig:
+    """The schema as OmegaConf builds it, once per process (about half of a load's time): `OmegaConf.merge` copies
+    its first argument, so every load merges into a copy and this one is never changed."""
+    return OmegaConf.structured(GKDConfig)
 
 
 def to_dict(cfg: GKDConfig) -> dict[str, Any]:

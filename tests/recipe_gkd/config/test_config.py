@@ -44,6 +44,22 @@ def test_default_is_the_cpu_demo() -> None:
     assert cfg.cluster.device.value == "cpu" and cfg.cluster.fake_gpus and cfg.teacher.autostart
 
 
+def test_a_load_leaves_nothing_behind_for_the_next(tmp_path: Path) -> None:
+    """The schema is built once per process and every load merges into a copy of it: a load with several
+    teachers, overrides and a failing key changes nothing a later load sees."""
+    from recipe_gkd.config import ConfigError, to_yaml
+
+    fresh = to_yaml(load_config(None, []))
+    two = load_config(
+        CONFIG_DIR / "presets" / "cpu_two_teachers.yaml", ["trainer.total_steps=7", "actor.optim.lr=1e-3"]
+    )
+    assert len(two.teachers) == 2 and two.trainer.total_steps == 7
+    with pytest.raises(ConfigError):
+        load_config(None, ["trainer.no_such_key=1"])
+    again = load_config(None, [])
+    assert again.teachers == {} and to_yaml(again) == fresh
+
+
 def test_resolved_yaml_round_trips(tmp_path: Path) -> None:
     cfg = load_config(ONE_BY_EIGHT, ["algorithm.beta=0.25", "trainer.total_steps=7"])
     path = tmp_path / "resolved.yaml"
