@@ -99,6 +99,7 @@ def learn_check(name: str, out: Path, models: Path, sizes: Sizes) -> Check:
     } | run_figures(run_dir, student_bytes)
     figures["accuracy_per_eval"] = {int(r["step"]): r["eval_reward"] for r in evals}
     figures["loss_first_last"] = [rows[0]["loss"], rows[-1]["loss"]] if rows else []
+    figures["trend"] = trend(rows)
     if on_gpu:
         figures["process_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     status, detail = learn_verdict(rows, evals, sizes)
@@ -121,3 +122,30 @@ def learn_verdict(rows: list[dict[str, Any]], evals: list[dict[str, Any]], sizes
             f"below the {sizes.learn_min_gain:.0%} the preset reaches on a CPU"
         )
     return "passed", f"held-out accuracy {before:.1%} -> {after:.1%} ({gain:+.1%})"
+
+
+# What a learning run's record keeps of its steps (the record is one file; a GPU machine may return few).
+TREND_KEYS = (
+    "loss",
+    "grad_norm",
+    "response_tokens",
+    "reward",
+    "turns",
+    "tool_calls",
+    "tool_failures",
+    "tool_token_frac",
+    "sync_logprob_diff",
+)
+TREND_STEPS = 10
+
+
+def trend(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per logged column of TREND_KEYS: its mean over the first TREND_STEPS steps and over the last ones (a
+    comparison of two devices' runs without their per-step files)."""
+    out: dict[str, list[float]] = {}
+    for key in TREND_KEYS:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            head, tail = values[:TREND_STEPS], values[-TREND_STEPS:]
+            out[key] = [sum(head) / len(head), sum(tail) / len(tail)]
+    return out

@@ -189,6 +189,7 @@ def test_stage0_runs_with_the_image_and_the_recorded_wheels_alone(repo_root: Pat
     # The learning checks: the CPU presets (the tool one's environment and multi-turn rollout) at 2 steps.
     assert figures["learn_demo"]["steps"] == figures["learn_tools"]["steps"] == 2
     assert set(figures["learn_tools"]["accuracy_per_eval"]) == {"0", "2"}
+    assert "tool_calls" in figures["learn_tools"]["trend"] and "tool_calls" not in figures["learn_demo"]["trend"]
     imported = set(json.loads(imported_file.read_text()))
     unused = {w["name"] for w in wheels if not set(w["imports"]) & imported}
     assert not unused, f"carried but never imported by stage 0: {unused}"

@@ -306,3 +306,14 @@ def test_stage0_learning_verdict_asks_for_every_step_both_evaluations_and_the_ga
     assert learn_verdict(rows, evals[:1], GPU) == ("failed", "evaluations at steps [0], expected 0 and 150")
     status, detail = learn_verdict(rows, [evals[0], {"step": 150, "eval_reward": 0.45}], GPU)
     assert status == "failed" and "a gain of +18.0%, below the 20%" in detail
+
+
+def test_a_learning_record_keeps_the_trend_of_its_steps() -> None:
+    """The first and last ten steps' means of each logged column the record keeps (a single-turn run has no
+    tool columns); a column a row lacks or logs as None is left out of its means."""
+    from recipe_gkd.selfcheck.stage0_learn import trend
+
+    rows = [{"loss": float(s), "grad_norm": 1.0, "tool_calls": None, "reward": s / 100} for s in range(1, 31)]
+    got = trend(rows)
+    assert got["loss"] == [5.5, 25.5] and got["grad_norm"] == [1.0, 1.0]
+    assert got["reward"] == pytest.approx([0.055, 0.255]) and "tool_calls" not in got and "turns" not in got
