@@ -438,6 +438,16 @@ def _print_summary(out: Path, manifest: dict[str, Any], assets: TaskAssets) -> N
     )
 
 
+def asset_command(argv: list[str] | None, doc: str | None, default_out: Path, build: Callable[..., Any]) -> int:
+    """The command line of a builder with one asset directory: `--out DIR` (default `default_out`), `--force`."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--out", type=Path, default=default_out, help="asset directory (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the manifest matches")
+    args = parser.parse_args(argv)
+    build(args.out, force=args.force)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="demo", help="which task (default: %(default)s)")

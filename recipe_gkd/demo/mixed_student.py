@@ -20,7 +20,6 @@ same bytes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -37,6 +36,7 @@ from recipe_gkd.demo.build_assets import (
     Laps,
     ModelRecipe,
     _model_recipe,
+    asset_command,
     build_unless_current,
     recipe_manifest_problem,
     sha256_file,
@@ -222,12 +222,7 @@ def build(out: Path, force: bool = False) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="asset directory (default: %(default)s)")
-    parser.add_argument("--force", action="store_true", help="rebuild even when the manifest matches")
-    args = parser.parse_args(argv)
-    build(args.out, force=args.force)
-    return 0
+    return asset_command(argv, __doc__, DEFAULT_OUT, build)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import string
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from recipe_gkd.data import answer_reward
 
@@ -88,24 +89,33 @@ def reward(response: str, answer: str, match: str = "exact") -> float:
     return answer_reward(response, answer, match)
 
 
-def write_jsonl(path: str | Path, examples: Iterable[Example]) -> Path:
-    """Write one JSON object per line (sorted keys, so the bytes are reproducible)."""
+def write_records(path: str | Path, records: Iterable[dict[str, Any]]) -> Path:
+    """Write one JSON object per line (sorted keys, so the bytes are reproducible): every demo task's data files."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8", newline="\n") as f:
-        for example in examples:
-            f.write(json.dumps(asdict(example), sort_keys=True) + "\n")
+        for record in records:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
     return out
+
+
+def read_records(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """The first `limit` JSON objects (all when None) of a jsonl file, blank lines skipped."""
+    records: list[dict[str, Any]] = []
+    with Path(path).open(encoding="utf-8") as f:
+        for line in f:
+            if limit is not None and len(records) >= limit:
+                break
+            if line.strip():
+                records.append(json.loads(line))
+    return records
+
+
+def write_jsonl(path: str | Path, examples: Iterable[Example]) -> Path:
+    """Write the examples one JSON object per line."""
+    return write_records(path, (asdict(example) for example in examples))
 
 
 def read_jsonl(path: str | Path, limit: int | None = None) -> list[Example]:
     """Read the first `limit` records (all when None) of a task jsonl file."""
-    examples: list[Example] = []
-    with Path(path).open(encoding="utf-8") as f:
-        for line in f:
-            if limit is not None and len(examples) >= limit:
-                break
-            if line.strip():
-                record = json.loads(line)
-                examples.append(Example(record["prompt"], record["response"], record["answer"]))
-    return examples
+    return [Example(r["prompt"], r["response"], r["answer"]) for r in read_records(path, limit)]

@@ -19,7 +19,6 @@ and deterministic torch algorithms make a rebuild on the same machine and torch 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from recipe_gkd.demo.build_assets import (
     REQUIRED_FILES,
     Laps,
     ModelRecipe,
+    asset_command,
     build_unless_current,
     count_params,
     load_model,
@@ -224,12 +224,7 @@ def build(out: Path, force: bool = False) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="asset directory (default: %(default)s)")
-    parser.add_argument("--force", action="store_true", help="rebuild even when the manifest matches")
-    args = parser.parse_args(argv)
-    build(args.out, force=args.force)
-    return 0
+    return asset_command(argv, __doc__, DEFAULT_OUT, build)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from recipe_gkd.demo.sft import EncodedExample, collate
+from recipe_gkd.demo.task import read_records, write_records
 from recipe_gkd.envs.arithmetic import CalculatorTool
 from recipe_gkd.envs.protocol import Message, tool_message
 from recipe_gkd.envs.registry import build_environment
@@ -251,22 +252,9 @@ def argmax_share(
 
 def write_jsonl(path: str | Path, records: Iterable[ToolSumRecord]) -> Path:
     """One JSON object per line, sorted keys (reproducible bytes)."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8", newline="\n") as f:
-        for record in records:
-            f.write(json.dumps({**asdict(record), "numbers": list(record.numbers)}, sort_keys=True) + "\n")
-    return out
+    return write_records(path, ({**asdict(r), "numbers": list(r.numbers)} for r in records))
 
 
 def read_jsonl(path: str | Path, limit: int | None = None) -> list[ToolSumRecord]:
     """The first `limit` records (all when None) of a task jsonl file."""
-    records: list[ToolSumRecord] = []
-    with Path(path).open(encoding="utf-8") as f:
-        for line in f:
-            if limit is not None and len(records) >= limit:
-                break
-            if line.strip():
-                raw = json.loads(line)
-                records.append(ToolSumRecord(raw["prompt"], raw["answer"], tuple(raw["numbers"])))
-    return records
+    return [ToolSumRecord(r["prompt"], r["answer"], tuple(r["numbers"])) for r in read_records(path, limit)]

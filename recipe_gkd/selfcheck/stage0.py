@@ -88,7 +88,11 @@ def stage0_checks(out: Path, models: Path, sizes: Sizes) -> list[StageCheck]:
     )
     checks.append(StageCheck("loop", est["loop"], lambda: stage0_actor.loop_check(out, models, sizes)))
     checks += [
-        StageCheck(name, est[name], lambda name=name: stage0_learn.learn_check(name, out, models, sizes))  # type: ignore[misc]
+        StageCheck(
+            name,
+            GPU_ESTIMATE_S[name] * sizes.learn_estimate_scale,
+            lambda name=name: stage0_learn.learn_check(name, out, models, sizes),  # type: ignore[misc]
+        )
         for name in stage0_learn.LEARN_PRESETS
     ]
     return checks

@@ -24,13 +24,12 @@ import numpy as np
 from recipe_gkd.config import CONFIG_DIR, REPO_ROOT, GKDConfig, load_config
 from recipe_gkd.selfcheck.record import GIB, Check
 from recipe_gkd.selfcheck.sizes import Sizes
+from recipe_gkd.selfcheck.stage0_actor import ACTOR_SHARE
 
 LEARN_PRESETS = {
     "learn_demo": CONFIG_DIR / "presets" / "cpu_demo.yaml",
     "learn_tools": CONFIG_DIR / "presets" / "cpu_tools.yaml",
 }
-# One process holds every role on the GPU: the actor's cap on the process leaves the rest for the engines.
-ACTOR_SHARE = 0.9
 
 
 def learn_config(name: str, models: Path, sizes: Sizes) -> GKDConfig:
@@ -75,7 +74,7 @@ def learn_check(name: str, out: Path, models: Path, sizes: Sizes) -> Check:
     import torch
 
     from recipe_gkd.observe.metrics import EVAL_FILE, read_metrics
-    from recipe_gkd.selfcheck.full import run_figures
+    from recipe_gkd.selfcheck.full import export_bytes, run_figures
     from recipe_gkd.selfcheck.stage0_actor import train_in_process
 
     cfg = learn_config(name, models, sizes)
@@ -89,14 +88,13 @@ def learn_check(name: str, out: Path, models: Path, sizes: Sizes) -> Check:
     (out / name).mkdir(parents=True, exist_ok=True)
     for file in ("metrics.jsonl", EVAL_FILE, "resolved_config.yaml"):
         shutil.copy(run_dir / file, out / name / file)
-    student_bytes = sum(f.stat().st_size for f in Path(cfg.model.student_path).glob("*.safetensors"))
     figures: dict[str, Any] = {
         "preset": str(LEARN_PRESETS[name].relative_to(REPO_ROOT)),
         "schedule": cfg.algorithm.schedule.value,
         "precision": cfg.actor.precision.value,
         "setup_s": setup_s,
         "wall_s": wall_s,
-    } | run_figures(run_dir, student_bytes)
+    } | run_figures(run_dir, export_bytes(cfg.model.student_path))
     figures["accuracy_per_eval"] = {int(r["step"]): r["eval_reward"] for r in evals}
     figures["loss_first_last"] = [rows[0]["loss"], rows[-1]["loss"]] if rows else []
     figures["trend"] = trend(rows)
