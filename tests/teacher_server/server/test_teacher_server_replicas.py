@@ -29,8 +29,11 @@ N_SEQS = 32
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TeacherProcess]:
+    # A replica busy with a long request can miss heartbeats for seconds on 2 loaded cores (a full run saw n0-r0
+    # dropped as silent after 1.5 s and its request served by n0-r1); deaths here are detected by the supervisor,
+    # not by silence, so the bound only has to stay above such stalls.
     yaml_path = write_teacher_yaml(
-        tmp_path_factory.mktemp("teacher2") / "teacher.yaml", tiny_model_dir, replicas=2, replica_timeout_s=1.5
+        tmp_path_factory.mktemp("teacher2") / "teacher.yaml", tiny_model_dir, replicas=2, replica_timeout_s=15
     )
     log_path = yaml_path.parent / "server.log"
     with launch_teacher(
