@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -161,3 +161,11 @@ class RolloutStats:
     # tokens the student did not sample), ended_<answer|max_turns|max_total_tokens> and tool_s (seconds in the
     # environments); {} for single-turn rollouts (recipe_gkd/rollout/multi_turn.py conversation_counts).
     episodes: dict[str, float] = field(default_factory=dict)
+    # The batch's generate turns (one per on-policy response; one per turn of a conversation) and those the length
+    # limit cut (no stop id sampled): metrics.jsonl's response_clipped_frac.
+    sampled_turns: int = 0
+    clipped_turns: int = 0
+    # The student's stop set as the engine uses it (rollout/stop_set.py StopSet.describe), for the clipped line.
+    stop_ids: str = ""
+    # trainer.log_samples: a few decoded responses for samples.jsonl (observe/samples.py), on the steps that log them.
+    samples: list[dict[str, Any]] = field(default_factory=list)

@@ -381,10 +381,11 @@ def response_text(record: dict[str, Any], response_key: str) -> str:
     return answers[-1]
 
 
-def encode_response(tokenizer: Any, record: dict[str, Any], response_key: str) -> list[int]:
-    """Token ids of a record's reference response, ending with EOS (off-policy distillation)."""
+def encode_response(tokenizer: Any, record: dict[str, Any], response_key: str, closing_id: int | None) -> list[int]:
+    """Token ids of a record's reference response, closed by `closing_id` (off-policy distillation: the stop set's
+    closing id, the chat template's turn end or the EOS, as a sampled response ends)."""
     ids = list(tokenizer(response_text(record, response_key), add_special_tokens=False)["input_ids"])
-    return [*ids, tokenizer.eos_token_id]
+    return ids if closing_id is None else [*ids, closing_id]
 
 
 def answer_reward(response: str, answer: str, match: str = "exact") -> float:

@@ -7,7 +7,8 @@
    tail bucket (or algorithm.divergence=sampled_reverse_kl: a policy-gradient step with the advantage
    log t - log s_old of each sampled token), token mean over the whole global batch, one optimizer step.
 3. The new weights go to every rollout worker; the weight version goes up by one.
-4. Metrics every step (a diverging objective is named in one line: observe/divergence_watch.py); evaluation
+4. Metrics every step (a diverging objective, or responses cut by the length limit, are named in one line:
+   observe/divergence_watch.py, observe/clip_watch.py); a few decoded samples in samples.jsonl; evaluation
    every trainer.eval_every steps; a checkpoint every trainer.save_every steps (resumed from by
    trainer.resume=auto); the student exported at the end.
 
@@ -31,6 +32,7 @@ from recipe_gkd.batch import RolloutStats
 from recipe_gkd.config import PIPELINE_DEPTH, GKDConfig, to_dict
 from recipe_gkd.config.teachers import teacher_handles
 from recipe_gkd.observe import console
+from recipe_gkd.observe.clip_watch import ClipWatch
 from recipe_gkd.observe.divergence_watch import DIVERGENCE_FILE, DivergenceWatch
 from recipe_gkd.observe.metrics import MetricsLogger
 from recipe_gkd.observe.report import FINAL_EXPORT_DIR, report, teacher_accuracy
@@ -42,7 +44,7 @@ from recipe_gkd.runtime.pools import Pending, Pools, ShardHandle
 from recipe_gkd.runtime.ray_cluster import ray_cluster
 from recipe_gkd.runtime.ray_pools import launch_pools
 from recipe_gkd.targets import build_target
-from recipe_gkd.weight_sync import WeightSyncError, check_due, logprob_diffs, sync_check_failure, sync_tolerance
+from recipe_gkd.weight_sync import SyncCheck
 
 __all__ = ["FINAL_EXPORT_DIR", "RunDiverged", "RunStopped", "run", "train"]
 # Teacher failures that survived the client's retries (bounded by teacher.timeout_s): the run stops.
@@ -95,6 +97,8 @@ def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | N
     metrics.start_progress(first)
     pipeline = RolloutPipeline(cfg, pools, first)
     watch = DivergenceWatch.for_run(cfg, first)
+    clipped = ClipWatch(cfg.rollout.sampling.max_new_tokens)
+    sync_check = SyncCheck(cfg)  # the engines' weights and logprobs against the actor's, when due
     target = build_target(cfg)  # the target kind: which columns its teacher replies allow
     for step in range(first, cfg.trainer.total_steps):
         start = time.perf_counter()
@@ -104,20 +108,31 @@ def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | N
         pipeline.wait_for_generation()  # the engines must be idle before their weights change
         sync = pools.weights.push(version + 1)
         version += 1
-        sync |= check_sync(cfg, pools, version)
+        sync |= sync_check.after_sync(pools.weights, version)
         row = step_row(
             cfg, target, step, version, rollout.stats, rollout.seconds, stats, sync, time.perf_counter() - start
         )
         if cfg.debug.log_memory:
             row.update(memory_row(rollout.stats, stats))
         metrics.log_step(row)
+        metrics.log_samples(step + 1, rollout.stats[0].step, (s for st in rollout.stats for s in st.samples))
         watch_divergence(cfg, pools, watch, row, version)
+        watch_clipped(clipped, row, rollout.stats)
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
             evaluate(cfg, pools, metrics, step=step + 1)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
             checkpoint.save(cfg, pools, step + 1, version)
+    if ends_between_evaluations(cfg, first):
+        evaluate(cfg, pools, metrics, step=cfg.trainer.total_steps)  # the report's last column is the trained student
     metrics.end_progress()
     export_student(cfg, pools)
+
+
+def ends_between_evaluations(cfg: GKDConfig, first: int) -> bool:
+    """The run trains past its last periodic evaluation (trainer.total_steps not a multiple of trainer.eval_every):
+    the trained student is evaluated once more at the end."""
+    tr = cfg.trainer
+    return tr.eval_every > 0 and tr.total_steps % tr.eval_every != 0 and first < tr.total_steps
 
 
 class RolloutPipeline:
@@ -251,6 +266,14 @@ def watch_divergence(cfg: GKDConfig, pools: Pools, watch: DivergenceWatch, row: 
         raise RunDiverged(f"{line}; stopped after checkpoint {saved} (trainer.stop_on_divergence=true)")
 
 
+def watch_clipped(watch: ClipWatch, row: dict[str, Any], stats: list[RolloutStats]) -> None:
+    """The first time most responses run to the length limit for a while: print the line (no stop: a task may need
+    long answers)."""
+    line = watch.observe(row, stats[0].stop_ids)
+    if line is not None:
+        print(line, flush=True)
+
+
 def check_staleness(cfg: GKDConfig, rollout: Rollout, version: int) -> None:
     """Refuse a batch sampled with weights more than algorithm.max_staleness syncs old."""
     staleness = version - min(s.weight_version for s in rollout.stats)
@@ -278,21 +301,6 @@ def evaluate(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, step: int) ->
     loss = pools.actor.eval_loss(shards)
     kls = eval_teacher_kls(cfg, pools, results, shards)
     metrics.log_eval({**eval_row(cfg, step, loss, [s for s, _ in results], time.perf_counter() - start), **kls})
-
-
-def check_sync(cfg: GKDConfig, pools: Pools, version: int) -> dict[str, float]:
-    """When due (weight_sync.check_every), the engines and the actor score the sync probe; past the
-    tolerance the run stops naming the weight-sync settings and, where it can tell, the worst tensor."""
-    if not check_due(version, cfg.weight_sync.check_every):
-        return {}
-    start = time.perf_counter()
-    actor_BL, engines_BL = pools.weights.logprob_probe()
-    diffs = logprob_diffs(actor_BL, engines_BL)
-    tolerance = sync_tolerance(cfg)
-    if max(diffs) > tolerance:
-        actor_sums, engine_sums = pools.weights.weight_checksums()
-        raise WeightSyncError(sync_check_failure(cfg, version, diffs, tolerance, actor_sums, engine_sums))
-    return {"sync_logprob_diff": max(diffs), "sync_check_s": time.perf_counter() - start}
 
 
 def export_student(cfg: GKDConfig, pools: Pools) -> Path:

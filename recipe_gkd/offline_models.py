@@ -11,6 +11,10 @@ theirs here too. The tokenizers:
 - `llama3_bpe`: shaped as Llama 3 Instruct's: byte-level BPE with other merges (a smaller vocabulary),
   a header template with `<|begin_of_text|>` in the text, `<|eot_id|>` ending each turn (the EOS), and a
   template that refuses roles other than system / user / assistant (as strict templates do);
+- `qwen3_base_bpe` / `qwen3_instruct_bpe`: shaped as Qwen3-*-Base and Qwen3 Instruct ship theirs: one vocabulary
+  and fingerprint, a ChatML template closing every turn with `<|im_end|>`, EOS `<|endoftext|>` (Base) or `<|im_end|>`;
+- `llama31_bpe`: Llama 3.1 Instruct's shape: `<|eot_id|>` the EOS, `<|eom_id|>` after a tool call, and the model's
+  generation_config.json listing `<|end_of_text|>`, `<|eom_id|>`, `<|eot_id|>`;
 - `tools_bpe` (the tool demo's, `build_tools_bpe_tokenizer`, trained on the conversations it is given): byte-level
   BPE with Qwen2/Qwen3's pre-tokenizer (digits one per token), a Qwen3-style ChatML template for tool use
   (`TOOLS_CHAT_TEMPLATE`), `<tool_call>` / `<tool_response>` markers as added tokens, eos == pad (`<|im_end|>`),
@@ -72,7 +76,21 @@ LLAMA3_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-TOKENIZERS = ("char", "chatml_bpe", "llama3_bpe")
+# Qwen2.5/Qwen3 as their Base and Instruct checkpoints ship: every ChatML marker a registered special token (so a
+# Base tokenizer and an Instruct one share the vocabulary fingerprint), pad <|endoftext|>; Qwen3's template injects no
+# system turn. Base: EOS <|endoftext|> (what a Base model was pretrained to end documents with) although the template
+# closes turns with <|im_end|>; Instruct: EOS <|im_end|>.
+QWEN_CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Llama 3.1 Instruct: <|eom_id|> ends an assistant turn that called a tool (the model waits for its result), <|eot_id|>
+# every other turn (the tokenizer's EOS); generation_config.json lists <|end_of_text|>, <|eom_id|> and <|eot_id|>.
+LLAMA31_SPECIAL_TOKENS = (*LLAMA3_SPECIAL_TOKENS, "<|eom_id|>", "<|python_tag|>")
+LLAMA31_EOS_LIST = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
+TOKENIZERS = ("char", "chatml_bpe", "llama3_bpe", "qwen3_base_bpe", "qwen3_instruct_bpe", "llama31_bpe")
 
 # Qwen3's tool-use template, made compact for a tiny model (the tool demo's sequences stay short):
 # - the system turn lists each tool as `name(arg, ...)` between <tools> and </tools> (Qwen3 writes the
@@ -171,6 +189,39 @@ def build_chatml_bpe_tokenizer(out_dir: str | Path):
         tokenizer_object=core, eos_token=IM_END, pad_token=IM_END, padding_side="left", add_bos_token=False
     )
     tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+def build_qwen_chatml_tokenizer(out_dir: str | Path, *, base: bool):
+    """Write a Qwen3-shaped byte-level BPE tokenizer to `out_dir` (QWEN_CHATML_TEMPLATE's comment): `base` gives
+    Qwen3-*-Base's EOS (<|endoftext|>), else the Instruct one's (<|im_end|>)."""
+    core = _byte_level_bpe(BPE_VOCAB_SIZE, CHATML_SPECIAL_TOKENS)
+    tokens = {"eos_token": ENDOFTEXT if base else IM_END, "pad_token": ENDOFTEXT}
+    return _save_registered(core, out_dir, QWEN_CHATML_TEMPLATE, CHATML_SPECIAL_TOKENS, tokens)
+
+
+def build_llama31_bpe_tokenizer(out_dir: str | Path):
+    """Write a Llama-3.1-Instruct-shaped byte-level BPE tokenizer to `out_dir` (EOS <|eot_id|>, <|eom_id|> and
+    <|python_tag|> registered; the model builder writes generation_config.json's eos list, LLAMA31_EOS_LIST)."""
+    core = _byte_level_bpe(LLAMA3_BPE_VOCAB_SIZE, LLAMA31_SPECIAL_TOKENS)
+    tokens = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|end_of_text|>"}
+    return _save_registered(core, out_dir, LLAMA3_TEMPLATE, LLAMA31_SPECIAL_TOKENS, tokens)
+
+
+def _save_registered(core: Any, out_dir: str | Path, template: str, specials: tuple[str, ...], tokens: dict[str, str]):
+    """`core` as a left-padding PreTrainedTokenizerFast with every one of `specials` registered special (as real
+    checkpoints register their markers), no BOS added, `template` as its chat template; saved to `out_dir`."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        additional_special_tokens=list(specials),
+        padding_side="left",
+        add_bos_token=False,
+        **tokens,
+    )
+    tokenizer.chat_template = template
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer
 
@@ -329,7 +380,7 @@ def build_tiny_causal_lm(
     """Write a randomly initialised tiny causal LM of `family` and its tokenizer to `out_dir`.
 
     `family`: llama, llama3 (Llama with llama3 RoPE scaling), mistral (no sliding window) or qwen3
-    (per-head q/k norm). `tokenizer_kind`: char, chatml_bpe or llama3_bpe (see the module docstring);
+    (per-head q/k norm). `tokenizer_kind`: one of TOKENIZERS (see the module docstring);
     `tokenizer`: one already built (e.g. by `build_tools_bpe_tokenizer`), saved with the model instead.
     Deterministic for a given (seed, spec, family, tokenizer) on every machine with this torch.
     """
@@ -352,6 +403,9 @@ def build_tiny_causal_lm(
         "char": build_char_tokenizer,
         "chatml_bpe": build_chatml_bpe_tokenizer,
         "llama3_bpe": build_llama3_bpe_tokenizer,
+        "qwen3_base_bpe": lambda d: build_qwen_chatml_tokenizer(d, base=True),
+        "qwen3_instruct_bpe": lambda d: build_qwen_chatml_tokenizer(d, base=False),
+        "llama31_bpe": build_llama31_bpe_tokenizer,
     }
     if tokenizer is None:
         tokenizer = builders[tokenizer_kind](out)
@@ -386,6 +440,8 @@ def build_tiny_causal_lm(
     torch.manual_seed(seed)
     model = model_class(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if tokenizer_kind == "llama31_bpe":  # Llama 3.1 Instruct's generation_config.json: three eos ids
+        model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(t) for t in LLAMA31_EOS_LIST]
     model.to(getattr(torch, spec.save_dtype)).save_pretrained(str(out), safe_serialization=True)
     return out
 

@@ -31,11 +31,15 @@ def actor_worker_class() -> type:
 
             self.weight_channel = CollectiveChannel(backend, host, port, 0, world_size, timeout_s)
 
-        def weight_checksums(self) -> dict[str, float]:
-            """Per HF name, the float64 sum of |weights| the actor exports (rank 0; {} elsewhere; every rank calls)."""
-            import numpy as np
+        def weight_checksums(self, dtype: str) -> dict[str, int]:
+            """Per HF name, the fingerprint in `dtype` of what the actor exports (weight_sync.tensor_checksum), computed
+            where each gathered tensor is (rank 0; {} elsewhere; every rank calls)."""
+            import torch
 
-            return {name: float(np.abs(array, dtype=np.float64).sum()) for name, array in self.iter_hf_weights()}
+            from recipe_gkd.weight_sync import tensor_checksum
+
+            as_dtype = getattr(torch, dtype)
+            return {name: tensor_checksum(t, as_dtype) for name, t in self.iter_hf_tensors(on_device=True)}
 
         def broadcast_weights(self, bucket_mb: int) -> dict[str, float]:
             """Every rank gathers over TP; rank 0 broadcasts the buckets to the rollout workers as they fill."""

@@ -368,8 +368,9 @@ class WeightSyncConfig:
     timeout_s: float = bounded(300.0, gt=0)
     """A sync that takes longer fails the step with a message."""
     check_every: int = bounded(10, ge=0, note="0: never")
-    """After a sync the engines and the actor score a fixed probe (the first held-out prompts): metrics.jsonl's
-    sync_logprob_diff. Checked after the first two syncs, then every check_every syncs; 0: never."""
+    """After a sync every engine's weights are compared with the actor's export, tensor by tensor, in the training
+    dtype (exact integer checksums), then the engines and the actor score a fixed probe (the first held-out prompts):
+    metrics.jsonl's sync_logprob_diff. Checked after the first two syncs, then every check_every syncs; 0: never."""
     check_tolerance: float = bounded(0.0, ge=0, note="0: by precision")
     """Mean |token logprob difference| past which the run stops; 0: by precision (fp32 1e-4, bf16 0.1)."""
 
@@ -405,6 +406,13 @@ class TrainerConfig:
     stop_on_divergence: bool = False
     """When the objective diverges (its own figure above 3x its start for 5 steps; docs/divergence.md), checkpoint
     and stop with exit code 5; false: print the line, keep it in summary.txt and go on."""
+    log_samples: int = bounded(4, ge=0)
+    """Sampled responses written to run_dir/samples.jsonl, for a person to read (prompt and response text, the
+    response ids, how each ended: which stop id or the length limit, its reward, the teacher's mean logprob), on the
+    first step and every trainer.log_samples_every steps; 0: none."""
+    log_samples_every: int = bounded(0, ge=0)
+    """Steps between two sets of logged samples (trainer.log_samples); 0: trainer.eval_every's (the first step only
+    when that is 0 too)."""
 
 
 @dataclass

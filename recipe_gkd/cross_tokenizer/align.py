@@ -22,6 +22,7 @@ Unaligned student tokens get no loss (they are counted in the step's alignment m
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,10 +61,16 @@ class Span:
         return self.s_hi - self.s_lo == 1 and self.t_hi - self.t_lo == 1
 
 
-def student_text(response_ids: np.ndarray, table: list[bytes | None], eos_id: int | None) -> StudentText:
-    """The response's text and each token's byte range (see the module doc for what stays unaligned)."""
+def student_text(
+    response_ids: np.ndarray, table: list[bytes | None], end_ids: int | Collection[int] | None
+) -> StudentText:
+    """The response's text and each token's byte range (see the module doc for what stays unaligned).
+
+    `end_ids`: the ids that end the student's turn (its stop set: EOS, generation_config.json's, the template's turn
+    end); a response ending with one ends its turn."""
     ids = [int(i) for i in response_ids]
-    ends_with_eos = bool(ids) and eos_id is not None and ids[-1] == eos_id
+    ends = {end_ids} if isinstance(end_ids, int) else set(end_ids or ())
+    ends_with_eos = bool(ids) and ids[-1] in ends
     body = ids[:-1] if ends_with_eos else ids
     offsets = byte_offsets(body, table)
     raw = b"".join(table[i] or b"" for i in body if i < len(table))

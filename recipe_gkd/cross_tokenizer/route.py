@@ -22,6 +22,7 @@ import numpy as np
 
 from recipe_gkd.cross_tokenizer.align import align_spans, student_text
 from recipe_gkd.cross_tokenizer.targets import AlignedScores, aligned_scores, conversation_of, vocabulary_map
+from recipe_gkd.rollout.stop_set import StopSet, stop_set_of, student_stop_set
 from teacher_server.wire.conversation import Conversation, token_byte_table
 from teacher_server.wire.protocol import TeacherTopK, tokenizer_fingerprint
 
@@ -35,17 +36,30 @@ class TextTeacher(Protocol):
 class CrossTokenizerScorer:
     """A teacher scored in its own tokens, its replies mapped onto the student's response tokens."""
 
-    def __init__(self, teacher: TextTeacher, student_tokenizer: Any, teacher_tokenizer: Any, top_k: int, data: Any):
+    def __init__(
+        self,
+        teacher: TextTeacher,
+        student_tokenizer: Any,
+        teacher_tokenizer: Any,
+        top_k: int,
+        data: Any,
+        student_stop: StopSet | None = None,
+    ):
+        """`student_stop`: where the student's turns end (the engine's stop set; default: its tokenizer's EOS and
+        chat template's turn end, without a generation_config.json)."""
         self.teacher = teacher
         self.top_k = top_k
         self.data = data
         self.student_table, student_controls = token_byte_table(student_tokenizer, "model.student_path")
         teacher_table, teacher_controls = token_byte_table(teacher_tokenizer, "teacher.model_path")
-        self.student_eos = student_tokenizer.eos_token_id
+        self.student_stop = student_stop or stop_set_of(
+            student_tokenizer, None, chat_template=data.apply_chat_template, what="model.student_path"
+        )
+        # The teacher's end of turn maps to the id the student closes a turn with.
         self.mapping = vocabulary_map(
             self.student_table,
             teacher_table,
-            self.student_eos,
+            self.student_stop.closing_id,
             teacher_tokenizer.eos_token_id,
             _names(student_tokenizer, student_controls),
             _names(teacher_tokenizer, teacher_controls),
@@ -67,7 +81,12 @@ class CrossTokenizerScorer:
             text_teacher = OpenAITextTeacher.connect(cfg.teacher)
             try:
                 return cls(
-                    text_teacher, student_tokenizer, text_teacher.renderer.tokenizer, cfg.teacher.top_k, cfg.data
+                    text_teacher,
+                    student_tokenizer,
+                    text_teacher.renderer.tokenizer,
+                    cfg.teacher.top_k,
+                    cfg.data,
+                    student_stop_set(cfg, student_tokenizer),
                 )
             except BaseException:
                 text_teacher.close()
@@ -86,7 +105,8 @@ class CrossTokenizerScorer:
                     f"the tokenizer at teacher.model_path={cfg.teacher.model_path} is not the one the teacher server "
                     "scores with (tokenizer hashes differ): point teacher.model_path at the served model's files"
                 )
-            return cls(client, student_tokenizer, teacher_tokenizer, cfg.teacher.top_k, cfg.data)
+            stop = student_stop_set(cfg, student_tokenizer)
+            return cls(client, student_tokenizer, teacher_tokenizer, cfg.teacher.top_k, cfg.data, stop)
         except BaseException:
             client.close()
             raise
@@ -96,7 +116,7 @@ class CrossTokenizerScorer:
     ) -> list[AlignedScores]:
         """Per sequence (prompt + response in student ids) the teacher's scores on its response tokens."""
         texts = [
-            student_text(seq[start:], self.student_table, self.student_eos)
+            student_text(seq[start:], self.student_table, self.student_stop.ids)
             for seq, start in zip(sequences, score_from, strict=True)
         ]
         conversations = [conversation_of(r, self.data, t) for r, t in zip(records, texts, strict=True)]

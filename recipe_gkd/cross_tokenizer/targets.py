@@ -50,14 +50,14 @@ ALIGN_COUNTS = ("one_to_one_tokens", "shared_spans", "spans", "aligned_tokens", 
 def vocabulary_map(
     student_table: list[bytes | None],
     teacher_table: list[bytes | None],
-    student_eos: int | None,
+    student_end: int | None,
     teacher_eos: int | None,
     student_controls: dict[str, int] | None = None,
     teacher_controls: dict[str, int] | None = None,
 ) -> np.ndarray:
     """teacher id -> the student id of the same piece (same bytes), FOLDED_BASE where the student has none;
     a control (special) token -> the student's control token of the same name; the teacher's end of turn
-    maps to the student's EOS."""
+    maps to `student_end`, the id the student closes a turn with (its stop set's closing id)."""
     by_bytes: dict[bytes, int] = {}
     for i, piece in enumerate(student_table):
         if piece is not None:
@@ -69,8 +69,8 @@ def vocabulary_map(
     for name, t_id in (teacher_controls or {}).items():
         if name in (student_controls or {}) and t_id < len(mapping):
             mapping[t_id] = (student_controls or {})[name]
-    if student_eos is not None and teacher_eos is not None and teacher_eos < len(mapping):
-        mapping[teacher_eos] = student_eos
+    if student_end is not None and teacher_eos is not None and teacher_eos < len(mapping):
+        mapping[teacher_eos] = student_end
     return mapping
 
 

@@ -11,6 +11,7 @@ import torch
 from recipe_gkd.demo.sft import encode_prompt
 from recipe_gkd.demo.task import Example, read_jsonl, reward
 from recipe_gkd.rollout.answer_accuracy import greedy_texts
+from recipe_gkd.rollout.stop_set import stop_set_of
 
 EVAL_BATCH_SIZE = 64
 MAX_NEW_TOKENS = 16
@@ -34,7 +35,9 @@ def greedy_responses(
         encode_prompt(tokenizer, prompt) + (list(tokenizer(start, add_special_tokens=False).input_ids) if start else [])
         for prompt, start in zip(prompts, starts, strict=True)
     ]
-    texts = greedy_texts(model, tokenizer, encoded, max_new_tokens, batch_size)
+    # The demo's tokenizers close a turn with their EOS, and their models ship no generation_config eos list.
+    stop = stop_set_of(tokenizer, None, chat_template=True, what="the demo's tokenizer")
+    texts = greedy_texts(model, tokenizer, stop, encoded, max_new_tokens, batch_size)
     return [start + text for start, text in zip(starts, texts, strict=True)]
 
 

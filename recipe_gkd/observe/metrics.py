@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from recipe_gkd.config import ConfigError, WandbConfig
+from recipe_gkd.observe.samples import SAMPLES_FILE
 
 if TYPE_CHECKING:
     from recipe_gkd.config.teachers import TeacherHandle
@@ -48,6 +49,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self._jsonl = (self.run_dir / METRICS_FILE).open("a") if "jsonl" in self.loggers else None
         self._eval = (self.run_dir / EVAL_FILE).open("a")
+        self._samples = (self.run_dir / SAMPLES_FILE).open("a")
         self._tb: Any = None
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
@@ -83,6 +85,13 @@ class MetricsLogger:
         self._tensorboard(clean, "eval")
         self._log_wandb(clean)
         self._console(clean, "eval")
+
+    def log_samples(self, step: int, batch: int, samples: Iterable[dict[str, Any]]) -> None:
+        """trainer.log_samples: the decoded responses of batch `batch`, trained at `step`, one row each."""
+        for sample in samples:
+            row = {"step": step, "batch": batch, **{k: _jsonable(v) for k, v in sample.items()}}
+            self._samples.write(json.dumps(row) + "\n")
+        self._samples.flush()
 
     def _tensorboard(self, row: dict[str, Any], prefix: str) -> None:
         if self._tb is None:
@@ -123,7 +132,7 @@ class MetricsLogger:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        for f in (self._jsonl, self._eval):
+        for f in (self._jsonl, self._eval, self._samples):
             if f is not None:
                 f.close()
         if self._tb is not None:

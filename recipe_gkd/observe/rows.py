@@ -50,6 +50,10 @@ def step_row(
         "offpolicy_reward": ratio(stats, "offpolicy_reward_sum", "offpolicy_rewarded"),
         "response_tokens": sum(s.num_response_tokens for s in stats),
         "sequences": sum(s.num_sequences for s in stats),
+        # Mean tokens the student sampled per response (a conversation's every turn; tool tokens apart).
+        "response_length": ratio(stats, "num_response_tokens", "num_sequences"),
+        # The share of the student's responses (turns, in conversations) the length limit cut before any stop id.
+        "response_clipped_frac": ratio(stats, "clipped_turns", "sampled_turns"),
         # None where no top-k over the student's vocabulary travels (the target kind says: teacher.top_k=0, hidden
         # states, spans across tokenizers).
         "teacher_topk_mass": (
@@ -75,6 +79,11 @@ def step_row(
         "sync_load_s": sync["sync_load_s"],
         # Mean |token logprob difference| engine vs actor on the sync probe, on the steps that check it.
         "sync_logprob_diff": sync.get("sync_logprob_diff"),
+        # How far the actor's own probe logprobs moved since the previous check (the probe's power: a shift below the
+        # tolerance means the probe alone could not tell these weights from the previous ones), and how many of the
+        # actor's tensors the engines' checksums were compared with (weight_sync.SyncCheck).
+        "sync_probe_shift": sync.get("sync_probe_shift"),
+        "sync_tensors_checked": sync.get("sync_tensors_checked"),
         "sync_check_s": sync.get("sync_check_s"),
         "step_s": step_s,
         **teacher_columns(stats, handles.values(), ""),

@@ -16,6 +16,7 @@ from typing import Any
 
 from recipe_gkd.config import DataConfig
 from recipe_gkd.data import answer_reward, encode_prompt
+from recipe_gkd.rollout.stop_set import StopSet, stop_set_of
 
 # Prompts decoded together: bounds the KV cache (batch x (prompt + new tokens) x layers).
 GREEDY_BATCH = 64
@@ -47,13 +48,16 @@ class AnswerAccuracy:
 def greedy_texts(
     model: Any,
     tokenizer: Any,
+    stop: StopSet,
     prompt_ids: Sequence[list[int]],
     max_new_tokens: int,
     batch_size: int = GREEDY_BATCH,
 ) -> list[str]:
-    """Greedy completions of prompts given as token ids (left-padded batches), decoded without specials.
+    """Greedy completions of prompts given as token ids (left-padded batches), each cut at its first stop id,
+    decoded without specials.
 
-    Only the given settings shape the decoding: the model's generation_config.json is kept out.
+    Only the given settings shape the decoding: the model's generation_config.json is kept out (its eos ids are
+    in `stop`).
     """
     # torch and transformers only here: the driver imports this module's AnswerAccuracy.
     import torch
@@ -61,7 +65,7 @@ def greedy_texts(
     from recipe_gkd.rollout.hf import left_pad, plain_generation_config, without_model_generation_defaults
 
     model.eval()
-    config = plain_generation_config(tokenizer, greedy=True, max_new_tokens=max_new_tokens)
+    config = plain_generation_config(tokenizer, stop, greedy=True, max_new_tokens=max_new_tokens)
     device = next(model.parameters()).device
     out: list[str] = []
     for first in range(0, len(prompt_ids), batch_size):
@@ -70,13 +74,16 @@ def greedy_texts(
             sequences_BS = model.generate(
                 input_ids=input_ids_BP.to(device), attention_mask=attention_BP.to(device), generation_config=config
             )
-        out.extend(tokenizer.batch_decode(sequences_BS[:, input_ids_BP.shape[1] :].cpu(), skip_special_tokens=True))
+        for new_ids in sequences_BS[:, input_ids_BP.shape[1] :].cpu().tolist():
+            length, _ = stop.end(new_ids)  # the padding after a stop id is not the response's
+            out.append(tokenizer.decode(new_ids[:length], skip_special_tokens=True))
     return out
 
 
 def answer_accuracy(
     model: Any,
     tokenizer: Any,
+    stop: StopSet,
     records: Sequence[dict[str, Any]],
     data: DataConfig,
     max_new_tokens: int,
@@ -92,7 +99,7 @@ def answer_accuracy(
         prompts = [encode_prompt(tokenizer, r, data.prompt_key, data.apply_chat_template) for r in answered]
     else:
         prompts = [encode(tokenizer, r) for r in answered]
-    responses = greedy_texts(model, tokenizer, prompts, max_new_tokens)
+    responses = greedy_texts(model, tokenizer, stop, prompts, max_new_tokens)
     correct = sum(
         answer_reward(text, str(r[data.answer_key]), data.answer_match)
         for text, r in zip(responses, answered, strict=True)
@@ -107,10 +114,12 @@ def model_answer_accuracy(
     max_new_tokens: int,
     encode: Callable[[Any, dict[str, Any]], list[int]] | None = None,
 ) -> AnswerAccuracy:
-    """`answer_accuracy` of the HF model and tokenizer in `model_dir` (fp32, CPU), loaded for this call only."""
+    """`answer_accuracy` of the HF model and tokenizer in `model_dir` (fp32, CPU), loaded for this call only; it
+    stops where the model's own stop set says (its EOS, generation_config.json's, its template's turn end)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return answer_accuracy(model, tokenizer, records, data, max_new_tokens, encode)
+    stop = stop_set_of(tokenizer, model_dir, chat_template=data.apply_chat_template, what=model_dir)
+    return answer_accuracy(model, tokenizer, stop, records, data, max_new_tokens, encode)

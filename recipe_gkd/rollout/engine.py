@@ -8,27 +8,35 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from recipe_gkd.rollout.stop_set import StopSet
 from teacher_server.wire.protocol import TeacherTopK
+
+if TYPE_CHECKING:
+    from recipe_gkd.weight_sync import EngineTensor
 
 
 @dataclass
 class Generation:
-    """One sampled response: token ids (ending with EOS unless cut by max_new_tokens) and their logprobs."""
+    """One sampled response: token ids (ending with a stop id unless cut by max_new_tokens) and their logprobs."""
 
     response_ids: list[int]
     logprobs: np.ndarray  # float32 [len(response_ids)], under the unscaled student distribution
     # rollout.student_top_k > 0: the student's top ids at each response position, most likely first.
     topk_ids: np.ndarray | None = None  # int32 [len(response_ids), student_top_k]
+    # The stop id the response ends with (its last token; recipe_gkd/rollout/stop_set.py), None when the length
+    # limit cut it.
+    stop_id: int | None = None
 
 
 class Engine(Protocol):
     """What a rollout backend implements."""
 
     tokenizer: Any
+    stop: StopSet  # where every response ends (the student's EOS, generation_config.json's, the turn end)
 
     def generate(
         self,
@@ -57,8 +65,9 @@ class Engine(Protocol):
 
     def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray: ...
 
-    def weight_checksums(self) -> dict[str, float]:
-        """Per HF tensor name, the sum of |weights| the engine computes with ({} where it cannot name them)."""
+    def weight_checksums(self, dtype: str) -> list[EngineTensor]:
+        """Every tensor the engine computes with, fingerprinted in `dtype` (the training dtype's torch name), with
+        the HF tensors it holds (recipe_gkd/weight_sync.py tensor_checksum)."""
         ...
 
 

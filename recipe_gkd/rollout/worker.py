@@ -22,6 +22,7 @@ from recipe_gkd.config import GKDConfig, cpu_threads, rollout_engines
 from recipe_gkd.config.teachers import DEFAULT_TEACHER, record_teacher, teacher_handles
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encode_prompt, encode_response
 from recipe_gkd.observe.metrics import TEACHER_SUMS, worker_memory_mb
+from recipe_gkd.observe.samples import LENGTH_ENDING, ending_text, sample_row, samples_due
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
 from recipe_gkd.rollout.multi_turn import (
@@ -30,6 +31,7 @@ from recipe_gkd.rollout.multi_turn import (
     conversation_counts,
     episode_seed,
 )
+from recipe_gkd.rollout.stop_set import check_turn_ends
 from recipe_gkd.rollout.teacher_set import TeacherSet
 from recipe_gkd.teacher_prompt import own_prompt_encoder
 from recipe_gkd.weight_sync import PROBE_ROWS, from_host_arrays, probe_rows
@@ -40,6 +42,8 @@ MIX_SALT = 0x6B64
 SAMPLE_SALT = 0x5EED
 # Data positions remembered per generated batch: enough for the deepest pipeline plus the checkpoint.
 POSITIONS_KEPT = 4
+# How an off-policy response (the dataset's own, algorithm.lmbda < 1) "ended" in samples.jsonl.
+DATASET_ENDING = "dataset"
 
 
 @dataclass
@@ -59,6 +63,11 @@ class Generated:
     sampled_masks: list[np.ndarray | None] | None = None
     env_rewards: list[float] | None = None
     episodes: dict[str, float] = field(default_factory=dict)
+    # How each response ended (observe/samples.py ending_text; "dataset" for an off-policy one), and the generate
+    # calls' turns: sampled (one per on-policy response, one per turn of a conversation) and cut by the length limit.
+    endings: list[str] = field(default_factory=list)
+    sampled_turns: int = 0
+    clipped_turns: int = 0
 
 
 def make_engine(cfg: GKDConfig) -> Engine:
@@ -106,6 +115,7 @@ class RolloutWorker:
 
             torch.set_num_threads(threads)
         self.engine = make_engine(cfg)
+        check_turn_ends(cfg, self.engine.stop)  # a same-tokenizer teacher ends a turn where the student does
         if cfg.rollout.env:
             self.multi_turn = MultiTurnRollout.from_config(cfg, self.engine)
         if scorer is None:
@@ -163,14 +173,13 @@ class RolloutWorker:
     def _score_generated(self, step: int, dp_size: int) -> tuple[RolloutStats, list[TrainShard]]:
         generated = self._pending.pop(step)
         sequences, teacher_s = self._score(generated, "data.train_files")
-        return self._publish(
-            step,
-            sequences,
-            {"generate_s": generated.seconds, "teacher_s": teacher_s},
-            dp_size,
-            generated.weight_version,
-            generated.episodes,
+        stats, shards = self._publish(
+            step, sequences, {"generate_s": generated.seconds, "teacher_s": teacher_s}, dp_size, generated
         )
+        t = self.cfg.trainer
+        if self.rank == 0 and samples_due(t.log_samples, t.log_samples_every, t.eval_every, step):
+            stats.samples = self._samples(generated, sequences[: t.log_samples])
+        return stats, shards
 
     def produce_eval(self, dp_size: int) -> tuple[RolloutStats, list[TrainShard]]:
         """Greedy responses to this worker's share of the first data.eval_batch_size held-out prompts."""
@@ -180,7 +189,7 @@ class RolloutWorker:
             generated = self._generate(prompts, greedy=True, mix_from=None)
         sequences, teacher_s = self._score(generated, "data.eval_files")
         timings = {"generate_s": generated.seconds, "teacher_s": teacher_s}
-        return self._publish(-1, sequences, timings, dp_size, generated.weight_version, generated.episodes)
+        return self._publish(-1, sequences, timings, dp_size, generated)
 
     def eval_records(self) -> list[dict[str, Any]]:
         """The held-out records every evaluation reads: the first data.eval_batch_size of data.eval_files."""
@@ -249,16 +258,33 @@ class RolloutWorker:
         sampled = iter(self.engine.generate(to_sample, greedy=greedy, seed=seed))
         responses: list[tuple[list[int], np.ndarray | None]] = []
         student_topk: list[np.ndarray | None] = []
+        endings: list[str] = []
+        stop = self.engine.stop
         for prompt, on in zip(prompts, on_policy, strict=True):
             if on:
                 gen = next(sampled)
                 responses.append((gen.response_ids, gen.logprobs))
                 student_topk.append(gen.topk_ids)
+                endings.append(ending_text(gen.stop_id, stop.name(gen.stop_id) if gen.stop_id is not None else ""))
             else:
-                responses.append((encode_response(tokenizer, prompt.record, self.cfg.data.response_key), None))
+                # The reference response closes its turn as the template does (the stop set's closing id).
+                ids = encode_response(tokenizer, prompt.record, self.cfg.data.response_key, stop.closing_id)
+                responses.append((ids, None))
                 student_topk.append(None)
+                endings.append(DATASET_ENDING)
         seconds = time.perf_counter() - start
-        return Generated(prompts, prompt_ids, on_policy, responses, self.weight_version, seconds, student_topk)
+        return Generated(
+            prompts,
+            prompt_ids,
+            on_policy,
+            responses,
+            self.weight_version,
+            seconds,
+            student_topk,
+            endings=endings,
+            sampled_turns=sum(on_policy),
+            clipped_turns=endings.count(LENGTH_ENDING),
+        )
 
     def _converse(self, prompts: list[Prompt], greedy: bool, mix_from: int | None) -> Generated:
         """rollout.env: each prompt's whole conversation with its environment (recipe_gkd/rollout/multi_turn.py).
@@ -277,6 +303,12 @@ class RolloutWorker:
         self.multi_turn.run(conversations, greedy=greedy, seed=seed)
         seconds = time.perf_counter() - start
         episodes = {**conversation_counts(conversations), "tool_s": self.multi_turn.tool_seconds - tool_s}
+        stop = self.multi_turn.template.stop
+        endings = [
+            f"{c.ending}; last turn: "
+            + ending_text(c.last_stop, stop.name(c.last_stop) if c.last_stop is not None else "")
+            for c in conversations
+        ]
         return Generated(
             prompts,
             [c.prompt_ids for c in conversations],
@@ -288,6 +320,9 @@ class RolloutWorker:
             sampled_masks=[c.sampled_mask() for c in conversations],
             env_rewards=[c.reward for c in conversations],
             episodes=episodes,
+            endings=endings,
+            sampled_turns=sum(c.turns for c in conversations),
+            clipped_turns=sum(c.clipped_turns for c in conversations),
         )
 
     def _score(self, generated: Generated, source: str) -> tuple[list[Sequence], float]:
@@ -375,22 +410,45 @@ class RolloutWorker:
         text = self.engine.tokenizer.decode(response, skip_special_tokens=True)
         return answer_reward(text, str(answer), self.cfg.data.answer_match)
 
+    def _samples(self, generated: Generated, sequences: list[Sequence]) -> list[dict[str, Any]]:
+        """samples.jsonl rows of `sequences` (the first of `generated`'s): text with special tokens kept."""
+        assert self.engine is not None
+        decode = self.engine.tokenizer.decode
+        rows = []
+        for seq, ended in zip(sequences, generated.endings, strict=False):
+            sampled = seq.sampled_rows()
+            response = seq.input_ids[seq.response_start :]
+            rows.append(
+                sample_row(
+                    sample_id=seq.sample_id,
+                    prompt=decode(seq.input_ids[: seq.response_start].tolist(), skip_special_tokens=False),
+                    response=decode(response.tolist(), skip_special_tokens=False),
+                    response_ids=response.tolist(),
+                    ended=ended,
+                    reward=seq.reward,
+                    teacher_mean_logprob=(
+                        float(seq.teacher_sampled_logprob[sampled].astype(np.float64).mean()) if sampled.any() else None
+                    ),
+                    on_policy=seq.on_policy,
+                    teacher=seq.teacher,
+                )
+            )
+        return rows
+
     def _publish(
-        self,
-        step: int,
-        sequences: list[Sequence],
-        timings: dict[str, float],
-        dp_size: int,
-        weight_version: int,
-        episodes: dict[str, float],
+        self, step: int, sequences: list[Sequence], timings: dict[str, float], dp_size: int, generated: Generated
     ) -> tuple[RolloutStats, list[TrainShard]]:
         # Sequence j of this worker goes to actor rank (global index) % dp: every rank gets
         # the same count when the global batch divides by dp (config.validate checks that).
+        weight_version = generated.weight_version
         shards = [TrainShard(step, weight_version, timings=timings) for _ in range(dp_size)]
         for j, seq in enumerate(sequences):
             shards[actor_rank_of(self.rank, len(sequences), j, dp_size)].sequences.append(seq)
         stats = summarize(step, weight_version, sequences, timings)
-        stats.episodes = episodes
+        stats.episodes = generated.episodes
+        stats.sampled_turns, stats.clipped_turns = generated.sampled_turns, generated.clipped_turns
+        assert self.engine is not None
+        stats.stop_ids = self.engine.stop.describe()
         if self.cfg.debug.log_memory:
             stats.memory_mb = worker_memory_mb(f"rollout{self.rank}")
         return stats, shards
@@ -441,10 +499,11 @@ class RolloutWorker:
         count = min(PROBE_ROWS, len(dataset))
         return probe_rows([self._encode(Prompt(i, 0, dataset[i])) for i in range(count)])
 
-    def weight_checksums(self) -> dict[str, float]:
+    def weight_checksums(self, dtype: str) -> list[Any]:
+        """The engine's tensors fingerprinted in `dtype` (weight_sync.EngineTensor), for the sync check."""
         assert self.engine is not None
         with self._engine_lock:
-            return self.engine.weight_checksums()
+            return self.engine.weight_checksums(dtype)
 
 
 def add_teacher_stats(per_teacher: dict[str, dict[str, float]], seq: Sequence, topk_mass: float) -> None:

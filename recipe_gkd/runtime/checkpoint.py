@@ -336,10 +336,11 @@ def prepare_resume(cfg: GKDConfig, log: Any = print) -> Path | None:
     """Pick the checkpoint to resume from, check it fits the config, cut the metrics files back to it.
 
     Runs before any process starts, so a config mismatch exits at once (ConfigError, exit 2).
-    Rows of metrics.jsonl / eval.jsonl written after the checkpoint (a crash lost their steps)
+    Rows of metrics.jsonl / eval.jsonl / samples.jsonl written after the checkpoint (a crash lost their steps)
     are dropped, so the files show every step once. A fresh start (no checkpoint) empties them.
     """
     from recipe_gkd.observe.metrics import EVAL_FILE, METRICS_FILE
+    from recipe_gkd.observe.samples import SAMPLES_FILE
 
     run_dir = Path(cfg.trainer.run_dir)
     path = find_resume(cfg, log)
@@ -353,7 +354,7 @@ def prepare_resume(cfg: GKDConfig, log: Any = print) -> Path | None:
         check_config(state, cfg, path)
         last_step = state.step
         log(f"resuming from checkpoint {path} (step {state.step}, weight version {state.weight_version})")
-    for name in (METRICS_FILE, EVAL_FILE):
+    for name in (METRICS_FILE, EVAL_FILE, SAMPLES_FILE):
         dropped = truncate_rows(run_dir / name, last_step)
         if dropped:
             log(f"{run_dir / name}: dropped {dropped} rows after step {max(last_step, 0)} (re-done by this run)")

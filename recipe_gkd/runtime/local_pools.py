@@ -33,7 +33,7 @@ from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.runtime.pools import Pending, Pools
 from recipe_gkd.targets import build_target
-from recipe_gkd.weight_sync import MIB, TimedIterator, iter_buckets
+from recipe_gkd.weight_sync import MIB, EngineTensor, TimedIterator, iter_buckets
 from teacher_server.wire.protocol import TeacherTopK
 
 
@@ -137,8 +137,8 @@ class LocalWeightSync:
         probe = self.workers[0].sync_probe()
         return self.actor.token_logprobs(probe), [w.token_logprobs(probe) for w in self.workers]
 
-    def weight_checksums(self) -> tuple[dict[str, float], list[dict[str, float]]]:
-        return self.actor.weight_checksums(), [w.weight_checksums() for w in self.workers]
+    def weight_checksums(self, dtype: str) -> tuple[dict[str, int], list[list[EngineTensor]]]:
+        return self.actor.weight_checksums(dtype), [w.weight_checksums(dtype) for w in self.workers]
 
 
 class InProcessTeacher:

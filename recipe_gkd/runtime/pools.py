@@ -22,6 +22,7 @@ import numpy as np
 
 from recipe_gkd.batch import RolloutStats
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
+from recipe_gkd.weight_sync import EngineTensor
 
 # Work launched on a pool and not yet awaited (Ray: object refs; local: results already computed).
 Pending = Any
@@ -111,8 +112,8 @@ class WeightSync(Protocol):
         """The sync check: the actor's token logprobs [R, L-1] on a fixed probe and each rollout engine's."""
         ...
 
-    def weight_checksums(self) -> tuple[dict[str, float], list[dict[str, float]]]:
-        """Per HF tensor name, the sum of |weights|: the actor's export and each engine's (where it can name them)."""
+    def weight_checksums(self, dtype: str) -> tuple[dict[str, int], list[list[EngineTensor]]]:
+        """The sync check's fingerprints in `dtype`: per HF name the actor's export, per engine its tensors."""
         ...
 
 

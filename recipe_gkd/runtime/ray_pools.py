@@ -45,7 +45,7 @@ from recipe_gkd.runtime.model_pins import Reader, on_this_node
 from recipe_gkd.runtime.pools import Pending, Pools, Produced
 from recipe_gkd.runtime.ray_cluster import ResourcePoolManager, SpillWatch
 from recipe_gkd.runtime.watchdog import HANG_KEY, SETUP_KEY, WorkerProcess, phase_timeout
-from recipe_gkd.weight_sync import MIB, WeightSyncError, iter_buckets, to_host_arrays
+from recipe_gkd.weight_sync import MIB, EngineTensor, WeightSyncError, iter_buckets, to_host_arrays
 
 # ----------------------------------------------------------------------------- bounded waits
 
@@ -265,8 +265,9 @@ class RayWeightSync:
         results = _await(refs, timeout_s, "the sync check's probe")
         return results[0], results[len(self.actors) :]
 
-    def weight_checksums(self) -> tuple[dict[str, float], list[dict[str, float]]]:
-        refs = [a.weight_checksums.remote() for a in self.actors] + [r.weight_checksums.remote() for r in self.rollouts]
+    def weight_checksums(self, dtype: str) -> tuple[dict[str, int], list[list[EngineTensor]]]:
+        refs = [a.weight_checksums.remote(dtype) for a in self.actors]
+        refs += [r.weight_checksums.remote(dtype) for r in self.rollouts]
         results = _await(refs, self.settings.timeout_s, "weight checksums")
         return results[0], results[len(self.actors) :]
 

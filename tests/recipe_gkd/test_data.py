@@ -122,7 +122,8 @@ def test_encode_with_chat_template(tiny_model_dir: Path) -> None:
     assert tokenizer.decode(ids) == "<bos><user>ab c<assistant>"
     plain = encode_prompt(tokenizer, {"q": "ab c"}, "q", chat_template=False)
     assert tokenizer.decode(plain).endswith("ab c")
-    assert encode_response(tokenizer, {"r": "xy"}, "r")[-1] == tokenizer.eos_token_id
+    assert encode_response(tokenizer, {"r": "xy"}, "r", tokenizer.eos_token_id)[-1] == tokenizer.eos_token_id
+    assert encode_response(tokenizer, {"r": "xy"}, "r", 7)[-1] == 7  # closed by the stop set's closing id
     with pytest.raises(ConfigError) as info:
         encode_prompt(tokenizer, {"question": "x"}, "prompt", chat_template=True)
     assert info.value.key == "data.prompt_key"

@@ -87,7 +87,7 @@ def test_a_messages_prompt_goes_through_the_chat_template_without_the_answer(cha
     text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nquestion 0<|im_end|>\n<|im_start|>assistant\n"
     assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert response_text(record, "messages") == "reply 0"
-    assert encode_response(tokenizer, record, "messages") == [
+    assert encode_response(tokenizer, record, "messages", tokenizer.eos_token_id) == [
         *tokenizer("reply 0", add_special_tokens=False)["input_ids"],
         tokenizer.eos_token_id,
     ]

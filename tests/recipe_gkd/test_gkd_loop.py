@@ -316,5 +316,59 @@ def test_an_engine_with_one_wrong_tensor_stops_the_run_naming_it(
         train_in_process(cfg)
     message = str(err.value)
     assert "weight sync check after weight version 1" in message and "weight_sync.transport=object_store" in message
-    assert f"worst tensor {wrong}" in message and "\n" not in message
+    assert f"1 of {len(checked_names(cfg))} tensors: {wrong} differs from the actor's {wrong}" in message
+    assert "\n" not in message
     assert read_metrics(tmp_path / "run") == []  # stopped before logging the step trained on other weights
+
+
+def checked_names(cfg: Any) -> list[str]:
+    """The HF tensors the actor exports for the small config's student (tied: no lm_head.weight)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.student_path)
+    return [name for name, _ in model.named_parameters()]
+
+
+class StaleEngine:
+    """An HF engine whose weight loads land nowhere (a reload that misses the engine's real storage): it reports every
+    tensor loaded and keeps sampling with version 0."""
+
+    def __new__(cls, cfg: Any) -> Any:
+        from recipe_gkd.rollout import hf
+
+        class Stale(hf.HFEngine):
+            def update_weights(self, named: Any) -> set[str]:
+                return {name for name, _ in named}
+
+        return Stale(cfg)
+
+
+@pytest.mark.slow
+def test_a_stale_engine_fails_the_first_check_at_a_gpu_learning_rate_in_bf16(
+    repo_root: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 at lr 1e-6 (the GPU presets' rate): one Adam step moves the probe's logprobs far less than the bf16
+    tolerance, so the probe alone passes a stale engine (shown below with the weight comparison switched off);
+    the checksums in the training dtype see it at the first check."""
+    from recipe_gkd import weight_sync
+    from recipe_gkd.rollout import worker
+    from recipe_gkd.weight_sync import WeightSyncError
+
+    monkeypatch.setattr(worker, "make_engine", StaleEngine)
+    overrides = ("actor.precision=bf16", "actor.optim.lr=1e-6", "trainer.total_steps=3")
+    cfg = small_config(repo_root, small_data, tmp_path / "run", *overrides)
+    with pytest.raises(WeightSyncError) as err:
+        train_in_process(cfg)
+    message = str(err.value)
+    assert "after weight version 1: rollout engine 0's weights are not the actor's" in message
+    # The probe alone (today's check) passes the same stale engine at every check of the run.
+    monkeypatch.setattr(weight_sync, "weight_mismatches", lambda actor, engine: [])
+    blind = small_config(repo_root, small_data, tmp_path / "blind", *overrides)
+    rows = train_in_process(blind)
+    checked = [r for r in rows if r["sync_logprob_diff"] is not None]
+    assert [r["step"] for r in checked] == [1, 2], "the first two syncs are checked"
+    assert all(r["sync_logprob_diff"] < weight_sync.SYNC_TOLERANCE["bf16"] for r in checked), checked
+    # The probe's power: it moved less between the two checks than the tolerance it is held to.
+    assert checked[0]["sync_probe_shift"] is None
+    assert 0 < checked[1]["sync_probe_shift"] < weight_sync.SYNC_TOLERANCE["bf16"]
+    assert all(r["sync_tensors_checked"] == len(checked_names(blind)) for r in checked)

@@ -337,3 +337,70 @@ def test_object_store_arrays_carry_bf16_as_its_bit_pattern() -> None:
     assert back["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert torch.equal(back["model.embed_tokens.weight"], named["model.embed_tokens.weight"])
     assert np.array_equal(back["model.norm.weight"], named["model.norm.weight"].numpy())
+
+
+# ----------------------------------------------------------------------------- the weight check's checksums
+
+
+def reference_checksum(values: np.ndarray, bits_dtype: type) -> int:
+    """tensor_checksum written again with Python's integers, element by element, from numpy's bit patterns."""
+    total = 0
+    width = (1 << (8 * np.dtype(bits_dtype).itemsize)) - 1
+    for raw in values.view(bits_dtype).reshape(-1).tolist():
+        x = raw & width
+        y = x * 0x5BD1E995
+        x = (y ^ (y >> 29)) & ((1 << 31) - 1)
+        y = x * 0x27D4EB2F
+        x = (y ^ (y >> 31)) & ((1 << 31) - 1)
+        total += x
+    return total
+
+
+def test_the_checksum_equals_a_python_reference_and_is_additive() -> None:
+    import torch
+
+    from recipe_gkd.weight_sync import CHECKSUM_CHUNK, tensor_checksum
+
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(5000).astype(np.float32) * 0.02
+    fp32 = torch.from_numpy(values)
+    assert tensor_checksum(fp32, torch.float32) == reference_checksum(values, np.int32)
+    bf16_bits = fp32.to(torch.bfloat16).view(torch.int16).numpy()
+    assert tensor_checksum(fp32, torch.bfloat16) == reference_checksum(bf16_bits, np.int16)
+    # Fused or sharded: the sum of the parts; any order; zero padding adds nothing.
+    parts = torch.split(fp32, [1000, 2500, 1500])
+    assert tensor_checksum(fp32, torch.float32) == sum(tensor_checksum(p, torch.float32) for p in parts)
+    assert tensor_checksum(fp32.flip(0), torch.float32) == tensor_checksum(fp32, torch.float32)
+    padded = torch.cat([fp32, torch.zeros(64)])
+    assert tensor_checksum(padded, torch.bfloat16) == tensor_checksum(fp32, torch.bfloat16)
+    # An fp32 engine holding bf16 weights (widened exactly) has the bf16 tensor's checksum in bf16.
+    assert tensor_checksum(fp32.to(torch.bfloat16).float(), torch.bfloat16) == tensor_checksum(fp32, torch.bfloat16)
+    # One value one bf16 step away changes it.
+    moved = fp32.to(torch.bfloat16).clone()
+    moved[1234] = torch.nextafter(moved[1234].float(), torch.tensor(1.0)).to(torch.bfloat16)
+    if moved[1234] == fp32.to(torch.bfloat16)[1234]:  # nextafter in fp32 may round back: step the bits
+        moved.view(torch.int16)[1234] += 1
+    assert tensor_checksum(moved, torch.bfloat16) != tensor_checksum(fp32, torch.bfloat16)
+    # Chunks: a tensor longer than a chunk sums its chunks (the same as one pass).
+    long = torch.from_numpy(rng.standard_normal(CHECKSUM_CHUNK + 3).astype(np.float32))
+    head, tail = long[:CHECKSUM_CHUNK], long[CHECKSUM_CHUNK:]
+    assert tensor_checksum(long, torch.float32) == tensor_checksum(head, torch.float32) + tensor_checksum(
+        tail, torch.float32
+    )
+
+
+def test_weight_mismatches_name_what_differs() -> None:
+    from recipe_gkd.weight_sync import EngineTensor, weight_mismatches
+
+    actor = {"q": 10, "k": 20, "v": 30, "norm": 7}
+    fused = EngineTensor("qkv_proj.weight", (("q", 1), ("k", 1), ("v", 1)), 60)
+    norm = EngineTensor("norm", (("norm", 1),), 7)
+    assert weight_mismatches(actor, [fused, norm]) == []
+    # KV heads replicated over TP workers: k and v counted twice.
+    replicated = EngineTensor("qkv_proj.weight", (("q", 1), ("k", 2), ("v", 2)), 110)
+    assert weight_mismatches(actor, [replicated, norm]) == []
+    stale = EngineTensor("qkv_proj.weight", (("q", 1), ("k", 1), ("v", 1)), 61)
+    assert weight_mismatches(actor, [stale, norm]) == ["qkv_proj.weight differs from the actor's q+k+v"]
+    assert weight_mismatches(actor, [fused]) == ["no engine tensor holds norm"]
+    extra = EngineTensor("bias", (("q_bias", 1),), 0)
+    assert weight_mismatches(actor, [fused, norm, extra]) == ["bias holds q_bias, which the actor does not export"]

@@ -133,9 +133,11 @@ def _assert_rollouts_hold_the_actors_weights(
     import ray
 
     if precision == "bf16":
-        sums = ray.get([a.weight_checksums.remote() for a in actors], timeout=60)[0]
+        from recipe_gkd.weight_sync import weight_mismatches
+
+        sums = ray.get([a.weight_checksums.remote("bfloat16") for a in actors], timeout=60)[0]
         for rollout in rollouts:
-            assert ray.get(rollout.weight_checksums.remote(), timeout=60) == sums
+            assert weight_mismatches(sums, ray.get(rollout.weight_checksums.remote("bfloat16"), timeout=60)) == []
         return
     after_actor = actor_logprobs(actors, probe)
     for rollout in rollouts:

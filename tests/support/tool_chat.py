@@ -19,6 +19,7 @@ import numpy as np
 from recipe_gkd.envs import Message, StepResult
 from recipe_gkd.rollout.engine import Generation
 from recipe_gkd.rollout.multi_turn import Conversation, Limits, MultiTurnRollout
+from recipe_gkd.rollout.stop_set import stop_set_of
 
 QWEN_TOOL_TEMPLATE = (
     "{%- if tools %}"
@@ -79,6 +80,7 @@ class ScriptedPolicy:
 
     def __init__(self, tokenizer: Any, scripts: Mapping[str, list[str]]) -> None:
         self.tokenizer = tokenizer
+        self.stop = stop_set_of(tokenizer, None, chat_template=True, what="the scripted policy's tokenizer")
         self.scripts = scripts
         self.calls: list[dict[str, Any]] = []
 
@@ -103,7 +105,7 @@ class ScriptedPolicy:
                 self.tokenizer.eos_token_id,
             ]
             ids = ids[:limit]
-            out.append(Generation(ids, scripted_logprobs(len(ids), turn)))
+            out.append(Generation(ids, scripted_logprobs(len(ids), turn), stop_id=self.stop.end(ids)[1]))
         return out
 
 
@@ -163,6 +165,7 @@ class Recording:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.stop = engine.stop
         self.returned: list[list[Any]] = []
 
     def generate(self, prompts: list[list[int]], **kwargs: Any) -> list[Any]:

@@ -321,8 +321,9 @@ def test_manifest_check_names_what_is_wrong(tmp_path: Path) -> None:
 def test_the_rollout_loops_template_deltas_give_the_scripted_encoding(tokenizer, records) -> None:
     """The multi-turn rollout's own ChatTemplate (an independent implementation) appends the same ids."""
     from recipe_gkd.rollout.multi_turn import ChatTemplate, Conversation
+    from recipe_gkd.rollout.stop_set import stop_set_of
 
-    template = ChatTemplate(tokenizer)
+    template = ChatTemplate(tokenizer, stop_set_of(tokenizer, None, chat_template=True, what="the tool tokenizer"))
     for record in records[:3]:
         messages, tools = tool_task.start_messages(record)
         prompt = template.ids(messages, tools, generation_prompt=True)
@@ -335,7 +336,7 @@ def test_the_rollout_loops_template_deltas_give_the_scripted_encoding(tokenizer,
             conv.add([*tokenizer(turn["content"], add_special_tokens=False).input_ids, tokenizer.eos_token_id], True)
             observations = [t for t in turns[i + 1 : i + 2] if t["role"] == "tool"]
             if observations:
-                delta, conv.rendered = template.tool_turn(conv, turn, observations, ended_on_eos=True)
+                delta, conv.rendered = template.tool_turn(conv, turn, observations, stopped=True)
                 conv.add(delta, False)
             conv.messages += [turn, *observations]
         expected = tool_task.encode_record(tokenizer, record)

@@ -159,13 +159,14 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_by_name(tokenizer: An
             TemplateMismatch, match=r"the chat template of '.*tool_tokenizer.*' renders the conversation"
         ):
             loop.run([loop.start(0, RECORD, seed=0)], greedy=True, seed=None)
-        # A template that closes assistant turns with another token than the EOS.
+        # A template that closes assistant turns with no special token at all (a blank line): the stop set has no
+        # turn end, and the EOS never follows an assistant's content.
         tokenizer.chat_template = saved.replace(
             "message.content + '<|im_end|>'",
-            "message.content + ('<|endoftext|>' if message.role == 'assistant' else '<|im_end|>')",
+            "message.content + ('\\n\\n' if message.role == 'assistant' else '<|im_end|>')",
         )
         loop = rollout(ScriptedPolicy(tokenizer, {RECORD["prompt"]: SOLVE}), calculator())
-        with pytest.raises(TemplateMismatch, match="does not close an assistant turn with the tokenizer's EOS"):
+        with pytest.raises(TemplateMismatch, match=r"does not close an assistant turn with '<\|im_end\|>'"):
             loop.run([loop.start(0, RECORD, seed=0)], greedy=True, seed=None)
     finally:
         tokenizer.chat_template = saved

@@ -125,6 +125,27 @@ def test_sampled_logprobs_match_the_model(engine_and_dirs) -> None:
             np.testing.assert_array_equal(gen.topk_ids[clear], ids[:, :STUDENT_TOP_K].numpy()[clear])
 
 
+def test_the_engine_stops_at_every_id_of_its_stop_set(engine_and_dirs) -> None:
+    """vLLM stops at the whole stop set (stop_token_ids), not only its EOS, and keeps the stop id as the last token:
+    here the stop set is widened to the letters, which the random student samples often."""
+    from recipe_gkd.rollout.stop_set import StopSet
+
+    engine, _, _ = engine_and_dirs
+    letters = tuple(int(engine.tokenizer.convert_tokens_to_ids(c)) for c in "abcdefghijklmnopqrstuvwxyz")
+    saved = engine.stop
+    engine.stop = StopSet(eos=saved.eos, config_eos=letters, turn_end=saved.turn_end)
+    try:
+        prompts = [[1, 4, 72 + i % 20, 73, 74, 5] for i in range(16)]
+        generations = engine.generate(prompts, greedy=False, seed=11)
+    finally:
+        engine.stop = saved
+    stops = set(letters) | {saved.eos}
+    for gen in generations:
+        assert not stops & set(gen.response_ids[:-1]), f"a token after a stop id: {gen.response_ids}"
+        assert gen.stop_id == (gen.response_ids[-1] if gen.response_ids[-1] in stops else None)
+    assert sum(g.stop_id in letters and len(g.response_ids) < 8 for g in generations) >= 3
+
+
 class ThreadRecorder:
     """Stands in for the engine's `LLM`: records the thread of every call into it, then makes the call."""
 
@@ -185,6 +206,39 @@ def test_object_store_update_is_in_memory_and_exact(engine_and_dirs) -> None:
     assert np.abs(engine.token_logprobs(PROBE) - _hf_token_logprobs(student, PROBE)).max() <= 1e-5
 
 
+def _checksums(named: dict[str, np.ndarray], dtype: str) -> dict[str, int]:
+    """What the actor's export fingerprints to (per HF name), from the checkpoint's own tensors."""
+    from recipe_gkd.weight_sync import tensor_checksum
+
+    return {name: tensor_checksum(torch.from_numpy(array), getattr(torch, dtype)) for name, array in named.items()}
+
+
+def test_the_weight_check_reads_what_the_engine_computes_with(engine_and_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused qkv / gate_up parameters against their HF parts, and on CPU the packed copies the matmuls read (the
+    linear layers' parameters are emptied): equal after an update, in fp32 and bf16; an engine left on other
+    weights, or a tied head whose packed copy was not rebuilt, differs by name."""
+    from recipe_gkd.rollout import vllm as rollout_vllm
+    from recipe_gkd.weight_sync import weight_mismatches
+
+    engine, student, other = engine_and_dirs
+    engine.update_weights(iter(_weights(other).items()))
+    tensors = engine.weight_checksums("float32")
+    assert any(t.name.endswith("qkv_proj.weight (packed)") and len(t.parts) == 3 for t in tensors)
+    assert any(t.name == "lm_head.weight (packed)" and t.parts == (("model.embed_tokens.weight", 1),) for t in tensors)
+    for dtype in ("float32", "bfloat16"):
+        assert weight_mismatches(_checksums(_weights(other), dtype), engine.weight_checksums(dtype)) == []
+    stale = weight_mismatches(_checksums(_weights(student), "float32"), tensors)
+    assert any("model.layers.0.self_attn.qkv_proj.weight (packed) differs" in p for p in stale), stale
+    # The tied head's packed copy not rebuilt after an update (what _gkd_refresh_tied_lm_head exists for).
+    monkeypatch.setattr(rollout_vllm.WeightUpdateExtension, "_gkd_refresh_tied_lm_head", lambda self: None)
+    engine.update_weights(iter(_weights(student).items()))
+    stale_head = weight_mismatches(_checksums(_weights(student), "float32"), engine.weight_checksums("float32"))
+    assert stale_head == ["lm_head.weight (packed) differs from the actor's model.embed_tokens.weight"], stale_head
+    monkeypatch.undo()
+    engine.update_weights(iter(_weights(student).items()))
+    assert weight_mismatches(_checksums(_weights(student), "float32"), engine.weight_checksums("float32")) == []
+
+
 def test_gloo_update_reaches_the_worker_in_place(engine_and_dirs) -> None:
     """Actor rank 0's side in a thread of this process; the vLLM worker joins the group as rank 1."""
     from recipe_gkd.weight_sync import MIB, CollectiveChannel
@@ -238,6 +292,11 @@ send.start()
 assert engine.receive_weights() == set(named)
 send.join(timeout=60)
 np.save(probe_file, engine.token_logprobs(np.load(probe_file.replace("out", "in"))))
+# The weight check over both TP workers: shards summed, replicated norms counted once.
+import torch
+from recipe_gkd.weight_sync import tensor_checksum, weight_mismatches
+sums = {k: tensor_checksum(torch.from_numpy(v), torch.float32) for k, v in named.items()}
+assert weight_mismatches(sums, engine.weight_checksums("float32")) == []
 """
 
 
