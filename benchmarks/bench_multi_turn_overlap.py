@@ -37,6 +37,7 @@ from recipe_gkd.config import load_config  # noqa: E402
 from recipe_gkd.envs import Message, StepResult  # noqa: E402
 from recipe_gkd.gkd import RolloutPipeline  # noqa: E402
 from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm  # noqa: E402
+from recipe_gkd.rollout.producers import Conversations  # noqa: E402
 from recipe_gkd.rollout.worker import RolloutWorker  # noqa: E402
 from teacher_server.wire.scores import TeacherTopK, scores_from_logprobs  # noqa: E402
 
@@ -126,8 +127,8 @@ def run(schedule: str, args: argparse.Namespace, model: Path, data: Path) -> dic
     )
     worker = RolloutWorker(cfg, rank=0, world=1)
     worker.setup(scorer=UniformTeacher(len(worker_tokenizer(model))))
-    assert worker.multi_turn is not None
-    worker.multi_turn.new_env = lambda: SlowToolEnv(args.tool_s)
+    assert isinstance(worker.producer, Conversations)
+    worker.producer.loop.new_env = lambda: SlowToolEnv(args.tool_s)
     pool = ThreadedRolloutPool(worker)
     pipeline = RolloutPipeline(cfg, SimpleNamespace(rollout=pool, actor=SimpleNamespace(dp_size=1)), 0)
     step_s, generate_s, tool_s = [], [], []

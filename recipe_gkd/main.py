@@ -12,8 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from recipe_gkd.config import ConfigError, GKDConfig, check_local_paths, load_config, to_yaml
+from recipe_gkd.config import ConfigError, GKDConfig, load_config, to_yaml
 from recipe_gkd.plan.placement import build_plan, format_plan
+from recipe_gkd.preflight import DRY_RUN_CHECKS, START_CHECKS, Check, Status, run_checks
 
 EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
@@ -76,41 +77,17 @@ def terminated_line(cfg: GKDConfig) -> str:
     return f"stopped by SIGTERM: the run's workers and teacher are stopped; {kept}"
 
 
-def check_student_split(cfg: GKDConfig) -> None:
-    """The student's architecture and the actor's TP x PP split fit together (before Ray starts)."""
-    from recipe_gkd.actor import hf_arch
-
-    m = cfg.actor.megatron
-    hf_arch.check_split(hf_arch.read_student_arch(cfg.model.student_path), m.tp, m.pp, m.cp)
-
-
-def check_teacher_head(cfg: GKDConfig) -> None:
-    """What the target kind reads on the actor is there (teacher.output=hidden: the teacher's head, covering the
-    ids the student's tokenizer produces), before Ray starts."""
-    from recipe_gkd.targets import build_target
-
-    build_target(cfg).check_before_start()
-
-
-def report_memory_plan(cfg: GKDConfig) -> bool:
-    """Print the per-GPU memory plan (GPU runs); False when a role does not fit and debug.memory_check is on."""
-    from recipe_gkd.plan.memory_plan import build_memory_plan, check_memory_plan, format_memory_plan
-
-    try:
-        memory = build_memory_plan(cfg)
-    except ConfigError as err:  # cluster.gpu_memory_gib is not this node's GPU
-        print(f"error: {err}", file=sys.stderr)
-        return False
-    if memory is None:
-        return True
-    print(format_memory_plan(memory), flush=True)
-    try:
-        check_memory_plan(memory)
-    except ConfigError as err:
-        if cfg.debug.memory_check:
-            print(f"error: {err}", file=sys.stderr)
+def preflight(checks: list[Check], cfg: GKDConfig) -> bool:
+    """Run `checks` in order (recipe_gkd/preflight.py), printing each report and warning; False at the first error,
+    printed as the one line naming the key."""
+    for finding in run_checks(checks, cfg):
+        if finding.report:
+            print(finding.report, flush=True)
+        if finding.status == Status.warning:
+            print(f"warning: {finding.line}", flush=True)
+        if finding.failed:
+            print(f"error: {finding.line}", file=sys.stderr)
             return False
-        print(f"warning: {err}", flush=True)
     return True
 
 
@@ -152,29 +129,19 @@ def main(argv: list[str] | None = None) -> int:
     print(format_run(cfg), flush=True)
     if args.dry_run:
         # Model references are read where they are (a directory, or the HF cache): nothing is downloaded.
-        if not report_memory_plan(cfg):
+        if not preflight(DRY_RUN_CHECKS, cfg):
             return EXIT_BAD_CONFIG
         print("dry run: config valid, nothing started")
         return 0
-    from recipe_gkd.actor.hf_arch import UnsupportedModelError
-    from recipe_gkd.data import check_record_fields, check_record_teachers
-    from recipe_gkd.plan.memory_plan import object_store_mib
-    from recipe_gkd.plan.shm import check_shared_memory
     from recipe_gkd.runtime.model_pins import Reader, on_this_node
 
     try:
         resolve_config_models(cfg)  # hub ids -> org/name@<commit>: each worker resolves the pin on its own node
         local = on_this_node(cfg, Reader.driver)  # what this process checks: the pins in this node's cache
-        check_local_paths(local)
-        check_record_fields(local)
-        check_record_teachers(local)
-        check_student_split(local)
-        check_teacher_head(local)
-        check_shared_memory(local, object_store_mib(local))
-    except (ConfigError, UnsupportedModelError) as err:
+    except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    if not report_memory_plan(local):
+    if not preflight(START_CHECKS, local):
         return EXIT_BAD_CONFIG
     write_resolved_config(cfg)
     from recipe_gkd.gkd import RunDiverged, RunStopped, run

@@ -44,6 +44,7 @@ from recipe_gkd.plan.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gp
 from recipe_gkd.plan.model_shape import Shape, read_shape
 from recipe_gkd.targets import build_target
 from teacher_server.config.teacher import TeacherBackend, TeacherLocation
+from teacher_server.wire.hidden_codec import HIDDEN_ITEMSIZE
 
 GIB = 1024**3
 # CUDA context, cuBLAS workspaces, NCCL buffers and allocator slack on every actor GPU.
@@ -52,8 +53,6 @@ ACTOR_RESERVE_GIB = 2.5
 # in all (recipe_gkd/losses/hidden.py; the same numbers, kept here so a dry run imports no torch).
 HIDDEN_LOSS_CHUNK_BYTES = 256 * 2**20
 HIDDEN_CHUNK_BUFFERS = 5
-# The wire's 16-bit hidden states, kept so from the client to the teacher's head (teacher_server/wire/hidden_codec.py).
-HIDDEN_WIRE_BYTES = 2
 # algorithm.cross_tokenizer at actor TP > 1: the loss gathers the whole vocabulary on every rank
 # (recipe_gkd/actor/objective.py `full_vocabulary`, megatron-core 0.16.1 `_GatherFromModelParallelRegion`) from
 # Float16Module's fp32 logits. Bound: six fp32 [tokens, V] tensors at once (the gathered logits, their tempered
@@ -248,7 +247,7 @@ def _teacher_head_parts(teacher: Shape | None, vocab_shard: int, tokens: int, ac
             # The micro-batch's dense [B, T, H] and the loss rows gathered from it (saved for backward), 16-bit:
             # one micro-batch at a time (recipe_gkd/actor/collate.py LazyMicroBatches).
             f"teacher hidden states ({tokens} tokens x {teacher.hidden_size}, 16-bit, and the loss rows' copy)",
-            2 * tokens * teacher.hidden_size * HIDDEN_WIRE_BYTES,
+            2 * tokens * teacher.hidden_size * HIDDEN_ITEMSIZE,
         ),
         (
             "hidden-state loss chunk buffers (fp32)",

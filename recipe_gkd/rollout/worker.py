@@ -12,62 +12,25 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from recipe_gkd.batch import RolloutStats, Sequence, TrainShard, actor_rank_of
 from recipe_gkd.config import GKDConfig, cpu_threads, rollout_engines
-from recipe_gkd.config.teachers import DEFAULT_TEACHER, record_teacher, teacher_handles
-from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward, encode_prompt, encode_response
+from recipe_gkd.config.teachers import DEFAULT_TEACHER
+from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward
 from recipe_gkd.observe.metrics import TEACHER_SUMS, worker_memory_mb
-from recipe_gkd.observe.samples import LENGTH_ENDING, ending_text, sample_row, samples_due
+from recipe_gkd.observe.samples import sample_row, samples_due
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
-from recipe_gkd.rollout.multi_turn import (
-    MultiTurnRollout,
-    conversation_accuracy,
-    conversation_counts,
-    episode_seed,
-)
+from recipe_gkd.rollout.producers import BatchProducer, Generated, build_producer, encode_checked
 from recipe_gkd.rollout.stop_set import check_turn_ends
 from recipe_gkd.rollout.teacher_set import TeacherSet
-from recipe_gkd.teacher_prompt import own_prompt_encoder
 from recipe_gkd.weight_sync import PROBE_ROWS, from_host_arrays, probe_rows
 
-# Salt that separates the on/off-policy coin flips from the epoch order's random stream.
-MIX_SALT = 0x6B64
-# Salt of the per-batch sampling seed (same for a resumed run: a function of the stream position).
-SAMPLE_SALT = 0x5EED
 # Data positions remembered per generated batch: enough for the deepest pipeline plus the checkpoint.
 POSITIONS_KEPT = 4
-# How an off-policy response (the dataset's own, algorithm.lmbda < 1) "ended" in samples.jsonl.
-DATASET_ENDING = "dataset"
-
-
-@dataclass
-class Generated:
-    """A step's responses waiting for the teacher (kept inside the rollout worker)."""
-
-    prompts: list[Prompt]
-    prompt_ids: list[list[int]]
-    on_policy: list[bool]
-    responses: list[tuple[list[int], np.ndarray | None]]
-    weight_version: int  # the weights these were sampled with
-    seconds: float
-    # rollout.student_top_k: per response the engine's [n, k_s] top ids (None: not sampled, or k_s = 0).
-    student_topk: list[np.ndarray | None]
-    # rollout.env (multi-turn): per response the tokens the student sampled, the environment's reward, and the
-    # batch's episode counters (multi_turn.conversation_counts); None / {} for single-turn rollouts.
-    sampled_masks: list[np.ndarray | None] | None = None
-    env_rewards: list[float] | None = None
-    episodes: dict[str, float] = field(default_factory=dict)
-    # How each response ended (observe/samples.py ending_text; "dataset" for an off-policy one), and the generate
-    # calls' turns: sampled (one per on-policy response, one per turn of a conversation) and cut by the length limit.
-    endings: list[str] = field(default_factory=list)
-    sampled_turns: int = 0
-    clipped_turns: int = 0
 
 
 def make_engine(cfg: GKDConfig) -> Engine:
@@ -91,7 +54,7 @@ class RolloutWorker:
         self.weight_version = 0
         self.engine: Engine | None = None
         self.teachers: TeacherSet | None = None
-        self.multi_turn: MultiTurnRollout | None = None  # rollout.env: conversations with an environment
+        self.producer: BatchProducer | None = None  # single-turn sampling, or conversations (rollout.env)
         # two_step_off runs score(t+1) beside generate(t+2) in two threads of this worker:
         # the engine (generate, weight loads) and the teacher client each take one at a time.
         self._engine_lock = threading.Lock()
@@ -116,8 +79,7 @@ class RolloutWorker:
             torch.set_num_threads(threads)
         self.engine = make_engine(cfg)
         check_turn_ends(cfg, self.engine.stop)  # a same-tokenizer teacher ends a turn where the student does
-        if cfg.rollout.env:
-            self.multi_turn = MultiTurnRollout.from_config(cfg, self.engine)
+        self.producer = build_producer(cfg, self.engine, self.world)
         if scorer is None:
             self.teachers = TeacherSet.connect(cfg, self.engine.tokenizer, teacher_addresses)
         else:
@@ -205,38 +167,8 @@ class RolloutWorker:
         The run's report calls it after training, on rollout worker 0 (torch and transformers
         are loaded here already); the records without data.answer_key are counted, not scored.
         """
-        from recipe_gkd.rollout.answer_accuracy import model_answer_accuracy
-
-        if self.multi_turn is not None:  # one teacher, no prompt of its own (config rules)
-            return self._teacher_conversations()
-        cfg = self.cfg
-        handles = teacher_handles(cfg)
-        # Several teachers: each record's own teacher answers it (docs/teachers.md).
-        by_teacher: dict[str, list[dict[str, Any]]] = {}
-        for i, record in enumerate(self.eval_records()):
-            by_teacher.setdefault(record_teacher(cfg, record, f"record {i} of data.eval_files"), []).append(record)
-        parts = [
-            model_answer_accuracy(
-                handles[name].section.model_path,
-                records,
-                cfg.data,
-                cfg.rollout.sampling.max_new_tokens,
-                own_prompt_encoder(handles[name], cfg.data) if own_prompt else None,
-            )
-            for name, records in by_teacher.items()
-        ]
-        return AnswerAccuracy(*(sum(getattr(p, f) for p in parts) for f in ("correct", "answered", "records")))
-
-    def _teacher_conversations(self) -> AnswerAccuracy:
-        """rollout.env: the teacher model holds the held-out conversations greedily, as the student's evaluation does
-        (an HF engine on the teacher's files, in this process)."""
-        from recipe_gkd.rollout.hf import HFEngine
-
-        cfg = self.cfg
-        teacher_dir = teacher_handles(cfg)[DEFAULT_TEACHER].section.model_path
-        as_teacher = replace(cfg, model=replace(cfg.model, student_path=teacher_dir, tokenizer_path=""))
-        loop = MultiTurnRollout.from_config(as_teacher, HFEngine(as_teacher))
-        return conversation_accuracy(loop, self.eval_records(), cfg.data.answer_key, cfg.data.seed)
+        assert self.producer is not None, "call setup() first"
+        return self.producer.teacher_accuracy(self.eval_records(), own_prompt)
 
     def _remember_position(self, batch: int) -> None:
         self._position_after[batch] = self.train_stream.position
@@ -244,86 +176,9 @@ class RolloutWorker:
             del self._position_after[old]
 
     def _generate(self, prompts: list[Prompt], greedy: bool, mix_from: int | None) -> Generated:
-        """Responses to `prompts`: sampled by the student, or the dataset's (off-policy, 1 - lmbda)."""
-        assert self.engine is not None, "call setup() first"
-        if self.multi_turn is not None:
-            return self._converse(prompts, greedy, mix_from)
-        tokenizer = self.engine.tokenizer
-        prompt_ids = [self._encode(p) for p in prompts]
-        on_policy = [True] * len(prompts) if mix_from is None else self._on_policy_flags(mix_from, len(prompts))
-        start = time.perf_counter()
-        to_sample = [ids for ids, on in zip(prompt_ids, on_policy, strict=True) if on]
-        # Seeded by the batch's first stream position: a resumed run samples what an uninterrupted one did.
-        seed = None if mix_from is None else self._sampling_seed(mix_from)
-        sampled = iter(self.engine.generate(to_sample, greedy=greedy, seed=seed))
-        responses: list[tuple[list[int], np.ndarray | None]] = []
-        student_topk: list[np.ndarray | None] = []
-        endings: list[str] = []
-        stop = self.engine.stop
-        for prompt, on in zip(prompts, on_policy, strict=True):
-            if on:
-                gen = next(sampled)
-                responses.append((gen.response_ids, gen.logprobs))
-                student_topk.append(gen.topk_ids)
-                endings.append(ending_text(gen.stop_id, stop.name(gen.stop_id) if gen.stop_id is not None else ""))
-            else:
-                # The reference response closes its turn as the template does (the stop set's closing id).
-                ids = encode_response(tokenizer, prompt.record, self.cfg.data.response_key, stop.closing_id)
-                responses.append((ids, None))
-                student_topk.append(None)
-                endings.append(DATASET_ENDING)
-        seconds = time.perf_counter() - start
-        return Generated(
-            prompts,
-            prompt_ids,
-            on_policy,
-            responses,
-            self.weight_version,
-            seconds,
-            student_topk,
-            endings=endings,
-            sampled_turns=sum(on_policy),
-            clipped_turns=endings.count(LENGTH_ENDING),
-        )
-
-    def _converse(self, prompts: list[Prompt], greedy: bool, mix_from: int | None) -> Generated:
-        """rollout.env: each prompt's whole conversation with its environment (recipe_gkd/rollout/multi_turn.py).
-
-        Seeds as single-turn sampling's (the batch's first stream position; per turn derived from it), and each
-        environment's from (data.seed, sample id, epoch): a resumed run holds the same conversations.
-        """
-        assert self.multi_turn is not None
-        start = time.perf_counter()
-        tool_s = self.multi_turn.tool_seconds
-        conversations = [
-            self.multi_turn.start(p.sample_id, p.record, episode_seed(self.cfg.data.seed, p.sample_id, p.epoch))
-            for p in prompts
-        ]
-        seed = None if mix_from is None else self._sampling_seed(mix_from)
-        self.multi_turn.run(conversations, greedy=greedy, seed=seed)
-        seconds = time.perf_counter() - start
-        episodes = {**conversation_counts(conversations), "tool_s": self.multi_turn.tool_seconds - tool_s}
-        stop = self.multi_turn.template.stop
-        endings = [
-            f"{c.ending}; last turn: "
-            + ending_text(c.last_stop, stop.name(c.last_stop) if c.last_stop is not None else "")
-            for c in conversations
-        ]
-        return Generated(
-            prompts,
-            [c.prompt_ids for c in conversations],
-            [True] * len(prompts),
-            [(c.response_ids, c.rollout_logprobs()) for c in conversations],
-            self.weight_version,
-            seconds,
-            [None] * len(prompts),
-            sampled_masks=[c.sampled_mask() for c in conversations],
-            env_rewards=[c.reward for c in conversations],
-            episodes=episodes,
-            endings=endings,
-            sampled_turns=sum(c.turns for c in conversations),
-            clipped_turns=sum(c.clipped_turns for c in conversations),
-        )
+        """Responses to `prompts` from the run's producer (single-turn sampling, or conversations)."""
+        assert self.producer is not None, "call setup() first"
+        return self.producer.generate(prompts, greedy, mix_from, self.weight_version)
 
     def _score(self, generated: Generated, source: str) -> tuple[list[Sequence], float]:
         """Each record's teacher's top-k for every response token of `generated`; returns the sequences and seconds."""
@@ -378,28 +233,6 @@ class RolloutWorker:
             )
         ]
         return sequences, teacher_s
-
-    def _encode(self, prompt: Prompt) -> list[int]:
-        assert self.engine is not None
-        d = self.cfg.data
-        ids = encode_prompt(self.engine.tokenizer, prompt.record, d.prompt_key, d.apply_chat_template)
-        if len(ids) > d.max_prompt_length:
-            raise ValueError(
-                f"prompt {prompt.sample_id} has {len(ids)} tokens > data.max_prompt_length={d.max_prompt_length}; "
-                "raise data.max_prompt_length or filter the dataset"
-            )
-        return ids
-
-    def _on_policy_flags(self, first_position: int, count: int) -> list[bool]:
-        """GKD's lambda per sequence, fixed by (seed, stream position) so a resumed run flips the same coins."""
-        lmbda = self.cfg.algorithm.lmbda
-        if lmbda >= 1.0:
-            return [True] * count
-        positions = [first_position + k * self.world for k in range(count)]
-        return [bool(np.random.default_rng([self.cfg.data.seed, MIX_SALT, p]).random() < lmbda) for p in positions]
-
-    def _sampling_seed(self, first_position: int) -> int:
-        return int(np.random.SeedSequence([self.cfg.data.seed, SAMPLE_SALT, first_position]).generate_state(1)[0])
 
     def _reward(self, prompt: Prompt, response: list[int]) -> float | None:
         """The decoded response against the record's answer (data.answer_match), when the dataset has one."""
@@ -497,7 +330,10 @@ class RolloutWorker:
         """The sync check's probe: the first held-out prompts (else training ones) as token ids, one length."""
         dataset = self.eval_dataset or self.train_stream.dataset
         count = min(PROBE_ROWS, len(dataset))
-        return probe_rows([self._encode(Prompt(i, 0, dataset[i])) for i in range(count)])
+        assert self.engine is not None
+        return probe_rows(
+            [encode_checked(self.cfg, self.engine.tokenizer, Prompt(i, 0, dataset[i])) for i in range(count)]
+        )
 
     def weight_checksums(self, dtype: str) -> list[Any]:
         """The engine's tensors fingerprinted in `dtype` (weight_sync.EngineTensor), for the sync check."""

@@ -125,11 +125,11 @@ class Hidden(Target):
 
     def payload_bytes_per_token(self) -> int:
         """The teacher's hidden size in 16-bit values (0 when its config.json cannot be read)."""
-        from recipe_gkd.plan.memory_plan import HIDDEN_WIRE_BYTES
         from recipe_gkd.plan.model_shape import read_shape
+        from teacher_server.wire.hidden_codec import HIDDEN_ITEMSIZE
 
         teacher = read_shape(self.cfg.teacher.model_path, "teacher.model_path", [])
-        return 0 if teacher is None else teacher.hidden_size * HIDDEN_WIRE_BYTES
+        return 0 if teacher is None else teacher.hidden_size * HIDDEN_ITEMSIZE
 
     def sends_topk(self) -> bool:
         return False  # the whole vocabulary: no top-k travels

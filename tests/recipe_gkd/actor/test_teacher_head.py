@@ -15,8 +15,8 @@ from recipe_gkd.actor.layout import RankLayout
 from recipe_gkd.actor.objective import ActorObjective
 from recipe_gkd.actor.teacher_head import find_teacher_head, load_teacher_head_shard, tokenizer_size
 from recipe_gkd.config import ConfigError, GKDConfig, load_config
-from recipe_gkd.main import check_teacher_head
 from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
+from recipe_gkd.preflight import teacher_head as check_teacher_head
 
 
 def _head(model_dir: Path) -> torch.Tensor:

@@ -329,17 +329,18 @@ def echo_worker(cfg: Any, envs: list[EchoEnv]) -> Any:
     the calculator by itself); `envs` collects every environment built."""
     from scorers import HFTopKScorer
 
+    from recipe_gkd.rollout.producers import Conversations
     from recipe_gkd.rollout.worker import RolloutWorker
 
     worker = RolloutWorker(cfg, rank=0, world=1)
     worker.setup(scorer=HFTopKScorer(Path(cfg.model.student_path), top_k=3))
-    assert worker.multi_turn is not None
+    assert isinstance(worker.producer, Conversations)
 
     def new_env() -> EchoEnv:
         envs.append(EchoEnv(results=("7", "error: nope"), answer_on=2))
         return envs[-1]
 
-    worker.multi_turn.new_env = new_env
+    worker.producer.loop.new_env = new_env
     return worker
 
 

@@ -1,0 +1,48 @@
+"""Preflight: named checks in order, one finding each, the first error stops, a ConfigError names its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from recipe_gkd.config import ConfigError, load_config
+from recipe_gkd.preflight import DRY_RUN_CHECKS, START_CHECKS, Check, Finding, Status, run_checks
+
+
+def test_checks_run_in_order_until_the_first_error() -> None:
+    ran: list[str] = []
+
+    def ok(name: str) -> Check:
+        return Check(name, lambda cfg: ran.append(name) or f"{name} fine")
+
+    def broken(cfg: object) -> str:
+        ran.append("broken")
+        raise ConfigError("data.max_prompt_length", "too short for the first record")
+
+    def warns(cfg: object) -> Finding:
+        ran.append("warns")
+        return Finding("warns", Status.warning, "close to the limit", "actor.micro_batch_size")
+
+    cfg = load_config(None, [])
+    findings = list(run_checks([ok("a"), Check("warns", warns), Check("broken", broken), ok("never")], cfg))
+    assert ran == ["a", "warns", "broken"]
+    assert [(f.check, f.status) for f in findings] == [
+        ("a", Status.ok),
+        ("warns", Status.warning),
+        ("broken", Status.error),
+    ]
+    assert findings[0].line == "a fine" and not findings[1].failed
+    assert findings[2].key == "data.max_prompt_length" and "too short" in findings[2].line
+
+
+def test_a_missing_student_is_the_first_start_checks_error(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"model.student_path={tmp_path / 'nowhere'}"])
+    findings = list(run_checks(START_CHECKS, cfg))
+    assert [f.check for f in findings] == ["local paths"] and findings[0].key == "model.student_path"
+    assert [c.name for c in DRY_RUN_CHECKS] == ["memory plan"]
+
+
+def test_the_cpu_demo_passes_every_start_check(repo_root: Path) -> None:
+    cfg = load_config(None, [])
+    findings = list(run_checks(START_CHECKS, cfg))
+    assert [f.status for f in findings] == [Status.ok] * len(START_CHECKS), [f.line for f in findings]
+    assert {f.check for f in findings} == {c.name for c in START_CHECKS}
