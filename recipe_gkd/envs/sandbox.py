@@ -396,9 +396,9 @@ def bubblewrap_isolation() -> Bubblewrap | str:
     run = execute(isolation, PROBE_CODE, SandboxLimits(timeout_s=30.0))
     if run.output != "ok\n" or run.returncode != 0:
         return (
-            f"an empty call through {bwrap} failed ({run.describe().strip()}); it needs unprivileged user namespaces "
-            "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0; in a container, a seccomp "
-            "and AppArmor profile that allow them)"
+            f"an empty call through {bwrap} failed ({' '.join(run.describe().split())}); it needs unprivileged user "
+            "namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0; in a container, a "
+            "seccomp and AppArmor profile that allow them)"
         )
     if run.usage.peak_memory_bytes <= 0:
         return f"an empty call ran outside its {tree.kind} cgroup (it recorded no memory)"
