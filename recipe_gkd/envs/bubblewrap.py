@@ -9,7 +9,8 @@ library under /python, its site-packages hidden) and the system's shared librari
 `/tmp` (its working directory and HOME) and `/dev/shm` are tmpfs mounts of a fixed size that die with the
 call's mount namespace. Nothing of the repository, no home directory, no host `/tmp`: the unix sockets there
 (Ray's session sockets live under /tmp/ray) cannot be named, and abstract ones belong to the host's network
-namespace. The sandbox's own script and the model's code are read-only files in it. `--die-with-parent` and the
+namespace. The sandbox's own script and the model's code are read-only files in it; a seccomp filter refuses the
+few system calls no namespace covers (envs/seccomp.py). `--die-with-parent` and the
 PID namespace end every process of the call when its first one ends, or when bwrap or its caller is killed.
 """
 
@@ -131,15 +132,24 @@ def sandbox_env(view: InterpreterView) -> dict[str, str]:
 
 
 def bwrap_command(
-    bwrap: str, view: InterpreterView, child_script: Path, code_fd: int, child_args: list[str], scratch_bytes: int
+    bwrap: str,
+    view: InterpreterView,
+    child_script: Path,
+    code_fd: int,
+    seccomp_fd: int,
+    child_args: list[str],
+    scratch_bytes: int,
 ) -> list[str]:
-    """bwrap's argv running `python -I -S -u CHILD_PATH *child_args` on the model's code read from `code_fd`."""
+    """bwrap's argv running `python -I -S -u CHILD_PATH *child_args` on the model's code read from `code_fd`, under
+    the seccomp filter read from `seccomp_fd` (envs/seccomp.py)."""
     env: list[str] = []
     for key, value in sandbox_env(view).items():
         env += ["--setenv", key, value]
     return [
         bwrap,
         *NAMESPACE_FLAGS,
+        "--seccomp",
+        str(seccomp_fd),
         *view.mount_args(),
         "--proc",
         "/proc",

@@ -38,6 +38,7 @@ from recipe_gkd.envs import sandbox_child
 from recipe_gkd.envs.bubblewrap import CODE_PATH, bwrap_command, interpreter_view
 from recipe_gkd.envs.cgroups import CallCgroup, CgroupTree, CgroupUnavailable, find_cgroup_tree
 from recipe_gkd.envs.protocol import ToolResult
+from recipe_gkd.envs.seccomp import UnsupportedArchitecture, filter_program
 from teacher_server.config.fields import ConfigError
 
 TOOL_ISOLATIONS: tuple[str, ...] = ("bwrap", "socket_guard")
@@ -240,37 +241,53 @@ class Bubblewrap:
 
     name = "bwrap"
 
-    def __init__(self, bwrap: str, shell: str, tree: CgroupTree) -> None:
+    def __init__(self, bwrap: str, shell: str, tree: CgroupTree, seccomp_program: bytes) -> None:
         self.bwrap = bwrap
         self.shell = shell
         self.tree = tree
+        self.seccomp_program = seccomp_program
 
     @contextlib.contextmanager
     def launch(self, code: str, limits: SandboxLimits) -> Iterator[Launch]:
-        # The model's code reaches the sandbox as a read-only file copied from a memfd: nothing of it on the host.
-        code_fd = os.memfd_create("gkd-python-tool-code")
         cgroup: CallCgroup | None = None
-        try:
-            os.write(code_fd, code.encode("utf-8"))
-            os.lseek(code_fd, 0, os.SEEK_SET)
-            cgroup = self.tree.create(limits.memory_mib * MIB, limits.max_processes + SANDBOX_TASKS)
-            child_args = _child_args(limits, False, CODE_PATH)
-            inner = bwrap_command(
-                self.bwrap, interpreter_view(), CHILD_SCRIPT, code_fd, child_args, limits.scratch_mib * MIB
-            )
-            # The shell joins the call's cgroup, then becomes bwrap: everything the call starts is counted.
-            argv = [self.shell, "-c", cgroup.join_script() + ' && exec "$@"', "sh", *inner]
-            yield Launch(argv, "/", {"PATH": os.defpath}, pass_fds=(code_fd,), cgroup=cgroup)
-        finally:
-            os.close(code_fd)
-            if cgroup is not None:
-                cgroup.remove()
+        with contextlib.ExitStack() as fds:
+            # The model's code reaches the sandbox as a read-only file copied from a memfd: nothing of it on the host.
+            code_fd = _memfd("gkd-python-tool-code", code.encode("utf-8"), fds)
+            seccomp_fd = _memfd("gkd-python-tool-seccomp", self.seccomp_program, fds)
+            try:
+                cgroup = self.tree.create(limits.memory_mib * MIB, limits.max_processes + SANDBOX_TASKS)
+                child_args = _child_args(limits, False, CODE_PATH)
+                inner = bwrap_command(
+                    self.bwrap,
+                    interpreter_view(),
+                    CHILD_SCRIPT,
+                    code_fd,
+                    seccomp_fd,
+                    child_args,
+                    limits.scratch_mib * MIB,
+                )
+                # The shell joins the call's cgroup, then becomes bwrap: everything the call starts is counted.
+                argv = [self.shell, "-c", cgroup.join_script() + ' && exec "$@"', "sh", *inner]
+                yield Launch(argv, "/", {"PATH": os.defpath}, pass_fds=(code_fd, seccomp_fd), cgroup=cgroup)
+            finally:
+                if cgroup is not None:
+                    cgroup.remove()
 
     def program_returncode(self, status: int) -> int:
         if SIGNAL_EXIT_BASE < status <= SIGNAL_EXIT_BASE + _MAX_SIGNAL:
             # A program's own exit(129..192) reads as a signal too: the convention cannot tell them apart.
             return -(status - SIGNAL_EXIT_BASE)
         return status
+
+
+def _memfd(name: str, data: bytes, closing: contextlib.ExitStack) -> int:
+    """A memfd holding `data`, read from its start by bwrap; closed with `closing`."""
+    fd = os.memfd_create(name)
+    closing.callback(os.close, fd)
+    with open(fd, "wb", closefd=False) as f:
+        f.write(data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -391,8 +408,12 @@ def bubblewrap_isolation() -> Bubblewrap | str:
         tree = find_cgroup_tree()
     except CgroupUnavailable as err:
         return f"no cgroup can hold a whole call's memory and process limits here: {err}"
+    try:
+        program = filter_program()
+    except UnsupportedArchitecture as err:
+        return str(err)
     tree.remove_stale()
-    isolation = Bubblewrap(bwrap, shell, tree)
+    isolation = Bubblewrap(bwrap, shell, tree, program)
     run = execute(isolation, PROBE_CODE, SandboxLimits(timeout_s=30.0))
     if run.output != "ok\n" or run.returncode != 0:
         return (

@@ -52,7 +52,9 @@ def test_v1_calls_are_children_in_each_hierarchy(tmp_path: Path) -> None:
         mounts.append(("/", str(point), "cgroup", {"rw", *controller.split(",")}))
         memberships.append(_Membership(str(i + 1), tuple(controller.split(",")), "/session"))
     tree = cgroups._v1_tree(mounts, memberships)
-    assert tree == CgroupV1Tree(tmp_path / "memory/session", tmp_path / "pids/session", tmp_path / "cpu,cpuacct/session")
+    assert tree == CgroupV1Tree(
+        tmp_path / "memory/session", tmp_path / "pids/session", tmp_path / "cpu,cpuacct/session"
+    )
     call = tree.create(memory_bytes=64 << 20, max_tasks=10)
     assert (call.memory / "memory.limit_in_bytes").read_text() == str(64 << 20)  # type: ignore[attr-defined]
     assert call.join_script().count("echo $$ > ") == 3

@@ -453,3 +453,21 @@ def test_symlinks_lead_nowhere_outside(tmp_path: Path) -> None:
     )
     text, _ = observe(code)
     assert all(line.endswith("Error") for line in text.splitlines()) and len(text.splitlines()) == 5, text
+
+
+def test_kernel_keyrings_are_out_of_reach() -> None:
+    # The keyrings are not namespaced: the call would hold its caller's session keyring and, as a root caller's uid,
+    # read root's keys by id. The seccomp filter refuses the key system calls.
+    keyctl = {"x86_64": 250, "aarch64": 219}[os.uname().machine]
+    code = textwrap.dedent(
+        f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        KEYCTL_GET_KEYRING_ID, KEY_SPEC_SESSION_KEYRING, KEY_SPEC_USER_KEYRING = 0, -3, -4
+        for keyring in (KEY_SPEC_SESSION_KEYRING, KEY_SPEC_USER_KEYRING):
+            found = libc.syscall({keyctl}, KEYCTL_GET_KEYRING_ID, keyring, 0)
+            print(found if found >= 0 else os.strerror(ctypes.get_errno()))
+        """
+    )
+    text, _ = observe(code)
+    assert text.splitlines() == ["Operation not permitted"] * 2, text
