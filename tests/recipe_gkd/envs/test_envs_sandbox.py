@@ -188,6 +188,19 @@ def test_bwrap_keeps_no_file_between_calls() -> None:
     assert box.run("import os\nprint(sorted(os.listdir('.')), sorted(os.listdir('/dev/shm')))").output == "[] []\n"
 
 
+@needs_bwrap
+def test_calls_side_by_side_each_have_their_own_sandbox() -> None:
+    # The rollout runs its conversations' tool calls on threads side by side: each call has its own namespaces,
+    # scratch and cgroup. Four programs of 48 MiB under a 64 MiB limit: it is each call's, not one they share.
+    from concurrent.futures import ThreadPoolExecutor
+
+    box = PythonSandbox(SandboxLimits(timeout_s=60.0, memory_mib=64))
+    code = "import os, time\nopen('mine', 'w').write(str(os.getpid()))\nblock = b'x' * (48 << 20)\ntime.sleep(1)\nprint(os.listdir('.'))"
+    with ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(box.run, [code] * 4))
+    assert [(run.output, run.returncode) for run in runs] == [("['mine']\n", 0)] * 4
+
+
 def test_socket_guard_refuses_python_sockets(guard_box: PythonSandbox, listener: int) -> None:
     run = guard_box.run(
         f"import socket\nsocket.create_connection(('127.0.0.1', {listener}), timeout=2)\nprint('connected')"
