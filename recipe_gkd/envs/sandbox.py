@@ -4,15 +4,16 @@ output capped, and nothing of it left after.
 How the call is isolated is chosen once per sandbox (`tool_isolation`, the config's `rollout.tool_isolation`),
 each choice a class:
 - `"bwrap"` (the default, `Bubblewrap`): bubblewrap namespaces and a read-only view of the interpreter and its
-  standard library only (envs/bubblewrap.py), a tmpfs scratch of a fixed size, and a cgroup of the call's own
-  (envs/cgroups.py) capping the memory and the processes of the whole call and reading its CPU time. It reads,
+  standard library only (envs/bubblewrap.py), a tmpfs scratch of a fixed size, a seccomp filter (envs/seccomp.py),
+  and a cgroup of the call's own (envs/cgroups.py) capping the memory and the processes of the whole call and
+  reading its CPU time. It reads,
   writes, signals and connects to nothing outside, and nothing it started outlives it. Where the machine cannot
   give all of it (no bwrap, no user namespaces, no writable cgroup), building the sandbox raises
   `SandboxUnavailable`, a ConfigError naming rollout.tool_isolation and what is missing: never a weaker mode.
 - `"socket_guard"`, only when named: a plain child process whose Python `socket` module refuses every socket,
   with per-process limits. A guard, not isolation: the code can read and write what the caller can, signal its
   processes, reach the network through a subprocess or `_socket`, and leave processes behind.
-Both set the per-process limits (sandbox_child.py) and the socket guard. A timeout, a crash, a limit hit or too
+Both set the per-process limits (sandbox_child.py). A timeout, a crash, a limit hit or too
 much output is described in the observation the model reads (`SandboxRun.describe`); nothing raises out of a
 run but a broken sandbox.
 """
