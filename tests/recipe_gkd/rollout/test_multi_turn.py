@@ -186,7 +186,7 @@ class SleepyTool:
 class SleepyEnv(ToolTaskEnv):
     name: ClassVar[str] = "sleepy"
 
-    def build_tools(self, *, tool_timeout_s: float) -> list[Tool]:
+    def build_tools(self, *, tool_timeout_s: float, tool_isolation: str) -> list[Tool]:
         return [SleepyTool()]
 
 
