@@ -18,9 +18,30 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist): most tests wait on subprocesses (Ray, servers), so 2 use 2 cores better.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test setup lint docs clean-venv
+.PHONY: demo test setup sandbox-deps lint docs clean-venv
 
-setup: $(STAMP)
+setup: $(STAMP) sandbox-deps
+
+# The python tool's sandbox runs each call in bubblewrap (docs/multi_turn.md#the-python-tool): installed here when
+# missing and this runs as root with apt-get (Debian, Ubuntu; CI), idempotently. As root the set-up then runs one empty
+# call through the whole sandbox and stops, saying what is missing, where it cannot run (SANDBOX_CHECK=0 skips that:
+# its tests then skip, saying why), so that CI never passes by skipping them. Not root: a note.
+SANDBOX_CHECK ?= 1
+SANDBOX_PROBE := import sys; from recipe_gkd.envs.sandbox import bubblewrap_isolation as found; problem = found(); \
+	sys.exit(f"set-up: the python tool sandbox cannot run here: {problem}" if isinstance(problem, str) else 0)
+sandbox-deps: $(STAMP)
+	@if command -v bwrap > /dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
+		echo "set-up: installing bubblewrap (the python tool's sandbox) with apt-get"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq bubblewrap > /dev/null 2>&1 \
+		|| { apt-get update -qq && apt-get install -y -qq bubblewrap > /dev/null; } \
+		|| { echo "set-up: apt-get could not install bubblewrap" >&2; exit 1; }; \
+	else \
+		echo "set-up: bubblewrap (bwrap) is missing and this is not root with apt-get: install it (apt-get install" \
+			"bubblewrap, dnf install bubblewrap) for the python tool's default isolation; its tests skip until then"; \
+	fi
+	@if [ "$$(id -u)" = 0 ] && [ "$(SANDBOX_CHECK)" = 1 ]; then $(PY) -c '$(SANDBOX_PROBE)'; fi
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,7 +67,7 @@ demo: $(STAMP)
 # pytest exits 5 when it collects no test; that is not a failure of the suite's set-up.
 # The project's own modules compiled once (PYTHONDONTWRITEBYTECODE=1 here: otherwise every test process,
 # Ray worker and server compiles them again); the 20 slowest tests printed, to keep the suite's time in view.
-test: $(STAMP)
+test: $(STAMP) sandbox-deps
 	@$(PY) -m compileall -q -j 0 recipe_gkd teacher_server tests benchmarks > /dev/null
 	@$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=20 $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.
+from recipe_gkd.envs.sandbox import TOOL_ISOLATIONS
 from recipe_gkd.envs.tool_calls import TOOL_CALL_FORMATS
 from teacher_server.config.fields import bounded, one_of
 from teacher_server.config.teacher import TeacherConfig
@@ -262,6 +263,11 @@ class RolloutConfig:
     tool_timeout_s: float = bounded(10.0, gt=0)
     """rollout.env: wall seconds one tool call may take (the Python sandbox kills its program then); a call still
     running a second later is answered as timed out whatever the tool: a slow tool never hangs a step."""
+    tool_isolation: str = one_of("bwrap", TOOL_ISOLATIONS)
+    """rollout.env: how a tool running the model's code (the python environment's) is isolated. bwrap: bubblewrap
+    namespaces, a read-only view of the interpreter and its standard library alone, a cgroup capping the whole call's
+    memory, processes and CPU; the run stops with exit 2 where the machine cannot give it. socket_guard: Python's
+    sockets refused and nothing else, for trusted code only (docs/multi_turn.md#the-python-tool)."""
     tool_call_format: str = one_of("hermes", TOOL_CALL_FORMAT_NAMES)
     """rollout.env: how the chat template writes tool calls: hermes (Qwen2.5/Qwen3 `<tool_call>` JSON) or llama3_json
     (Llama 3.x JSON tool calling)."""

@@ -1,27 +1,18 @@
-"""The python tool's child process: set its limits, leave the network, then run the model's code.
+"""The python tool's child process: set its per-process limits (and the socket guard), run the model's code.
 
-Run as a script (`python -I sandbox_child.py LIMITS_JSON CODE_FILE`) by `recipe_gkd.envs.sandbox`; it imports
-nothing of the project, only the standard library. Order matters: the resource limits are set first, then
-the process enters a new user and network namespace (so even a root parent's child loses the capability
-to raise them again), then Python's sockets are refused, then the code runs as `__main__`.
+Run as a script (`python -I [-S] -u sandbox_child.py LIMITS... CODE_FILE`, see `main`) by `recipe_gkd.envs.sandbox`:
+inside bubblewrap (read-only at /sandbox/child.py), or as a plain child with `tool_isolation=socket_guard`, the one
+mode that refuses Python's sockets here (bubblewrap's network namespace has no network to refuse). It imports
+nothing of the project and as little of the standard library as it can: every call pays for its imports. The
+limits are set before the code runs; inside bubblewrap the process holds no capability, so it cannot raise them.
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
-import linecache
-import os
 import resource
-import socket
 import sys
-import traceback
 
-CLONE_NEWUSER = 0x10000000  # <linux/sched.h>
-CLONE_NEWNET = 0x40000000
 NETWORK_REFUSED = "network access is disabled in the python tool"
-# Exit status when the namespace the parent asked for cannot be entered (the parent reports it as such).
-EXIT_NO_NAMESPACE = 97
 CODE_NAME = "<tool_code>"  # the file name tracebacks show for the model's code
 
 
@@ -33,16 +24,9 @@ def set_limits(memory_bytes: int, cpu_seconds: int, max_file_bytes: int) -> None
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def enter_network_namespace() -> int:
-    """unshare(2) into a fresh user + network namespace: only a loopback interface, down. 0 or the errno."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
-        return ctypes.get_errno()
-    return 0
-
-
 def refuse_sockets() -> None:
     """Every socket Python's `socket` module makes raises PermissionError (code in this process only)."""
+    import socket  # here, not at the top: 7 ms of every bubblewrap call, which does not use it
 
     class RefusedSocket(socket.socket):
         def __init__(self, *args: object, **kwargs: object) -> None:
@@ -57,15 +41,12 @@ def refuse_sockets() -> None:
 
 
 def main(argv: list[str]) -> None:
-    limits = json.loads(argv[1])
-    set_limits(limits["memory_bytes"], limits["cpu_seconds"], limits["max_file_bytes"])
-    if limits["network_namespace"]:
-        errno = enter_network_namespace()
-        if errno:
-            print(f"cannot enter a network namespace: {os.strerror(errno)}", file=sys.stderr)
-            sys.exit(EXIT_NO_NAMESPACE)
-    refuse_sockets()
-    with open(argv[2], encoding="utf-8") as f:
+    """argv: MEMORY_BYTES CPU_SECONDS MAX_FILE_BYTES SOCKET_GUARD(0|1) CODE_FILE."""
+    memory_bytes, cpu_seconds, max_file_bytes, guard = (int(value) for value in argv[1:5])
+    set_limits(memory_bytes, cpu_seconds, max_file_bytes)
+    if guard:
+        refuse_sockets()
+    with open(argv[5], encoding="utf-8") as f:
         source = f.read()
     sys.argv = [CODE_NAME]
     run_code(source)
@@ -73,14 +54,33 @@ def main(argv: list[str]) -> None:
 
 def run_code(source: str) -> None:
     """Run the model's code as `__main__`; an exception prints a traceback of its own frames only, exit 1."""
-    linecache.cache[CODE_NAME] = (len(source), None, source.splitlines(True), CODE_NAME)
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
-        exec(compile(source, CODE_NAME, "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        exec(compile(source, CODE_NAME, "exec"), namespace)
     except SystemExit:
         raise
     except BaseException as err:  # noqa: BLE001 - the model's code failed: tell it how, without this file's frames
-        traceback.print_exception(type(err), err, err.__traceback__.tb_next if err.__traceback__ else None)
+        report(err, source, namespace)
         sys.exit(1)
+
+
+def report(err: BaseException, source: str, namespace: dict[str, object]) -> None:
+    """Print the traceback of the model's frames. traceback and linecache are imported only here (they took
+    25 ms of every call's start), after the program's objects are dropped: a MemoryError still has room for them."""
+    tb = err.__traceback__.tb_next if err.__traceback__ else None
+    namespace.clear()
+    frames = tb
+    while frames is not None:
+        try:
+            frames.tb_frame.clear()  # its locals; the code and line numbers the traceback prints stay
+        except RuntimeError:
+            pass  # a frame still running (a generator's that the program kept): left as it is
+        frames = frames.tb_next
+    import linecache
+    import traceback
+
+    linecache.cache[CODE_NAME] = (len(source), None, source.splitlines(True), CODE_NAME)
+    traceback.print_exception(type(err), err, tb)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from recipe_gkd.envs.arithmetic import CalculatorTool
 from recipe_gkd.envs.deadline import call_within
 from recipe_gkd.envs.protocol import Message, StepResult, Tool, ToolResult, tool_message, tool_schema
-from recipe_gkd.envs.sandbox import NetworkIsolation, PythonSandbox, PythonTool, SandboxLimits
+from recipe_gkd.envs.sandbox import PythonSandbox, PythonTool, SandboxLimits
 from recipe_gkd.envs.tool_calls import MalformedCall, ToolCall, content_after_reasoning, tool_call_format
 
 _NUMBER = re.compile(r"-?(?:[0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)(?:[eE][+-]?[0-9]+)?")
@@ -28,6 +28,8 @@ _NUMBER = re.compile(r"-?(?:[0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)(?:[eE][+-]?[0-9]+)?"
 ANSWER_REL_TOL = 1e-9
 # Wall seconds of one tool call unless the environment is built with another (rollout.tool_timeout_s).
 DEFAULT_TOOL_TIMEOUT_S = 10.0
+# How a tool that runs the model's code is isolated unless built with another (rollout.tool_isolation).
+DEFAULT_TOOL_ISOLATION = "bwrap"
 
 
 def final_number(text: str) -> float | None:
@@ -71,6 +73,7 @@ class ToolTaskEnv:
         prompt_key: str = "prompt",
         answer_key: str = "answer",
         tool_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S,
+        tool_isolation: str = DEFAULT_TOOL_ISOLATION,
         **tool_options: Any,
     ) -> None:
         if max_turns < 1:
@@ -78,7 +81,7 @@ class ToolTaskEnv:
         if tool_timeout_s <= 0:
             raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s}")
         self.tool_timeout_s = tool_timeout_s
-        tools = self.build_tools(tool_timeout_s=tool_timeout_s, **tool_options)
+        tools = self.build_tools(tool_timeout_s=tool_timeout_s, tool_isolation=tool_isolation, **tool_options)
         self._tools = {tool.name: tool for tool in tools}
         self._format = tool_call_format(tool_call_format_name)
         self.max_turns = max_turns
@@ -89,9 +92,10 @@ class ToolTaskEnv:
         self.done = True
         self.rng = random.Random(0)
 
-    def build_tools(self, *, tool_timeout_s: float) -> list[Tool]:
+    def build_tools(self, *, tool_timeout_s: float, tool_isolation: str) -> list[Tool]:
         """The environment's tools, built from its own options (the keyword arguments `__init__` does not take);
-        a tool that can stop its own work (the sandbox) bounds itself at `tool_timeout_s`."""
+        a tool that can stop its own work (the sandbox) bounds itself at `tool_timeout_s`, and one that runs the
+        model's code is isolated as `tool_isolation` says (sandbox.py)."""
         raise NotImplementedError(f"{type(self).__name__} must define build_tools()")
 
     def tools(self) -> list[dict[str, Any]]:
@@ -155,8 +159,9 @@ class CalculatorEnv(ToolTaskEnv):
         "Solve the problem. Use the calculator tool for arithmetic. End with the final number, alone."
     )
 
-    def build_tools(self, *, tool_timeout_s: float) -> list[Tool]:
-        return [CalculatorTool()]  # bounded by its own limits (arithmetic.py); call_within bounds it too
+    def build_tools(self, *, tool_timeout_s: float, tool_isolation: str) -> list[Tool]:
+        # A parser, not code: bounded by its own limits (arithmetic.py), call_within bounds it too; nothing to isolate.
+        return [CalculatorTool()]
 
 
 class PythonToolEnv(ToolTaskEnv):
@@ -172,13 +177,20 @@ class PythonToolEnv(ToolTaskEnv):
         self,
         *,
         tool_timeout_s: float,
+        tool_isolation: str,
         memory_mib: int = 512,
         cpu_s: int = 10,
         max_output_bytes: int = 8192,
-        network: NetworkIsolation = "namespace",
+        max_processes: int = 16,
+        scratch_mib: int = 64,
     ) -> list[Tool]:
         """The sandboxed python tool: `tool_timeout_s` wall seconds per call, the other limits per call too."""
         limits = SandboxLimits(
-            timeout_s=tool_timeout_s, memory_mib=memory_mib, cpu_s=cpu_s, max_output_bytes=max_output_bytes
+            timeout_s=tool_timeout_s,
+            memory_mib=memory_mib,
+            cpu_s=cpu_s,
+            max_output_bytes=max_output_bytes,
+            max_processes=max_processes,
+            scratch_mib=scratch_mib,
         )
-        return [PythonTool(PythonSandbox(limits, network=network))]
+        return [PythonTool(PythonSandbox(limits, tool_isolation=tool_isolation))]

@@ -187,6 +187,7 @@ class MultiTurnRollout:
                 prompt_key=d.prompt_key,
                 answer_key=d.answer_key,
                 tool_timeout_s=r.tool_timeout_s,
+                tool_isolation=r.tool_isolation,
             )
 
         limits = Limits(r.max_turns, r.max_total_tokens, r.sampling.max_new_tokens)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from recipe_gkd.envs import ENVIRONMENTS, build_environment
-from recipe_gkd.envs.sandbox import namespace_available
+from recipe_gkd.envs.sandbox import bubblewrap_isolation
 from recipe_gkd.envs.tasks import CalculatorEnv, PythonToolEnv, answer_matches
 
 RECORD = {"prompt": "A shop sells 17 boxes of 23 pens and 4 loose pens. How many pens?", "answer": "395"}
@@ -107,8 +107,9 @@ def test_llama3_json_format_episode() -> None:
 
 
 def test_python_episode() -> None:
-    network = "namespace" if namespace_available() else "socket_guard"
-    env = build_environment("python", tool_timeout_s=60.0, network=network)  # ends by itself
+    # The default isolation where this machine has it (test_envs_sandbox.py covers both).
+    isolation = "socket_guard" if isinstance(bubblewrap_isolation(), str) else "bwrap"
+    env = build_environment("python", tool_timeout_s=60.0, tool_isolation=isolation)  # ends by itself
     assert isinstance(env, PythonToolEnv)
     env.reset(RECORD)
     step = env.step(assistant("Let me count.\n" + call("python", code="boxes = 17\nprint(boxes * 23 + 4)")))

@@ -187,7 +187,7 @@ class SleepyTool:
 class SleepyEnv(ToolTaskEnv):
     name: ClassVar[str] = "sleepy"
 
-    def build_tools(self, *, tool_timeout_s: float) -> list[Tool]:
+    def build_tools(self, *, tool_timeout_s: float, tool_isolation: str) -> list[Tool]:
         return [SleepyTool()]
 
 
@@ -206,7 +206,7 @@ def test_a_slow_tool_is_cut_at_tool_timeout_s(tokenizer: Any) -> None:
 
 
 def test_the_sandbox_is_bounded_by_the_same_timeout() -> None:
-    env = build_environment("python", max_turns=3, tool_timeout_s=0.5, network="socket_guard")
+    env = build_environment("python", max_turns=3, tool_timeout_s=0.5, tool_isolation="socket_guard")
     env.reset({"prompt": "loop", "answer": "1"})
     start = time.perf_counter()
     step = env.step({"role": "assistant", "content": tool_call("python", code="while True:\n    pass")})
@@ -494,10 +494,6 @@ def test_a_multi_turn_config_bounds_every_length_by_max_total_tokens() -> None:
 
 def test_the_environment_is_built_from_the_rollout_keys(tokenizer: Any) -> None:
     from recipe_gkd.config import load_config
-    from recipe_gkd.envs.sandbox import namespace_available
-
-    if not namespace_available():  # the python environment's default isolation (docs/multi_turn.md)
-        pytest.skip("unprivileged user namespaces are unavailable here")
 
     cfg = load_config(
         PRESETS / "cpu_demo.yaml",
@@ -505,6 +501,7 @@ def test_the_environment_is_built_from_the_rollout_keys(tokenizer: Any) -> None:
             "rollout.env=python",
             "rollout.max_turns=3",
             "rollout.tool_timeout_s=2.5",
+            "rollout.tool_isolation=socket_guard",
             "rollout.tool_call_format=llama3_json",
             "data.prompt_key=question",
             "data.answer_key=solution",
@@ -514,6 +511,7 @@ def test_the_environment_is_built_from_the_rollout_keys(tokenizer: Any) -> None:
     env = loop.new_env()
     assert env.name == "python" and env.max_turns == 3 and env.tool_timeout_s == 2.5
     assert env._tools["python"].sandbox.limits.timeout_s == 2.5  # one rule: the sandbox's own wall time
+    assert env._tools["python"].sandbox.isolation.name == "socket_guard"
     assert type(env._format).__name__ == "Llama3JsonCalls"
     assert env.reset({"question": "q", "solution": "1"})[1]["content"] == "q"
     assert loop.limits == Limits(3, cfg.rollout.max_total_tokens, cfg.rollout.sampling.max_new_tokens)
