@@ -75,6 +75,18 @@ def local_paths(cfg: GKDConfig) -> str:
     return "the student's and the autostarted teachers' directories exist here"
 
 
+def environment(cfg: GKDConfig) -> str:
+    """rollout.env: one environment built as the rollout workers build theirs, so a tool that cannot run here (the
+    python tool's sandbox, rollout.tool_isolation) is refused before the workers start, not in them."""
+    if not cfg.rollout.env:
+        return "no environment (single-turn rollouts)"
+    from recipe_gkd.rollout.multi_turn import environment_factory
+
+    env = environment_factory(cfg)()
+    tools = ", ".join(t["function"]["name"] if "function" in t else str(t.get("name")) for t in env.tools())
+    return f"the {cfg.rollout.env} environment builds here, with its tools: {tools or 'none'}"
+
+
 def record_fields(cfg: GKDConfig) -> str:
     from recipe_gkd.data import check_record_fields
 
@@ -139,6 +151,7 @@ def memory_plan(cfg: GKDConfig) -> Finding:
 MEMORY_PLAN = Check("memory plan", memory_plan)
 START_CHECKS = [
     Check("local paths", local_paths),
+    Check("environment", environment),
     Check("record fields", record_fields),
     Check("record teachers", record_teachers),
     Check("student split", student_split),

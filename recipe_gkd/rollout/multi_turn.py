@@ -177,21 +177,9 @@ class MultiTurnRollout:
     @classmethod
     def from_config(cls, cfg: GKDConfig, engine: Engine) -> MultiTurnRollout:
         """The loop of `rollout.env` and its bounds (rollout.max_turns, max_total_tokens, tool_timeout_s, ...)."""
-        r, d = cfg.rollout, cfg.data
-
-        def new_env() -> Environment:
-            return build_environment(
-                r.env,
-                max_turns=r.max_turns,
-                tool_call_format_name=r.tool_call_format,
-                prompt_key=d.prompt_key,
-                answer_key=d.answer_key,
-                tool_timeout_s=r.tool_timeout_s,
-                tool_isolation=r.tool_isolation,
-            )
-
+        r = cfg.rollout
         limits = Limits(r.max_turns, r.max_total_tokens, r.sampling.max_new_tokens)
-        return cls(engine, new_env, limits, d.max_prompt_length)
+        return cls(engine, environment_factory(cfg), limits, cfg.data.max_prompt_length)
 
     def start(self, sample_id: int, record: dict[str, Any], seed: int) -> Conversation:
         env = self.new_env()
@@ -263,6 +251,25 @@ class MultiTurnRollout:
         conv.add(between, sampled=False)
         conv.messages.extend([assistant, *step.observations])
         conv.rendered = rendered
+
+
+def environment_factory(cfg: GKDConfig) -> Callable[[], Environment]:
+    """A fresh environment of `rollout.env` per call, with the run's options (its turns, tool-call format, record keys,
+    tool timeout and isolation)."""
+    r, d = cfg.rollout, cfg.data
+
+    def new_env() -> Environment:
+        return build_environment(
+            r.env,
+            max_turns=r.max_turns,
+            tool_call_format_name=r.tool_call_format,
+            prompt_key=d.prompt_key,
+            answer_key=d.answer_key,
+            tool_timeout_s=r.tool_timeout_s,
+            tool_isolation=r.tool_isolation,
+        )
+
+    return new_env
 
 
 def conversation_accuracy(

@@ -46,3 +46,15 @@ def test_the_cpu_demo_passes_every_start_check(repo_root: Path) -> None:
     findings = list(run_checks(START_CHECKS, cfg))
     assert [f.status for f in findings] == [Status.ok] * len(START_CHECKS), [f.line for f in findings]
     assert {f.check for f in findings} == {c.name for c in START_CHECKS}
+
+
+def test_a_python_tool_that_cannot_be_sandboxed_here_is_refused_before_the_workers(monkeypatch) -> None:
+    from recipe_gkd.envs import sandbox
+
+    cfg = load_config(None, ["rollout.env=python", "data.max_prompt_length=256"])
+    environment = next(c for c in START_CHECKS if c.name == "environment")
+    if not isinstance(sandbox.bubblewrap_isolation(), str):  # this machine can sandbox: the check passes
+        assert environment.finding(cfg).status == Status.ok
+    monkeypatch.setattr(sandbox, "bubblewrap_isolation", lambda: "bwrap is not on PATH")
+    finding = environment.finding(cfg)
+    assert finding.failed and finding.key == "rollout.tool_isolation" and "bwrap is not on PATH" in finding.line
