@@ -51,6 +51,7 @@ from recipe_gkd.actor.probe_rows import forward_only_micro_batch, pack_rows, unp
 from recipe_gkd.actor.weight_export import WeightExporter, write_hf_dir
 from recipe_gkd.batch import Sequence, TrainShard, trained_rows, trained_tokens
 from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, cpu_threads
+from recipe_gkd.targets import build_objective, build_target
 
 # megatron's RNG tracker needs a seed; nothing random runs (no dropout, weights from HF).
 MEGATRON_SEED = 1234
@@ -129,6 +130,8 @@ class MegatronActor:
             tp_group=self.tp_group,
             pp_group=self.pp_group,
             dp_group=self.dp_group,
+            target=build_target(self.cfg),  # this rank's target kind and objective, built once
+            objective=build_objective(self.cfg),
         )
         self._exporter = WeightExporter(
             self.gpt, self.arch, self._global_names, self.layout, self.rank, self.device, self.tp_group

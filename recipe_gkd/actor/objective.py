@@ -24,7 +24,7 @@ from recipe_gkd.actor.collate import MicroBatch
 from recipe_gkd.actor.layout import RankLayout
 from recipe_gkd.config import GKDConfig
 from recipe_gkd.config.teachers import split_teachers
-from recipe_gkd.targets import build_objective, build_target
+from recipe_gkd.targets import Objective, Target
 
 
 class ActorObjective:
@@ -40,18 +40,21 @@ class ActorObjective:
         tp_group: dist.ProcessGroup,
         pp_group: dist.ProcessGroup,
         dp_group: dist.ProcessGroup,
+        target: Target,
+        objective: Objective,
     ) -> None:
+        """`target`, `objective`: the run's target kind and objective, built once by the actor and handed here."""
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.layout = layout
         self.device = device
         self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
         self.vocab_start, self.vocab_shard = local_vocab_slice(vocab_size, layout)
-        # The target kind's loss (and what it loads once, e.g. the teacher's output head), chosen once.
-        self.target = build_target(cfg)
+        # The target kind's loss (and what it loads once, e.g. the teacher's output head).
+        self.target = target
         self.target.setup_actor(self)
-        # What is minimised over the kind's targets (the divergence, or the sampled-token reverse KL), chosen once.
-        self.objective = build_objective(cfg)
+        # What is minimised over the kind's targets (the divergence, or the sampled-token reverse KL).
+        self.objective = objective
         # Several teachers: the names whose rows the loss is also summed over (collate's teacher_index_B order).
         self.teacher_names: list[str] = split_teachers(cfg)
 

@@ -9,22 +9,22 @@ teachers, named in its message, so the driver's stop and exit 3 say which teache
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from recipe_gkd.config import GKDConfig
-from recipe_gkd.config.teachers import TeacherHandle, record_teacher, teacher_handles, teacher_views
+from recipe_gkd.config.teachers import record_teacher, teacher_handles, teacher_views
 from recipe_gkd.rollout.engine import Scorer
-from recipe_gkd.targets import build_target
+from recipe_gkd.rollout.prompt_join import PromptJoin
 from recipe_gkd.teacher_prompt import teacher_prompt_bound
-from teacher_server.config.fields import ConfigError
-from teacher_server.wire.protocol import TeacherTopK, tokenizer_fingerprint
+from teacher_server.wire.protocol import TeacherTopK
+
+if TYPE_CHECKING:
+    from recipe_gkd.targets.base import Target
 
 T = TypeVar("T")
 
@@ -32,7 +32,11 @@ T = TypeVar("T")
 class TeacherSet:
     """Teacher name -> its scorer; routes records, scores groups concurrently, reassembles in order."""
 
-    def __init__(self, cfg: GKDConfig, scorers: Mapping[str, Scorer], student_tokenizer: Any = None) -> None:
+    def __init__(
+        self, cfg: GKDConfig, target: Target, scorers: Mapping[str, Scorer], student_tokenizer: Any = None
+    ) -> None:
+        """`target`: the run's target kind (built once by the rollout worker): what each request asks for and how
+        its reply is unpacked, the same for every teacher."""
         self.cfg = cfg
         self.scorers = dict(scorers)
         # Each teacher's prompt per record: the student's, or its own joined to the response (privileged context).
@@ -42,18 +46,18 @@ class TeacherSet:
         }
         # What each teacher's errors are prefixed with (its name, in a set of several).
         self.prefixes = {name: h.error_prefix for name, h in teacher_handles(cfg).items()}
-        # What each request asks for and how its reply is unpacked (the target kind), the same for every teacher.
-        self.target = build_target(cfg)
+        self.target = target
         # One thread per teacher: each client is used by one thread at a time (the worker holds its teacher lock).
         self._pool = ThreadPoolExecutor(len(self.scorers), "teacher") if len(self.scorers) > 1 else None
 
     @classmethod
-    def connect(cls, cfg: GKDConfig, tokenizer: Any, addresses: Mapping[str, str] | None) -> TeacherSet:
-        """A client per configured teacher, each checked against the student's tokenizer at connect time.
+    def connect(cls, cfg: GKDConfig, target: Target, tokenizer: Any, addresses: Mapping[str, str] | None) -> TeacherSet:
+        """A client per configured teacher (connected by the target kind), each checked against the student's
+        tokenizer at connect time.
 
         `addresses` overrides a teacher's own address (an autostarted server's bound one).
         """
-        target, handles = build_target(cfg), teacher_handles(cfg)
+        handles = teacher_handles(cfg)
         scorers: dict[str, Any] = {}
         try:
             for name, view in teacher_views(cfg).items():
@@ -64,7 +68,7 @@ class TeacherSet:
             for connected in scorers.values():  # the teachers checked before the one that failed
                 connected.close()
             raise
-        return cls(cfg, scorers, tokenizer)
+        return cls(cfg, target, scorers, tokenizer)
 
     def route(self, records: list[dict[str, Any]], where: list[str]) -> list[str]:
         """The teacher of every record (`where[i]`: record i's file and index, for the error on an unknown one)."""
@@ -125,63 +129,6 @@ class TeacherSet:
             close = getattr(scorer, "close", None)
             if close is not None:
                 close()
-
-
-class PromptJoin:
-    """One teacher's prompt per record joined to the student's response ids (recipe_gkd/teacher_prompt.py).
-
-    A teacher with a prompt of its own renders it with its own tokenizer and chat template (teacher.model_path,
-    teacher.chat_template), read once on first use; its vocabulary must be the student's (the ids after the join
-    are the student's sampled ids), checked then through the tokenizer hash the server handshake uses.
-    """
-
-    def __init__(self, handle: TeacherHandle, bound: int, student_tokenizer: Any) -> None:
-        self.handle = handle
-        self.rule = handle.prompt
-        self.bound = bound
-        self.student_tokenizer = student_tokenizer
-        self._tokenizer: Any = None
-        self._template: str | None = None
-        self._lock = threading.Lock()
-
-    def tokenizer(self) -> tuple[Any, str | None]:
-        """The teacher's tokenizer and its chat template file's text (None: the tokenizer's own)."""
-        with self._lock:
-            if self._tokenizer is None:
-                from transformers import AutoTokenizer
-
-                section = self.handle.section
-                tokenizer = AutoTokenizer.from_pretrained(section.model_path)
-                if self.student_tokenizer is not None and tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(
-                    self.student_tokenizer
-                ):
-                    raise ConfigError(
-                        self.handle.key("model_path"),
-                        f"{section.model_path}'s tokenizer is not the student's, but {self.rule.key} joins "
-                        f"{self.handle.who}'s own prompt to the student's response ids: the vocabularies must be one",
-                    )
-                self._template = Path(section.chat_template).read_text() if section.chat_template else None
-                self._tokenizer = tokenizer
-            return self._tokenizer, self._template
-
-    def records(self, records: list[dict[str, Any]], where: list[str]) -> list[dict[str, Any]]:
-        """The records as a teacher that renders prompts itself reads them: its own prompt as their prompt."""
-        return [self.rule.teacher_record(r, w) for r, w in zip(records, where, strict=True)]
-
-    def join(
-        self,
-        sequences: list[np.ndarray],
-        score_from: list[int],
-        records: list[dict[str, Any]] | None,
-        where: list[str],
-    ) -> tuple[list[np.ndarray], list[int]]:
-        """The ids the teacher scores and where its scores start, per sequence (the student's own without a rule)."""
-        rows = [None] * len(sequences) if records is None else records
-        out = [
-            self.rule.join(self.tokenizer, r, seq, start, w, self.bound)
-            for seq, start, r, w in zip(sequences, score_from, rows, where, strict=True)
-        ]
-        return [ids for ids, _ in out], [start for _, start in out]
 
 
 def _named(name: str, prefix: str, call: Callable[[], T]) -> T:

@@ -27,6 +27,7 @@ from recipe_gkd.rollout.engine import Engine, Scorer
 from recipe_gkd.rollout.producers import BatchProducer, Generated, build_producer, encode_checked
 from recipe_gkd.rollout.stop_set import check_turn_ends
 from recipe_gkd.rollout.teacher_set import TeacherSet
+from recipe_gkd.targets import build_target
 from recipe_gkd.weight_sync import PROBE_ROWS, from_host_arrays, probe_rows
 
 # Data positions remembered per generated batch: enough for the deepest pipeline plus the checkpoint.
@@ -80,11 +81,12 @@ class RolloutWorker:
         self.engine = make_engine(cfg)
         check_turn_ends(cfg, self.engine.stop)  # a same-tokenizer teacher ends a turn where the student does
         self.producer = build_producer(cfg, self.engine, self.world)
+        target = build_target(cfg)  # the run's target kind, once: what each teacher is asked and how it answers
         if scorer is None:
-            self.teachers = TeacherSet.connect(cfg, self.engine.tokenizer, teacher_addresses)
+            self.teachers = TeacherSet.connect(cfg, target, self.engine.tokenizer, teacher_addresses)
         else:
             scorers = scorer if isinstance(scorer, Mapping) else {DEFAULT_TEACHER: scorer}
-            self.teachers = TeacherSet(cfg, scorers, self.engine.tokenizer)
+            self.teachers = TeacherSet(cfg, target, scorers, self.engine.tokenizer)
         train = Dataset(cfg.data.train_files, "data.train_files")
         self.train_stream = ShardedStream(train, cfg.data.seed, self.rank, self.world)
         self.eval_dataset = Dataset(cfg.data.eval_files, "data.eval_files") if cfg.data.eval_files else None

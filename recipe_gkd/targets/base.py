@@ -13,7 +13,7 @@ recipe_gkd/targets/__init__.py builds the run's kind once from the config; calle
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -23,11 +23,32 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from recipe_gkd.actor.collate import MicroBatch
-    from recipe_gkd.actor.objective import ActorObjective
     from recipe_gkd.batch import TargetPayload
     from recipe_gkd.rollout.engine import Scorer
-    from recipe_gkd.rollout.teacher_set import PromptJoin
+    from recipe_gkd.rollout.prompt_join import PromptJoin
     from teacher_server.wire.protocol import TeacherTopK
+
+
+class ActorSide(Protocol):
+    """What a target kind and an objective read of the actor's loss driver (recipe_gkd/actor/objective.py
+    ActorObjective, which holds them): the rank's vocabulary shard, its layout and device, the tensor-parallel group."""
+
+    cfg: GKDConfig
+    vocab_size: int
+    vocab_start: int
+    vocab_shard: slice
+    layout: Any  # the rank's parallel layout (tp, pp, dp sizes and ranks)
+    device: Any
+    tp_group: Any
+    target: Target  # the run's target kind (what an objective's sampled inputs come from)
+
+    def full_vocabulary(self, logits_BTv: Tensor) -> Tensor:
+        """[B, T, V] logits over the whole vocabulary from this rank's shard (gathered over TP)."""
+        ...
+
+    def loss_sum(self, logits_BTv: Tensor, micro: MicroBatch, divergence: str | None = None) -> tuple[Tensor, Tensor]:
+        """The target kind's divergence summed over the micro-batch's loss tokens."""
+        ...
 
 
 class Target:
@@ -36,7 +57,7 @@ class Target:
     name: ClassVar[str] = ""
     # Whether the actor holds a part of the teacher (its output head): the memory plan counts it on the last stage.
     teacher_on_actor: ClassVar[bool] = False
-    # Whether the loss gathers the whole vocabulary's logits on every TP rank (ActorObjective.full_vocabulary).
+    # Whether the loss gathers the whole vocabulary's logits on every TP rank (ActorSide.full_vocabulary).
     gathers_vocabulary: ClassVar[bool] = False
     # Whether the rollout worker reads the teacher's tokenizer (to map its replies onto the student's tokens).
     teacher_tokenizer_on_rollout: ClassVar[bool] = False
@@ -108,7 +129,7 @@ class Target:
     def check_before_start(self) -> None:
         """Refuse, before Ray starts, what `setup_actor` would fail on (ConfigError naming the key; nothing here)."""
 
-    def setup_actor(self, objective: ActorObjective) -> None:
+    def setup_actor(self, objective: ActorSide) -> None:
         """Load what the loss needs on this rank, once (nothing for a top-k)."""
 
     def evaluates_kl(self) -> bool:
@@ -116,7 +137,7 @@ class Target:
         return bool(self.cfg.teacher.top_k)
 
     def loss_sum(
-        self, objective: ActorObjective, logits_BTv: Tensor, micro: MicroBatch, divergence: str
+        self, objective: ActorSide, logits_BTv: Tensor, micro: MicroBatch, divergence: str
     ) -> tuple[Tensor, Tensor]:
         """Sum of per-token divergences over the micro-batch's loss tokens, and their count (same on all TP ranks)."""
         raise NotImplementedError(f"target kind {self.name!r} has no loss")

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from recipe_gkd.actor.collate import MicroBatch
-    from recipe_gkd.actor.objective import ActorObjective
+    from recipe_gkd.targets.base import ActorSide
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -154,7 +154,7 @@ class Hidden(Target):
 
         self._head_ref(hf_arch.read_student_arch(self.cfg.model.student_path).vocab_size)
 
-    def setup_actor(self, objective: ActorObjective) -> None:
+    def setup_actor(self, objective: ActorSide) -> None:
         """This rank's columns of the ids both heads have, and (on the last pipeline stage: the loss is there) the
         teacher's head rows for them [v, H]."""
         import torch
@@ -172,7 +172,7 @@ class Hidden(Target):
         self.head_vH = load_teacher_head_shard(ref, objective.vocab_start, rows, dtype, objective.device)
 
     def loss_sum(
-        self, objective: ActorObjective, logits_BTv: Tensor, micro: MicroBatch, divergence: str
+        self, objective: ActorSide, logits_BTv: Tensor, micro: MicroBatch, divergence: str
     ) -> tuple[Tensor, Tensor]:
         """The divergence over the whole vocabulary, the teacher's logits from its hidden states (same on all TP ranks)."""
         from recipe_gkd.losses import hidden_gkd_loss_sum

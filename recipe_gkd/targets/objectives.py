@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from recipe_gkd.actor.collate import MicroBatch
-    from recipe_gkd.actor.objective import ActorObjective
+    from recipe_gkd.targets.base import ActorSide
 
 
 class Objective:
@@ -35,7 +35,7 @@ class Objective:
         self.cfg = cfg
 
     def loss_sum(
-        self, actor: ActorObjective, logits_BTv: Tensor, micro: MicroBatch
+        self, actor: ActorSide, logits_BTv: Tensor, micro: MicroBatch
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The objective's sum over the micro-batch's loss tokens, and its logged sums (same on all TP ranks)."""
         raise NotImplementedError
@@ -53,7 +53,7 @@ class TargetDivergence(Objective):
     """The configured divergence (algorithm.divergence) over the target kind's targets."""
 
     def loss_sum(
-        self, actor: ActorObjective, logits_BTv: Tensor, micro: MicroBatch
+        self, actor: ActorSide, logits_BTv: Tensor, micro: MicroBatch
     ) -> tuple[Tensor, dict[str, Tensor]]:
         return actor.loss_sum(logits_BTv, micro)[0], {}
 
@@ -65,7 +65,7 @@ class SampledReverseKL(Objective):
     watched: ClassVar[str] = "the sampled reverse KL estimate (-advantage_mean)"
 
     def loss_sum(
-        self, actor: ActorObjective, logits_BTv: Tensor, micro: MicroBatch
+        self, actor: ActorSide, logits_BTv: Tensor, micro: MicroBatch
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The surrogate's sum over the loss tokens, and its policy sums and extremes (ActorObjective.policy_stats)."""
         import torch

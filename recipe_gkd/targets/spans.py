@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from recipe_gkd.actor.collate import MicroBatch
-    from recipe_gkd.actor.objective import ActorObjective
-    from recipe_gkd.rollout.teacher_set import PromptJoin
+    from recipe_gkd.rollout.prompt_join import PromptJoin
+    from recipe_gkd.targets.base import ActorSide
 
 
 @runtime_checkable
@@ -114,7 +114,7 @@ class CrossTokenizerSpans(Target):
         return False  # a top-k over the student's vocabulary on shared spans only
 
     def loss_sum(
-        self, objective: ActorObjective, logits_BTv: Tensor, micro: MicroBatch, divergence: str
+        self, objective: ActorSide, logits_BTv: Tensor, micro: MicroBatch, divergence: str
     ) -> tuple[Tensor, Tensor]:
         """The per-span terms of recipe_gkd/losses/cross_tokenizer.py over the whole vocabulary, the same on every
         TP rank (ActorObjective.full_vocabulary)."""

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from recipe_gkd.actor.collate import MicroBatch
-    from recipe_gkd.actor.objective import ActorObjective
+    from recipe_gkd.targets.base import ActorSide
 
 
 class TopK(Target):
@@ -24,7 +24,7 @@ class TopK(Target):
     name: ClassVar[str] = "teacher_topk"
 
     def loss_sum(
-        self, objective: ActorObjective, logits_BTv: Tensor, micro: MicroBatch, divergence: str
+        self, objective: ActorSide, logits_BTv: Tensor, micro: MicroBatch, divergence: str
     ) -> tuple[Tensor, Tensor]:
         """Sum of per-token divergences over the micro-batch's loss tokens (same on all TP ranks)."""
         from recipe_gkd.losses import gkd_loss_sum, vocab_parallel_gkd_loss_sum

@@ -17,6 +17,7 @@ from recipe_gkd.config.teachers import teacher_handles, teacher_views
 from recipe_gkd.data import check_record_fields
 from recipe_gkd.offline_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
 from recipe_gkd.rollout.teacher_set import TeacherSet
+from recipe_gkd.targets import build_target
 from recipe_gkd.teacher_prompt import FieldPrompt, StudentPrompt, TemplatePrompt
 from teacher_server.wire.protocol import TeacherTopK
 
@@ -195,7 +196,7 @@ def test_several_teachers_each_get_their_own_prompt(tokenizer: Any, chatml_token
         ],
     )
     scorers = {"reverse": Recording(), "sum": Recording()}
-    teachers = TeacherSet(cfg, scorers, tokenizer)
+    teachers = TeacherSet(cfg, build_target(cfg), scorers, tokenizer)
     try:
         records = [{"prompt": "rev:ab", "teacher": "reverse"}, {"prompt": "sum:12", "teacher": "sum", "hint": "=3"}]
         prompts = [
@@ -243,7 +244,7 @@ def test_the_openai_route_sends_the_joined_ids_and_scores_from_the_join(
     client.connect()
     overrides = ["data.teacher_prompt_key=hint", "data.max_teacher_prompt_length=64"]
     cfg = load_config(DEMO, [*overrides, f"teacher.model_path={chatml_tokenizer_dir}"])
-    teachers = TeacherSet(cfg, {"default": client}, tokenizer)
+    teachers = TeacherSet(cfg, build_target(cfg), {"default": client}, tokenizer)
     try:
         sequence = np.asarray(prompt + response, np.int32)
         (scored,) = teachers.score(["default"], [sequence], [len(prompt)], [None], [record], ["record 0"])
@@ -304,7 +305,7 @@ def test_across_tokenizers_the_teacher_renders_its_own_prompt_in_its_own_templat
     )
     text_teacher = RecordingText(Renderer(teacher_tok))
     scorer = CrossTokenizerScorer(text_teacher, student, teacher_tok, 4, cfg.data)
-    teachers = TeacherSet(cfg, {"default": scorer}, student)
+    teachers = TeacherSet(cfg, build_target(cfg), {"default": scorer}, student)
     record = {"prompt": "rev:abc", "solution": "cba"}
     prompt = encode_prompt(student, record, "prompt", True)
     response = [*student("cba", add_special_tokens=False)["input_ids"], student.eos_token_id]

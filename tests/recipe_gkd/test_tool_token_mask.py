@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from target_kinds import kinds
 
 from recipe_gkd.actor.collate import collate
 from recipe_gkd.actor.layout import RankLayout
@@ -170,7 +171,9 @@ def batch(chatml_tokenizer_dir: Path) -> tuple[list[Sequence], int]:
 def actor_objective(vocab: int, *overrides: str) -> ActorObjective:
     cfg = load_config(None, list(overrides))
     layout = RankLayout(rank=0, tp_rank=0, dp_rank=0, tp_size=1, dp_size=1)
-    return ActorObjective(cfg, vocab, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None)  # type: ignore[arg-type]
+    return ActorObjective(
+        cfg, vocab, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None, **kinds(cfg)
+    )  # type: ignore[arg-type]
 
 
 def logits_for(micro_shape: tuple[int, int], vocab: int, seed: int = 0) -> torch.Tensor:

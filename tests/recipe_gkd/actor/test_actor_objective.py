@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from target_kinds import kinds
 
 from recipe_gkd.actor.collate import collate
 from recipe_gkd.actor.layout import RankLayout
@@ -44,7 +45,9 @@ def sequence(sample_id: int, teacher: str, length: int, response_start: int) -> 
 def test_teacher_sums_equal_each_teachers_rows_scored_alone(divergence: str) -> None:
     cfg = load_config(PRESET, [f"algorithm.divergence={divergence}"])
     layout = RankLayout(rank=0, tp_rank=0, dp_rank=0, tp_size=1, dp_size=1)
-    objective = ActorObjective(cfg, VOCAB, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None)  # type: ignore[arg-type]
+    objective = ActorObjective(
+        cfg, VOCAB, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None, **kinds(cfg)
+    )  # type: ignore[arg-type]
     assert objective.teacher_names == ["reverse", "sum"]
     teachers = ["sum", "reverse", "sum", "sum", "reverse"]
     seqs = [sequence(i, t, length=9 + 2 * i, response_start=4 + i % 3) for i, t in enumerate(teachers)]
@@ -68,7 +71,9 @@ def test_teacher_sums_equal_each_teachers_rows_scored_alone(divergence: str) -> 
 def test_a_teacher_without_rows_in_the_micro_batch_counts_nothing() -> None:
     cfg = load_config(PRESET)
     layout = RankLayout(rank=0, tp_rank=0, dp_rank=0, tp_size=1, dp_size=1)
-    objective = ActorObjective(cfg, VOCAB, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None)  # type: ignore[arg-type]
+    objective = ActorObjective(
+        cfg, VOCAB, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None, **kinds(cfg)
+    )  # type: ignore[arg-type]
     micro = collate([sequence(0, "reverse", 10, 4), sequence(1, "reverse", 8, 3)], PAD, objective.teacher_names)
     logits_BTV = torch.randn(*micro.input_ids_BT.shape, VOCAB)
     sums = objective.teacher_sums(logits_BTV, micro)

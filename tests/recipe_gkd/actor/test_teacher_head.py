@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from target_kinds import kinds
 
 from recipe_gkd.actor import hf_arch
 from recipe_gkd.actor.collate import MicroBatch
@@ -107,7 +108,7 @@ def test_heads_padded_differently_over_one_tokenizer_compare_the_rows_both_have(
 
     layout = RankLayout(rank=0, tp_rank=0, dp_rank=0, tp_size=1, dp_size=1)
     objective = ActorObjective(
-        cfg, student_rows, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None
+        cfg, student_rows, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None, **kinds(cfg)
     )  # type: ignore[arg-type]
     head_VH = _head(teacher).detach().double()
     gen = torch.Generator().manual_seed(3)
@@ -125,7 +126,9 @@ def test_heads_padded_differently_over_one_tokenizer_compare_the_rows_both_have(
 
     # At TP = 2 the second rank holds the ids [76032, shared) of its padded shard and the teacher's rows for them.
     rank1 = RankLayout(rank=1, tp_rank=1, dp_rank=0, tp_size=2, dp_size=1)
-    other = ActorObjective(cfg, student_rows, rank1, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None)  # type: ignore[arg-type]
+    other = ActorObjective(
+        cfg, student_rows, rank1, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None, **kinds(cfg)
+    )  # type: ignore[arg-type]
     start = hf_arch.padded_vocab_size(student_rows, 2) // 2
     assert other.vocab_start == start and other.target.shard == slice(0, shared - start)
     assert other.target.head_vH is not None

@@ -18,6 +18,7 @@ from recipe_gkd.data import check_record_teachers
 from recipe_gkd.observe.metrics import teacher_columns
 from recipe_gkd.plan.placement import build_plan, format_plan
 from recipe_gkd.rollout.teacher_set import TeacherSet
+from recipe_gkd.targets import build_target
 from teacher_server.client.zmq_client import TeacherDeadError
 from teacher_server.wire.protocol import TeacherTopK
 
@@ -154,7 +155,7 @@ def test_teacher_set_routes_scores_concurrently_and_keeps_order() -> None:
     cfg = load_config(TWO)
     both = threading.Barrier(2)  # each teacher's call waits inside until the other's has started
     rev, sums = _Fake(-1.0, meet=both), _Fake(-2.0, meet=both)
-    teachers = TeacherSet(cfg, {"reverse": rev, "sum": sums})
+    teachers = TeacherSet(cfg, build_target(cfg), {"reverse": rev, "sum": sums})
     records = [{"teacher": "sum"}, {}, {"teacher": "reverse"}, {"teacher": "sum"}]
     names = teachers.route(records, [f"record {i}" for i in range(4)])
     assert names == ["sum", "reverse", "reverse", "sum"]
@@ -169,7 +170,7 @@ def test_teacher_set_routes_scores_concurrently_and_keeps_order() -> None:
 
 def test_teacher_set_names_the_failing_teacher() -> None:
     cfg = load_config(TWO)
-    teachers = TeacherSet(cfg, {"reverse": _Fake(-1.0), "sum": _Fake(-2.0, fail=True)})
+    teachers = TeacherSet(cfg, build_target(cfg), {"reverse": _Fake(-1.0), "sum": _Fake(-2.0, fail=True)})
     with pytest.raises(TeacherDeadError) as info:
         teachers.score(["reverse", "sum"], [np.arange(3, dtype=np.int32)] * 2, [1, 1], [None, None])
     assert info.value.teacher == "sum" and str(info.value).startswith("teacher 'sum': no teacher server")
@@ -237,7 +238,9 @@ def test_connect_checks_every_teacher_and_names_the_one_that_does_not_match(monk
     monkeypatch.setattr(teacher_module, "TeacherScorer", Scorer)
     cfg = load_config(TWO)
     with pytest.raises(TeacherMismatchError) as info:
-        TeacherSet.connect(cfg, tokenizer=None, addresses={"reverse": "tcp://a:1", "sum": "tcp://b:2"})
+        TeacherSet.connect(
+            cfg, build_target(cfg), tokenizer=None, addresses={"reverse": "tcp://a:1", "sum": "tcp://b:2"}
+        )
     assert str(info.value).startswith("teacher 'sum': the teacher's tokenizer") and info.value.teacher == "sum"
     assert connected == [("assets/demo/teacher", "tcp://a:1"), ("assets/paper/teacher", "tcp://b:2")]
     assert closed == [True], "the teacher connected before the failing one is closed"
@@ -275,7 +278,8 @@ class _FakeCross(_Fake):
 def test_the_emulated_teacher_latency_applies_on_every_route(cross: bool) -> None:
     """debug.teacher_latency_s (the async schedules' benchmarks): each scoring call waits it, whatever the route."""
     overrides = ["debug.teacher_latency_s=0.3", *(["algorithm.cross_tokenizer=span"] if cross else [])]
-    teachers = TeacherSet(load_config(None, overrides), {"default": (_FakeCross if cross else _Fake)(-1.0)})
+    cfg = load_config(None, overrides)
+    teachers = TeacherSet(cfg, build_target(cfg), {"default": (_FakeCross if cross else _Fake)(-1.0)})
     start = time.perf_counter()
     scored = teachers.score(["default"], [np.array([1, 7, 8], np.int32)], [1], [None], [{"prompt": "x"}])
     assert time.perf_counter() - start >= 0.3 and len(scored) == 1
