@@ -124,6 +124,10 @@ def actor_rank_of(worker: int, worker_sequences: int, index: int, dp_size: int) 
     return (worker * worker_sequences + index) % dp_size
 
 
+# A teacher's sums in RolloutStats.per_teacher (rollout/worker.py add_teacher_stats, observe/metrics.py teacher_columns).
+TEACHER_SUMS = ("sequences", "response_tokens", "teacher_topk_mass_sum", "reward_sum", "rewarded")
+
+
 @dataclass
 class RolloutStats:
     """What a rollout worker tells the driver about a step (small: no per-token data)."""
@@ -165,7 +169,7 @@ class RolloutStats:
     # limit cut (no stop id sampled): metrics.jsonl's response_clipped_frac.
     sampled_turns: int = 0
     clipped_turns: int = 0
-    # The student's stop set as the engine uses it (rollout/stop_set.py StopSet.describe), for the clipped line.
+    # The student's stop set as the engine uses it (recipe_gkd/stop_set.py StopSet.describe), for the clipped line.
     stop_ids: str = ""
-    # trainer.log_samples: a few decoded responses for samples.jsonl (observe/samples.py), on the steps that log them.
+    # trainer.log_samples: a few decoded responses for samples.jsonl (rollout/samples.py), on the steps that log them.
     samples: list[dict[str, Any]] = field(default_factory=list)

@@ -18,7 +18,7 @@ def actor_worker_class() -> type:
     class ActorWorker(MegatronActor):  # type: ignore[misc, valid-type]
         def train(self, shards: list[Any]) -> dict[str, float]:
             """One optimizer step on `shards` (one TrainShard per rollout worker); with debug.log_memory, MiB."""
-            from recipe_gkd.observe.metrics import worker_memory_mb
+            from recipe_gkd.process_memory import worker_memory_mb
 
             stats = self.train_step(shards)
             if self.cfg.debug.log_memory:

@@ -22,7 +22,7 @@ import numpy as np
 
 from recipe_gkd.cross_tokenizer.align import align_spans, student_text
 from recipe_gkd.cross_tokenizer.targets import AlignedScores, aligned_scores, conversation_of, vocabulary_map
-from recipe_gkd.rollout.stop_set import StopSet, stop_set_of, student_stop_set
+from recipe_gkd.stop_set import StopSet, stop_set_of, student_stop_set
 from teacher_server.wire.conversation import Conversation, token_byte_table
 from teacher_server.wire.protocol import TeacherTopK, tokenizer_fingerprint
 

@@ -11,7 +11,7 @@ import torch
 from recipe_gkd.demo.sft import encode_prompt
 from recipe_gkd.demo.task import Example, read_jsonl, reward
 from recipe_gkd.rollout.answer_accuracy import greedy_texts
-from recipe_gkd.rollout.stop_set import stop_set_of
+from recipe_gkd.stop_set import stop_set_of
 
 EVAL_BATCH_SIZE = 64
 MAX_NEW_TOKENS = 16

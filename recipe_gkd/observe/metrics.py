@@ -15,8 +15,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from recipe_gkd.batch import TEACHER_SUMS
 from recipe_gkd.config import ConfigError, WandbConfig
-from recipe_gkd.observe.samples import SAMPLES_FILE
+from recipe_gkd.rollout.samples import SAMPLES_FILE
 
 if TYPE_CHECKING:
     from recipe_gkd.config.teachers import TeacherHandle
@@ -26,8 +27,6 @@ EVAL_FILE = "eval.jsonl"
 # A resumed run continues the same W&B run: its id is kept in the run directory.
 WANDB_ID_FILE = "wandb_run_id"
 # Keys shown on the console line and the progress bar, in this order, when present.
-# A teacher's sums in RolloutStats.per_teacher (rollout/worker.py add_teacher_stats).
-TEACHER_SUMS = ("sequences", "response_tokens", "teacher_topk_mass_sum", "reward_sum", "rewarded")
 CONSOLE_KEYS = ("loss", "teacher_kl", "reward", "eval_reward", "eval_teacher_kl", "step_s")
 
 
@@ -184,27 +183,6 @@ def read_metrics(run_dir: str | Path, name: str = METRICS_FILE) -> list[dict[str
     """The rows of a run's metrics file."""
     path = Path(run_dir) / name
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def process_memory_mb() -> float:
-    """Resident memory of this process in MiB (for debug.log_memory)."""
-    import psutil
-
-    return psutil.Process().memory_info().rss / (1024 * 1024)
-
-
-def worker_memory_mb(worker: str) -> dict[str, float]:
-    """debug.log_memory of one worker: `<worker>_rss_mb`, and `<worker>_gpu_peak_mb` where it uses CUDA.
-
-    The GPU figure is torch's peak allocation in this process (vLLM's KV cache included when its
-    engine runs here), not what other processes hold on the device.
-    """
-    import torch
-
-    memory = {f"{worker}_rss_mb": process_memory_mb()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        memory[f"{worker}_gpu_peak_mb"] = torch.cuda.max_memory_allocated() / (1024 * 1024)
-    return memory
 
 
 def teacher_columns(stats: list[Any], handles: Iterable[TeacherHandle], prefix: str) -> dict[str, float | None]:

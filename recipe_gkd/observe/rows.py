@@ -12,7 +12,8 @@ from typing import Any
 from recipe_gkd.batch import RolloutStats, actor_rank_of
 from recipe_gkd.config import Divergence, GKDConfig
 from recipe_gkd.config.teachers import TeacherHandle, split_teachers, teacher_handles
-from recipe_gkd.observe.metrics import alignment_columns, episode_columns, process_memory_mb, teacher_columns
+from recipe_gkd.observe.metrics import alignment_columns, episode_columns, teacher_columns
+from recipe_gkd.process_memory import process_memory_mb
 from recipe_gkd.runtime.pools import Pools, ShardHandle
 from recipe_gkd.targets import Target
 

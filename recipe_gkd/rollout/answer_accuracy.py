@@ -16,7 +16,7 @@ from typing import Any
 
 from recipe_gkd.config import DataConfig
 from recipe_gkd.data import answer_reward, encode_prompt
-from recipe_gkd.rollout.stop_set import StopSet, stop_set_of
+from recipe_gkd.stop_set import StopSet, stop_set_of
 
 # Prompts decoded together: bounds the KV cache (batch x (prompt + new tokens) x layers).
 GREEDY_BATCH = 64

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from recipe_gkd.rollout.stop_set import StopSet
+from recipe_gkd.stop_set import StopSet
 from teacher_server.wire.protocol import TeacherTopK
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ class Generation:
     logprobs: np.ndarray  # float32 [len(response_ids)], under the unscaled student distribution
     # rollout.student_top_k > 0: the student's top ids at each response position, most likely first.
     topk_ids: np.ndarray | None = None  # int32 [len(response_ids), student_top_k]
-    # The stop id the response ends with (its last token; recipe_gkd/rollout/stop_set.py), None when the length
+    # The stop id the response ends with (its last token; recipe_gkd/stop_set.py), None when the length
     # limit cut it.
     stop_id: int | None = None
 

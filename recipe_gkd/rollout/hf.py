@@ -12,7 +12,7 @@ import torch
 
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.rollout.engine import Generation
-from recipe_gkd.rollout.stop_set import StopSet, student_stop_set
+from recipe_gkd.stop_set import StopSet, student_stop_set
 
 if TYPE_CHECKING:
     from recipe_gkd.weight_sync import EngineTensor

@@ -29,7 +29,7 @@ from recipe_gkd.config import GKDConfig
 from recipe_gkd.envs import Environment, Message, StepResult, build_environment
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Generation
-from recipe_gkd.rollout.stop_set import StopSet
+from recipe_gkd.stop_set import StopSet
 
 # Environments stepped side by side (each mostly waits on a tool: a sandbox subprocess, an API).
 MAX_ENV_THREADS = 16

@@ -17,10 +17,10 @@ import numpy as np
 from recipe_gkd.config import GKDConfig
 from recipe_gkd.config.teachers import DEFAULT_TEACHER, record_teacher, teacher_handles
 from recipe_gkd.data import Prompt, encode_prompt, encode_response
-from recipe_gkd.observe.samples import LENGTH_ENDING, ending_text
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine
 from recipe_gkd.rollout.multi_turn import MultiTurnRollout, conversation_accuracy, conversation_counts, episode_seed
+from recipe_gkd.rollout.samples import LENGTH_ENDING, ending_text
 from recipe_gkd.teacher_prompt import own_prompt_encoder
 
 # Salt that separates the on/off-policy coin flips from the epoch order's random stream.
@@ -48,7 +48,7 @@ class Generated:
     sampled_masks: list[np.ndarray | None] | None = None
     env_rewards: list[float] | None = None
     episodes: dict[str, float] = field(default_factory=dict)
-    # How each response ended (observe/samples.py ending_text; "dataset" for an off-policy one), and the generate
+    # How each response ended (rollout/samples.py ending_text; "dataset" for an off-policy one), and the generate
     # calls' turns: sampled (one per on-policy response, one per turn of a conversation) and cut by the length limit.
     endings: list[str] = field(default_factory=list)
     sampled_turns: int = 0

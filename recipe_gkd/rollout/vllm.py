@@ -37,7 +37,7 @@ from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.config.derived import longest_sequence
 from recipe_gkd.rollout.engine import Generation
 from recipe_gkd.rollout.engine_thread import EngineThread
-from recipe_gkd.rollout.stop_set import student_stop_set
+from recipe_gkd.stop_set import student_stop_set
 
 if TYPE_CHECKING:
     from recipe_gkd.weight_sync import EngineTensor

@@ -16,17 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd.batch import RolloutStats, Sequence, TrainShard, actor_rank_of
+from recipe_gkd.batch import TEACHER_SUMS, RolloutStats, Sequence, TrainShard, actor_rank_of
 from recipe_gkd.config import GKDConfig, cpu_threads, rollout_engines
 from recipe_gkd.config.teachers import DEFAULT_TEACHER
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward
-from recipe_gkd.observe.metrics import TEACHER_SUMS, worker_memory_mb
-from recipe_gkd.observe.samples import sample_row, samples_due
+from recipe_gkd.process_memory import worker_memory_mb
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
 from recipe_gkd.rollout.producers import BatchProducer, Generated, build_producer, encode_checked
-from recipe_gkd.rollout.stop_set import check_turn_ends
+from recipe_gkd.rollout.samples import sample_row, samples_due
 from recipe_gkd.rollout.teacher_set import TeacherSet
+from recipe_gkd.stop_set import check_turn_ends
 from recipe_gkd.targets import build_target
 from recipe_gkd.weight_sync import PROBE_ROWS, from_host_arrays, probe_rows
 

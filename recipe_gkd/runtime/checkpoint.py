@@ -340,7 +340,7 @@ def prepare_resume(cfg: GKDConfig, log: Any = print) -> Path | None:
     are dropped, so the files show every step once. A fresh start (no checkpoint) empties them.
     """
     from recipe_gkd.observe.metrics import EVAL_FILE, METRICS_FILE
-    from recipe_gkd.observe.samples import SAMPLES_FILE
+    from recipe_gkd.rollout.samples import SAMPLES_FILE
 
     run_dir = Path(cfg.trainer.run_dir)
     path = find_resume(cfg, log)

@@ -11,7 +11,7 @@ Three cases, chosen by the config:
   out ids 0..n-1 and never the teacher's.
 In every case the GPUs Ray sees are checked against the plan before anything is placed.
 `ResourcePoolManager` makes the placement groups; `observe` places one probe per bundle and
-reports what each sees from inside (python -m recipe_gkd.plan.check_placement).
+reports what each sees from inside (python -m recipe_gkd.runtime.check_placement).
 """
 
 from __future__ import annotations

@@ -34,9 +34,7 @@ class Objective:
     def __init__(self, cfg: GKDConfig) -> None:
         self.cfg = cfg
 
-    def loss_sum(
-        self, actor: ActorSide, logits_BTv: Tensor, micro: MicroBatch
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss_sum(self, actor: ActorSide, logits_BTv: Tensor, micro: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         """The objective's sum over the micro-batch's loss tokens, and its logged sums (same on all TP ranks)."""
         raise NotImplementedError
 
@@ -52,9 +50,7 @@ class Objective:
 class TargetDivergence(Objective):
     """The configured divergence (algorithm.divergence) over the target kind's targets."""
 
-    def loss_sum(
-        self, actor: ActorSide, logits_BTv: Tensor, micro: MicroBatch
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss_sum(self, actor: ActorSide, logits_BTv: Tensor, micro: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         return actor.loss_sum(logits_BTv, micro)[0], {}
 
 
@@ -64,9 +60,7 @@ class SampledReverseKL(Objective):
     policy_statistics: ClassVar[bool] = True
     watched: ClassVar[str] = "the sampled reverse KL estimate (-advantage_mean)"
 
-    def loss_sum(
-        self, actor: ActorSide, logits_BTv: Tensor, micro: MicroBatch
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss_sum(self, actor: ActorSide, logits_BTv: Tensor, micro: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         """The surrogate's sum over the loss tokens, and its policy sums and extremes (ActorObjective.policy_stats)."""
         import torch
 

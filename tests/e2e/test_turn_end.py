@@ -12,8 +12,8 @@ from cli_runs import BATCH, WORDS, run_cli
 from stop_models import biased_student
 
 from recipe_gkd.observe.metrics import read_metrics
-from recipe_gkd.observe.samples import SAMPLES_FILE
 from recipe_gkd.offline_models import build_tiny_causal_lm
+from recipe_gkd.rollout.samples import SAMPLES_FILE
 
 pytestmark = pytest.mark.slow
 MAX_NEW_TOKENS = 12

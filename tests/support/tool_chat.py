@@ -19,7 +19,7 @@ import numpy as np
 from recipe_gkd.envs import Message, StepResult
 from recipe_gkd.rollout.engine import Generation
 from recipe_gkd.rollout.multi_turn import Conversation, Limits, MultiTurnRollout
-from recipe_gkd.rollout.stop_set import stop_set_of
+from recipe_gkd.stop_set import stop_set_of
 
 QWEN_TOOL_TEMPLATE = (
     "{%- if tools %}"

@@ -321,7 +321,7 @@ def test_manifest_check_names_what_is_wrong(tmp_path: Path) -> None:
 def test_the_rollout_loops_template_deltas_give_the_scripted_encoding(tokenizer, records) -> None:
     """The multi-turn rollout's own ChatTemplate (an independent implementation) appends the same ids."""
     from recipe_gkd.rollout.multi_turn import ChatTemplate, Conversation
-    from recipe_gkd.rollout.stop_set import stop_set_of
+    from recipe_gkd.stop_set import stop_set_of
 
     template = ChatTemplate(tokenizer, stop_set_of(tokenizer, None, chat_template=True, what="the tool tokenizer"))
     for record in records[:3]:

@@ -4,7 +4,7 @@ stop ids; a step back under the share starts the count again."""
 from __future__ import annotations
 
 from recipe_gkd.observe.clip_watch import CLIPPED_FRAC, PATIENCE, ClipWatch
-from recipe_gkd.observe.samples import samples_due
+from recipe_gkd.rollout.samples import samples_due
 
 STOPS = "'<|endoftext|>' (0: the tokenizer's EOS), '<|im_end|>' (2: the chat template's turn end)"
 

@@ -8,9 +8,9 @@ import pytest
 
 from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
 from recipe_gkd.config.teachers import teacher_sections
-from recipe_gkd.plan.check_placement import compare
 from recipe_gkd.plan.placement import build_plan, check_ray_gpus, format_plan, node_resource
 from recipe_gkd.plan.placement import main as placement_cli
+from recipe_gkd.runtime.check_placement import compare
 from recipe_gkd.runtime.ray_cluster import Observed
 
 PRESETS = sorted((CONFIG_DIR / "presets").glob("*.yaml"))

@@ -128,7 +128,7 @@ def test_sampled_logprobs_match_the_model(engine_and_dirs) -> None:
 def test_the_engine_stops_at_every_id_of_its_stop_set(engine_and_dirs) -> None:
     """vLLM stops at the whole stop set (stop_token_ids), not only its EOS, and keeps the stop id as the last token:
     here the stop set is widened to the letters, which the random student samples often."""
-    from recipe_gkd.rollout.stop_set import StopSet
+    from recipe_gkd.stop_set import StopSet
 
     engine, _, _ = engine_and_dirs
     letters = tuple(int(engine.tokenizer.convert_tokens_to_ids(c)) for c in "abcdefghijklmnopqrstuvwxyz")

@@ -26,7 +26,7 @@ MULTI_GPU = [
 
 
 def _check(path: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "recipe_gkd.plan.check_placement", "--config", str(path), *FAKE, *extra]
+    cmd = [sys.executable, "-m", "recipe_gkd.runtime.check_placement", "--config", str(path), *FAKE, *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False, env=env)
 
 

@@ -1,6 +1,6 @@
 """Place one probe worker per bundle on Ray and check what each sees against the plan.
 
-    python -m recipe_gkd.plan.check_placement --config configs/presets/1x8_a1_r3_t4.yaml [key=value ...]
+    python -m recipe_gkd.runtime.check_placement --config configs/presets/1x8_a1_r3_t4.yaml [key=value ...]
 
 Each probe reports CUDA_VISIBLE_DEVICES, Ray's GPU ids and its node from inside the worker.
 Exits 0 when every worker sits on the GPUs the plan gives it and no two workers share a GPU;
@@ -57,7 +57,7 @@ def format_observed(observed: list[Observed]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m recipe_gkd.plan.check_placement", description=__doc__.splitlines()[0]
+        prog="python -m recipe_gkd.runtime.check_placement", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--config", default=None, help="yaml preset (default: the CPU demo)")
     parser.add_argument("overrides", nargs="*", help="key.path=value")

@@ -15,7 +15,7 @@ from stop_models import biased_student
 
 from recipe_gkd.config import ConfigError, load_config
 from recipe_gkd.offline_models import build_tiny_causal_lm
-from recipe_gkd.rollout.stop_set import StopSet, check_turn_ends, stop_set_of
+from recipe_gkd.stop_set import StopSet, check_turn_ends, stop_set_of
 
 MAX_NEW_TOKENS = 16
 PROMPTS = [f"question {i}: add {i} and {2 * i + 1}" for i in range(16)]
