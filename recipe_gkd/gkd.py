@@ -38,11 +38,11 @@ from recipe_gkd.observe.metrics import MetricsLogger
 from recipe_gkd.observe.report import FINAL_EXPORT_DIR, report, teacher_accuracy
 from recipe_gkd.observe.rows import MEMORY_SUFFIXES, eval_row, eval_teacher_kls, memory_row, step_row
 from recipe_gkd.plan.placement import PlacementPlan
-from recipe_gkd.rollout.teacher import teacher_service
 from recipe_gkd.runtime import checkpoint
 from recipe_gkd.runtime.pools import Pending, Pools, ShardHandle
 from recipe_gkd.runtime.ray_cluster import ray_cluster
 from recipe_gkd.runtime.ray_pools import launch_pools
+from recipe_gkd.runtime.teacher_service import teacher_service
 from recipe_gkd.targets import build_target
 from recipe_gkd.weight_sync import SyncCheck
 

@@ -67,10 +67,10 @@ def test_ready_after_round_trip_join_sigterm_and_a_server_whose_replicas_are_not
 ) -> None:
     """READY only after a real round trip; a second node joins with --join, serves, and stops cleanly on SIGTERM
     (exit 0, its replica gone). The main server runs with server.max_restarts=0 (a colocated run's teacher:
-    recipe_gkd.rollout.teacher.colocated_teacher_overrides): its one replica killed, it exits 1 saying why, so the
+    recipe_gkd.runtime.teacher_service.colocated_teacher_overrides): its one replica killed, it exits 1 saying why, so the
     run hears it is gone. (One server for both: each launch costs the suite ~20-40 s.)"""
     from recipe_gkd.config import CONFIG_DIR, load_config
-    from recipe_gkd.rollout.teacher import colocated_teacher_overrides
+    from recipe_gkd.runtime.teacher_service import colocated_teacher_overrides
 
     overrides = colocated_teacher_overrides(load_config(CONFIG_DIR / "presets" / "cpu_colocated.yaml"))
     assert overrides == ["server.max_restarts=0"]

@@ -23,8 +23,9 @@ from demo_loop import PROMPTS, small_config
 
 from recipe_gkd import gkd
 from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
-from recipe_gkd.rollout.teacher import TeacherScorer, autostart_teacher
+from recipe_gkd.rollout.teacher import TeacherScorer
 from recipe_gkd.runtime.local_pools import local_pools
+from recipe_gkd.runtime.teacher_service import autostart_teacher
 from teacher_server.client.zmq_client import TeacherClient, TeacherError
 
 STEPS = 6  # two epochs of the 24 prompts, 8 per step

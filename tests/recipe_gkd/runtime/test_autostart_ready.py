@@ -14,7 +14,7 @@ import pytest
 
 import teacher_server.client.launcher
 from recipe_gkd.config import load_config
-from recipe_gkd.rollout.teacher import AUTOSTART_MARGIN_S, start_local_teacher
+from recipe_gkd.runtime.teacher_service import AUTOSTART_MARGIN_S, start_local_teacher
 from teacher_server.server.settings import load_settings
 
 
