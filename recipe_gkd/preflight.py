@@ -82,7 +82,10 @@ def environment(cfg: GKDConfig) -> str:
         return "no environment (single-turn rollouts)"
     from recipe_gkd.rollout.multi_turn import environment_factory
 
-    env = environment_factory(cfg)()
+    try:
+        env = environment_factory(cfg)()
+    except ValueError as err:  # an unknown name, or a class of one's own that does not import or is no environment
+        raise ConfigError("rollout.env", str(err)) from err
     tools = ", ".join(t["function"]["name"] if "function" in t else str(t.get("name")) for t in env.tools())
     return f"the {cfg.rollout.env} environment builds here, with its tools: {tools or 'none'}"
 

@@ -6,7 +6,7 @@ Called from rules.validate(); each refusal names the key to change (docs/multi_t
 from __future__ import annotations
 
 from recipe_gkd.config.schema import CrossTokenizer, GKDConfig, Support
-from recipe_gkd.envs.registry import ENVIRONMENTS
+from recipe_gkd.envs.registry import ENVIRONMENTS, is_import_path
 from recipe_gkd.teacher_prompt import prompt_rule
 from teacher_server.config.fields import require
 
@@ -16,10 +16,13 @@ def validate_multi_turn(cfg: GKDConfig) -> None:
     r = cfg.rollout
     if not r.env:
         return
+    # A class of one's own (package.module:Class) is imported where it is built (the driver's preflight), not here:
+    # a dry run validates on any machine.
     require(
-        r.env in ENVIRONMENTS,
+        r.env in ENVIRONMENTS or is_import_path(r.env),
         "rollout.env",
-        f"unknown environment {r.env!r}; known environments: {', '.join(sorted(ENVIRONMENTS))} (empty: single-turn)",
+        f"unknown environment {r.env!r}; known environments: {', '.join(sorted(ENVIRONMENTS))}, or your own class "
+        "as package.module:Class (empty: single-turn)",
     )
     teacher_prompt = prompt_rule(cfg.data, cfg.teacher, "teacher")
     refusals = (

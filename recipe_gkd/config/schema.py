@@ -252,9 +252,9 @@ class RolloutConfig:
     """The student's own top-k ids the engine returns at every sampled position (vLLM logprobs=k, HF from its
     logits); the teacher scores them in the same request. Needed by (and only by) algorithm.support=union."""
     env: str = ""
-    """The tool-using environment of multi-turn rollouts (recipe_gkd/envs: calculator, python; docs/multi_turn.md):
-    the student answers, the environment runs its tool calls and the results join the conversation, turn after
-    turn. Empty: single-turn rollouts."""
+    """The tool-using environment of multi-turn rollouts (recipe_gkd/envs: calculator, python; or your own class as
+    package.module:Class; docs/multi_turn.md): the student answers, the environment runs its tool calls and the results
+    join the conversation, turn after turn. Empty: single-turn rollouts."""
     max_turns: int = bounded(8, ge=1)
     """rollout.env: the most assistant turns of one conversation (the last one's tool calls are not run)."""
     max_total_tokens: int = bounded(2048, ge=2)
