@@ -97,6 +97,64 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"p": {"p.x"}, "p.x": {"p"}}) == [], "a package importing its own submodule is fine"
 
 
+def strongly_connected_components(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of `graph` with more than one module, every edge counted (a
+    package's `__init__` importing its own submodules too: a cycle through it is a cycle)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for start in sorted(graph):
+        if start not in index:
+            visit(start)
+    return found
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to for the architecture: recipe_gkd.X / teacher_server.X (a top-level module is
+    a package of its own)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_strongly_connected_component_spans_two_packages() -> None:
+    """Within a package a cycle through its `__init__` is Python's business; across packages it ties wings together
+    (a change to one reloads the other's world)."""
+    spanning = [c for c in strongly_connected_components(project_graph()) if len({package_of(m) for m in c}) > 1]
+    assert not spanning, "import cycles across packages: " + "; ".join(" <-> ".join(c) for c in spanning)
+
+
+def test_the_component_finder_sees_a_cycle_through_a_package_init() -> None:
+    """The case a plain cycle search that skips package -> own-submodule edges misses: a.b imports c, c imports a,
+    and a (the package) imports a.b."""
+    graph = {"top.p": {"top.p.kinds"}, "top.p.kinds": {"top.q.user"}, "top.q.user": {"top.p"}, "top.r": set()}
+    assert strongly_connected_components(graph) == [["top.p", "top.p.kinds", "top.q.user"]]
+    assert find_cycle(graph) == [], "the old search skips the top.p -> top.p.kinds edge"
+    assert {package_of(m) for m in strongly_connected_components(graph)[0]} == {"top.p", "top.q"}
+
+
 def test_ray_is_imported_in_two_modules_only() -> None:
     users = {
         name

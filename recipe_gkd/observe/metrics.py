@@ -28,6 +28,9 @@ EVAL_FILE = "eval.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
 # Keys shown on the console line and the progress bar, in this order, when present.
 CONSOLE_KEYS = ("loss", "teacher_kl", "reward", "eval_reward", "eval_teacher_kl", "step_s")
+# How the console names a column where its metrics.jsonl name says less: the step's reward is the mean over the
+# student's sampled responses, the evaluation's the greedy held-out accuracy.
+CONSOLE_NAMES = {"reward": "sampled_reward", "eval_reward": "heldout_accuracy_greedy"}
 
 
 class MetricsLogger:
@@ -108,7 +111,8 @@ class MetricsLogger:
 
     def _console(self, row: dict[str, Any], kind: str) -> None:
         shown = {k: row[k] for k in CONSOLE_KEYS if row.get(k) is not None}
-        text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+        named = {CONSOLE_NAMES.get(k, k): v for k, v in shown.items()}
+        text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in named.items())
         if self._bar is not None and kind == "step":
             self._bar.set_postfix_str(text, refresh=False)
             self._bar.update(1)

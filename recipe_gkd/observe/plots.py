@@ -36,18 +36,21 @@ def training_figure(steps: list[dict[str, Any]], evals: list[dict[str, Any]], te
     episodes = episode_rows(steps)
     fig, axes = plt.subplots(1, 4 if episodes else 3, figsize=(20 if episodes else 15, 4))
     panels = [
-        (axes[0], steps, "loss", "training loss (GKD divergence)"),
-        (axes[1], evals, "eval_teacher_kl", "held-out divergence to the teacher"),
-        (axes[2], evals, "eval_reward", "held-out exact-match accuracy"),
+        (axes[0], steps, "loss", "training loss (GKD divergence)", "divergence (nats per token)"),
+        (axes[1], evals, "eval_teacher_kl", "held-out divergence to the teacher", "KL(teacher || student), nats"),
+        (axes[2], evals, "eval_reward", "held-out exact-match accuracy (greedy)", "accuracy"),
     ]
-    for ax, rows, key, title in panels:
+    for ax, rows, key, title, unit in panels:
         # Several teachers (docs/teachers.md): one more line per teacher, over its own records.
         teachers = per_teacher_keys(rows, key)
         _line(ax, rows, key, title, label="all teachers" if teachers else None)
         for name, teacher_key in teachers:
             _line(ax, rows, teacher_key, title, label=f"teacher {name}")
+        ax.set_ylabel(unit)
     for key, label in EPISODE_LINES if episodes else ():
         _line(axes[3], episodes, key, "tool use per training trajectory", label=label)
+    if episodes:
+        axes[3].set_ylabel("per trajectory (fraction: of its tokens)")
     if teacher_accuracy is not None:
         axes[2].axhline(teacher_accuracy, color="gray", linestyle="--", label="teacher's own accuracy")
     for ax in axes:
@@ -123,9 +126,12 @@ OBJECTIVE_ROWS = {
 }
 
 
-def before_after_table(evals: list[dict[str, Any]], teacher_accuracy: float | None, divergence: str) -> str:
+def before_after_table(
+    evals: list[dict[str, Any]], teacher_accuracy: float | None, divergence: str, privileged: bool = False
+) -> str:
     """The demo's summary, first vs last evaluation: student accuracy, the teacher KL where measured (a top-k),
-    the trained objective's own held-out figure (`divergence`: algorithm.divergence) and the teacher's accuracy."""
+    the trained objective's own held-out figure (`divergence`: algorithm.divergence) and the teacher's accuracy
+    (`privileged`: from the student's prompt, which a teacher with a prompt of its own was never meant to answer)."""
     if not evals:
         return "no evaluation was run (trainer.eval_every=0)"
     first, last = evals[0], evals[-1]
@@ -137,14 +143,21 @@ def before_after_table(evals: list[dict[str, Any]], teacher_accuracy: float | No
     if divergence in OBJECTIVE_ROWS:
         label = OBJECTIVE_ROWS[divergence]
         rows.append((label, _num(first.get("eval_divergence")), _num(last.get("eval_divergence"))))
-    rows.append(("teacher held-out accuracy", _pct(teacher_accuracy), _pct(teacher_accuracy)))
+    teacher = "teacher held-out accuracy*" if privileged else "teacher held-out accuracy"
+    rows.append((teacher, _pct(teacher_accuracy), _pct(teacher_accuracy)))
     # Several teachers (docs/teachers.md): each teacher's held-out records, its accuracy and divergence.
     for name in [k[len("eval_teacher_") : -len("_reward")] for k in first if PER_TEACHER_REWARD.fullmatch(k)]:
         reward, kl = f"eval_teacher_{name}_reward", f"eval_teacher_{name}_kl"
         rows.append((f"  {name}: student accuracy", _pct(first.get(reward)), _pct(last.get(reward))))
         rows.append((f"  {name}: divergence", _num(first.get(kl)), _num(last.get(kl))))
     header = f"{'':28}{'step ' + str(first['step']):>14}{'step ' + str(last['step']):>14}"
-    return "\n".join([header] + [f"{name:28}{a:>14}{b:>14}" for name, a, b in rows])
+    table = [header] + [f"{name:28}{a:>14}{b:>14}" for name, a, b in rows]
+    if privileged:
+        table.append(
+            "* from the student's prompt: the teacher answers from its own (privileged context), below; it was never "
+            "meant to answer from this one"
+        )
+    return "\n".join(table)
 
 
 def _pct(value: float | None) -> str:

@@ -12,7 +12,7 @@ from recipe_gkd.config import GKDConfig
 from recipe_gkd.config.teachers import teacher_handles
 from recipe_gkd.observe import console
 from recipe_gkd.observe.divergence_watch import DIVERGENCE_FILE
-from recipe_gkd.observe.metrics import EVAL_FILE, read_metrics
+from recipe_gkd.observe.metrics import EVAL_FILE, METRICS_FILE, read_metrics
 from recipe_gkd.observe.plots import before_after_table, plot_run
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.runtime.pools import RolloutPool
@@ -64,8 +64,9 @@ def report(cfg: GKDConfig, teacher: AnswerAccuracy | None = None, teacher_line: 
             lines.append(f"plots: {plot_run(run_dir, accuracy)}")
         except Exception as err:  # noqa: BLE001 -- a plot is not worth failing a trained run for
             lines.append(f"plots: not drawn ({one_line(err)})")
-        table = before_after_table(evals, accuracy, cfg.algorithm.divergence.value)
-        lines += ["", table, student_answers_line(cfg, evals)]
+        privileged = any(h.prompt.privileged for h in teacher_handles(cfg).values())
+        table = before_after_table(evals, accuracy, cfg.algorithm.divergence.value, privileged)
+        lines += ["", run_line(cfg, run_dir), table, student_answers_line(cfg, evals)]
         lines += [teacher_line] if teacher_line else []
     diverged = run_dir / DIVERGENCE_FILE
     lines += ["", diverged.read_text().strip()] if diverged.is_file() else []
@@ -83,7 +84,25 @@ def student_answers_line(cfg: GKDConfig, evals: list[dict[str, Any]]) -> str:
     key = f"data.answer_key={cfg.data.answer_key}"
     if not answered:
         return f"student held-out accuracy: none of the {records} held-out records has an answer ({key})"
-    return f"student held-out accuracy (table above): over the {answered} of {records} held-out records that have an answer ({key})"
+    return (
+        f"student held-out accuracy (greedy, table above): over the {answered} of {records} held-out records that "
+        f"have an answer ({key})"
+    )
+
+
+def run_line(cfg: GKDConfig, run_dir: Path) -> str:
+    """What was run, for the table below it: the run's name, its objective and target, its steps, lr, wall time."""
+    steps = read_metrics(run_dir) if (run_dir / METRICS_FILE).is_file() else []
+    seconds = sum(float(r.get("step_s") or 0.0) for r in steps)
+    a = cfg.algorithm
+    target = "the teacher's hidden states" if cfg.teacher.output.value == "hidden" else f"support {a.support.value}"
+    across = f", across tokenizers ({a.cross_tokenizer.value})" if a.cross_tokenizer.value != "none" else ""
+    env = f", conversations with {cfg.rollout.env}" if cfg.rollout.env else ""
+    last = int(steps[-1]["step"]) if steps else 0
+    return (
+        f"run {run_dir.name}: {a.divergence.value} on {target}{across}{env}; {last} of {cfg.trainer.total_steps} "
+        f"steps, lr {cfg.actor.optim.lr:g}, schedule {a.schedule.value}, {seconds:.1f} s in training steps"
+    )
 
 
 def one_line(err: BaseException) -> str:

@@ -371,7 +371,7 @@ def test_a_chatml_tokenizer_and_eval_records_mostly_without_answers(
         "(data.answer_key=answer)"
     )
     assert expected in summary, summary
-    assert "student held-out accuracy (table above): over the 3 of 12 held-out records" in summary, summary
+    assert "student held-out accuracy (greedy, table above): over the 3 of 12 held-out records" in summary, summary
     assert (run_dir / "final_student" / "model.safetensors").is_file() and (run_dir / "training.png").is_file()
     from transformers import AutoTokenizer
 

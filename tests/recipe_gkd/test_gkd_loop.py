@@ -372,3 +372,30 @@ def test_a_stale_engine_fails_the_first_check_at_a_gpu_learning_rate_in_bf16(
     assert checked[0]["sync_probe_shift"] is None
     assert 0 < checked[1]["sync_probe_shift"] < weight_sync.SYNC_TOLERANCE["bf16"]
     assert all(r["sync_tensors_checked"] == len(checked_names(blind)) for r in checked)
+
+
+def test_a_run_ending_between_evaluations_evaluates_and_reports_its_last_step(
+    repo_root: Path, small_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """4 steps with trainer.eval_every=3: evaluated before the first step, after step 3 and after the last; the
+    report's table compares step 0 with step 4 and names the run above it."""
+    from recipe_gkd.observe.report import report
+
+    cfg = small_config(
+        repo_root,
+        small_data,
+        tmp_path / "run",
+        f"data.eval_files=[{small_data}]",
+        "data.eval_batch_size=8",
+        "trainer.total_steps=4",
+        "trainer.eval_every=3",
+    )
+    train_in_process(cfg)
+    evals = read_metrics(tmp_path / "run", "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 3, 4]
+    report(cfg)
+    summary = (tmp_path / "run" / "summary.txt").read_text()
+    header = next(line for line in summary.splitlines() if line.strip().startswith("step 0"))
+    assert header.split() == ["step", "0", "step", "4"]
+    run_line = next(line for line in summary.splitlines() if line.startswith("run run:"))
+    assert "forward_kl on support teacher_topk; 4 of 4 steps, lr" in run_line and " s in training steps" in run_line

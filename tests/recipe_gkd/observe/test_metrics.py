@@ -212,3 +212,11 @@ def test_wandb_dir_holds_the_wandb_files_when_set(tmp_path: Path, monkeypatch) -
     logger.close()
     assert len(list((wandb_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
     assert not (run_dir / "wandb").exists()
+
+
+def test_a_privileged_teachers_accuracy_from_the_students_prompt_is_said_to_be_so() -> None:
+    evals = [{"step": 0, "eval_reward": 0.1}, {"step": 20, "eval_reward": 0.4}]
+    plain = before_after_table(evals, 0.0, "forward_kl")
+    marked = before_after_table(evals, 0.0, "forward_kl", privileged=True)
+    assert "*" not in plain and "teacher held-out accuracy*" in marked
+    assert marked.splitlines()[-1].startswith("* from the student's prompt: the teacher answers from its own")
