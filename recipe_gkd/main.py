@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m recipe_gkd.main", description="On-policy knowledge distillation.")
     parser.add_argument("--config", default=None, help="yaml preset (default: configs/presets/cpu_demo.yaml)")
     parser.add_argument("--dry-run", action="store_true", help="validate, print the placement plan, start nothing")
+    parser.add_argument(
+        "--doctor", action="store_true", help="every check before the first step, a smoke step, then stop (exit 0/2)"
+    )
     parser.add_argument("overrides", nargs="*", help="key.path=value, applied after the yaml")
     return parser.parse_args(argv)
 
@@ -133,6 +136,15 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_BAD_CONFIG
         print("dry run: config valid, nothing started")
         return 0
+    if args.doctor:
+        from recipe_gkd.doctor import run_doctor
+
+        try:
+            resolve_config_models(cfg)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
+        return run_doctor(cfg, plan)
     from recipe_gkd.runtime.model_pins import Reader, on_this_node
 
     try:

@@ -440,6 +440,20 @@ class DebugConfig:
 
 
 @dataclass
+class DoctorConfig:
+    teacher_tolerance: float = bounded(0.05, gt=0)
+    """python -m recipe_gkd.doctor: the largest |logprob difference| (nats) tolerated between a teacher's answers to one
+    sequence scored alone, in a batch and concurrently on its replicas. Past it the teacher disagrees with itself by
+    about as much as the distillation signal (a per-token KL of 0.05-0.5 nats); fp32 HF teachers agree to ~1e-6."""
+    teacher_repeats: int = bounded(4, ge=2)
+    """python -m recipe_gkd.doctor: how many concurrent requests of the same sequence each teacher gets (at least
+    its replica count is sent, so every replica answers)."""
+    data_records: int = bounded(2000, ge=1)
+    """python -m recipe_gkd.doctor: how many records of each data file are tokenized to count the prompts longer than
+    data.max_prompt_length."""
+
+
+@dataclass
 class GKDConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Nodes, GPUs, the device and the Ray cluster the run uses."""
@@ -464,6 +478,8 @@ class GKDConfig:
     """Steps, evaluation, checkpoints, the run directory and the loggers."""
     debug: DebugConfig = field(default_factory=DebugConfig)
     """Memory logging, the hang watchdog, an emulated teacher latency and the memory check."""
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
+    """What `python -m recipe_gkd.doctor` holds the run's teachers and data to before the first step."""
 
 
 VALID_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
