@@ -9,20 +9,16 @@ torch or megatron import.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from recipe_gkd.parallel_layout import padded_vocab_size
 from recipe_gkd.plan.model_shape import shape_from_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-# Megatron's embedding / output layer shard the vocabulary evenly over tensor-parallel ranks.
-# Padding only to a multiple of tp keeps the padded columns (masked out of every loss) few.
-VOCAB_PAD_MULTIPLE_PER_TP_RANK = 1
-
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Mistral's own checkpoint format, shipped beside the HF files by Mistral repos (other tensor names).
 MISTRAL_WEIGHT_FILES = "consolidated*.safetensors"
@@ -134,12 +130,6 @@ def _rope_parameters(hf_config: Any) -> dict[str, Any]:
     # transformers 5 keeps RoPE settings in `rope_parameters`; 4.x used rope_theta/rope_scaling.
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     return dict(params)
-
-
-def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
-    """Smallest size >= vocab_size that splits evenly over `tp_size` ranks."""
-    multiple = tp_size * VOCAB_PAD_MULTIPLE_PER_TP_RANK
-    return math.ceil(vocab_size / multiple) * multiple
 
 
 def check_parallel_layout(arch: HFArch, tp_size: int, pp_size: int = 1) -> None:

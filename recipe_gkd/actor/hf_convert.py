@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recipe_gkd.actor.hf_arch import HFArch, hf_weight_files, padded_vocab_size
+from recipe_gkd.actor.hf_arch import HFArch, hf_weight_files
+from recipe_gkd.parallel_layout import padded_vocab_size
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from recipe_gkd.actor.hf_arch import HFArch, check_split, padded_vocab_size
+from recipe_gkd.actor.hf_arch import HFArch, check_split
 from recipe_gkd.actor.hf_convert import partition_dim
+from recipe_gkd.parallel_layout import ParallelLayout, padded_vocab_size
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -38,10 +39,8 @@ def recompute_settings(recompute: str, attention: str) -> dict[str, Any]:
 
 def build_transformer_config(
     arch: HFArch,
+    layout: ParallelLayout,
     *,
-    tp_size: int,
-    pp_size: int,
-    cp_size: int,
     bf16: bool,
     on_cpu: bool,
     recompute: str = "none",
@@ -50,7 +49,7 @@ def build_transformer_config(
     """megatron TransformerConfig reproducing the HF model (local spec, no fused kernels)."""
     from megatron.core.transformer import TransformerConfig
 
-    check_split(arch, tp_size, pp_size, cp_size)
+    check_split(arch, layout.tp_size, layout.pp_size, layout.cp_size)
     return TransformerConfig(
         **recompute_settings(recompute, attention),
         num_layers=arch.num_layers,
@@ -70,9 +69,9 @@ def build_transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=arch.initializer_range,
-        tensor_model_parallel_size=tp_size,
-        pipeline_model_parallel_size=pp_size,
-        context_parallel_size=cp_size,
+        tensor_model_parallel_size=layout.tp_size,
+        pipeline_model_parallel_size=layout.pp_size,
+        context_parallel_size=layout.cp_size,
         sequence_parallel=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         # Activations sent between pipeline stages: the compute dtype.

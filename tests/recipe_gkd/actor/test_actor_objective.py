@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from recipe_gkd.actor.collate import collate
-from recipe_gkd.actor.layout import RankLayout
 from recipe_gkd.actor.objective import ActorObjective
 from recipe_gkd.batch import Sequence
 from recipe_gkd.config import CONFIG_DIR, load_config
+from recipe_gkd.parallel_layout import ParallelLayout
 
 PAD, VOCAB, TOP_K = 0, 102, 8
 PRESET = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"
@@ -43,7 +43,7 @@ def sequence(sample_id: int, teacher: str, length: int, response_start: int) -> 
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
 def test_teacher_sums_equal_each_teachers_rows_scored_alone(divergence: str) -> None:
     cfg = load_config(PRESET, [f"algorithm.divergence={divergence}"])
-    layout = RankLayout(rank=0, tp_rank=0, dp_rank=0, tp_size=1, dp_size=1)
+    layout = ParallelLayout()
     objective = ActorObjective(cfg, VOCAB, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None)  # type: ignore[arg-type]
     assert objective.teacher_names == ["reverse", "sum"]
     teachers = ["sum", "reverse", "sum", "sum", "reverse"]
@@ -67,7 +67,7 @@ def test_teacher_sums_equal_each_teachers_rows_scored_alone(divergence: str) -> 
 
 def test_a_teacher_without_rows_in_the_micro_batch_counts_nothing() -> None:
     cfg = load_config(PRESET)
-    layout = RankLayout(rank=0, tp_rank=0, dp_rank=0, tp_size=1, dp_size=1)
+    layout = ParallelLayout()
     objective = ActorObjective(cfg, VOCAB, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None)  # type: ignore[arg-type]
     micro = collate([sequence(0, "reverse", 10, 4), sequence(1, "reverse", 8, 3)], PAD, objective.teacher_names)
     logits_BTV = torch.randn(*micro.input_ids_BT.shape, VOCAB)

@@ -18,8 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from recipe_gkd.actor import hf_arch, hf_convert, mcore_model
 from recipe_gkd.actor.hf_arch import HFArch, UnsupportedModelError
-from recipe_gkd.actor.layout import rank_layout
-from recipe_gkd.config import GKDConfig
+from recipe_gkd.parallel_layout import padded_vocab_size
 
 SHAPE = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 
@@ -89,8 +88,8 @@ def test_round_trip_through_tp_shards_is_bitwise(which: str, tp: int) -> None:
 def test_vocabulary_is_padded_to_a_multiple_of_tp() -> None:
     arch = hf_arch.read_hf_arch(llama(vocab=101, tied=False).config)
     full = hf_convert.hf_to_mcore_full(hf_params(llama(vocab=101, tied=False)), arch, tp_size=2)
-    assert hf_arch.padded_vocab_size(101, 2) == 102
-    assert hf_arch.padded_vocab_size(102, 2) == 102
+    assert padded_vocab_size(101, 2) == 102
+    assert padded_vocab_size(102, 2) == 102
     assert full[hf_convert.EMBEDDING].shape == (102, 48)
     assert full[hf_convert.OUTPUT_LAYER].shape == (102, 48)
     assert torch.all(full[hf_convert.OUTPUT_LAYER][101:] == 0)
@@ -240,30 +239,6 @@ def test_pipeline_stages_partition_the_model(tied: bool, pp: int) -> None:
     # Tied and pipelined: the last stage holds a copy of the embedding as its output layer.
     copy = stages[-1].get(hf_convert.OUTPUT_LAYER)
     assert copy == (hf_convert.EMBEDDING if tied and pp > 1 else None if tied else hf_convert.OUTPUT_LAYER)
-
-
-def test_rank_layout_is_megatron_order() -> None:
-    cfg = GKDConfig()
-    cfg.actor.gpus_per_node = 4
-    cfg.actor.megatron.tp = 2
-    coords = [(rank_layout(cfg, r).tp_rank, rank_layout(cfg, r).dp_rank) for r in range(4)]
-    assert coords == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    assert rank_layout(cfg, 3).dp_size == 2
-
-
-def test_rank_layout_puts_pipeline_stages_outermost() -> None:
-    """megatron's "tp-cp-ep-dp-pp" order: 8 ranks at TP=2, PP=2 -> DP=2."""
-    cfg = GKDConfig()
-    cfg.actor.gpus_per_node = 8
-    cfg.actor.megatron.tp = 2
-    cfg.actor.megatron.pp = 2
-    layouts = [rank_layout(cfg, r) for r in range(8)]
-    # TP varies fastest, then DP; the pipeline stage is outermost.
-    assert [(x.tp_rank, x.dp_rank, x.pp_rank) for x in layouts] == [
-        (tp, dp, pp) for pp in range(2) for dp in range(2) for tp in range(2)
-    ]
-    assert all(x.global_rank(x.tp_rank, x.dp_rank, x.pp_rank) == x.rank for x in layouts)
-    assert [x.is_last_stage for x in layouts] == [False] * 4 + [True] * 4
 
 
 def read_all(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
