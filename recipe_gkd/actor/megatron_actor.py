@@ -50,6 +50,7 @@ from recipe_gkd.actor.probe_rows import forward_only_micro_batch, pack_rows, unp
 from recipe_gkd.actor.weight_export import WeightExporter, write_hf_dir
 from recipe_gkd.batch import Sequence, TrainShard, trained_rows, trained_tokens
 from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, cpu_threads
+from recipe_gkd.models import read_hf_arch
 from recipe_gkd.parallel_layout import ParallelLayout
 
 # megatron's RNG tracker needs a seed; nothing random runs (no dropout, weights from HF).
@@ -83,7 +84,7 @@ class MegatronActor:
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(self.cfg.model.student_path)
-        self.arch = hf_arch.read_hf_arch(hf_config)
+        self.arch = read_hf_arch(hf_config)
         self.pad_id = int(getattr(hf_config, "pad_token_id", None) or 0)
         # Multi-turn rollouts: the loss trains on the tokens the student sampled (false: the ablation, every one).
         self.mask_tool_tokens = self.cfg.algorithm.mask_tool_tokens

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recipe_gkd.actor import hf_arch, hf_convert
+from recipe_gkd.actor import hf_convert
+from recipe_gkd.models import HFArch
 from recipe_gkd.parallel_layout import ParallelLayout
 
 WEIGHTS_FILE = "model.safetensors"
@@ -35,7 +36,7 @@ class WeightExporter:
     def __init__(
         self,
         gpt: torch.nn.Module,
-        arch: hf_arch.HFArch,
+        arch: HFArch,
         global_names: dict[str, str],
         layout: ParallelLayout,
         rank: int,

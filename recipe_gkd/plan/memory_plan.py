@@ -39,9 +39,10 @@ from recipe_gkd.config import (
 from recipe_gkd.config.derived import longest_sequence
 from recipe_gkd.config.rules import teacher_longest_sequence
 from recipe_gkd.config.teachers import TeacherHandle, teacher_handles, teacher_views
+from recipe_gkd.models import Shape
 from recipe_gkd.parallel_layout import ParallelLayout
 from recipe_gkd.plan.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
-from recipe_gkd.plan.model_shape import Shape, read_shape
+from recipe_gkd.plan.model_shape import read_shape
 from recipe_gkd.targets import build_target
 from teacher_server.config.teacher import TeacherBackend, TeacherLocation
 
