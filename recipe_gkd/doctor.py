@@ -30,10 +30,11 @@ import numpy as np
 
 from recipe_gkd.config import ConfigError, GKDConfig, load_config
 from recipe_gkd.config.teachers import TeacherHandle, teacher_handles, teacher_views
+from recipe_gkd.exit_codes import EXIT_BAD_CONFIG
 from recipe_gkd.plan.placement import build_plan, format_plan
 from recipe_gkd.preflight import START_CHECKS, Check, Finding, Status
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG = 0, 1, 2
+EXIT_OK = 0
 # Prompts of the smoke step (one batch of the run's shape would take a whole step of a GPU run's size).
 SMOKE_PROMPTS = 4
 # Sequences of other lengths the probe sequence is batched with (padding and batch shape change the kernels' sums).
@@ -349,7 +350,7 @@ def smoke_finding(smoke: GKDConfig, row: dict[str, Any]) -> Finding:
 
 def run_doctor(cfg: GKDConfig, plan: Any) -> int:
     """Every check in order (the module docstring); the exit code."""
-    from recipe_gkd.main import error_line, exit_code_for
+    from recipe_gkd.exit_codes import error_line, exit_code_for
     from recipe_gkd.runtime.model_pins import Reader, on_this_node
     from recipe_gkd.runtime.teacher_service import teacher_service
 
@@ -384,14 +385,14 @@ def run_doctor(cfg: GKDConfig, plan: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from recipe_gkd.main import resolve_config_models
+    from recipe_gkd.runtime.model_pins import pin_models
 
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         plan = build_plan(cfg)
         print(format_plan(plan), flush=True)
-        resolve_config_models(cfg)
+        pin_models(cfg)  # hub ids -> org/name@<commit>, as a run pins them
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG

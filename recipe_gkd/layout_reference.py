@@ -56,6 +56,23 @@ AROUND = """## Around the packages
 | `assets/` | the CPU demos' models and data, built offline (`python -m recipe_gkd.demo.build_assets`) |
 """
 
+ADDING_A_MODEL_FAMILY = """## Adding a model family
+
+A student family the megatron actor reproduces is one module and one registry line:
+
+1. `recipe_gkd/models/<family>.py`: a `ModelFamily` subclass (`recipe_gkd/models/base.py`) with its `model_types`,
+   what it refuses (`refuse`: an `UnsupportedModelError` naming the feature), its shape facts (`qkv_bias`,
+   `qk_layernorm`), its decoder layer's table (`layer`: each megatron tensor with the HF tensors it converts from and
+   how) and, where they differ from the dense base's, its megatron fields (`transformer_config`, `layer_spec`);
+2. its instance in `FAMILIES` (`recipe_gkd/models/__init__.py`);
+3. its config in `CONFIGS` of `tests/recipe_gkd/models/test_model_families.py`: its table is checked against
+   transformers' own model, its refusals by message.
+
+The plan's shape, the conversion (`actor/hf_convert.py`) and the megatron model (`actor/mcore_model.py`) read the family
+from the student's `HFArch` and test none; a new way of converting a tensor is one entry of hf_convert's `TO_MCORE` and
+`TO_HF`.
+"""
+
 
 class UndocumentedModuleError(ValueError):
     """A module without a docstring: the layout page would leave it out."""
@@ -114,6 +131,7 @@ def render(root: Path = config.REPO_ROOT) -> str:
             parts.extend(f"| `{Path(e.path).name}` | {_cell(e.summary)} |" for e in modules)
             parts.append("")
     parts.append(AROUND)
+    parts.append(ADDING_A_MODEL_FAMILY)
     return "\n".join(parts)
 
 

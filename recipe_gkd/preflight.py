@@ -84,6 +84,8 @@ def environment(cfg: GKDConfig) -> str:
 
     try:
         env = environment_factory(cfg)()
+    except ConfigError:
+        raise  # a tool's own refusal, naming its key (the python tool's sandbox: rollout.tool_isolation)
     except ValueError as err:  # an unknown name, or a class of one's own that does not import or is no environment
         raise ConfigError("rollout.env", str(err)) from err
     tools = ", ".join(t["function"]["name"] if "function" in t else str(t.get("name")) for t in env.tools())

@@ -123,7 +123,7 @@ class PrivilegedPrompt(TeacherPrompt):
         tokenizer, template = teacher_tokenizer()
         prompt_ids = encode_value(tokenizer, self.value(record, where), self.chat_template, template, self.key)
         if len(prompt_ids) > bound:
-            # A ConfigError: the run stops with exit 2 naming the key, from a rollout worker too (main.exit_code_for).
+            # A ConfigError: the run stops with exit 2 naming the key, from a rollout worker too (exit_codes.exit_code_for).
             raise ConfigError(
                 "data.max_teacher_prompt_length",
                 f"{where}: the teacher's prompt ({self.describe()}) has {len(prompt_ids)} tokens > {bound}; raise "

@@ -139,9 +139,6 @@ def package_of(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-@pytest.mark.xfail(
-    strict=True, reason="targets.hidden imports actor.objective's vocabulary slice until it moves to the layout"
-)
 def test_no_strongly_connected_component_spans_two_packages() -> None:
     """Within a package a cycle through its `__init__` is Python's business; across packages it ties wings together
     (a change to one reloads the other's world)."""

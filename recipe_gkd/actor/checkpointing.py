@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recipe_gkd.actor.layout import RankLayout
 from recipe_gkd.actor.optimizer import leaf_optimizers
+from recipe_gkd.parallel_layout import ParallelLayout
 
 # The lr schedule and step count beside the dist checkpoint (plain objects, rank 0 only).
 ACTOR_STATE_FILE = "actor_state.pt"
@@ -25,7 +25,7 @@ RNG_FILE = "rng_rank{rank}.pt"
 
 
 def save_checkpoint(
-    path: str, *, model: Any, optimizer: Any, scheduler: Any, steps: int, rank: int, layout: RankLayout
+    path: str, *, model: Any, optimizer: Any, scheduler: Any, steps: int, rank: int, layout: ParallelLayout
 ) -> None:
     """Model + optimizer as a megatron dist checkpoint in `path` (empty dir), + lr schedule and step (every rank calls)."""
     from megatron.core import dist_checkpointing

@@ -1,15 +1,16 @@
-"""HF Llama/Qwen2 <-> megatron-core GPTModel weights: names, layout, tensor- and pipeline-parallel sharding.
+"""HF <-> megatron-core GPTModel weights over a model family's tensor table: names, layout, TP and PP sharding.
 
-Three layers, each testable on its own (the architecture they take is `recipe_gkd.actor.hf_arch.HFArch`):
+Three layers, each testable on its own (the architecture they take is `recipe_gkd.models.HFArch`, whose family's
+`layer` table lists each decoder layer's megatron tensors and the HF tensors they convert from):
 1. `hf_to_mcore_full` / `mcore_full_to_hf`: HF names <-> megatron names over the *unsharded*
    megatron layout (fused QKV interleaved per GQA group, fused [gate; up] fc1, vocabulary
-   padded to a multiple of the tensor-parallel size). Pure torch, no megatron import.
+   padded to a multiple of the tensor-parallel size), one conversion per table entry. Pure torch, no megatron import.
 2. `shard_for_tp` / `unshard_from_tp`: one rank's slice of an unsharded megatron tensor and
    back (column-parallel on dim 0, row-parallel on dim 1, fc1 per-rank [gate_r; up_r]).
 3. `stage_param_names` / `owner_stage`: which parameters a pipeline stage holds, under which
    local names (layers numbered from 0 on each stage).
 
-Nothing here imports megatron: the megatron model built from an `HFArch` is
+Nothing here imports megatron or tests a family: the megatron model built from an `HFArch` is
 `recipe_gkd.actor.mcore_model`.
 """
 
@@ -17,21 +18,29 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from recipe_gkd.actor.hf_arch import HFArch, hf_weight_files, padded_vocab_size
-
-EMBEDDING = "embedding.word_embeddings.weight"
-OUTPUT_LAYER = "output_layer.weight"
-FINAL_NORM = "decoder.final_layernorm.weight"
-_LAYER = "decoder.layers.{i}."
-_HF_LAYER = "model.layers.{i}."
-
+from recipe_gkd.actor.hf_arch import hf_weight_files
+from recipe_gkd.models import HFArch
+from recipe_gkd.models.base import (
+    COPY,
+    EMBEDDING,
+    FINAL_NORM,
+    FUSED_QKV,
+    GATED_FC1,
+    HF_EMBEDDING,
+    HF_FINAL_NORM,
+    HF_LAYER,
+    HF_OUTPUT_LAYER,
+    MCORE_LAYER,
+    OUTPUT_LAYER,
+)
+from recipe_gkd.parallel_layout import padded_vocab_size
 
 # ----------------------------------------------------------------------------- HF <-> megatron (unsharded)
 
@@ -40,18 +49,7 @@ def mcore_param_names(arch: HFArch) -> list[str]:
     """Every megatron parameter name of the model, in a fixed order."""
     names = [EMBEDDING]
     for i in range(arch.num_layers):
-        layer = _LAYER.format(i=i)
-        names += [layer + "input_layernorm.weight", layer + "self_attention.linear_qkv.weight"]
-        if arch.qkv_bias:
-            names.append(layer + "self_attention.linear_qkv.bias")
-        if arch.qk_layernorm:
-            names += [layer + "self_attention.q_layernorm.weight", layer + "self_attention.k_layernorm.weight"]
-        names += [
-            layer + "self_attention.linear_proj.weight",
-            layer + "pre_mlp_layernorm.weight",
-            layer + "mlp.linear_fc1.weight",
-            layer + "mlp.linear_fc2.weight",
-        ]
+        names += [MCORE_LAYER.format(i=i) + tensor.mcore for tensor in arch.family.layer]
     names.append(FINAL_NORM)
     if not arch.tie_word_embeddings:
         names.append(OUTPUT_LAYER)
@@ -60,25 +58,12 @@ def mcore_param_names(arch: HFArch) -> list[str]:
 
 def hf_param_names(arch: HFArch) -> list[str]:
     """The HF parameter names (tied embeddings appear once, as `model.embed_tokens.weight`)."""
-    names = ["model.embed_tokens.weight"]
+    names = [HF_EMBEDDING]
     for i in range(arch.num_layers):
-        layer = _HF_LAYER.format(i=i)
-        names += [layer + "input_layernorm.weight"]
-        names += [layer + f"self_attn.{p}_proj.weight" for p in "qkv"]
-        if arch.qkv_bias:
-            names += [layer + f"self_attn.{p}_proj.bias" for p in "qkv"]
-        if arch.qk_layernorm:
-            names += [layer + "self_attn.q_norm.weight", layer + "self_attn.k_norm.weight"]
-        names += [
-            layer + "self_attn.o_proj.weight",
-            layer + "post_attention_layernorm.weight",
-            layer + "mlp.gate_proj.weight",
-            layer + "mlp.up_proj.weight",
-            layer + "mlp.down_proj.weight",
-        ]
-    names.append("model.norm.weight")
+        names += [HF_LAYER.format(i=i) + hf for tensor in arch.family.layer for hf in tensor.hf]
+    names.append(HF_FINAL_NORM)
     if not arch.tie_word_embeddings:
-        names.append("lm_head.weight")
+        names.append(HF_OUTPUT_LAYER)
     return names
 
 
@@ -94,46 +79,44 @@ def hf_to_mcore_full(hf_state: Mapping[str, Tensor], arch: HFArch, tp_size: int)
 def hf_unit_names(unit: str, arch: HFArch) -> list[str]:
     """The HF tensors megatron unit `unit` (see `mcore_units`) is built from."""
     if unit == EMBEDDING:
-        return ["model.embed_tokens.weight"]
+        return [HF_EMBEDDING]
     if unit == FINAL_NORM:
-        return ["model.norm.weight"]
+        return [HF_FINAL_NORM]
     if unit == OUTPUT_LAYER:
-        return ["lm_head.weight"]
-    prefix = _HF_LAYER.format(i=layer_index(unit))
-    return [name for name in hf_param_names(arch) if name.startswith(prefix)]
+        return [HF_OUTPUT_LAYER]
+    prefix = HF_LAYER.format(i=layer_index(unit))
+    return [prefix + hf for tensor in arch.family.layer for hf in tensor.hf]
+
+
+# Each conversion of the family tables (recipe_gkd/models/base.py), both ways: HF tensors -> the megatron tensor, and
+# the megatron tensor -> its HF tensors in table order (views where no reshuffle is needed).
+TO_MCORE: dict[str, Callable[[list[Tensor], HFArch], Tensor]] = {
+    COPY: lambda parts, arch: parts[0],
+    FUSED_QKV: lambda parts, arch: fuse_qkv(*parts, arch),
+    GATED_FC1: lambda parts, arch: torch.cat(parts, dim=0),
+}
+TO_HF: dict[str, Callable[[Tensor, HFArch], Sequence[Tensor]]] = {
+    COPY: lambda tensor, arch: (tensor,),
+    FUSED_QKV: lambda tensor, arch: split_qkv(tensor, arch),
+    GATED_FC1: lambda tensor, arch: tensor.chunk(2, dim=0),
+}
 
 
 def hf_unit_to_mcore(unit: str, hf_state: Mapping[str, Tensor], arch: HFArch, tp_size: int) -> dict[str, Tensor]:
     """One unit's HF tensors -> its unsharded megatron tensors (vocabulary padded for `tp_size`)."""
     vocab_padded = padded_vocab_size(arch.vocab_size, tp_size)
     if unit == EMBEDDING:
-        return {EMBEDDING: _pad_rows(hf_state["model.embed_tokens.weight"], vocab_padded)}
+        return {EMBEDDING: _pad_rows(hf_state[HF_EMBEDDING], vocab_padded)}
     if unit == FINAL_NORM:
-        return {FINAL_NORM: hf_state["model.norm.weight"]}
+        return {FINAL_NORM: hf_state[HF_FINAL_NORM]}
     if unit == OUTPUT_LAYER:
-        return {OUTPUT_LAYER: _pad_rows(hf_state["lm_head.weight"], vocab_padded)}
+        return {OUTPUT_LAYER: _pad_rows(hf_state[HF_OUTPUT_LAYER], vocab_padded)}
     i = layer_index(unit)
-    hf, mc = _HF_LAYER.format(i=i), _LAYER.format(i=i)
-    attn = hf + "self_attn."
-    out = {mc + "input_layernorm.weight": hf_state[hf + "input_layernorm.weight"]}
-    out[mc + "self_attention.linear_qkv.weight"] = fuse_qkv(
-        hf_state[attn + "q_proj.weight"], hf_state[attn + "k_proj.weight"], hf_state[attn + "v_proj.weight"], arch
-    )
-    if arch.qkv_bias:
-        out[mc + "self_attention.linear_qkv.bias"] = fuse_qkv(
-            hf_state[attn + "q_proj.bias"], hf_state[attn + "k_proj.bias"], hf_state[attn + "v_proj.bias"], arch
-        )
-    if arch.qk_layernorm:
-        out[mc + "self_attention.q_layernorm.weight"] = hf_state[attn + "q_norm.weight"]
-        out[mc + "self_attention.k_layernorm.weight"] = hf_state[attn + "k_norm.weight"]
-    out[mc + "self_attention.linear_proj.weight"] = hf_state[attn + "o_proj.weight"]
-    out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
-    # Unsharded fc1 is [gate; up]; `shard_for_tp` regroups it per rank.
-    out[mc + "mlp.linear_fc1.weight"] = torch.cat(
-        [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]], dim=0
-    )
-    out[mc + "mlp.linear_fc2.weight"] = hf_state[hf + "mlp.down_proj.weight"]
-    return out
+    hf, mc = HF_LAYER.format(i=i), MCORE_LAYER.format(i=i)
+    return {
+        mc + tensor.mcore: TO_MCORE[tensor.conversion]([hf_state[hf + name] for name in tensor.hf], arch)
+        for tensor in arch.family.layer
+    }
 
 
 class HFCheckpointReader:
@@ -223,28 +206,17 @@ def mcore_unit_to_hf(unit: str, mcore_state: Mapping[str, Tensor], arch: HFArch)
     """One unit of unsharded megatron tensors -> its HF tensors (views where no reshuffle is needed)."""
     vocab = arch.vocab_size
     if unit == EMBEDDING:
-        return {"model.embed_tokens.weight": mcore_state[EMBEDDING][:vocab]}
+        return {HF_EMBEDDING: mcore_state[EMBEDDING][:vocab]}
     if unit == FINAL_NORM:
-        return {"model.norm.weight": mcore_state[FINAL_NORM]}
+        return {HF_FINAL_NORM: mcore_state[FINAL_NORM]}
     if unit == OUTPUT_LAYER:
-        return {"lm_head.weight": mcore_state[OUTPUT_LAYER][:vocab]}
+        return {HF_OUTPUT_LAYER: mcore_state[OUTPUT_LAYER][:vocab]}
     i = layer_index(unit)
-    hf, mc = _HF_LAYER.format(i=i), _LAYER.format(i=i)
-    attn = hf + "self_attn."
-    out = {hf + "input_layernorm.weight": mcore_state[mc + "input_layernorm.weight"]}
-    q, k, v = split_qkv(mcore_state[mc + "self_attention.linear_qkv.weight"], arch)
-    out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
-    if arch.qkv_bias:
-        q, k, v = split_qkv(mcore_state[mc + "self_attention.linear_qkv.bias"], arch)
-        out[attn + "q_proj.bias"], out[attn + "k_proj.bias"], out[attn + "v_proj.bias"] = q, k, v
-    if arch.qk_layernorm:
-        out[attn + "q_norm.weight"] = mcore_state[mc + "self_attention.q_layernorm.weight"]
-        out[attn + "k_norm.weight"] = mcore_state[mc + "self_attention.k_layernorm.weight"]
-    out[attn + "o_proj.weight"] = mcore_state[mc + "self_attention.linear_proj.weight"]
-    out[hf + "post_attention_layernorm.weight"] = mcore_state[mc + "pre_mlp_layernorm.weight"]
-    gate, up = mcore_state[mc + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-    out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
-    out[hf + "mlp.down_proj.weight"] = mcore_state[mc + "mlp.linear_fc2.weight"]
+    hf, mc = HF_LAYER.format(i=i), MCORE_LAYER.format(i=i)
+    out: dict[str, Tensor] = {}
+    for tensor in arch.family.layer:
+        parts = TO_HF[tensor.conversion](mcore_state[mc + tensor.mcore], arch)
+        out.update(zip((hf + name for name in tensor.hf), parts, strict=True))
     return out
 
 
@@ -312,7 +284,7 @@ def stage_param_names(arch: HFArch, pp_rank: int, pp_size: int) -> dict[str, str
         if name.startswith("decoder.layers."):
             index = layer_index(name)
             if index in layers:
-                out[_LAYER.format(i=index - layers.start) + name.split(".", 3)[3]] = name
+                out[MCORE_LAYER.format(i=index - layers.start) + name.split(".", 3)[3]] = name
         elif (name == EMBEDDING and first) or (name in (FINAL_NORM, OUTPUT_LAYER) and last):
             out[name] = name
     if arch.tie_word_embeddings and pp_size > 1 and last:

@@ -1,7 +1,9 @@
 """The megatron-core GPTModel of an HF Llama/Qwen2/Qwen3/Mistral student: its TransformerConfig and the model.
 
-The only module of the actor that imports megatron at module use (inside its functions); the
-name and tensor mapping to and from HF is :mod:`recipe_gkd.actor.hf_convert`.
+The only module of the actor that imports megatron at module use (inside its functions). The family's architecture
+fields and layer-spec arguments come from its spec (recipe_gkd/models: `transformer_config`, `layer_spec`), the run's
+parallel, precision and kernel settings from here; the name and tensor mapping to and from HF is
+:mod:`recipe_gkd.actor.hf_convert`.
 """
 
 from __future__ import annotations
@@ -10,12 +12,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from recipe_gkd.actor.hf_arch import HFArch, check_split, padded_vocab_size
+from recipe_gkd.actor.hf_arch import check_split
 from recipe_gkd.actor.hf_convert import partition_dim
+from recipe_gkd.models import HFArch
+from recipe_gkd.parallel_layout import ParallelLayout, padded_vocab_size
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
+
+# A family's gated activation (recipe_gkd/models: ModelFamily.activation) as megatron's activation_func.
+ACTIVATIONS = {"silu": torch.nn.functional.silu}
 
 
 def recompute_settings(recompute: str, attention: str) -> dict[str, Any]:
@@ -38,10 +45,8 @@ def recompute_settings(recompute: str, attention: str) -> dict[str, Any]:
 
 def build_transformer_config(
     arch: HFArch,
+    layout: ParallelLayout,
     *,
-    tp_size: int,
-    pp_size: int,
-    cp_size: int,
     bf16: bool,
     on_cpu: bool,
     recompute: str = "none",
@@ -50,29 +55,18 @@ def build_transformer_config(
     """megatron TransformerConfig reproducing the HF model (local spec, no fused kernels)."""
     from megatron.core.transformer import TransformerConfig
 
-    check_split(arch, tp_size, pp_size, cp_size)
+    check_split(arch, layout.tp_size, layout.pp_size, layout.cp_size)
     return TransformerConfig(
         **recompute_settings(recompute, attention),
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        ffn_hidden_size=arch.intermediate_size,
-        num_attention_heads=arch.num_heads,
-        num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_layernorm,
+        # The family's architecture: sizes, norms, biases, the gated MLP.
+        **arch.family.transformer_config(arch),
+        activation_func=ACTIVATIONS[arch.family.activation],
         # Distillation fine-tunes as HF does: no dropout (this also keeps TP=1 == TP=2 exact).
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        init_method_std=arch.initializer_range,
-        tensor_model_parallel_size=tp_size,
-        pipeline_model_parallel_size=pp_size,
-        context_parallel_size=cp_size,
+        tensor_model_parallel_size=layout.tp_size,
+        pipeline_model_parallel_size=layout.pp_size,
+        context_parallel_size=layout.cp_size,
         sequence_parallel=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         # Activations sent between pipeline stages: the compute dtype.
@@ -138,7 +132,7 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
+    spec = get_gpt_layer_local_spec(**arch.family.layer_spec(arch))
     if attention == "sdpa":
         from recipe_gkd.actor.attention import SDPAttention
 

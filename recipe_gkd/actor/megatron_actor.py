@@ -44,13 +44,14 @@ from torch import Tensor
 
 from recipe_gkd.actor import checkpointing, hf_arch, hf_convert, mcore_model
 from recipe_gkd.actor.collate import LazyMicroBatches, MicroBatch, split_by_token_budget, split_micro_batches
-from recipe_gkd.actor.layout import rank_layout
 from recipe_gkd.actor.objective import ActorObjective, sum_from_last_stage
 from recipe_gkd.actor.optimizer import build_optimizer, clip_grads, wrap_ddp
 from recipe_gkd.actor.probe_rows import forward_only_micro_batch, pack_rows, unpack_token_logprobs
 from recipe_gkd.actor.weight_export import WeightExporter, write_hf_dir
 from recipe_gkd.batch import Sequence, TrainShard, trained_rows, trained_tokens
 from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, cpu_threads
+from recipe_gkd.models import read_hf_arch
+from recipe_gkd.parallel_layout import ParallelLayout
 from recipe_gkd.targets import build_objective, build_target
 
 # megatron's RNG tracker needs a seed; nothing random runs (no dropout, weights from HF).
@@ -72,7 +73,7 @@ class MegatronActor:
         self.master_addr = master_addr
         self.master_port = master_port
         self.on_cpu = cfg.cluster.device == Device.cpu
-        self.layout = rank_layout(cfg, rank)
+        self.layout = ParallelLayout.from_config(cfg, rank)
         self._steps = 0
         self._model: Any = None
 
@@ -84,7 +85,7 @@ class MegatronActor:
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(self.cfg.model.student_path)
-        self.arch = hf_arch.read_hf_arch(hf_config)
+        self.arch = read_hf_arch(hf_config)
         self.pad_id = int(getattr(hf_config, "pad_token_id", None) or 0)
         # Multi-turn rollouts: the loss trains on the tokens the student sampled (false: the ablation, every one).
         self.mask_tool_tokens = self.cfg.algorithm.mask_tool_tokens
@@ -97,9 +98,7 @@ class MegatronActor:
         bf16 = self.cfg.actor.precision == Precision.bf16
         self.tconfig = mcore_model.build_transformer_config(
             self.arch,
-            tp_size=m.tp,
-            pp_size=m.pp,
-            cp_size=m.cp,
+            self.layout,
             bf16=bf16,
             on_cpu=self.on_cpu,
             recompute=m.recompute.value,
@@ -196,8 +195,8 @@ class MegatronActor:
                 f"MegatronActor got world_size={self.world_size} but actor.nnodes x actor.gpus_per_node = {expected}; "
                 "set actor.gpus_per_node to the number of actor ranks"
             )
-        m = self.cfg.actor.megatron
-        hf_arch.check_split(self.arch, m.tp, m.pp, m.cp)
+        layout = self.layout
+        hf_arch.check_split(self.arch, layout.tp_size, layout.pp_size, layout.cp_size)
 
     def _check_stage_layers(self) -> None:
         """megatron's layer numbers on this stage must be the ones `hf_convert.stage_layers` loads into it."""
@@ -232,26 +231,27 @@ class MegatronActor:
             world_size=self.world_size,
             timeout=timedelta(seconds=bound_s),
         )
-        m = self.cfg.actor.megatron
+        layout = self.layout
         # megatron-core 0.16.1 parallel_state.initialize_model_parallel gives every group it creates (TP, DP, PP,
         # MP, embedding, ...) `timedelta(minutes=distributed_timeout_minutes)`, 30 by default, not the world's bound.
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=m.tp,
-            pipeline_model_parallel_size=m.pp,
-            context_parallel_size=m.cp,
+            tensor_model_parallel_size=layout.tp_size,
+            pipeline_model_parallel_size=layout.pp_size,
+            context_parallel_size=layout.cp_size,
             distributed_timeout_minutes=group_timeout_minutes(bound_s),
         )
         model_parallel_cuda_manual_seed(MEGATRON_SEED)
         megatron_coords = (
             parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_context_parallel_rank(),
             parallel_state.get_data_parallel_rank(),
             parallel_state.get_pipeline_model_parallel_rank(),
         )
-        ours = (self.layout.tp_rank, self.layout.dp_rank, self.layout.pp_rank)
+        ours = (layout.tp_rank, layout.cp_rank, layout.dp_rank, layout.pp_rank)
         if megatron_coords != ours:
             raise RuntimeError(
-                f"rank {self.rank}: megatron places it at (tp, dp, pp) = {megatron_coords}, "
-                f"recipe_gkd.actor.layout at {ours}"
+                f"rank {self.rank}: megatron places it at (tp, cp, dp, pp) = {megatron_coords}, "
+                f"recipe_gkd.parallel_layout at {ours}"
             )
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -431,7 +431,7 @@ class MegatronActor:
             raise ValueError(
                 f"rank {self.rank}: model-parallel (TP x PP) ranks got different data ({num_sequences} sequences, "
                 f"{num_tokens} tokens here); give every rank of a replica the shards of its data-parallel "
-                "rank (recipe_gkd.actor.layout.data_parallel_rank)"
+                "rank (recipe_gkd.parallel_layout.ParallelLayout.dp_rank)"
             )
 
     # ------------------------------------------------------------------------- checkpoints
@@ -508,7 +508,7 @@ class MegatronActor:
             logits_BLV = outputs[0].contiguous()  # cut off the padded vocabulary: a strided view
         else:
             logits_BLV = torch.empty(batch, length, self.arch.vocab_size, dtype=torch.float32, device=self.device)
-        last = self.layout.global_rank(self.layout.tp_rank, self.layout.dp_rank, self.layout.pp_size - 1)
+        last = self.layout.rank_with(pp=self.layout.pp_size - 1)
         dist.broadcast(logits_BLV, src=last, group=self.pp_group)
         return logits_BLV
 

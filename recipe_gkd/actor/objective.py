@@ -19,11 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recipe_gkd.actor import hf_arch
 from recipe_gkd.actor.collate import MicroBatch
-from recipe_gkd.actor.layout import RankLayout
 from recipe_gkd.config import GKDConfig
 from recipe_gkd.config.teachers import split_teachers
+from recipe_gkd.parallel_layout import ParallelLayout
 from recipe_gkd.targets import Objective, Target
 
 
@@ -34,7 +33,7 @@ class ActorObjective:
         self,
         cfg: GKDConfig,
         vocab_size: int,
-        layout: RankLayout,
+        layout: ParallelLayout,
         device: torch.device,
         *,
         tp_group: dist.ProcessGroup,
@@ -49,7 +48,7 @@ class ActorObjective:
         self.layout = layout
         self.device = device
         self.tp_group, self.pp_group, self.dp_group = tp_group, pp_group, dp_group
-        self.vocab_start, self.vocab_shard = local_vocab_slice(vocab_size, layout)
+        self.vocab_start, self.vocab_shard = layout.local_vocab_slice(vocab_size)
         # The target kind's loss (and what it loads once, e.g. the teacher's output head).
         self.target = target
         self.target.setup_actor(self)
@@ -157,18 +156,8 @@ class ActorObjective:
         return gather_from_tensor_model_parallel_region(logits_BTv, group=self.tp_group)[..., : self.vocab_size]
 
 
-def local_vocab_slice(vocab_size: int, layout: RankLayout, used: int | None = None) -> tuple[int, slice]:
-    """This rank's first vocabulary id and its columns of ids below `used` (default: the real, unpadded vocabulary)
-    in its logits shard, whose width megatron pads from `vocab_size`."""
-    padded = hf_arch.padded_vocab_size(vocab_size, layout.tp_size)
-    shard = padded // layout.tp_size
-    vocab_start = layout.tp_rank * shard
-    end = vocab_size if used is None else min(used, vocab_size)
-    return vocab_start, slice(0, max(0, min(shard, end - vocab_start)))
-
-
 def sum_from_last_stage(
-    values: list[Tensor], width: int, layout: RankLayout, pp_group: dist.ProcessGroup, device: torch.device
+    values: list[Tensor], width: int, layout: ParallelLayout, pp_group: dist.ProcessGroup, device: torch.device
 ) -> Tensor:
     """The sum of the last stage's per-micro-batch values [width], on every stage of the pipeline."""
     total = torch.zeros(width, dtype=torch.float64, device=device)

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recipe_gkd.actor import hf_arch, hf_convert
-from recipe_gkd.actor.layout import RankLayout
+from recipe_gkd.actor import hf_convert
+from recipe_gkd.models import HFArch
+from recipe_gkd.parallel_layout import ParallelLayout
 
 WEIGHTS_FILE = "model.safetensors"
 # Largest rank of a weight sent between pipeline stages during export (matrices and vectors).
@@ -35,9 +36,9 @@ class WeightExporter:
     def __init__(
         self,
         gpt: torch.nn.Module,
-        arch: hf_arch.HFArch,
+        arch: HFArch,
         global_names: dict[str, str],
-        layout: RankLayout,
+        layout: ParallelLayout,
         rank: int,
         device: torch.device,
         tp_group: dist.ProcessGroup,
@@ -77,7 +78,7 @@ class WeightExporter:
         if self.layout.pp_rank != owner:
             if self.rank != 0:
                 return None
-            received = self._recv_tensor(src=self.layout.global_rank(0, 0, owner))
+            received = self._recv_tensor(src=self.layout.global_rank(pp=owner))
             return received if on_device else received.to("cpu", torch.float32 if fp32 else received.dtype)
         if param is None:
             raise RuntimeError(f"weight export: {name} is missing from pipeline stage {owner}")

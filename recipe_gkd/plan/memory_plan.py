@@ -32,7 +32,6 @@ from recipe_gkd.config import (
     Recompute,
     RolloutBackend,
     WeightTransport,
-    actor_data_parallel_size,
     actor_world_size,
     colocated_shares,
     weight_transport,
@@ -40,8 +39,10 @@ from recipe_gkd.config import (
 from recipe_gkd.config.derived import longest_sequence
 from recipe_gkd.config.rules import teacher_longest_sequence
 from recipe_gkd.config.teachers import TeacherHandle, teacher_handles, teacher_views
+from recipe_gkd.models import Shape
+from recipe_gkd.parallel_layout import ParallelLayout
 from recipe_gkd.plan.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
-from recipe_gkd.plan.model_shape import Shape, read_shape
+from recipe_gkd.plan.model_shape import read_shape
 from recipe_gkd.targets import build_target
 from teacher_server.config.teacher import TeacherBackend, TeacherLocation
 from teacher_server.wire.hidden_codec import HIDDEN_ITEMSIZE
@@ -154,10 +155,11 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
     layers and adds both the first stage's activations and the last stage's logits.
     """
     a, m = cfg.actor, cfg.actor.megatron
-    tp, pp, dp = m.tp, m.pp, actor_data_parallel_size(cfg)
+    layout = ParallelLayout.from_config(cfg)
+    tp, pp, dp = layout.tp_size, layout.pp_size, layout.dp_size
     bf16 = a.precision == Precision.bf16
     act = 2 if bf16 else 4
-    vocab_shard = math.ceil(shape.vocab_size / tp)
+    vocab_shard = layout.vocab_shard_size(shape.vocab_size)
     layers = shape.num_layers // pp
     embedding = vocab_shard * shape.hidden_size
     # The last stage: final norm + output layer (a tied one is a copy there when pp > 1).
@@ -228,7 +230,7 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
 def _gathered_vocabulary_parts(cfg: GKDConfig, shape: Shape, tokens: int) -> list[tuple[str, float]]:
     """A kind whose loss gathers the whole vocabulary (algorithm.cross_tokenizer) at actor TP > 1: its buffers on every
     rank."""
-    if not build_target(cfg).gathers_vocabulary or cfg.actor.megatron.tp == 1:
+    if not build_target(cfg).gathers_vocabulary or ParallelLayout.from_config(cfg).tp_size == 1:
         return []
     name = (
         f"cross-tokenizer loss over the gathered vocabulary ({tokens} tokens x {shape.vocab_size} ids on every TP "
@@ -264,7 +266,7 @@ def _actor_remedy(cfg: GKDConfig, role: RoleMemory) -> tuple[str, str]:
     if state + (0 if role.outside else ACTOR_RESERVE_GIB * GIB) > role.capacity:
         if cfg.actor.gpu_memory_utilization and cfg.cluster.colocate:
             return "actor.gpu_memory_utilization", f"{over}; give the actor a larger share of the colocated GPU"
-        if not m.distributed_optimizer and actor_data_parallel_size(cfg) > 1:
+        if not m.distributed_optimizer and ParallelLayout.from_config(cfg).dp_size > 1:
             return "actor.megatron.distributed_optimizer", f"{over}; shard the optimizer state over data parallel"
         return (
             "actor.megatron.tp",

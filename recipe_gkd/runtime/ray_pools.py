@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd.actor.layout import data_parallel_rank
 from recipe_gkd.batch import only_teacher
 from recipe_gkd.config import (
     GKDConfig,
@@ -35,6 +34,7 @@ from recipe_gkd.config import (
     weight_group_ranks_per_engine,
     weight_transport,
 )
+from recipe_gkd.parallel_layout import data_parallel_rank
 from recipe_gkd.plan.memory_plan import object_store_mib
 from recipe_gkd.plan.placement import PlacementPlan, Slot
 from recipe_gkd.plan.ports import reserve_ports

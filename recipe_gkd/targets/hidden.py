@@ -159,11 +159,10 @@ class Hidden(Target):
         teacher's head rows for them [v, H]."""
         import torch
 
-        from recipe_gkd.actor.objective import local_vocab_slice
         from recipe_gkd.actor.teacher_head import load_teacher_head_shard
 
         ref = self._head_ref(objective.vocab_size)
-        self.shard = local_vocab_slice(objective.vocab_size, objective.layout, ref.loss_vocab_size)[1]
+        self.shard = objective.layout.local_vocab_slice(objective.vocab_size, ref.loss_vocab_size)[1]
         if not objective.layout.is_last_stage:
             return
         # The actor's compute dtype: bf16 runs multiply the teacher's hidden states in bf16, as the teacher does.

@@ -99,7 +99,7 @@ def test_another_tokenizer_without_cross_tokenizer_is_a_bad_input_naming_it(
     from transformers import AutoTokenizer
 
     from recipe_gkd.config import load_config
-    from recipe_gkd.main import exit_code_for
+    from recipe_gkd.exit_codes import exit_code_for
     from recipe_gkd.rollout.teacher import TeacherScorer
 
     overrides = [f"model.student_path={xtok_inputs['student']}", f"teacher.model_path={xtok_inputs['teacher']}"]
@@ -118,7 +118,7 @@ def test_a_role_the_teacher_template_refuses_is_a_bad_input_naming_the_key(
     from recipe_gkd.config import load_config
     from recipe_gkd.cross_tokenizer.align import StudentText
     from recipe_gkd.cross_tokenizer.targets import conversation_of
-    from recipe_gkd.main import exit_code_for
+    from recipe_gkd.exit_codes import exit_code_for
 
     cfg = load_config(None, [f"model.student_path={xtok_inputs['student']}", "algorithm.cross_tokenizer=span"])
     record = {"prompt": [{"role": "tool", "content": "rev:abcde"}, {"role": "user", "content": "go"}]}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from cli_runs import checkpointed_cli, run_to_end
 
-from recipe_gkd.main import EXIT_HANG
+from recipe_gkd.exit_codes import EXIT_HANG
 
 # A step's bound, shorter than the workers' set-up on two busy cores (bounded by debug.setup_timeout_s instead) and
 # far shorter than the emulated teacher latency.

@@ -13,7 +13,7 @@ import pytest
 from cli_runs import RUN_TIMEOUT_S, env_with, wait_for_rows, wait_gone
 
 from recipe_gkd.config import CONFIG_DIR, load_config
-from recipe_gkd.main import EXIT_STOPPED
+from recipe_gkd.exit_codes import EXIT_STOPPED
 from recipe_gkd.observe.metrics import read_metrics
 from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.runtime.checkpoint import list_checkpoints, verify

@@ -1,11 +1,11 @@
-"""The CLI's exit code for each kind of error it reports in one line (recipe_gkd.main.exit_code_for)."""
+"""The CLI's exit code for each kind of error it reports in one line (recipe_gkd.exit_codes.exit_code_for)."""
 
 from __future__ import annotations
 
 import pytest
 
 from recipe_gkd.config import ConfigError
-from recipe_gkd.main import EXIT_BAD_CONFIG, EXIT_FAILED, error_line, exit_code_for
+from recipe_gkd.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILED, error_line, exit_code_for
 from teacher_server.client.zmq_client import TeacherDeadError, TeacherMismatchError
 from teacher_server.vllm_version import UnsupportedVLLMError
 

@@ -18,10 +18,10 @@ import torch
 from target_kinds import kinds
 
 from recipe_gkd.actor.collate import collate
-from recipe_gkd.actor.layout import RankLayout
 from recipe_gkd.actor.objective import ActorObjective
 from recipe_gkd.batch import Sequence, trained_tokens
 from recipe_gkd.config import load_config
+from recipe_gkd.parallel_layout import ParallelLayout
 from recipe_gkd.rollout.worker import summarize
 from recipe_gkd.targets import build_target
 from recipe_gkd.targets.hidden import Hidden, HiddenStates
@@ -170,7 +170,7 @@ def batch(chatml_tokenizer_dir: Path) -> tuple[list[Sequence], int]:
 
 def actor_objective(vocab: int, *overrides: str) -> ActorObjective:
     cfg = load_config(None, list(overrides))
-    layout = RankLayout(rank=0, tp_rank=0, dp_rank=0, tp_size=1, dp_size=1)
+    layout = ParallelLayout()
     return ActorObjective(
         cfg, vocab, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None, **kinds(cfg)
     )  # type: ignore[arg-type]

@@ -10,10 +10,10 @@ import torch
 from target_kinds import kinds
 
 from recipe_gkd.actor.collate import collate
-from recipe_gkd.actor.layout import RankLayout
 from recipe_gkd.actor.objective import ActorObjective
 from recipe_gkd.batch import Sequence
 from recipe_gkd.config import CONFIG_DIR, load_config
+from recipe_gkd.parallel_layout import ParallelLayout
 
 PAD, VOCAB, TOP_K = 0, 102, 8
 PRESET = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"
@@ -44,7 +44,7 @@ def sequence(sample_id: int, teacher: str, length: int, response_start: int) -> 
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
 def test_teacher_sums_equal_each_teachers_rows_scored_alone(divergence: str) -> None:
     cfg = load_config(PRESET, [f"algorithm.divergence={divergence}"])
-    layout = RankLayout(rank=0, tp_rank=0, dp_rank=0, tp_size=1, dp_size=1)
+    layout = ParallelLayout()
     objective = ActorObjective(
         cfg, VOCAB, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None, **kinds(cfg)
     )  # type: ignore[arg-type]
@@ -70,7 +70,7 @@ def test_teacher_sums_equal_each_teachers_rows_scored_alone(divergence: str) -> 
 
 def test_a_teacher_without_rows_in_the_micro_batch_counts_nothing() -> None:
     cfg = load_config(PRESET)
-    layout = RankLayout(rank=0, tp_rank=0, dp_rank=0, tp_size=1, dp_size=1)
+    layout = ParallelLayout()
     objective = ActorObjective(
         cfg, VOCAB, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None, **kinds(cfg)
     )  # type: ignore[arg-type]

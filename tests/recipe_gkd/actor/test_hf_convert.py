@@ -17,9 +17,8 @@ from repo_paths import REPO_ROOT
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from recipe_gkd.actor import hf_arch, hf_convert, mcore_model
-from recipe_gkd.actor.hf_arch import HFArch, UnsupportedModelError
-from recipe_gkd.actor.layout import rank_layout
-from recipe_gkd.config import GKDConfig
+from recipe_gkd.models import HFArch, UnsupportedModelError, read_hf_arch
+from recipe_gkd.parallel_layout import padded_vocab_size
 
 SHAPE = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 
@@ -70,7 +69,7 @@ MODELS = {
 @pytest.mark.parametrize("which", sorted(MODELS))
 def test_round_trip_through_tp_shards_is_bitwise(which: str, tp: int) -> None:
     model = MODELS[which]()
-    arch = hf_arch.read_hf_arch(model.config)
+    arch = read_hf_arch(model.config)
     hf_arch.check_parallel_layout(arch, tp)
     state = hf_params(model)
     full = hf_convert.hf_to_mcore_full(state, arch, tp)
@@ -87,10 +86,10 @@ def test_round_trip_through_tp_shards_is_bitwise(which: str, tp: int) -> None:
 
 
 def test_vocabulary_is_padded_to_a_multiple_of_tp() -> None:
-    arch = hf_arch.read_hf_arch(llama(vocab=101, tied=False).config)
+    arch = read_hf_arch(llama(vocab=101, tied=False).config)
     full = hf_convert.hf_to_mcore_full(hf_params(llama(vocab=101, tied=False)), arch, tp_size=2)
-    assert hf_arch.padded_vocab_size(101, 2) == 102
-    assert hf_arch.padded_vocab_size(102, 2) == 102
+    assert padded_vocab_size(101, 2) == 102
+    assert padded_vocab_size(102, 2) == 102
     assert full[hf_convert.EMBEDDING].shape == (102, 48)
     assert full[hf_convert.OUTPUT_LAYER].shape == (102, 48)
     assert torch.all(full[hf_convert.OUTPUT_LAYER][101:] == 0)
@@ -98,7 +97,7 @@ def test_vocabulary_is_padded_to_a_multiple_of_tp() -> None:
 
 def test_fused_qkv_is_interleaved_per_kv_group() -> None:
     """Rows tagged with their head: group g holds q heads 2g, 2g+1, then k_g, then v_g."""
-    arch = hf_arch.read_hf_arch(llama(kv_heads=2).config)  # 4 q heads, 2 groups, head_dim 12
+    arch = read_hf_arch(llama(kv_heads=2).config)  # 4 q heads, 2 groups, head_dim 12
     dim = arch.head_dim
     q = torch.arange(4).repeat_interleave(dim)[:, None].float().expand(-1, 48)
     k = (10 + torch.arange(2)).repeat_interleave(dim)[:, None].float().expand(-1, 48)
@@ -110,7 +109,7 @@ def test_fused_qkv_is_interleaved_per_kv_group() -> None:
 
 
 def test_tp_shards_follow_megatron_layouts() -> None:
-    arch = hf_arch.read_hf_arch(llama(kv_heads=2).config)
+    arch = read_hf_arch(llama(kv_heads=2).config)
     gate = torch.arange(64.0)[:, None].expand(-1, 48)
     up = 100 + gate
     fc1 = torch.cat([gate, up])
@@ -126,84 +125,15 @@ def test_tp_shards_follow_megatron_layouts() -> None:
     del arch
 
 
-# Llama 3.1/3.2's frequency-dependent RoPE scaling.
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 5e5,
-    "factor": 32.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-
-
-def test_llama3_rope_scaling_is_read_whole() -> None:
-    arch = hf_arch.read_hf_arch(LlamaConfig(rope_parameters=LLAMA3_ROPE, **SHAPE))
-    assert arch.llama3_rope == (32.0, 1.0, 4.0, 8192) and arch.rope_theta == 5e5
-    assert hf_arch.read_hf_arch(LlamaConfig(**SHAPE)).llama3_rope is None
-
-
-def test_mistral_with_a_sliding_window_is_refused() -> None:
-    from transformers import MistralConfig
-
-    assert hf_arch.read_hf_arch(MistralConfig(sliding_window=None, **SHAPE)).model_type == "mistral"
-    with pytest.raises(hf_arch.UnsupportedModelError, match="sliding_window=4096"):
-        hf_arch.read_hf_arch(MistralConfig(sliding_window=4096, **SHAPE))
-
-
-def test_read_hf_arch_reads_gqa_rope_and_bias() -> None:
-    arch = hf_arch.read_hf_arch(qwen2().config)
-    assert arch == HFArch(
-        model_type="qwen2",
-        vocab_size=90,
-        hidden_size=48,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=1,
-        head_dim=12,
-        rms_norm_eps=qwen2().config.rms_norm_eps,
-        rope_theta=qwen2().config.rope_parameters["rope_theta"],
-        max_position_embeddings=qwen2().config.max_position_embeddings,
-        tie_word_embeddings=qwen2().config.tie_word_embeddings,
-        qkv_bias=True,
-        initializer_range=0.02,
-    )
-
-
-@pytest.mark.parametrize(
-    ("change", "match"),
-    [
-        ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
-        ({"attention_bias": True}, "attention_bias"),
-    ],
-)
-def test_unsupported_llama_features_are_refused(change: dict, match: str) -> None:
-    config = LlamaConfig(**SHAPE)
-    for key, value in change.items():
-        setattr(config, key, value)
-    with pytest.raises(UnsupportedModelError, match=match):
-        hf_arch.read_hf_arch(config)
-
-
-def test_unsupported_model_type_names_the_key() -> None:
-    class Gpt2Like:
-        model_type = "gpt2"
-
-    with pytest.raises(UnsupportedModelError, match=r"model\.student_path"):
-        hf_arch.read_hf_arch(Gpt2Like())
-
-
 def test_parallel_layout_errors_name_the_tp_key() -> None:
-    arch = hf_arch.read_hf_arch(llama(kv_heads=2).config)
+    arch = read_hf_arch(llama(kv_heads=2).config)
     with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.tp=3"):
         hf_arch.check_parallel_layout(arch, 3)
-    hf_arch.check_parallel_layout(hf_arch.read_hf_arch(qwen2(kv_heads=1).config), 4)  # kv=1 < tp is fine
+    hf_arch.check_parallel_layout(read_hf_arch(qwen2(kv_heads=1).config), 4)  # kv=1 < tp is fine
 
 
 def test_pipeline_stages_must_split_the_layers_evenly() -> None:
-    arch = hf_arch.read_hf_arch(llama().config)  # 2 layers
+    arch = read_hf_arch(llama().config)  # 2 layers
     hf_arch.check_parallel_layout(arch, 1, 2)
     with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.pp=3 must divide .*num_hidden_layers=2"):
         hf_arch.check_parallel_layout(arch, 1, 3)
@@ -217,7 +147,7 @@ def test_context_parallel_is_refused_naming_the_key() -> None:
 
 def six_layer_arch(tied: bool) -> HFArch:
     config = LlamaConfig(vocab_size=101, tie_word_embeddings=tied, **{**SHAPE, "num_hidden_layers": 6})
-    return hf_arch.read_hf_arch(config)
+    return read_hf_arch(config)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -240,30 +170,6 @@ def test_pipeline_stages_partition_the_model(tied: bool, pp: int) -> None:
     # Tied and pipelined: the last stage holds a copy of the embedding as its output layer.
     copy = stages[-1].get(hf_convert.OUTPUT_LAYER)
     assert copy == (hf_convert.EMBEDDING if tied and pp > 1 else None if tied else hf_convert.OUTPUT_LAYER)
-
-
-def test_rank_layout_is_megatron_order() -> None:
-    cfg = GKDConfig()
-    cfg.actor.gpus_per_node = 4
-    cfg.actor.megatron.tp = 2
-    coords = [(rank_layout(cfg, r).tp_rank, rank_layout(cfg, r).dp_rank) for r in range(4)]
-    assert coords == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    assert rank_layout(cfg, 3).dp_size == 2
-
-
-def test_rank_layout_puts_pipeline_stages_outermost() -> None:
-    """megatron's "tp-cp-ep-dp-pp" order: 8 ranks at TP=2, PP=2 -> DP=2."""
-    cfg = GKDConfig()
-    cfg.actor.gpus_per_node = 8
-    cfg.actor.megatron.tp = 2
-    cfg.actor.megatron.pp = 2
-    layouts = [rank_layout(cfg, r) for r in range(8)]
-    # TP varies fastest, then DP; the pipeline stage is outermost.
-    assert [(x.tp_rank, x.dp_rank, x.pp_rank) for x in layouts] == [
-        (tp, dp, pp) for pp in range(2) for dp in range(2) for tp in range(2)
-    ]
-    assert all(x.global_rank(x.tp_rank, x.dp_rank, x.pp_rank) == x.rank for x in layouts)
-    assert [x.is_last_stage for x in layouts] == [False] * 4 + [True] * 4
 
 
 def read_all(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
@@ -305,7 +211,7 @@ def test_a_rank_reads_only_its_stage_and_gets_its_shards(tmp_path: Path, tied: b
     """load_stage_shards == slicing the full conversion, and it reads no tensor of another stage."""
     model = llama(tied=tied)
     model.save_pretrained(tmp_path, max_shard_size="50KB")  # several files behind an index
-    arch = hf_arch.read_hf_arch(model.config)
+    arch = read_hf_arch(model.config)
     full = hf_convert.hf_to_mcore_full(hf_params(model), arch, tp)
     for stage in range(pp):
         names = list(hf_convert.stage_param_names(arch, stage, pp).values())
@@ -341,24 +247,6 @@ def test_a_rank_reads_only_its_stage_and_gets_its_shards(tmp_path: Path, tied: b
 )
 def test_recompute_setting_maps_to_megatrons_fields(recompute: str, attention: str, expected: dict) -> None:
     assert mcore_model.recompute_settings(recompute, attention) == expected
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        pytest.param(lambda: LlamaConfig(**SHAPE), id="llama"),
-        pytest.param(lambda: LlamaConfig(tie_word_embeddings=False, **SHAPE), id="llama-untied"),
-        pytest.param(lambda: LlamaConfig(rope_parameters=LLAMA3_ROPE, **SHAPE), id="llama3.1-rope"),
-        pytest.param(lambda: Qwen2Config(**SHAPE), id="qwen2"),
-        pytest.param(lambda: Qwen3Config(**SHAPE), id="qwen3"),
-    ],
-)
-def test_the_drivers_json_read_equals_the_actors_autoconfig_read(config, tmp_path: Path) -> None:
-    """The driver checks the student from config.json without transformers; the actor reads it via AutoConfig."""
-    from transformers import AutoConfig
-
-    config().save_pretrained(tmp_path)
-    assert hf_arch.read_student_arch(tmp_path) == hf_arch.read_hf_arch(AutoConfig.from_pretrained(tmp_path))
 
 
 def test_the_drivers_json_read_refuses_what_the_actor_refuses(tmp_path: Path) -> None:

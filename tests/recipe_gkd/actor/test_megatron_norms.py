@@ -30,10 +30,12 @@ parallel_state.initialize_model_parallel(1, 1)
 model_parallel_cuda_manual_seed(1)
 from megatron.core.transformer import transformer_block
 print("apex", transformer_block.HAVE_APEX, "te", transformer_block.HAVE_TE, transformer_block.LayerNormImpl.__name__)
-from recipe_gkd.actor import hf_arch, hf_convert, mcore_model
-arch = hf_arch.read_hf_arch(AutoConfig.from_pretrained(sys.argv[1]))
+from recipe_gkd.actor import hf_convert, mcore_model
+from recipe_gkd.models import read_hf_arch
+from recipe_gkd.parallel_layout import ParallelLayout
+arch = read_hf_arch(AutoConfig.from_pretrained(sys.argv[1]))
 config = mcore_model.build_transformer_config(
-    arch, tp_size=1, pp_size=1, cp_size=1, bf16=False, on_cpu=True, recompute="none", attention="sdpa"
+    arch, ParallelLayout(), bf16=False, on_cpu=True, recompute="none", attention="sdpa"
 )
 model = mcore_model.build_gpt_model(arch, config)
 norms = {type(m).__name__ for name, m in model.named_modules() if name.endswith(("layernorm", "_layernorm"))}

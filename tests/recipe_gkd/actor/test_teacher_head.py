@@ -10,13 +10,12 @@ import pytest
 import torch
 from target_kinds import kinds
 
-from recipe_gkd.actor import hf_arch
 from recipe_gkd.actor.collate import MicroBatch
-from recipe_gkd.actor.layout import RankLayout
 from recipe_gkd.actor.objective import ActorObjective
 from recipe_gkd.actor.teacher_head import find_teacher_head, load_teacher_head_shard, tokenizer_size
 from recipe_gkd.config import ConfigError, GKDConfig, load_config
 from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
+from recipe_gkd.parallel_layout import ParallelLayout, padded_vocab_size
 from recipe_gkd.preflight import teacher_head as check_teacher_head
 
 
@@ -106,7 +105,7 @@ def test_heads_padded_differently_over_one_tokenizer_compare_the_rows_both_have(
     ref = find_teacher_head(str(teacher), student_rows, tokenizer_size(str(student)))
     assert (ref.vocab_size, ref.loss_vocab_size) == (teacher_rows, shared)
 
-    layout = RankLayout(rank=0, tp_rank=0, dp_rank=0, tp_size=1, dp_size=1)
+    layout = ParallelLayout()
     objective = ActorObjective(
         cfg, student_rows, layout, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None, **kinds(cfg)
     )  # type: ignore[arg-type]
@@ -114,7 +113,7 @@ def test_heads_padded_differently_over_one_tokenizer_compare_the_rows_both_have(
     gen = torch.Generator().manual_seed(3)
     batch, seq = 2, 4
     hidden_BTH = torch.randn(batch, seq, SMALL_QWEN_SHAPE.hidden_size, generator=gen) * 4
-    logits_BTV = torch.randn(batch, seq, hf_arch.padded_vocab_size(student_rows, 1), generator=gen) * 3
+    logits_BTV = torch.randn(batch, seq, padded_vocab_size(student_rows, 1), generator=gen) * 3
     mask_BT = torch.tensor([[False, True, True, True], [False, False, True, False]])
     micro = _micro(hidden_BTH, mask_BT)
     loss, tokens = objective.loss_sum(logits_BTV, micro)
@@ -125,11 +124,11 @@ def test_heads_padded_differently_over_one_tokenizer_compare_the_rows_both_have(
     assert int(tokens) == 4 and loss.item() == pytest.approx(want.item(), rel=1e-5)
 
     # At TP = 2 the second rank holds the ids [76032, shared) of its padded shard and the teacher's rows for them.
-    rank1 = RankLayout(rank=1, tp_rank=1, dp_rank=0, tp_size=2, dp_size=1)
+    rank1 = ParallelLayout(tp_size=2, rank=1)
     other = ActorObjective(
         cfg, student_rows, rank1, torch.device("cpu"), tp_group=None, pp_group=None, dp_group=None, **kinds(cfg)
     )  # type: ignore[arg-type]
-    start = hf_arch.padded_vocab_size(student_rows, 2) // 2
+    start = padded_vocab_size(student_rows, 2) // 2
     assert other.vocab_start == start and other.target.shard == slice(0, shared - start)
     assert other.target.head_vH is not None
     assert torch.equal(other.target.head_vH.double(), head_VH[start:shared])

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from recipe_gkd.config import CONFIG_DIR
-from recipe_gkd.main import EXIT_BAD_CONFIG, main
+from recipe_gkd.exit_codes import EXIT_BAD_CONFIG
+from recipe_gkd.main import main
 
 PRESETS = sorted((CONFIG_DIR / "presets").glob("*.yaml"))
 MUTATIONS = 400

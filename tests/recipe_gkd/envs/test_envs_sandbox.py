@@ -260,7 +260,7 @@ def refusal() -> SandboxUnavailable:
 
 
 def test_bwrap_refused_without_bubblewrap(monkeypatch: pytest.MonkeyPatch) -> None:
-    from recipe_gkd.main import EXIT_BAD_CONFIG, exit_code_for
+    from recipe_gkd.exit_codes import EXIT_BAD_CONFIG, exit_code_for
     from teacher_server.config.fields import ConfigError
 
     real_which = sandbox.shutil.which

@@ -15,7 +15,8 @@ import pytest
 
 from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
 from recipe_gkd.main import main
-from recipe_gkd.plan import memory_plan, model_shape
+from recipe_gkd.models import shape_from_config
+from recipe_gkd.plan import memory_plan
 
 QWEN25_7B = {
     "model_type": "qwen2",
@@ -258,14 +259,14 @@ def test_parameter_count_equals_transformers(family: str) -> None:
     kwargs = {k: v for k, v in config_dict.items() if k != "model_type"}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config_dict["model_type"], **kwargs))
     unique = {id(p): p.numel() for p in model.parameters()}
-    assert model_shape.shape_from_config(config_dict).num_params() == sum(unique.values())
+    assert shape_from_config(config_dict).num_params() == sum(unique.values())
     # The same reader on the transformers config object (the actor's HFArch reads its numbers through it).
-    assert model_shape.shape_from_config(model.config).num_params() == sum(unique.values())
+    assert shape_from_config(model.config).num_params() == sum(unique.values())
 
 
 def test_the_7b_shape_counts_7_6_billion_parameters() -> None:
     # Qwen2.5-7B's model card: 7.61B parameters.
-    assert model_shape.shape_from_config(QWEN25_7B).num_params() == pytest.approx(7.61e9, rel=0.005)
+    assert shape_from_config(QWEN25_7B).num_params() == pytest.approx(7.61e9, rel=0.005)
 
 
 def test_vllm_weights_and_kv_cache_are_in_the_engines_dtype(tmp_path: Path) -> None:
@@ -279,7 +280,7 @@ def test_vllm_weights_and_kv_cache_are_in_the_engines_dtype(tmp_path: Path) -> N
         rollouts[precision] = next(r for r in plan.roles if r.role == "rollout GPU")
     bf16_weights, fp32_weights = rollouts["bf16"].parts[0], rollouts["fp32"].parts[0]
     assert fp32_weights[1] == 2 * bf16_weights[1] and "fp32" in fp32_weights[0]
-    shape = model_shape.shape_from_config(QWEN25_7B)
+    shape = shape_from_config(QWEN25_7B)
     assert shape.kv_bytes_per_token(1, 4) == 2 * shape.kv_bytes_per_token(1, 2)
     assert "KiB each" in rollouts["fp32"].parts[-1][0] and rollouts["fp32"].parts[-1][1] < rollouts["bf16"].parts[-1][1]
 
@@ -355,7 +356,7 @@ def test_the_teachers_prompt_logprob_buffer_lies_outside_its_vllm_share(hub_cach
 
 
 def test_fp32_grouped_attention_counts_the_repeated_keys_and_values() -> None:
-    shape = model_shape.shape_from_config(HUB_MODELS["Qwen/Qwen3-0.6B"])
+    shape = shape_from_config(HUB_MODELS["Qwen/Qwen3-0.6B"])
     bf16 = memory_plan.actor_bytes_per_token_and_layer(shape, 1, 2, 4096, "none", "sdpa")
     fp32 = memory_plan.actor_bytes_per_token_and_layer(shape, 1, 4, 4096, "none", "sdpa")
     # fp32: keys and values repeated to 16 heads (the memory-efficient kernel), no [s, s] term.
@@ -369,7 +370,7 @@ def test_the_optimizer_steps_temporary_counts_where_it_exceeds_the_freed_activat
     student = f"model.student_path={qwen7b_dir(tmp_path)}"
     lean = [student, "actor.megatron.recompute=full", "actor.max_tokens_per_micro_batch=2560"]
     lean.append("actor.megatron.distributed_optimizer=false")
-    shape = model_shape.shape_from_config(QWEN25_7B)
+    shape = shape_from_config(QWEN25_7B)
     parts = dict(memory_plan.actor_memory(load_config(REMOTE_PRESET, lean), shape).parts)
     (name,) = [n for n in parts if n.startswith("optimizer step temporary")]
     params = next(b for n, b in parts.items() if n.startswith("weights")) / 2  # bf16 weights
@@ -386,7 +387,7 @@ def test_each_vllm_process_has_its_context_and_the_rollout_its_reload_layer_outs
     """Outside a vLLM share: the process's CUDA context (0.5 GiB), NCCL with tensor parallelism (0.5 GiB), and
     for a rollout engine the largest layer its in-place reload materialises (Qwen2.5-7B: the 152064 x 3584
     embedding, 1.09 GB in bf16 at TP 1, half at TP 2)."""
-    shape = model_shape.shape_from_config(QWEN25_7B)
+    shape = shape_from_config(QWEN25_7B)
     cfg = load_config(REMOTE_PRESET)
     for tp, nccl in ((1, 0.0), (2, 0.5)):
         role = memory_plan.vllm_memory(
@@ -418,7 +419,7 @@ def test_teacher_output_hidden_counts_the_teacher_head_its_hidden_states_and_the
 
     assert memory_plan.HIDDEN_LOSS_CHUNK_BYTES == student_logits.DEFAULT_CHUNK_BYTES
     assert memory_plan.HIDDEN_CHUNK_BUFFERS == hidden_loss.HIDDEN_CHUNK_BUFFERS
-    shape = model_shape.shape_from_config(QWEN25_7B)
+    shape = shape_from_config(QWEN25_7B)
     cfg = load_config(REMOTE_PRESET, [f"model.student_path={qwen7b_dir(tmp_path)}"])
     without = dict(memory_plan.actor_memory(cfg, shape).parts)
     parts = dict(memory_plan.actor_memory(cfg, shape, teacher=shape).parts)
@@ -495,7 +496,7 @@ def test_a_hidden_state_teacher_is_charged_no_prompt_logprob_buffers(hub_cache: 
     teachers = {o: next(r for r in p.roles if r.role == "teacher GPU") for o, p in plans.items()}  # type: ignore[union-attr]
     (buffers,) = [b for n, b in teachers["topk"].outside if n.startswith("prompt log-prob buffers")]
     cfg = load_config(COLOCATED)
-    shape = model_shape.shape_from_config(HUB_MODELS[cfg.teacher.model_path])
+    shape = shape_from_config(HUB_MODELS[cfg.teacher.model_path])
     tokens = min(cfg.teacher.max_model_len or shape.max_position_embeddings, memory_plan.VLLM_BATCHED_TOKENS)
     assert buffers == tokens * shape.vocab_size * (2 + 4 + 4) and buffers / 1e9 == pytest.approx(3.1, abs=0.05)
     assert teachers["hidden"].outside == [("CUDA context of the vLLM process", 0.5 * memory_plan.GIB)]
@@ -523,7 +524,7 @@ def test_the_cross_tokenizer_loss_at_tp_2_is_counted_over_the_gathered_vocabular
     """Across tokenizers each TP rank gathers the whole vocabulary for the loss: the plan counts XTOK_GATHERED_BYTES
     per token per id of it, which the loss's measured peak on CPU (benchmarks/bench_cross_tokenizer_memory.py: the
     real loss, forward and backward, behind megatron's gather) must not exceed, and comes near."""
-    shape = model_shape.shape_from_config(QWEN25_7B)
+    shape = shape_from_config(QWEN25_7B)
     student = [f"model.student_path={qwen7b_dir(tmp_path)}", "algorithm.cross_tokenizer=span"]
     at_tp = {
         tp: dict(
@@ -552,7 +553,7 @@ def test_the_cross_tokenizer_loss_at_tp_2_is_counted_over_the_gathered_vocabular
 def test_a_teacher_with_its_own_prompt_is_planned_for_its_own_bound() -> None:
     """A teacher prompt of its own (data.teacher_prompt_key): the teacher scores up to data.max_teacher_prompt_length +
     rollout.sampling.max_new_tokens tokens; a model with fewer positions names the bound."""
-    shape = model_shape.shape_from_config(QWEN25_7B)
+    shape = shape_from_config(QWEN25_7B)
     plain = memory_plan.teacher_memory(load_config(ONE_BY_EIGHT, ["cluster.gpu_memory_gib=80"]), shape)
     assert not any("scores sequences" in n for n in plain.notes)
     cfg = load_config(

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from recipe_gkd.config import ConfigError, GKDConfig, load_config
-from recipe_gkd.main import EXIT_BAD_CONFIG, main
+from recipe_gkd.exit_codes import EXIT_BAD_CONFIG
+from recipe_gkd.main import main
 from recipe_gkd.runtime import checkpoint as ck
 
 

@@ -21,7 +21,7 @@ from openai_script import MODELS, Script, prompt_logprobs
 from recipe_gkd.config import REPO_ROOT, GKDConfig, load_config
 from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
 from recipe_gkd.data import encode_prompt
-from recipe_gkd.main import EXIT_BAD_CONFIG, exit_code_for
+from recipe_gkd.exit_codes import EXIT_BAD_CONFIG, exit_code_for
 from teacher_server.client.openai_text import OpenAITextTeacher
 from teacher_server.client.zmq_client import TeacherMismatchError
 from teacher_server.config.fields import ConfigError

@@ -25,7 +25,7 @@ import pytest
 from cli_runs import run_cli
 
 from recipe_gkd.config import REPO_ROOT
-from recipe_gkd.main import EXIT_BAD_CONFIG, exit_code_for
+from recipe_gkd.exit_codes import EXIT_BAD_CONFIG, exit_code_for
 from recipe_gkd.observe.metrics import read_metrics
 from recipe_gkd.plan.ports import reserve_ports
 from teacher_server.client.openai_client import OpenAITeacherClient

@@ -480,7 +480,7 @@ def test_a_server_without_text_requests_is_refused_at_connect_naming_the_key(
 
     from recipe_gkd.config import load_config
     from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
-    from recipe_gkd.main import EXIT_BAD_CONFIG, exit_code_for
+    from recipe_gkd.exit_codes import EXIT_BAD_CONFIG, exit_code_for
     from teacher_server.client.zmq_client import TeacherClient, TeacherMismatchError
 
     fields = {

@@ -1,0 +1,141 @@
+"""The actor's parallel layout: one object for its tensor-, context-, expert-, data- and pipeline-parallel sizes and ranks.
+
+megatron-core orders global ranks "tp-cp-ep-dp-pp" (parallel_state.initialize_model_parallel's default `order`,
+RankGenerator): tensor-parallel ranks are adjacent, then context, expert and data parallel, and pipeline stages are
+outermost, so global rank r = tp + TP * (cp + CP * (ep + EP * (dp + DP * pp))). Every model-parallel rank (TP x PP) of
+one data-parallel replica must receive the same data; the driver hands each rank the shard of its `dp_rank`.
+`MegatronActor.setup()` checks the layout against megatron's parallel_state. The actor, its objective and export,
+the checkpoints and the memory plan all read this one object; cp and ep are 1 (config validation refuses cp > 1).
+Pure Python: no torch or megatron import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from recipe_gkd.config import GKDConfig, actor_data_parallel_size
+
+# megatron's rank order, innermost dimension first (its `order` string "tp-cp-ep-dp-pp").
+RANK_ORDER = ("tp", "cp", "ep", "dp", "pp")
+# Megatron's embedding / output layer shard the vocabulary evenly over tensor-parallel ranks.
+# Padding only to a multiple of tp keeps the padded columns (masked out of every loss) few.
+VOCAB_PAD_MULTIPLE_PER_TP_RANK = 1
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """Smallest size >= vocab_size that splits evenly over `tp_size` ranks."""
+    multiple = tp_size * VOCAB_PAD_MULTIPLE_PER_TP_RANK
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The sizes of the five parallel dimensions and where global rank `rank` sits in them (megatron's order)."""
+
+    tp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    dp_size: int = 1
+    pp_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        sizes = self.sizes()
+        if any(size < 1 for size in sizes.values()):
+            raise ValueError(f"parallel sizes must be >= 1, got {sizes}")
+        # megatron builds its dense groups with ep = 1 and its expert groups with cp = 1 (RankGenerator asserts it).
+        if self.cp_size > 1 and self.ep_size > 1:
+            raise ValueError(f"cp={self.cp_size} and ep={self.ep_size}: megatron's rank order takes one of them > 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside a world of {self.world_size} ({sizes})")
+
+    @classmethod
+    def from_config(cls, cfg: GKDConfig, rank: int = 0) -> ParallelLayout:
+        """The actor's layout (actor.megatron.tp / .cp / .pp, data parallel over the rest), at global rank `rank`."""
+        m = cfg.actor.megatron
+        return cls(tp_size=m.tp, cp_size=m.cp, dp_size=actor_data_parallel_size(cfg), pp_size=m.pp, rank=rank)
+
+    def at(self, rank: int) -> ParallelLayout:
+        """The same layout as global rank `rank` sees it."""
+        return dataclasses.replace(self, rank=rank)
+
+    # ------------------------------------------------------------------------- sizes and coordinates
+
+    def sizes(self) -> dict[str, int]:
+        """Each dimension's size, innermost first (RANK_ORDER)."""
+        return {name: getattr(self, f"{name}_size") for name in RANK_ORDER}
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes().values())
+
+    def coordinates(self, rank: int | None = None) -> dict[str, int]:
+        """Global rank `rank`'s (default: this rank's) coordinate in each dimension, innermost first."""
+        rest = self.rank if rank is None else rank
+        coords = {}
+        for name, size in self.sizes().items():
+            rest, coords[name] = divmod(rest, size)
+        return coords
+
+    def global_rank(self, tp: int = 0, cp: int = 0, ep: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """The global rank at these coordinates (megatron's order)."""
+        rank = 0
+        for name, coord in reversed(tuple(zip(RANK_ORDER, (tp, cp, ep, dp, pp), strict=True))):
+            size = getattr(self, f"{name}_size")
+            if not 0 <= coord < size:
+                raise ValueError(f"{name} rank {coord} outside {name} size {size}")
+            rank = rank * size + coord
+        return rank
+
+    def rank_with(self, **coords: int) -> int:
+        """The global rank at this rank's coordinates with `coords` changed (e.g. `pp=last`: its last stage)."""
+        return self.global_rank(**{**self.coordinates(), **coords})
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coordinates()["tp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coordinates()["cp"]
+
+    @property
+    def ep_rank(self) -> int:
+        return self.coordinates()["ep"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coordinates()["dp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coordinates()["pp"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    # ------------------------------------------------------------------------- the vocabulary over tensor parallel
+
+    def vocab_shard_size(self, vocab_size: int) -> int:
+        """The width of each tensor-parallel rank's logits shard: megatron pads `vocab_size` to split evenly."""
+        return padded_vocab_size(vocab_size, self.tp_size) // self.tp_size
+
+    def local_vocab_slice(self, vocab_size: int, used: int | None = None) -> tuple[int, slice]:
+        """This rank's first vocabulary id and its columns of ids below `used` (default: the real, unpadded
+        vocabulary) in its logits shard, whose width megatron pads from `vocab_size`."""
+        shard = self.vocab_shard_size(vocab_size)
+        vocab_start = self.tp_rank * shard
+        end = vocab_size if used is None else min(used, vocab_size)
+        return vocab_start, slice(0, max(0, min(shard, end - vocab_start)))
+
+
+def data_parallel_rank(cfg: GKDConfig, rank: int) -> int:
+    """The data-parallel replica whose shard actor rank `rank` trains on."""
+    return ParallelLayout.from_config(cfg, rank).dp_rank
