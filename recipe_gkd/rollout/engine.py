@@ -50,7 +50,8 @@ class Engine(Protocol):
         ...
 
     def update_weights(self, named: Iterator[tuple[str, Any]]) -> set[str]:
-        """Load a whole version from a stream of (HF name, array or tensor); raise if any tensor is left stale."""
+        """Load a whole version from a stream of (HF name, array or tensor); raise if any tensor is left stale (the full
+        student's load: recipe_gkd/weight_sync/payload.py FullStudent)."""
         ...
 
     def join_weight_group(
@@ -60,14 +61,15 @@ class Engine(Protocol):
         ...
 
     def receive_weights(self) -> set[str]:
-        """Receive one version over the weight-sync group and load it (draining the rest on an error)."""
+        """Receive one version over the weight-sync group and load it (draining the rest on an error); the full
+        student's load when the engine's own receivers joined a gloo/nccl group."""
         ...
 
     def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray: ...
 
     def weight_checksums(self, dtype: str) -> list[EngineTensor]:
         """Every tensor the engine computes with, fingerprinted in `dtype` (the training dtype's torch name), with
-        the HF tensors it holds (recipe_gkd/weight_sync.py tensor_checksum)."""
+        the HF tensors it holds (recipe_gkd/weight_sync/check.py tensor_checksum)."""
         ...
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from recipe_gkd.rollout.samples import sample_row, samples_due
 from recipe_gkd.rollout.teacher_set import TeacherSet
 from recipe_gkd.stop_set import check_turn_ends
 from recipe_gkd.targets import build_target
-from recipe_gkd.weight_sync import PROBE_ROWS, from_host_arrays, probe_rows
+from recipe_gkd.weight_sync import PROBE_ROWS, Transport, probe_rows
 
 # Data positions remembered per generated batch: enough for the deepest pipeline plus the checkpoint.
 POSITIONS_KEPT = 4
@@ -56,6 +56,7 @@ class RolloutWorker:
         self.engine: Engine | None = None
         self.teachers: TeacherSet | None = None
         self.producer: BatchProducer | None = None  # single-turn sampling, or conversations (rollout.env)
+        self.weight_transport: Transport | None = None  # handed down once by the pools (init_weight_sync)
         # two_step_off runs score(t+1) beside generate(t+2) in two threads of this worker:
         # the engine (generate, weight loads) and the teacher client each take one at a time.
         self._engine_lock = threading.Lock()
@@ -290,24 +291,19 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ weights
 
-    def load_weights(self, version: int, buckets: Iterable[dict[str, Any]]) -> dict[str, float]:
-        """Load the buckets of weight version `version` (taken one at a time) and switch to it."""
+    def init_weight_sync(self, transport: Transport, index: int) -> None:
+        """Keep the run's transport (its payload says how the engine loads a version) and take this worker's part
+        of its set-up as rollout engine `index` (a collective: the engine's receivers join the group)."""
         assert self.engine is not None, "call setup() first"
-        engine = self.engine
-        stream = from_host_arrays(item for bucket in buckets for item in bucket.items())
-        return self._switch_weights(version, lambda: engine.update_weights(stream))
+        self.weight_transport = transport
+        transport.join_receiver(self.engine, index)
 
-    def init_weight_group(
-        self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float
-    ) -> None:
-        """Join the weight-sync group (actor rank 0 sends) from rank `first_rank`."""
-        assert self.engine is not None, "call setup() first"
-        self.engine.join_weight_group(backend, host, port, first_rank, world_size, timeout_s)
-
-    def receive_weights(self, version: int) -> dict[str, float]:
-        """Receive weight version `version` over the weight-sync group and switch to it."""
-        assert self.engine is not None, "call setup() first"
-        return self._switch_weights(version, self.engine.receive_weights)
+    def receive_weights(self, version: int, sent: Any) -> dict[str, float]:
+        """Weight version `version` through the transport, then switch to it (`sent`: what actor rank 0's send
+        returned, e.g. the object store's bucket handles)."""
+        assert self.engine is not None and self.weight_transport is not None, "call setup() and init_weight_sync()"
+        engine, transport = self.engine, self.weight_transport
+        return self._switch_weights(version, lambda: transport.receive(engine, sent))
 
     def _switch_weights(self, version: int, load: Callable[[], set[str]]) -> dict[str, float]:
         """Run `load` (a whole version) with the engine to itself, then record the new version."""

@@ -33,7 +33,7 @@ from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.runtime.pools import Pending, Pools
 from recipe_gkd.targets import build_target
-from recipe_gkd.weight_sync import MIB, EngineTensor, TimedIterator, iter_buckets
+from recipe_gkd.weight_sync import InProcess, SyncDriver, build_payload
 from teacher_server.wire.protocol import TeacherTopK
 
 
@@ -118,27 +118,23 @@ class LocalActorPool:
         self.actor.save_hf(out_dir)
 
 
-class LocalWeightSync:
-    """The actor's weights streamed in weight_sync.bucket_mb buckets straight into each rollout worker."""
+class LocalCrew:
+    """The workers a weight sync touches, in this process (weight_sync.SyncCrew): each call runs when launched and
+    raises there, unbounded; the in-process transport's export reaches a worker as a lazy stream."""
 
-    def __init__(self, actor: Any, workers: list[RolloutWorker], bucket_mb: int) -> None:
-        self.actor, self.workers, self.bucket_bytes = actor, workers, bucket_mb * MIB
+    def __init__(self, actor: Any, workers: list[RolloutWorker]) -> None:
+        self.actor, self.workers = actor, workers
+        self.rollout_count = len(workers)
 
-    def push(self, version: int) -> dict[str, float]:
-        start = time.perf_counter()
-        export_s = 0.0
-        for worker in self.workers:  # one export per worker: nothing holds a second copy of the model
-            weights = TimedIterator(self.actor.iter_hf_weights())
-            worker.load_weights(version, iter_buckets(weights, self.bucket_bytes))
-            export_s += weights.seconds
-        return {"sync_export_s": export_s, "sync_load_s": time.perf_counter() - start - export_s}
+    def on_actors(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.actor, method)(*args)]
 
-    def logprob_probe(self) -> tuple[np.ndarray, list[np.ndarray]]:
-        probe = self.workers[0].sync_probe()
-        return self.actor.token_logprobs(probe), [w.token_logprobs(probe) for w in self.workers]
+    def on_rollouts(self, method: str, *args: Any, only: int | None = None) -> list[Any]:
+        workers = self.workers if only is None else [self.workers[only]]
+        return [getattr(w, method)(*args) for w in workers]
 
-    def weight_checksums(self, dtype: str) -> tuple[dict[str, int], list[list[EngineTensor]]]:
-        return self.actor.weight_checksums(dtype), [w.weight_checksums(dtype) for w in self.workers]
+    def wait(self, pending: list[Any], what: str) -> list[Any]:
+        return pending
 
 
 class InProcessTeacher:
@@ -198,9 +194,14 @@ def local_pools(cfg: GKDConfig, scorer: Scorer | None = None) -> Iterator[Pools]
         for worker in workers:
             worker.setup(scorer=teacher)
             stack.callback(worker.shutdown)  # closes the scorer's connection, if it has one
+        # The weight sync's transport here: the actor's export streamed straight into each worker.
+        transport = InProcess(cfg.weight_sync, build_payload(cfg))
+        actor.init_weight_sync(transport)
+        for index, worker in enumerate(workers):
+            worker.init_weight_sync(transport, index)
         yield Pools(
             actor=LocalActorPool(actor, summary),
             rollout=LocalRolloutPool(workers, dp_size=1),
-            weights=LocalWeightSync(actor, workers, cfg.weight_sync.bucket_mb),
+            weights=SyncDriver(LocalCrew(actor, workers), transport),
             setup_s=time.perf_counter() - start,
         )

@@ -4,11 +4,13 @@ One of the two modules that import Ray (the other, recipe_gkd/runtime/ray_cluste
 and makes the placement groups). Everything here implements recipe_gkd/runtime/pools.py's Protocols:
 - `RayActorPool`, `RayRolloutPool`: `.remote` calls; the shards travel as object refs from the
   rollout workers to the actor ranks (the driver holds refs and small stats only);
-- `RayWeightSync`: the driver's side of weight_sync.transport (object store, gloo, nccl);
+- the weight sync: `ray_transport` builds the run's transport (object store, gloo, nccl: recipe_gkd/weight_sync/
+  transports.py) once, `open_weight_sync` hands it to every worker and drives it over a `RayCrew` of remote calls;
+  Ray's object store behind the object-store transport is `RayBucketStore`;
 - `wait` / `wait_done`: every blocking call on a worker, bounded by debug.hang_timeout_s (the
   workers' set-up: debug.setup_timeout_s) and
   naming its phase; a timeout first has every worker dump its Python stack (recipe_gkd/runtime/watchdog.py);
-- `launch_pools`: placement groups, workers, the weight-sync group and the watchdog; all
+- `launch_pools`: placement groups, workers, the weight sync (a collective's group) and the watchdog; all
   stopped on exit.
 The worker classes stay plain (tests build them directly): `ray.remote` is applied here, to
 subclasses that add the methods taking and giving object refs.
@@ -18,17 +20,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from recipe_gkd.batch import only_teacher
 from recipe_gkd.config import (
     GKDConfig,
-    WeightSyncConfig,
+    Precision,
     WeightTransport,
     actor_data_parallel_size,
     weight_group_ranks_per_engine,
@@ -45,7 +45,15 @@ from recipe_gkd.runtime.model_pins import Reader, on_this_node
 from recipe_gkd.runtime.pools import Pending, Pools, Produced
 from recipe_gkd.runtime.ray_cluster import ResourcePoolManager, SpillWatch
 from recipe_gkd.runtime.watchdog import HANG_KEY, SETUP_KEY, WorkerProcess, phase_timeout
-from recipe_gkd.weight_sync import MIB, EngineTensor, WeightSyncError, iter_buckets, to_host_arrays
+from recipe_gkd.weight_sync import (
+    COLLECTIVES,
+    GroupAddress,
+    ObjectStore,
+    SyncDriver,
+    Transport,
+    WeightSyncError,
+    build_payload,
+)
 
 # ----------------------------------------------------------------------------- bounded waits
 
@@ -90,25 +98,12 @@ class RayRolloutWorker(RolloutWorker):
     def produce_eval(self, dp_size: int) -> Produced:  # type: ignore[override]
         return _put_shards(super().produce_eval(dp_size))
 
-    def update_weights(self, version: int, bucket_refs: list[Any], timeout_s: float) -> dict[str, float]:
-        """Load the buckets behind `bucket_refs` (fetched one at a time) as weight version `version`."""
-        import ray
-
-        return self.load_weights(version, (ray.get(ref, timeout=timeout_s) for ref in bucket_refs))
-
 
 def _put_shards(produced: tuple[Any, list[Any]]) -> Produced:
     import ray
 
     stats, shards = produced
     return stats, [ray.put(s) for s in shards]
-
-
-def put_buckets(named: Iterable[tuple[str, np.ndarray]], bucket_mb: int) -> list[Any]:
-    """Inside the sending process: the stream as object refs, one per bucket, each put once it is full."""
-    import ray
-
-    return [ray.put(bucket) for bucket in iter_buckets(named, bucket_mb * MIB)]
 
 
 def ray_actor_worker_class() -> type:
@@ -131,12 +126,6 @@ def ray_actor_worker_class() -> type:
             import ray
 
             return self.eval_loss([only_teacher(s, teacher) for s in ray.get(shard_refs)])
-
-        def export_weight_buckets(self, bucket_mb: int) -> list[Any] | None:
-            """Every rank gathers over TP; rank 0 puts the buckets as they fill and returns their refs."""
-            # In the training dtype (bf16 halves the bytes of an fp32 export); the receivers decode bf16 entries.
-            refs = put_buckets(to_host_arrays(self.iter_hf_tensors(on_device=False)), bucket_mb)
-            return refs if self.rank == 0 else None
 
     return RayActorWorker
 
@@ -210,82 +199,72 @@ class RayActorPool:
         wait([a.save_hf.remote(out_dir) for a in self.handles], self.timeout_s, "export")
 
 
-class RayWeightSync:
-    """The driver's side of weight_sync.transport.
+# ----------------------------------------------------------------------------- the weight sync on Ray
 
-    Every actor rank takes part (the export gathers over tensor parallelism). With the object
-    store, rank 0 returns the bucket refs and the rollout workers fetch them; with a collective,
-    rank 0 broadcasts while the rollout workers receive, all awaited together. Both sides are
-    bounded by weight_sync.timeout_s.
-    """
 
-    def __init__(
-        self,
-        actors: list[Any],
-        rollouts: list[Any],
-        settings: WeightSyncConfig,
-        transport: WeightTransport,
-        spills: SpillWatch | None = None,
-    ) -> None:
-        if transport == WeightTransport.auto:
-            raise ValueError("RayWeightSync takes a resolved transport (config.weight_transport)")
-        self.actors, self.rollouts, self.settings, self.transport = actors, rollouts, settings, transport
+class RayBucketStore:
+    """Ray's object store as the object-store transport's store (weight_sync.BucketStore): rank 0 puts each bucket
+    once it is full, each rollout worker fetches them one at a time; the driver's copy says once when it spills."""
+
+    def __init__(self, spills: SpillWatch | None = None) -> None:
         self.spills = spills
-        self._probe: np.ndarray | None = None
 
-    def push(self, version: int) -> dict[str, float]:
-        bucket_mb, timeout_s = self.settings.bucket_mb, self.settings.timeout_s
-        if self.transport != WeightTransport.object_store:
-            return self._push_collective(version, bucket_mb, timeout_s)
-        timings = self._push_object_store(version, bucket_mb, timeout_s)
+    def put(self, bucket: dict[str, Any]) -> Any:
+        import ray
+
+        return ray.put(bucket)
+
+    def get(self, handle: Any, timeout_s: float) -> dict[str, Any]:
+        import ray
+
+        return ray.get(handle, timeout=timeout_s)
+
+    def after_push(self) -> None:
         if self.spills is not None and (warning := self.spills.check()):
             from tqdm import tqdm
 
             tqdm.write(warning)  # above the driver's progress bar, once
-        return timings
-
-    def _push_object_store(self, version: int, bucket_mb: int, timeout_s: float) -> dict[str, float]:
-        start = time.perf_counter()
-        exports = [a.export_weight_buckets.remote(bucket_mb) for a in self.actors]
-        buckets = _await(exports, timeout_s, f"actor export of weight version {version}")[0]
-        if not buckets:
-            raise WeightSyncError(f"actor rank 0 exported no weights for version {version}")
-        exported = time.perf_counter()
-        loads = [r.update_weights.remote(version, buckets, timeout_s) for r in self.rollouts]
-        _await(loads, timeout_s, f"rollout load of weight version {version}")
-        done = time.perf_counter()
-        return {"sync_export_s": exported - start, "sync_load_s": done - exported}
-
-    def logprob_probe(self) -> tuple[np.ndarray, list[np.ndarray]]:
-        timeout_s = self.settings.timeout_s
-        if self._probe is None:
-            self._probe = _await([self.rollouts[0].sync_probe.remote()], timeout_s, "the sync probe")[0]
-        refs = [a.token_logprobs.remote(self._probe) for a in self.actors]
-        refs += [r.token_logprobs.remote(self._probe) for r in self.rollouts]
-        results = _await(refs, timeout_s, "the sync check's probe")
-        return results[0], results[len(self.actors) :]
-
-    def weight_checksums(self, dtype: str) -> tuple[dict[str, int], list[list[EngineTensor]]]:
-        refs = [a.weight_checksums.remote(dtype) for a in self.actors]
-        refs += [r.weight_checksums.remote(dtype) for r in self.rollouts]
-        results = _await(refs, self.settings.timeout_s, "weight checksums")
-        return results[0], results[len(self.actors) :]
-
-    def _push_collective(self, version: int, bucket_mb: int, timeout_s: float) -> dict[str, float]:
-        start = time.perf_counter()
-        sends = [a.broadcast_weights.remote(bucket_mb) for a in self.actors]
-        loads = [r.receive_weights.remote(version) for r in self.rollouts]
-        results = _await(sends + loads, timeout_s, f"collective sync of weight version {version}")
-        sent = results[0]
-        if not sent or not sent.get("bytes"):
-            raise WeightSyncError(f"actor rank 0 broadcast no weights for version {version}")
-        total = time.perf_counter() - start
-        return {"sync_export_s": sent["export_s"], "sync_load_s": total - sent["export_s"]}
 
 
-def sync_weights(actors: list[Any], rollouts: list[Any], version: int, settings: WeightSyncConfig) -> dict[str, float]:
-    """One push of `version` from these actor handles to these rollout handles (tests, benchmarks; a set transport)."""
-    return RayWeightSync(actors, rollouts, settings, settings.transport).push(version)
+def ray_transport(cfg: GKDConfig, host: str, port: int, engines: int) -> Transport:
+    """The transport of `cfg`'s weight sync on Ray, carrying `build_payload(cfg)`: weight_sync.transport (auto
+    resolved), the rollout backend's receivers per engine, actor rank 0's rendezvous `host`:`port`. The one place that
+    reads the transport's name: built once by `launch_pools` and handed to every worker."""
+    payload = build_payload(cfg)
+    kind = weight_transport(cfg)
+    if kind == WeightTransport.object_store:
+        return ObjectStore(cfg.weight_sync, payload, RayBucketStore(SpillWatch(object_store_mib(cfg))))
+    group = GroupAddress(host, port, weight_group_ranks_per_engine(cfg), engines)
+    wire_dtype = "bfloat16" if cfg.actor.precision == Precision.bf16 else None
+    return COLLECTIVES[kind.value](cfg.weight_sync, payload, group, wire_dtype)
+
+
+class RayCrew:
+    """The workers a weight sync touches, on Ray (weight_sync.SyncCrew): remote calls, every wait bounded by
+    weight_sync.timeout_s. Every actor rank takes part in a send (the export gathers over tensor parallelism)."""
+
+    def __init__(self, actors: list[Any], rollouts: list[Any], timeout_s: float) -> None:
+        self.actors, self.rollouts, self.timeout_s = actors, rollouts, timeout_s
+        self.rollout_count = len(rollouts)
+
+    def on_actors(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(a, method).remote(*args) for a in self.actors]
+
+    def on_rollouts(self, method: str, *args: Any, only: int | None = None) -> list[Any]:
+        handles = self.rollouts if only is None else [self.rollouts[only]]
+        return [getattr(r, method).remote(*args) for r in handles]
+
+    def wait(self, pending: list[Any], what: str) -> list[Any]:
+        return _await(pending, self.timeout_s, what)
+
+
+def open_weight_sync(actors: list[Any], rollouts: list[Any], transport: Transport, timeout_s: float) -> SyncDriver:
+    """Hand `transport` to every actor rank and rollout worker (a collective's group joined, all at once, within
+    `timeout_s`), and the driver's side over them (launch_pools; the tests and benchmarks over their own workers)."""
+    joins = [a.init_weight_sync.remote(transport) for a in actors]
+    joins += [r.init_weight_sync.remote(transport, i) for i, r in enumerate(rollouts)]
+    wait(joins, timeout_s, transport.setup_phase, SETUP_KEY)
+    return SyncDriver(RayCrew(actors, rollouts, transport.settings.timeout_s), transport)
 
 
 def _await(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
@@ -346,15 +325,13 @@ def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[
         names = {f"actor{i}": a for i, a in enumerate(actors)} | {f"rollout{i}": r for i, r in enumerate(rollouts)}
         install_watchdog(names, cfg.trainer.run_dir, cfg.cluster.placement_timeout_s)
         ready = _set_up(actors, rollouts, teacher_address, plan.colocated, cfg.debug.setup_timeout_s)
-        if weight_transport(cfg) != WeightTransport.object_store:
-            _open_weight_group(cfg, actors[0], rollouts, host, sync_port)
+        transport = ray_transport(cfg, host, sync_port, len(rollouts))
+        weights = open_weight_sync(actors, rollouts, transport, cfg.debug.setup_timeout_s)
         summary = str(ready[0].get("summary", ""))
         yield Pools(
             actor=RayActorPool(cfg, actors, summary),
             rollout=RayRolloutPool(rollouts, actor_data_parallel_size(cfg), timeout),
-            weights=RayWeightSync(
-                actors, rollouts, cfg.weight_sync, weight_transport(cfg), SpillWatch(object_store_mib(cfg))
-            ),
+            weights=weights,
             setup_s=time.perf_counter() - start,
         )
     finally:
@@ -414,19 +391,6 @@ def _rank0_endpoint(groups: ResourcePoolManager, slot: Slot, timeout_s: float) -
     return wait(
         [endpoint.options(scheduling_strategy=groups.scheduling_strategy(slot)).remote()], timeout_s, "rendezvous"
     )[0]
-
-
-def _open_weight_group(cfg: GKDConfig, actor0: Any, rollouts: list[Any], host: str, port: int) -> None:
-    """Actor rank 0 and every rollout worker join the weight-sync process group (all at once)."""
-    backend, timeout = weight_transport(cfg).value, cfg.weight_sync.timeout_s
-    # Rank 0 sends; rollout engine i's workers take ranks 1 + i * per_engine onwards.
-    per_engine = weight_group_ranks_per_engine(cfg)
-    world = 1 + per_engine * len(rollouts)
-    joins = [actor0.init_weight_group.remote(backend, host, port, world, timeout)] + [
-        r.init_weight_group.remote(backend, host, port, 1 + i * per_engine, world, timeout)
-        for i, r in enumerate(rollouts)
-    ]
-    wait(joins, cfg.debug.setup_timeout_s, f"weight-sync group setup ({backend} on {host}:{port})", SETUP_KEY)
 
 
 def _stop(handles: list[Any], timeout_s: float) -> None:

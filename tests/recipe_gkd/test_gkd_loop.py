@@ -362,7 +362,7 @@ def test_a_stale_engine_fails_the_first_check_at_a_gpu_learning_rate_in_bf16(
     message = str(err.value)
     assert "after weight version 1: rollout engine 0's weights are not the actor's" in message
     # The probe alone (today's check) passes the same stale engine at every check of the run.
-    monkeypatch.setattr(weight_sync, "weight_mismatches", lambda actor, engine: [])
+    monkeypatch.setattr(weight_sync.check, "weight_mismatches", lambda actor, engine: [])
     blind = small_config(repo_root, small_data, tmp_path / "blind", *overrides)
     rows = train_in_process(blind)
     checked = [r for r in rows if r["sync_logprob_diff"] is not None]

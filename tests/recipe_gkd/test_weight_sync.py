@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,11 +14,16 @@ from recipe_gkd.config import GKDConfig, WeightSyncConfig, load_config
 from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.runtime.ray_cluster import SpillWatch, ray_env, spilled_bytes
-from recipe_gkd.runtime.ray_pools import sync_weights
+from recipe_gkd.runtime.ray_pools import RayBucketStore, open_weight_sync
 from recipe_gkd.weight_sync import (
-    MIB,
     CollectiveChannel,
+    FullStudent,
+    Gloo,
+    GroupAddress,
+    ObjectStore,
+    SyncDriver,
     TimedIterator,
+    WeightSender,
     WeightSyncError,
     bucket_layout,
     bucketize,
@@ -64,39 +70,61 @@ def test_timed_iterator_counts_only_the_producer() -> None:
     assert 0.15 <= timed.seconds < 0.25
 
 
-class FakeActor:
-    """Obeys the actor's export interface; rank 0 owns the weights."""
+class FakeActor(WeightSender):
+    """Obeys the actor's export interface over fixed weights (rank 0 owns them), with the real sending side."""
 
     def __init__(self, rank: int, named: dict[str, np.ndarray], fail: bool = False) -> None:
         self.rank, self.named, self.fail = rank, named, fail
 
-    def export_weight_buckets(self, bucket_mb: int) -> list | None:
-        from recipe_gkd.runtime.ray_pools import put_buckets
+    def iter_hf_tensors(self, on_device: bool, fp32: bool = False):
+        import torch
 
         if self.fail:
             raise RuntimeError("gather over TP failed on rank 0")
-        return put_buckets(self.named.items(), bucket_mb) if self.rank == 0 else None
+        if self.rank == 0:
+            yield from ((name, torch.from_numpy(array)) for name, array in self.named.items())
+
+    def alive(self) -> bool:
+        return True
 
 
-class FakeRollout:
-    """Obeys the rollout's update interface; records what it loaded."""
+class RecordingEngine:
+    """The engine interface's weight methods; loading `bad_tensor` fails as a wrong name would."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
-        self.delay_s = delay_s
+    def __init__(self, bad_tensor: str) -> None:
+        self.bad_tensor = bad_tensor
         self.loaded: dict[str, np.ndarray] = {}
-        self.version = 0
 
-    def update_weights(self, version: int, bucket_refs: list, timeout_s: float) -> dict[str, float]:
-        import ray
+    def update_weights(self, named) -> set[str]:
+        for name, tensor in named:
+            if name == self.bad_tensor:
+                raise KeyError(f"the rollout model has no {self.bad_tensor}")
+            self.loaded[name] = np.array(tensor)  # a copy: a collective's bucket is a view, reused
+        return set(self.loaded)
 
+    def join_weight_group(self, backend: str, host: str, port: int, first_rank: int, world: int, timeout_s: float):
+        self.channel = CollectiveChannel(backend, host, port, first_rank, world, timeout_s)
+
+    def receive_weights(self) -> set[str]:
+        from recipe_gkd.weight_sync import load_draining
+
+        return load_draining(self.channel.receive(), self.update_weights)
+
+
+class RecordingRollout(RolloutWorker):
+    """The real rollout worker's weight sync (its transport handed down, its receive), over a recording engine."""
+
+    def __init__(self, delay_s: float = 0.0, bad_tensor: str = "") -> None:
+        super().__init__(load_config(None, []), 0, 1)
+        self.engine = RecordingEngine(bad_tensor)
+        self.delay_s = delay_s
+
+    def receive_weights(self, version: int, sent: Any) -> dict[str, float]:
         time.sleep(self.delay_s)
-        for ref in bucket_refs:
-            self.loaded.update(ray.get(ref, timeout=timeout_s))
-        self.version = version
-        return {"load_s": 0.0}
+        return super().receive_weights(version, sent)
 
     def state(self) -> tuple[int, dict[str, np.ndarray]]:
-        return self.version, self.loaded
+        return self.weight_version, self.engine.loaded
 
 
 def _remote(cls: type):
@@ -111,15 +139,20 @@ def _named() -> dict[str, np.ndarray]:
     return {f"layer{i}.weight": rng.standard_normal((64, 64)).astype(np.float32) for i in range(8)}
 
 
+def _object_store(actors: list, rollouts: list, timeout_s: float = 30) -> SyncDriver:
+    transport = ObjectStore(
+        WeightSyncConfig("object_store", bucket_mb=1, timeout_s=timeout_s), FullStudent(), RayBucketStore()
+    )
+    return open_weight_sync(actors, rollouts, transport, timeout_s=60)
+
+
 def test_every_rollout_gets_every_tensor(ray_local: None) -> None:
     import ray
 
     named = _named()
     actors = [_remote(FakeActor).remote(r, named) for r in range(2)]
-    rollouts = [_remote(FakeRollout).remote() for _ in range(3)]
-    stats = sync_weights(
-        actors, rollouts, version=5, settings=WeightSyncConfig("object_store", bucket_mb=1, timeout_s=30)
-    )
+    rollouts = [_remote(RecordingRollout).remote() for _ in range(3)]
+    stats = _object_store(actors, rollouts).push(5)
     assert stats["sync_export_s"] >= 0 and stats["sync_load_s"] >= 0
     for version, loaded in ray.get([r.state.remote() for r in rollouts], timeout=30):
         assert version == 5 and loaded.keys() == named.keys()
@@ -128,17 +161,18 @@ def test_every_rollout_gets_every_tensor(ray_local: None) -> None:
 
 def test_actor_error_fails_the_sync_with_its_message(ray_local: None) -> None:
     actors = [_remote(FakeActor).remote(0, _named(), True)]
-    rollouts = [_remote(FakeRollout).remote()]
+    rollouts = [_remote(RecordingRollout).remote()]
     with pytest.raises(WeightSyncError, match="gather over TP failed"):
-        sync_weights(actors, rollouts, version=1, settings=WeightSyncConfig("object_store", bucket_mb=1, timeout_s=30))
+        _object_store(actors, rollouts).push(1)
 
 
 def test_stuck_rollout_times_out_naming_the_key(ray_local: None) -> None:
     actors = [_remote(FakeActor).remote(0, _named())]
-    rollouts = [_remote(FakeRollout).remote(delay_s=20)]
+    rollouts = [_remote(RecordingRollout).remote(delay_s=20)]
+    sync = _object_store(actors, rollouts, timeout_s=1)
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match=r"weight_sync\.timeout_s=1"):
-        sync_weights(actors, rollouts, version=1, settings=WeightSyncConfig("object_store", bucket_mb=1, timeout_s=1))
+        sync.push(1)
     assert time.monotonic() - start < 10
 
 
@@ -169,7 +203,7 @@ def test_pack_unpack_roundtrip_mixed_dtypes_and_shapes() -> None:
 def test_floating_tensors_travel_in_the_wire_dtype() -> None:
     import torch
 
-    from recipe_gkd.weight_sync import _wire_tensor
+    from recipe_gkd.weight_sync.wire import _wire_tensor
 
     weights = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
     wire = _wire_tensor(weights, torch.bfloat16)
@@ -178,74 +212,15 @@ def test_floating_tensors_travel_in_the_wire_dtype() -> None:
     assert _wire_tensor(weights, None).dtype == torch.float32
 
 
-class ChannelActor(FakeActor):
-    """Rank 0 of a gloo weight-sync group, with the real actor worker's broadcast interface."""
-
-    def init_weight_group(self, backend: str, host: str, port: int, world: int, timeout_s: float) -> None:
-        self.channel = CollectiveChannel(backend, host, port, 0, world, timeout_s)
-
-    def broadcast_weights(self, bucket_mb: int) -> dict[str, float]:
-        if self.fail:
-            raise RuntimeError("gather over TP failed on rank 0")
-        if self.rank != 0:
-            return {}
-        return {"export_s": 0.0, "bytes": float(self.channel.send(self.named.items(), bucket_mb * MIB))}
-
-    def alive(self) -> bool:
-        return True
-
-
-class RecordingEngine:
-    """The engine interface's weight methods; loading `bad_tensor` fails as a wrong name would."""
-
-    def __init__(self, bad_tensor: str) -> None:
-        self.bad_tensor = bad_tensor
-        self.loaded: dict[str, np.ndarray] = {}
-
-    def update_weights(self, named) -> set[str]:
-        for name, tensor in named:
-            if name == self.bad_tensor:
-                raise KeyError(f"the rollout model has no {self.bad_tensor}")
-            self.loaded[name] = tensor.numpy().copy()
-        return set(self.loaded)
-
-    def join_weight_group(self, backend: str, host: str, port: int, first_rank: int, world: int, timeout_s: float):
-        self.channel = CollectiveChannel(backend, host, port, first_rank, world, timeout_s)
-
-    def receive_weights(self) -> set[str]:
-        from recipe_gkd.weight_sync import load_draining
-
-        return load_draining(self.channel.receive(), self.update_weights)
-
-
-class ChannelRollout(RolloutWorker):
-    """The real rollout worker's group join and receive, over a recording engine."""
-
-    def __init__(self, delay_s: float = 0.0, bad_tensor: str = "") -> None:
-        super().__init__(load_config(None, []), 0, 1)
-        self.engine = RecordingEngine(bad_tensor)
-        self.delay_s = delay_s
-
-    def receive_weights(self, version: int) -> dict[str, float]:
-        time.sleep(self.delay_s)
-        return super().receive_weights(version)
-
-    def state(self) -> tuple[int, dict[str, np.ndarray]]:
-        return self.weight_version, self.engine.loaded
-
-
-def _group(actors: list, rollouts: list, timeout_s: float = 30) -> None:
+def _group(actors: list, rollouts: list, timeout_s: float = 30) -> SyncDriver:
+    """A gloo transport handed to the workers (its group joined) and the driver's side over them."""
     import ray
 
     # Every actor's process started first: a short group timeout bounds the join, not the workers' start.
     ray.get([a.__ray_ready__.remote() for a in [*actors, *rollouts]], timeout=120)
-    port = reserve_ports(1)[0]
-    world = 1 + len(rollouts)
-    joins = [actors[0].init_weight_group.remote("gloo", "127.0.0.1", port, world, timeout_s)]
-    joins += [
-        r.init_weight_group.remote("gloo", "127.0.0.1", port, i + 1, world, timeout_s) for i, r in enumerate(rollouts)
-    ]
-    ray.get(joins, timeout=60)
+    group = GroupAddress("127.0.0.1", reserve_ports(1)[0], ranks_per_engine=1, engines=len(rollouts))
+    transport = Gloo(WeightSyncConfig("gloo", bucket_mb=1, timeout_s=timeout_s), FullStudent(), group)
+    return open_weight_sync(actors, rollouts, transport, timeout_s=60)
 
 
 def test_gloo_broadcast_reaches_every_rollout_bit_for_bit(ray_local: None) -> None:
@@ -253,13 +228,11 @@ def test_gloo_broadcast_reaches_every_rollout_bit_for_bit(ray_local: None) -> No
 
     rng = np.random.default_rng(3)
     named = _named() | {"big.weight": rng.standard_normal((700, 700)).astype(np.float32)}  # > 1 MiB: own bucket
-    actors = [_remote(ChannelActor).remote(r, named) for r in range(2)]
-    rollouts = [_remote(ChannelRollout).remote() for _ in range(3)]
-    _group(actors, rollouts)
+    actors = [_remote(FakeActor).remote(r, named) for r in range(2)]
+    rollouts = [_remote(RecordingRollout).remote() for _ in range(3)]
+    sync = _group(actors, rollouts)
     for version in (1, 2):
-        stats = sync_weights(
-            actors, rollouts, version=version, settings=WeightSyncConfig("gloo", bucket_mb=1, timeout_s=30)
-        )
+        stats = sync.push(version)
         assert stats["sync_load_s"] >= 0
     for version, loaded in ray.get([r.state.remote() for r in rollouts], timeout=30):
         assert version == 2 and list(loaded) == list(named)
@@ -270,24 +243,24 @@ def test_gloo_load_error_fails_the_sync_promptly_with_its_message(ray_local: Non
     import ray
 
     big = {"big.weight": np.ones((700, 700), dtype=np.float32)}  # a second bucket after the failing one
-    actors = [_remote(ChannelActor).remote(0, _named() | big)]
-    rollouts = [_remote(ChannelRollout).remote(), _remote(ChannelRollout).remote(bad_tensor="layer0.weight")]
-    _group(actors, rollouts)
+    actors = [_remote(FakeActor).remote(0, _named() | big)]
+    rollouts = [_remote(RecordingRollout).remote(), _remote(RecordingRollout).remote(bad_tensor="layer0.weight")]
+    sync = _group(actors, rollouts)
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match=r"has no layer0\.weight"):
-        sync_weights(actors, rollouts, version=1, settings=WeightSyncConfig("gloo", bucket_mb=1, timeout_s=30))
+        sync.push(1)
     assert time.monotonic() - start < 20
     # The failing receiver drained the broadcast: rank 0 is free again, not blocked until gloo's 30 s timeout.
     assert ray.get(actors[0].alive.remote(), timeout=5)
 
 
 def test_gloo_stuck_rollout_times_out_naming_the_key(ray_local: None) -> None:
-    actors = [_remote(ChannelActor).remote(0, _named())]
-    rollouts = [_remote(ChannelRollout).remote(delay_s=60)]
-    _group(actors, rollouts, timeout_s=2)
+    actors = [_remote(FakeActor).remote(0, _named())]
+    rollouts = [_remote(RecordingRollout).remote(delay_s=60)]
+    sync = _group(actors, rollouts, timeout_s=2)
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match=r"weight_sync\.timeout_s=2"):
-        sync_weights(actors, rollouts, version=1, settings=WeightSyncConfig("gloo", bucket_mb=1, timeout_s=2))
+        sync.push(1)
     # Cut at the timeout, long before the stuck rollout's 60 s (a loaded 2-core CI machine took > 15 s once).
     assert time.monotonic() - start < 30
 

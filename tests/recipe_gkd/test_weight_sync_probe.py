@@ -6,6 +6,7 @@ Also with a 2-stage pipeline-parallel actor: the second stage sends its layers t
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,10 @@ import numpy as np
 import pytest
 
 from recipe_gkd.batch import Sequence, TrainShard
-from recipe_gkd.config import WeightSyncConfig, load_config
+from recipe_gkd.config import WeightTransport, load_config
 from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.rollout.worker import make_engine
-from recipe_gkd.runtime.ray_pools import RayRolloutWorker, ray_actor_worker_class, sync_weights
+from recipe_gkd.runtime.ray_pools import RayRolloutWorker, open_weight_sync, ray_actor_worker_class, ray_transport
 from teacher_server.wire.protocol import scores_from_logprobs
 
 TOP_K = 4
@@ -94,18 +95,10 @@ def test_rollout_matches_actor_after_sync(
     port = _free_port()
     actor_cls = ray.remote(num_cpus=0)(ray_actor_worker_class()).options(num_gpus=1)
     actors = [actor_cls.remote(cfg, rank, pp, "127.0.0.1", port) for rank in range(pp)]
-    actor = actors[0]
     rollouts = [ray.remote(num_cpus=0)(EngineOnlyRollout).options(num_gpus=1).remote(cfg, i, 2) for i in range(2)]
     try:
         ray.get([a.setup.remote() for a in actors] + [r.setup.remote() for r in rollouts], timeout=180)
         transports = transport.split("+")
-        if "gloo" in transports:
-            port = _free_port()
-            joins = [actor.init_weight_group.remote("gloo", "127.0.0.1", port, 3, 60)]
-            joins += [
-                r.init_weight_group.remote("gloo", "127.0.0.1", port, i + 1, 3, 60) for i, r in enumerate(rollouts)
-            ]
-            ray.get(joins, timeout=60)
         rng = np.random.default_rng(0)
         probe = rng.integers(6, 102, (3, 12))
         before = ray.get(rollouts[0].token_logprobs.remote(probe), timeout=60)
@@ -115,8 +108,10 @@ def test_rollout_matches_actor_after_sync(
             shard = ray.put(_shard(rng, 102, 4))
             stats = ray.get([a.train_refs.remote([shard]) for a in actors], timeout=120)[0]
             assert stats["loss"] > 0
-            over = transports[step % len(transports)]
-            sync_weights(actors, rollouts, version=step + 1, settings=WeightSyncConfig(over, bucket_mb=1, timeout_s=60))
+            # Each step over the next transport, built as a run builds it and handed to the workers once.
+            over = replace(cfg.weight_sync, transport=WeightTransport(transports[step]), bucket_mb=1, timeout_s=60)
+            built = ray_transport(replace(cfg, weight_sync=over), "127.0.0.1", _free_port(), len(rollouts))
+            open_weight_sync(actors, rollouts, built, timeout_s=60).push(step + 1)
             _assert_rollouts_hold_the_actors_weights(actors, rollouts, probe, precision, step + 1)
         assert np.abs(actor_logprobs(actors, probe) - before).max() > 1e-3, "training changed the weights"
     finally:
