@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from recipe_gkd.config import load_config  # noqa: E402
 from recipe_gkd.plan.memory_plan import ACTOR_RESERVE_GIB, GIB, actor_memory, read_shape  # noqa: E402
 from recipe_gkd.plan.ports import reserve_ports  # noqa: E402
+from recipe_gkd.targets import actor_kinds  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_actor_memory.json"
 MIB = 1024 * 1024
@@ -81,7 +82,7 @@ def measure(student: Path, overrides: list[str], seq_len: int, micro_batch: int)
             *overrides,
         ],
     )
-    actor = MegatronActor(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0])
+    actor = MegatronActor(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0], actor_kinds(cfg))
     actor.setup()
     vocab = actor.arch.vocab_size
     # Every sequence at the configured full length (the plan's worst case).
@@ -168,12 +169,12 @@ def full_length_sequence(sample_id: int, length: int, prompt: int, vocab: int, t
     """A prompt + response of `length` tokens with a random teacher's top-k (sorted) and tail."""
     import numpy as np
 
-    from recipe_gkd.batch import Sequence
+    from recipe_gkd.batch import ScoredSequence
 
     rng = np.random.default_rng(sample_id)
     responses = length - prompt
     probs = rng.dirichlet(np.ones(top_k) * 0.3, size=responses) * 0.9
-    return Sequence(
+    return ScoredSequence(
         sample_id=sample_id,
         input_ids=rng.integers(0, vocab, length).astype(np.int32),
         response_start=prompt,

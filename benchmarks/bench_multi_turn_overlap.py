@@ -39,7 +39,8 @@ from recipe_gkd.gkd import RolloutPipeline  # noqa: E402
 from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm  # noqa: E402
 from recipe_gkd.rollout.producers import Conversations  # noqa: E402
 from recipe_gkd.rollout.worker import RolloutWorker  # noqa: E402
-from teacher_server.wire.scores import TeacherTopK, scores_from_logprobs  # noqa: E402
+from recipe_gkd.targets import build_target  # noqa: E402
+from teacher_server.wire.scores import TeacherScores, scores_from_logprobs  # noqa: E402
 
 TOOL_TURNS = 2
 WARMUP_STEPS = 2
@@ -75,7 +76,7 @@ class UniformTeacher:
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
 
-    def score(self, sequences: list[np.ndarray], score_from: list[int], named_ids: Any = None) -> list[TeacherTopK]:
+    def score(self, sequences: list[np.ndarray], score_from: list[int], named_ids: Any = None) -> list[TeacherScores]:
         rows = [
             np.full((len(s) - f, self.vocab), -np.log(self.vocab)) for s, f in zip(sequences, score_from, strict=True)
         ]
@@ -125,7 +126,7 @@ def run(schedule: str, args: argparse.Namespace, model: Path, data: Path) -> dic
             f"trainer.total_steps={args.steps}",
         ],
     )
-    worker = RolloutWorker(cfg, rank=0, world=1)
+    worker = RolloutWorker(cfg, rank=0, world=1, target=build_target(cfg))
     worker.setup(scorer=UniformTeacher(len(worker_tokenizer(model))))
     assert isinstance(worker.producer, Conversations)
     worker.producer.loop.new_env = lambda: SlowToolEnv(args.tool_s)

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from recipe_gkd.config import load_config  # noqa: E402
 from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm  # noqa: E402
 from recipe_gkd.plan.ports import reserve_ports  # noqa: E402
+from recipe_gkd.targets import actor_kinds  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_sync_memory.json"
 MIB = 1024 * 1024
@@ -117,7 +118,7 @@ def main() -> None:
         )
         try:
             actor = ray.remote(num_cpus=0)(ray_actor_worker_class()).options(num_gpus=1)
-            handle = actor.remote(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0])
+            handle = actor.remote(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0], actor_kinds(cfg))
             ray.get(handle.setup.remote(), timeout=600)
             runs = [
                 ray.get(handle.__ray_call__.remote(measure_export, args.bucket_mb), timeout=600)

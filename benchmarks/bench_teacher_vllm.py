@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_teacher import VOCAB, build_model, make_batches
 
 from teacher_server.server.backends import BackendOptions, load_backend, parsed_request
-from teacher_server.wire.protocol import TeacherTopK, canonical_order, tail_from_topk
+from teacher_server.wire.protocol import TeacherScores, canonical_order, tail_from_topk
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_teacher_vllm.json"
 TOP_KS = (64, 256)
@@ -48,7 +48,7 @@ def add_tokenizer(model_dir: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0", eos_token="t1").save_pretrained(str(model_dir))
 
 
-def dict_sequence(prompt_logprobs: list, seq: np.ndarray, start: int, top_k: int) -> TeacherTopK:
+def dict_sequence(prompt_logprobs: list, seq: np.ndarray, start: int, top_k: int) -> TeacherScores:
     """The former extraction: per position, a dict {token: Logprob} sorted by rank in Python."""
     n = seq.size - start
     values = np.full((n, top_k), -math.inf, dtype=np.float32)
@@ -63,7 +63,7 @@ def dict_sequence(prompt_logprobs: list, seq: np.ndarray, start: int, top_k: int
             ids[row, col], values[row, col] = tok, logprob
         sampled[row] = entries[int(seq[p])].logprob
     values, ids = canonical_order(values, ids)
-    return TeacherTopK(values, ids, sampled, tail_from_topk(values))
+    return TeacherScores(values, ids, sampled, tail_from_topk(values))
 
 
 def score_with_dicts(backend, seqs: list[np.ndarray], starts: list[int], top_k: int) -> float:

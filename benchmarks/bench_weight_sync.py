@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from recipe_gkd.config import load_config  # noqa: E402
 from recipe_gkd.plan.ports import reserve_ports  # noqa: E402
 from recipe_gkd.runtime.ray_pools import RayRolloutWorker, open_weight_sync, ray_transport  # noqa: E402
+from recipe_gkd.targets import actor_kinds, build_target  # noqa: E402
 from recipe_gkd.weight_sync import (  # noqa: E402
     MIB,
     CollectiveChannel,
@@ -118,7 +119,8 @@ class CopyEngine:
 
 class Receiver(RayRolloutWorker):
     def __init__(self, total_mb: int) -> None:
-        super().__init__(load_config(None, []), 0, 1)
+        cfg = load_config(None, [])
+        super().__init__(cfg, 0, 1, build_target(cfg))
         self.engine = CopyEngine(total_mb)
         self.baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the parameters included
 
@@ -226,9 +228,9 @@ def end_to_end(repeats: int, bucket_mb: int) -> list[dict[str, Any]]:
         actor = (
             ray.remote(num_cpus=0)(ray_actor_worker_class())
             .options(num_gpus=1)
-            .remote(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0])
+            .remote(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0], actor_kinds(cfg))
         )
-        rollout = ray.remote(num_cpus=0)(TimedLoadRollout).options(num_gpus=1).remote(cfg, 0, 1)
+        rollout = ray.remote(num_cpus=0)(TimedLoadRollout).options(num_gpus=1).remote(cfg, 0, 1, build_target(cfg))
         try:
             ray.get([actor.setup.remote(), rollout.setup.remote()], timeout=900)
             ray.get(actor.init_weight_sync.remote(transport_of("object_store", bucket_mb, 1)), timeout=600)

@@ -24,7 +24,7 @@ from recipe_gkd.cross_tokenizer.route import CrossTokenizerScorer
 from recipe_gkd.data import encode_prompt
 from teacher_server.server.backends import BackendOptions, load_backend, parsed_request
 from teacher_server.wire.conversation import Conversation, Renderer
-from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherScores
 
 REPS = 3
 TOP_K = 8
@@ -38,7 +38,7 @@ class TimedTextTeacher:
         self.backend = load_backend("hf", BackendOptions(model, max_top_k=64))
         self.render_s = self.score_s = 0.0
 
-    def score_conversations(self, conversations: Sequence[Conversation]) -> list[TeacherTopK]:
+    def score_conversations(self, conversations: Sequence[Conversation]) -> list[TeacherScores]:
         start = time.perf_counter()
         rendered = [self.renderer.render(c) for c in conversations]
         self.render_s += time.perf_counter() - start

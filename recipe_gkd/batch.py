@@ -11,7 +11,7 @@ for that position, computed from the logits at the position before it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # already holds): its logprob is -inf and the loss gives it zero mass on both sides.
 EXCLUDED_ID = -1
 # algorithm.cross_tokenizer: a teacher piece the student lacks is id FOLDED_BASE + its column (distinct, beyond
-# any vocabulary): the top-k loss folds its teacher mass into the tail bucket (recipe_gkd/cross_tokenizer/targets.py).
+# any vocabulary): the top-k loss folds its teacher mass into the tail bucket (recipe_gkd/cross_tokenizer/span_scores.py).
 FOLDED_BASE = 1 << 30
 
 
@@ -40,13 +40,13 @@ class TargetPayload(Protocol):
         ...
 
     @staticmethod
-    def collate(payloads: SequenceOf[TargetPayload], rows: SequenceOf[slice], seq_len: int) -> Tensor:
+    def collate(payloads: Sequence[TargetPayload], rows: Sequence[slice], seq_len: int) -> Tensor:
         """The payloads of a micro-batch as one [B, seq_len, ...] tensor, sequence b's rows at positions rows[b]."""
         ...
 
 
 @dataclass
-class Sequence:
+class ScoredSequence:
     """One prompt with its response and the teacher's scores for every response token."""
 
     sample_id: int  # global index of the prompt in the dataset (for exactly-once accounting)
@@ -91,13 +91,13 @@ class Sequence:
         return self.num_response_tokens if self.sampled_mask is None else int(np.count_nonzero(self.sampled_mask))
 
 
-def trained_rows(seq: Sequence, mask_tool_tokens: bool) -> np.ndarray:
+def trained_rows(seq: ScoredSequence, mask_tool_tokens: bool) -> np.ndarray:
     """bool [L - response_start]: the response tokens the loss trains on: the sampled ones, or every one with
     algorithm.mask_tool_tokens=false (the ablation)."""
     return seq.sampled_rows() if mask_tool_tokens else np.ones(seq.num_response_tokens, dtype=bool)
 
 
-def trained_tokens(seq: Sequence, mask_tool_tokens: bool) -> int:
+def trained_tokens(seq: ScoredSequence, mask_tool_tokens: bool) -> int:
     """How many of `seq`'s response tokens the loss trains on (`trained_rows`)."""
     return seq.num_sampled_tokens if mask_tool_tokens else seq.num_response_tokens
 
@@ -108,7 +108,7 @@ class TrainShard:
 
     step: int
     weight_version: int  # version of the student weights these were sampled with
-    sequences: list[Sequence] = field(default_factory=list)
+    sequences: list[ScoredSequence] = field(default_factory=list)
     # Seconds spent by the producing rollout worker (generate, teacher) for this step.
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -135,7 +135,7 @@ class RolloutStats:
     step: int
     weight_version: int
     num_sequences: int
-    # Response tokens the student sampled (Sequence.num_sampled_tokens): a tool's output is not counted.
+    # Response tokens the student sampled (ScoredSequence.num_sampled_tokens): a tool's output is not counted.
     num_response_tokens: int
     sample_ids: list[int]
     timings: dict[str, float]
@@ -149,7 +149,7 @@ class RolloutStats:
     onpolicy_rewarded: int = 0
     offpolicy_reward_sum: float = 0.0
     offpolicy_rewarded: int = 0
-    # Every sum below is over the response tokens the student sampled (Sequence.sampled_rows).
+    # Every sum below is over the response tokens the student sampled (ScoredSequence.sampled_rows).
     # Sum over response tokens of the teacher's top-k mass (1 - the server's exact tail mass).
     teacher_topk_mass_sum: float = 0.0
     # On-policy response tokens, and the sums of the student's (at sampling) and the teacher's
@@ -157,7 +157,7 @@ class RolloutStats:
     onpolicy_tokens: int = 0
     rollout_logprob_sum: float = 0.0
     teacher_sampled_logprob_sum: float = 0.0
-    # algorithm.cross_tokenizer: sums of the responses' alignment counts (cross_tokenizer/targets.ALIGN_COUNTS).
+    # algorithm.cross_tokenizer: sums of the responses' alignment counts (cross_tokenizer/span_scores.ALIGN_COUNTS).
     alignment: dict[str, float] = field(default_factory=dict)
     # debug.log_memory: the worker's resident (and peak GPU) memory, MiB, keyed rollout<rank>_rss_mb, ...
     memory_mb: dict[str, float] = field(default_factory=dict)

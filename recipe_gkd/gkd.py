@@ -15,7 +15,7 @@
     python -m recipe_gkd.main                                            # CPU demo
     python -m recipe_gkd.main --config configs/presets/1x8_a1_r3_t4.yaml  # one 8-GPU node
 
-The loop talks to its workers through recipe_gkd/runtime/pools.py: on Ray (runtime/ray_pools.py, every run)
+The loop talks to its workers through recipe_gkd/pools.py: on Ray (runtime/ray_pools.py, every run)
 the driver holds no model and no per-token data, it passes object refs between the pools;
 in-process (runtime/local_pools.py, the tests) the same loop runs with the workers as plain objects.
 What each step logs is built in observe/rows.py, the report after training in observe/report.py.
@@ -38,8 +38,8 @@ from recipe_gkd.observe.metrics import MetricsLogger
 from recipe_gkd.observe.report import FINAL_EXPORT_DIR, report, teacher_accuracy
 from recipe_gkd.observe.rows import MEMORY_SUFFIXES, eval_row, eval_teacher_kls, memory_row, step_row
 from recipe_gkd.plan.placement import PlacementPlan
+from recipe_gkd.pools import Pending, Pools, ShardHandle
 from recipe_gkd.runtime import checkpoint
-from recipe_gkd.runtime.pools import Pending, Pools, ShardHandle
 from recipe_gkd.runtime.ray_cluster import ray_cluster
 from recipe_gkd.runtime.ray_pools import launch_pools
 from recipe_gkd.runtime.teacher_service import teacher_service

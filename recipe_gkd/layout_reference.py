@@ -35,7 +35,12 @@ python -m pytest tests/test_architecture.py    # the seams below
 Generated from the tree by `{COMMAND}`: each package and module with the first sentence of its
 docstring (a test fails when this page differs from what the tree generates; edit the docstring, then rerun it).
 
-The seams `tests/test_architecture.py` checks: no import cycle; Ray imported by `runtime/ray_pools.py` and
+The seams `tests/test_architecture.py` checks: no import cycle, and no strongly connected component of the import graph
+across two packages (a package's `__init__` counted); the wings in layers, each importing only its own and the ones
+below (bottom up: the teacher server; messages, envs; teacher_prompt; config; batch, data, the stop set, the parallel
+layout, the weight sync, process memory, losses, the model families, the offline models; cross_tokenizer; actor;
+rollout; the target kinds; the loop's pools contract and the plan; observe and the preflight; the runtime; the exit
+codes and the loop; the doctor, the self-check, the demo; the CLI and the reference generators); Ray imported by `runtime/ray_pools.py` and
 `runtime/ray_cluster.py` only; vLLM by one module on each side (`rollout/vllm.py`, `teacher_server/server/backends/vllm.py`);
 megatron-core inside `recipe_gkd/actor/` only; `teacher_server/` imports nothing of `recipe_gkd`, and inside it
 `wire/` and `config/` import neither `server/` nor `client/` (nor each other) and `client/` imports no `server/`
@@ -71,6 +76,25 @@ A student family the megatron actor reproduces is one module and one registry li
 The plan's shape, the conversion (`actor/hf_convert.py`) and the megatron model (`actor/mcore_model.py`) read the family
 from the student's `HFArch` and test none; a new way of converting a tensor is one entry of hf_convert's `TO_MCORE` and
 `TO_HF`.
+"""
+
+
+ADDING_A_TRANSPORT = """## Adding a weight-sync transport or payload
+
+One class each, in `recipe_gkd/weight_sync/`: a transport (how bytes reach the engines: `transports.py`, beside
+`ObjectStore`, `Gloo`, `Nccl`, `InProcess`) implements `Transport` and is chosen in `runtime/ray_pools.py
+ray_transport`, the one place that reads `weight_sync.transport`; a payload (what is synced: `payload.py`, beside
+`FullStudent`) implements `SyncPayload` (the actor's export, the engine's load) and is chosen in `build_payload`
+([weight_sync.md](weight_sync.md#adding-a-transport-or-a-synced-payload)).
+"""
+
+ADDING_A_CHECK = """## Adding a check before the first step
+
+A check is a function of the config returning its one-line figure (or a `Finding`, for a warning or a report), raising
+`ConfigError(key, message)` when the run must not start: wrap it in `Check(name, function)` and list it where it runs,
+`START_CHECKS` or `DRY_RUN_CHECKS` (`recipe_gkd/preflight.py`, every start and every dry run), or the doctor's
+`STATIC_CHECKS` (`recipe_gkd/doctor.py`, for what costs more than a start should:
+[before_the_first_step.md](before_the_first_step.md#the-doctor)). Its test feeds it the wrong input and checks the key.
 """
 
 
@@ -131,7 +155,7 @@ def render(root: Path = config.REPO_ROOT) -> str:
             parts.extend(f"| `{Path(e.path).name}` | {_cell(e.summary)} |" for e in modules)
             parts.append("")
     parts.append(AROUND)
-    parts.append(ADDING_A_MODEL_FAMILY)
+    parts += [ADDING_A_MODEL_FAMILY, ADDING_A_TRANSPORT, ADDING_A_CHECK]
     return "\n".join(parts)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 
 
 def checked_messages(messages: list[Any], key: str, field_name: str) -> list[dict[str, str]]:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from recipe_gkd.messages import checked_messages, prompt_messages
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 
 # What a prompt value is: a plain string (one user turn) or a chat message list.
 PromptValue = str | list[dict[str, str]]

@@ -3,7 +3,7 @@
 Importing this package imports neither transformers nor vllm (only server/backends/hf.py and
 server/backends/vllm.py do, when a replica loads them). The trainer-facing API:
 
-    from teacher_server import TeacherClient, TeacherTopK, tokenizer_fingerprint
+    from teacher_server import TeacherClient, TeacherScores, tokenizer_fingerprint
 """
 
 from teacher_server.client.zmq_client import (
@@ -14,7 +14,7 @@ from teacher_server.client.zmq_client import (
     TeacherRequestError,
     TeacherTimeoutError,
 )
-from teacher_server.wire.protocol import PROTOCOL_VERSION, TeacherTopK, tokenizer_fingerprint
+from teacher_server.wire.protocol import PROTOCOL_VERSION, TeacherScores, tokenizer_fingerprint
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -23,7 +23,7 @@ __all__ = [
     "TeacherError",
     "TeacherMismatchError",
     "TeacherRequestError",
+    "TeacherScores",
     "TeacherTimeoutError",
-    "TeacherTopK",
     "tokenizer_fingerprint",
 ]

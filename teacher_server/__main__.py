@@ -12,7 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 from teacher_server.config.teacher import validate_teacher_section
 from teacher_server.server.settings import ServerSettings, is_loopback, load_settings, with_port
 

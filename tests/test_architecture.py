@@ -146,6 +146,66 @@ def test_no_strongly_connected_component_spans_two_packages() -> None:
     assert not spanning, "import cycles across packages: " + "; ".join(" <-> ".join(c) for c in spanning)
 
 
+# The wings of recipe_gkd (and the teacher server) from the bottom up: a module may import its own layer's and the
+# layers' below, never one above. The loop's contract (pools) sits below the runtime that implements it; the target
+# kinds above the actor and the rollout wings they drive, which hold them through protocols of their own and are
+# handed the kind built once above them (recipe_gkd/runtime/*_pools.py); the plan above the kinds it sizes.
+LAYERS: tuple[frozenset[str], ...] = tuple(
+    frozenset(layer.split())
+    for layer in (
+        "teacher_server recipe_gkd",
+        "messages envs",
+        "teacher_prompt",
+        "config",
+        "batch data stop_set parallel_layout weight_sync process_memory losses models offline_models",
+        "cross_tokenizer",
+        "actor",
+        "rollout",
+        "targets",
+        "pools plan",
+        "observe preflight",
+        "runtime",
+        "exit_codes gkd",
+        "doctor selfcheck demo",
+        "main config_reference layout_reference",
+    )
+)
+
+
+def wing_of(module: str) -> str:
+    """recipe_gkd.X.Y -> X (recipe_gkd itself: recipe_gkd); any teacher_server module: teacher_server."""
+    parts = module.split(".")
+    if parts[0] == "teacher_server":
+        return "teacher_server"
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward_edges(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a wing to a wing of a higher layer (a wing missing from LAYERS is one too)."""
+    level = {wing: i for i, layer in enumerate(LAYERS) for wing in layer}
+    found = []
+    for module, imported in sorted(graph.items()):
+        for other in sorted(imported):
+            low, high = wing_of(module), wing_of(other)
+            if low == high:
+                continue
+            if low not in level or high not in level:
+                found.append(f"{module} -> {other} (a wing not in LAYERS)")
+            elif level[high] > level[low]:
+                found.append(f"{module} -> {other}")
+    return found
+
+
+def test_no_wing_imports_a_wing_above_it() -> None:
+    up = upward_edges(project_graph())
+    assert not up, "imports up the layers: " + "; ".join(up)
+
+
+def test_an_upward_import_is_found() -> None:
+    graph = {"recipe_gkd.observe.rows": {"recipe_gkd.runtime.pools"}, "recipe_gkd.runtime.x": {"recipe_gkd.observe"}}
+    assert upward_edges(graph) == ["recipe_gkd.observe.rows -> recipe_gkd.runtime.pools"]
+
+
 def test_the_component_finder_sees_a_cycle_through_a_package_init() -> None:
     """The case a plain cycle search that skips package -> own-submodule edges misses: a.b imports c, c imports a,
     and a (the package) imports a.b."""

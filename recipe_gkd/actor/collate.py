@@ -1,4 +1,4 @@
-"""Ragged `Sequence`s -> padded, aligned tensors for one micro-batch (no megatron import).
+"""Ragged `ScoredSequence`s -> padded, aligned tensors for one micro-batch (no megatron import).
 
 Alignment (see recipe_gkd/batch.py): a sequence is `input_ids[:L]` = prompt + response, and
 teacher row j describes token `response_start + j`. The model reads `input_ids[:L-1]`; its
@@ -11,15 +11,14 @@ token's logits exact under a plain causal mask (padding only ever comes after th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from recipe_gkd.batch import Sequence, trained_rows
+from recipe_gkd.batch import ScoredSequence, trained_rows
 
 
 @dataclass
@@ -36,7 +35,7 @@ class MicroBatch:
     rollout_logprobs_BT: Tensor  # float32: the engine's logprob of it at sampling; NaN for dataset responses
     teacher_sampled_BT: Tensor  # float32: the teacher's logprob of it (0 elsewhere)
     # bool: False exactly where position t predicts a response token the student did not sample (a tool's output,
-    # a turn marker), True elsewhere: all True for single-turn sequences (Sequence.sampled_mask None).
+    # a turn marker), True elsewhere: all True for single-turn sequences (ScoredSequence.sampled_mask None).
     sampled_mask_BT: Tensor
     # Several teachers: each row's teacher, an index into the names collate was given (per-teacher metrics).
     teacher_index_B: Tensor | None = None  # int64
@@ -64,7 +63,7 @@ class MicroBatch:
 
 
 def collate(
-    sequences: SequenceOf[Sequence], pad_id: int, teacher_names: SequenceOf[str] = (), mask_tool_tokens: bool = True
+    sequences: Sequence[ScoredSequence], pad_id: int, teacher_names: Sequence[str] = (), mask_tool_tokens: bool = True
 ) -> MicroBatch:
     """Pad `sequences` to one [B, T] batch (T = longest L - 1) with the teacher arrays aligned.
 
@@ -132,7 +131,7 @@ class LazyMicroBatches:
     [B, T, H] tensor each) where the memory plan counts the ones in flight. `shapes` are known without collating.
     """
 
-    groups: list[list[Sequence]]
+    groups: list[list[ScoredSequence]]
     pad_id: int
     teacher_names: tuple[str, ...]
     device: torch.device
@@ -151,7 +150,7 @@ class LazyMicroBatches:
             yield collate(group, self.pad_id, self.teacher_names, self.mask_tool_tokens).to(self.device)
 
 
-def _teacher_index(sequences: SequenceOf[Sequence], teacher_names: SequenceOf[str]) -> Tensor | None:
+def _teacher_index(sequences: Sequence[ScoredSequence], teacher_names: Sequence[str]) -> Tensor | None:
     """Each sequence's teacher as an index into teacher_names (None without names)."""
     if not teacher_names:
         return None
@@ -162,14 +161,14 @@ def _teacher_index(sequences: SequenceOf[Sequence], teacher_names: SequenceOf[st
     return torch.tensor([index[s.teacher] for s in sequences], dtype=torch.int64)
 
 
-def split_micro_batches(sequences: SequenceOf[Sequence], micro_batch_size: int) -> list[list[Sequence]]:
+def split_micro_batches(sequences: Sequence[ScoredSequence], micro_batch_size: int) -> list[list[ScoredSequence]]:
     """Consecutive groups of `micro_batch_size` sequences (the last one may be smaller)."""
     if micro_batch_size < 1:
         raise ValueError(f"actor.micro_batch_size must be >= 1, got {micro_batch_size}")
     return [list(sequences[i : i + micro_batch_size]) for i in range(0, len(sequences), micro_batch_size)]
 
 
-def split_by_token_budget(sequences: SequenceOf[Sequence], max_tokens: int) -> list[list[Sequence]]:
+def split_by_token_budget(sequences: Sequence[ScoredSequence], max_tokens: int) -> list[list[ScoredSequence]]:
     """Groups whose padded size (rows x longest row, as `collate` pads them) stays <= `max_tokens`.
 
     Sequences are taken longest first, so each group pads to a length close to its own rows'
@@ -181,7 +180,7 @@ def split_by_token_budget(sequences: SequenceOf[Sequence], max_tokens: int) -> l
     if max_tokens < 1:
         raise ValueError(f"actor.max_tokens_per_micro_batch must be >= 1, got {max_tokens}")
     by_length = sorted(sequences, key=lambda s: len(s.input_ids), reverse=True)
-    groups: list[list[Sequence]] = []
+    groups: list[list[ScoredSequence]] = []
     for seq in by_length:
         padded = len(seq.input_ids) - 1  # collate's row length
         if padded > max_tokens:
@@ -196,14 +195,14 @@ def split_by_token_budget(sequences: SequenceOf[Sequence], max_tokens: int) -> l
     return groups
 
 
-def _common_top_k(sequences: SequenceOf[Sequence]) -> int:
+def _common_top_k(sequences: Sequence[ScoredSequence]) -> int:
     top_ks = {s.teacher_topk_ids.shape[-1] for s in sequences if s.teacher_topk_ids.ndim == 2}
     if len(top_ks) != 1:
         raise ValueError(f"sequences disagree on the teacher's top-k width: {sorted(top_ks)} (teacher.top_k)")
     return top_ks.pop()
 
 
-def _collate_payloads(sequences: SequenceOf[Sequence], rows: SequenceOf[slice], seq_len: int) -> Tensor | None:
+def _collate_payloads(sequences: Sequence[ScoredSequence], rows: Sequence[slice], seq_len: int) -> Tensor | None:
     """The sequences' target payloads as one tensor, collated by their own kind (None: no sequence has one)."""
     kinds = {type(s.payload) for s in sequences}
     if len(kinds) != 1:
@@ -215,7 +214,7 @@ def _collate_payloads(sequences: SequenceOf[Sequence], rows: SequenceOf[slice], 
     return kind.collate([s.payload for s in sequences], rows, seq_len)
 
 
-def _check_sequence(seq: Sequence) -> None:
+def _check_sequence(seq: ScoredSequence) -> None:
     length = len(seq.input_ids)
     responses = length - seq.response_start
     if not 1 <= seq.response_start <= length:

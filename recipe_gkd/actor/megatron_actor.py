@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -44,15 +43,14 @@ from torch import Tensor
 
 from recipe_gkd.actor import checkpointing, hf_arch, hf_convert, mcore_model
 from recipe_gkd.actor.collate import LazyMicroBatches, MicroBatch, split_by_token_budget, split_micro_batches
-from recipe_gkd.actor.objective import ActorObjective, sum_from_last_stage
+from recipe_gkd.actor.objective import ActorKinds, ActorObjective, sum_from_last_stage
 from recipe_gkd.actor.optimizer import build_optimizer, clip_grads, wrap_ddp
 from recipe_gkd.actor.probe_rows import forward_only_micro_batch, pack_rows, unpack_token_logprobs
 from recipe_gkd.actor.weight_export import WeightExporter, write_hf_dir
-from recipe_gkd.batch import Sequence, TrainShard, trained_rows, trained_tokens
+from recipe_gkd.batch import ScoredSequence, TrainShard, trained_rows, trained_tokens
 from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, cpu_threads
 from recipe_gkd.models import read_hf_arch
 from recipe_gkd.parallel_layout import ParallelLayout
-from recipe_gkd.targets import build_objective, build_target
 
 # megatron's RNG tracker needs a seed; nothing random runs (no dropout, weights from HF).
 MEGATRON_SEED = 1234
@@ -66,8 +64,12 @@ def group_timeout_minutes(bound_s: float) -> int:
 class MegatronActor:
     """One rank of the megatron student trainer (see module docstring)."""
 
-    def __init__(self, cfg: GKDConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    def __init__(
+        self, cfg: GKDConfig, rank: int, world_size: int, master_addr: str, master_port: int, kinds: ActorKinds
+    ) -> None:
+        """`kinds`: the run's target kind and objective (recipe_gkd/targets actor_kinds), built once and handed down."""
         self.cfg = cfg
+        self.kinds = kinds
         self.rank = rank
         self.world_size = world_size
         self.master_addr = master_addr
@@ -129,8 +131,8 @@ class MegatronActor:
             tp_group=self.tp_group,
             pp_group=self.pp_group,
             dp_group=self.dp_group,
-            target=build_target(self.cfg),  # this rank's target kind and objective, built once
-            objective=build_objective(self.cfg),
+            target=self.kinds.target,
+            objective=self.kinds.objective,
         )
         self._exporter = WeightExporter(
             self.gpt, self.arch, self._global_names, self.layout, self.rank, self.device, self.tp_group
@@ -280,7 +282,7 @@ class MegatronActor:
 
     # ------------------------------------------------------------------------- training
 
-    def train_step(self, shards: SequenceOf[TrainShard]) -> dict[str, float]:
+    def train_step(self, shards: Sequence[TrainShard]) -> dict[str, float]:
         """One optimizer step on this rank's shards (the TrainShards themselves, not refs).
 
         Every TP rank of a data-parallel replica must get the same shards. Returns the global
@@ -319,7 +321,7 @@ class MegatronActor:
             "train_step_s": time.perf_counter() - start,
         }
 
-    def eval_loss(self, shards: SequenceOf[TrainShard]) -> dict[str, float | None]:
+    def eval_loss(self, shards: Sequence[TrainShard]) -> dict[str, float | None]:
         """The configured divergence (and forward KL = teacher KL, None with teacher.top_k=0) on `shards`, forward only.
 
         With sampled_reverse_kl the "divergence" is its surrogate on the greedy responses: the mean of
@@ -345,13 +347,13 @@ class MegatronActor:
             "eval_s": time.perf_counter() - start,
         }
 
-    def _folded_ids(self, sequences: list[Sequence]) -> int:
+    def _folded_ids(self, sequences: list[ScoredSequence]) -> int:
         return sum(
             int((s.teacher_topk_ids[trained_rows(s, self.mask_tool_tokens)] >= self.arch.vocab_size).sum())
             for s in sequences
         )
 
-    def _micro_batches(self, sequences: list[Sequence]) -> LazyMicroBatches:
+    def _micro_batches(self, sequences: list[ScoredSequence]) -> LazyMicroBatches:
         budget = self.cfg.actor.max_tokens_per_micro_batch
         if budget:
             groups = split_by_token_budget(sequences, budget)
@@ -559,7 +561,7 @@ class MegatronActor:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _flatten(shards: SequenceOf[TrainShard]) -> list[Sequence]:
+def _flatten(shards: Sequence[TrainShard]) -> list[ScoredSequence]:
     for shard in shards:
         if not isinstance(shard, TrainShard):
             raise TypeError(

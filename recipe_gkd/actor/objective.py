@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,35 @@ from recipe_gkd.actor.collate import MicroBatch
 from recipe_gkd.config import GKDConfig
 from recipe_gkd.config.teachers import split_teachers
 from recipe_gkd.parallel_layout import ParallelLayout
-from recipe_gkd.targets import Objective, Target
+
+
+class LossTarget(Protocol):
+    """What the actor calls on the run's target kind (recipe_gkd/targets builds it; the pools hand it down)."""
+
+    def setup_actor(self, objective: Any) -> None: ...
+
+    def loss_sum(
+        self, objective: Any, logits_BTv: Tensor, micro: MicroBatch, divergence: str
+    ) -> tuple[Tensor, Tensor]: ...
+
+    def evaluates_kl(self) -> bool: ...
+
+
+class LossObjective(Protocol):
+    """What the actor calls on the run's objective (the divergence, or the sampled-token reverse KL)."""
+
+    policy_statistics: bool
+
+    def loss_sum(self, actor: Any, logits_BTv: Tensor, micro: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class ActorKinds:
+    """The run's target kind and objective as one actor rank holds them: built once above the actor
+    (recipe_gkd/targets actor_kinds) and handed to MegatronActor, which imports no factory."""
+
+    target: LossTarget
+    objective: LossObjective
 
 
 class ActorObjective:
@@ -39,8 +69,8 @@ class ActorObjective:
         tp_group: dist.ProcessGroup,
         pp_group: dist.ProcessGroup,
         dp_group: dist.ProcessGroup,
-        target: Target,
-        objective: Objective,
+        target: LossTarget,
+        objective: LossObjective,
     ) -> None:
         """`target`, `objective`: the run's target kind and objective, built once by the actor and handed here."""
         self.cfg = cfg

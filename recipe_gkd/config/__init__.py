@@ -63,7 +63,7 @@ from recipe_gkd.config.schema import (
     WeightSyncConfig,
     WeightTransport,
 )
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 from teacher_server.config.teacher import TeacherConfig, TeacherLocation, TeacherOutput
 
 __all__ = [

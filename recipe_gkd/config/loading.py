@@ -19,7 +19,7 @@ from recipe_gkd.config.rules import validate
 from recipe_gkd.config.schema import DEFAULT_CONFIG, KEY_ALIASES, GKDConfig
 
 # The teacher section belongs to the teacher server (it serves it standalone too); ConfigError is shared.
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> GKDConfig:

@@ -20,7 +20,8 @@ from typing import Any
 
 from recipe_gkd.config.schema import GKDConfig
 from recipe_gkd.teacher_prompt import TeacherPrompt, prompt_rule
-from teacher_server.config.fields import ConfigError, require
+from teacher_server.config.errors import ConfigError
+from teacher_server.config.fields import require
 from teacher_server.config.teacher import TeacherConfig, TeacherLocation
 
 DEFAULT_TEACHER = "default"

@@ -21,16 +21,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from recipe_gkd.cross_tokenizer.align import align_spans, student_text
-from recipe_gkd.cross_tokenizer.targets import AlignedScores, aligned_scores, conversation_of, vocabulary_map
+from recipe_gkd.cross_tokenizer.span_scores import AlignedScores, aligned_scores, conversation_of, vocabulary_map
 from recipe_gkd.stop_set import StopSet, stop_set_of, student_stop_set
 from teacher_server.wire.conversation import Conversation, token_byte_table
-from teacher_server.wire.protocol import TeacherTopK, tokenizer_fingerprint
+from teacher_server.wire.protocol import TeacherScores, tokenizer_fingerprint
 
 
 class TextTeacher(Protocol):
     """What scores conversations: the ZeroMQ client, or an in-process renderer + backend in tests."""
 
-    def score_conversations(self, conversations: Sequence[Conversation]) -> list[TeacherTopK]: ...
+    def score_conversations(self, conversations: Sequence[Conversation]) -> list[TeacherScores]: ...
 
 
 class CrossTokenizerScorer:

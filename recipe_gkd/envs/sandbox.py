@@ -40,7 +40,7 @@ from recipe_gkd.envs.bubblewrap import CODE_PATH, bwrap_command, interpreter_vie
 from recipe_gkd.envs.cgroups import CallCgroup, CgroupTree, CgroupUnavailable, find_cgroup_tree
 from recipe_gkd.envs.protocol import ToolResult
 from recipe_gkd.envs.seccomp import UnsupportedArchitecture, filter_program
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 
 TOOL_ISOLATIONS: tuple[str, ...] = ("bwrap", "socket_guard")
 ISOLATION_KEY = "rollout.tool_isolation"

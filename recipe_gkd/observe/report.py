@@ -14,8 +14,8 @@ from recipe_gkd.observe import console
 from recipe_gkd.observe.divergence_watch import DIVERGENCE_FILE
 from recipe_gkd.observe.metrics import EVAL_FILE, METRICS_FILE, read_metrics
 from recipe_gkd.observe.plots import before_after_table, plot_run
+from recipe_gkd.pools import RolloutPool
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
-from recipe_gkd.runtime.pools import RolloutPool
 
 # The exported student, under the run directory.
 FINAL_EXPORT_DIR = "final_student"

@@ -6,15 +6,15 @@ Each column's meaning is said where it is built; the loop (recipe_gkd/gkd.py) ha
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Sequence
 from typing import Any
 
 from recipe_gkd.batch import RolloutStats, actor_rank_of
 from recipe_gkd.config import Divergence, GKDConfig
 from recipe_gkd.config.teachers import TeacherHandle, split_teachers, teacher_handles
 from recipe_gkd.observe.metrics import alignment_columns, episode_columns, teacher_columns
+from recipe_gkd.pools import Pools, ShardHandle
 from recipe_gkd.process_memory import process_memory_mb
-from recipe_gkd.runtime.pools import Pools, ShardHandle
 from recipe_gkd.targets import Target
 
 # The actor's statistics of the sampled-token objective (algorithm.divergence=sampled_reverse_kl).
@@ -155,7 +155,7 @@ def teacher_loss_columns(cfg: GKDConfig, train: dict[str, Any]) -> dict[str, flo
     return columns
 
 
-def sample_teachers(handles: dict[str, TeacherHandle], stats: SequenceOf[RolloutStats]) -> dict[str, list[str]]:
+def sample_teachers(handles: dict[str, TeacherHandle], stats: Sequence[RolloutStats]) -> dict[str, list[str]]:
     """{"sample_teachers": the teacher of each sorted sample id} when the step's teachers have names in the rows
     (configured under `teachers:`), else {}."""
     pairs = sorted((i, t) for s in stats for i, t in zip(s.sample_ids, s.sample_teachers, strict=True))
@@ -188,7 +188,7 @@ def sampled_reverse_kl(cfg: GKDConfig, stats: list[RolloutStats]) -> float | Non
     return None if student is None or teacher is None else student - teacher
 
 
-def ratio(stats: SequenceOf[RolloutStats], numerator: str, denominator: str) -> float | None:
+def ratio(stats: Sequence[RolloutStats], numerator: str, denominator: str) -> float | None:
     """sum(numerator) / sum(denominator) over the rollout workers; None when nothing was counted."""
     total = sum(getattr(s, denominator) for s in stats)
     return sum(getattr(s, numerator) for s in stats) / total if total else None

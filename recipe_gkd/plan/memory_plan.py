@@ -581,7 +581,8 @@ def hidden_shard_bytes(cfg: GKDConfig) -> int:
     """teacher.output=hidden: the hidden states the rollout shards of the batches in flight carry through the object
     store (the target kind's payload: 2 bytes a value of recipe_gkd/targets/hidden.py HiddenStates), at most
     max_new_tokens a sequence (0 for a kind without a payload of that size)."""
-    per_token = build_target(cfg).payload_bytes_per_token()
+    teacher = read_shape(cfg.teacher.model_path, "teacher.model_path", [])
+    per_token = build_target(cfg).payload_bytes_per_token(None if teacher is None else teacher.hidden_size)
     batches = 1 + PIPELINE_DEPTH[cfg.algorithm.schedule]
     # Response tokens a sequence: multi-turn conversations up to rollout.max_total_tokens.
     tokens = cfg.data.train_batch_size * (

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from recipe_gkd.stop_set import StopSet
-from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherScores
 
 if TYPE_CHECKING:
     from recipe_gkd.weight_sync import EngineTensor
@@ -78,10 +78,10 @@ class Scorer(Protocol):
 
     def score(
         self, sequences: list[np.ndarray], score_from: list[int], named_ids: list[np.ndarray] | None = None
-    ) -> list[TeacherTopK]:
+    ) -> list[TeacherScores]:
         """Per sequence: the teacher's top-k, tail and sampled-token logprob for positions score_from..
 
         named_ids (per sequence [n_scored, k_s]): also the teacher's logprobs at those ids and its mass
-        outside the top-k and them (TeacherTopK.named_logprobs, other_logmass).
+        outside the top-k and them (TeacherScores.named_logprobs, other_logmass).
         """
         ...

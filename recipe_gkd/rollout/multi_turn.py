@@ -12,7 +12,7 @@
 5. A conversation ends on its answer (the environment is done), rollout.max_turns or rollout.max_total_tokens.
 
 The response is everything after the first prompt: `sampled` marks the student's own tokens, the rest (turn
-markers, tool results) are attended by the actor and the teacher but never trained (Sequence.sampled_mask).
+markers, tool results) are attended by the actor and the teacher but never trained (ScoredSequence.sampled_mask).
 """
 
 from __future__ import annotations

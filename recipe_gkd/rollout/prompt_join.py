@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from recipe_gkd.config.teachers import TeacherHandle
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 from teacher_server.wire.protocol import tokenizer_fingerprint
 
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from recipe_gkd.config import GKDConfig
 from teacher_server.config.teacher import TeacherBackend
-from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherScores
 
 
 class TeacherScorer:
@@ -40,7 +40,7 @@ class TeacherScorer:
 
     def score(
         self, sequences: list[np.ndarray], score_from: list[int], named_ids: list[np.ndarray] | None = None
-    ) -> list[TeacherTopK]:
+    ) -> list[TeacherScores]:
         if named_ids is None:
             return self.client.score(sequences, score_from)
         # Only the zeromq client names ids (config.validate refuses union with teacher.backend=openai).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -21,22 +21,46 @@ from recipe_gkd.config.teachers import record_teacher, teacher_handles, teacher_
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.rollout.prompt_join import PromptJoin
 from recipe_gkd.teacher_prompt import teacher_prompt_bound
-from teacher_server.wire.protocol import TeacherTopK
-
-if TYPE_CHECKING:
-    from recipe_gkd.targets.base import Target
+from teacher_server.wire.protocol import TeacherScores
 
 T = TypeVar("T")
+
+
+class ScoringTarget(Protocol):
+    """What the rollout worker calls on the run's target kind (recipe_gkd/targets builds it; the pools hand it down):
+    how a teacher is connected, what it is sent, how its reply is unpacked into the kind's payload."""
+
+    def connect(self, view: GKDConfig, tokenizer: Any, address: str | None) -> Scorer: ...
+
+    def teacher_inputs(
+        self,
+        join: PromptJoin,
+        sequences: list[np.ndarray],
+        score_from: list[int],
+        records: list[dict[str, Any]] | None,
+        where: list[str],
+    ) -> tuple[list[np.ndarray], list[int], list[dict[str, Any]] | None]: ...
+
+    def score(
+        self,
+        scorer: Scorer,
+        sequences: list[np.ndarray],
+        score_from: list[int],
+        student_topk: list[np.ndarray | None],
+        records: list[dict[str, Any]] | None,
+    ) -> list[TeacherScores]: ...
+
+    def payload(self, scored: TeacherScores, teacher: str) -> Any: ...
 
 
 class TeacherSet:
     """Teacher name -> its scorer; routes records, scores groups concurrently, reassembles in order."""
 
     def __init__(
-        self, cfg: GKDConfig, target: Target, scorers: Mapping[str, Scorer], student_tokenizer: Any = None
+        self, cfg: GKDConfig, target: ScoringTarget, scorers: Mapping[str, Scorer], student_tokenizer: Any = None
     ) -> None:
-        """`target`: the run's target kind (built once by the rollout worker): what each request asks for and how
-        its reply is unpacked, the same for every teacher."""
+        """`target`: the run's target kind (built once above the worker and handed down): what each request asks for
+        and how its reply is unpacked, the same for every teacher."""
         self.cfg = cfg
         self.scorers = dict(scorers)
         # Each teacher's prompt per record: the student's, or its own joined to the response (privileged context).
@@ -51,7 +75,9 @@ class TeacherSet:
         self._pool = ThreadPoolExecutor(len(self.scorers), "teacher") if len(self.scorers) > 1 else None
 
     @classmethod
-    def connect(cls, cfg: GKDConfig, target: Target, tokenizer: Any, addresses: Mapping[str, str] | None) -> TeacherSet:
+    def connect(
+        cls, cfg: GKDConfig, target: ScoringTarget, tokenizer: Any, addresses: Mapping[str, str] | None
+    ) -> TeacherSet:
         """A client per configured teacher (connected by the target kind), each checked against the student's
         tokenizer at connect time.
 
@@ -82,7 +108,7 @@ class TeacherSet:
         student_topk: list[np.ndarray | None],
         records: list[dict[str, Any]] | None = None,
         where: list[str] | None = None,
-    ) -> list[TeacherTopK]:
+    ) -> list[TeacherScores]:
         """Sequence i (the student's prompt + response ids, its response from score_from[i]) scored by teacher
         `teachers[i]` as the target kind asks, after that teacher's prompt of records[i] when it has one of its own
         (where[i]: the record, for errors); student_topk[i]: the engine's top ids of sequence i, for
@@ -92,12 +118,12 @@ class TeacherSet:
         for i, name in enumerate(teachers):
             groups.setdefault(name, []).append(i)
 
-        def run(name: str, rows: list[int]) -> list[TeacherTopK]:
+        def run(name: str, rows: list[int]) -> list[TeacherScores]:
             scorer = self.scorers[name]
             if self.cfg.debug.teacher_latency_s:  # an emulated remote teacher, on every route (cross-tokenizer too)
                 time.sleep(self.cfg.debug.teacher_latency_s)
 
-            def call() -> list[TeacherTopK]:
+            def call() -> list[TeacherScores]:
                 rows_records = None if records is None else [records[i] for i in rows]
                 joined, starts, rows_records = self.target.teacher_inputs(
                     self.prompts[name],
@@ -115,7 +141,7 @@ class TeacherSet:
         else:
             futures = {name: self._pool.submit(run, name, rows) for name, rows in groups.items()}
             results = {name: future.result() for name, future in futures.items()}
-        out: list[TeacherTopK | None] = [None] * len(sequences)
+        out: list[TeacherScores | None] = [None] * len(sequences)
         for name, rows in groups.items():
             for i, scored in zip(rows, results[name], strict=True):
                 out[i] = scored

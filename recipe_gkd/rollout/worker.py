@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd.batch import TEACHER_SUMS, RolloutStats, Sequence, TrainShard, actor_rank_of
+from recipe_gkd.batch import TEACHER_SUMS, RolloutStats, ScoredSequence, TrainShard, actor_rank_of
 from recipe_gkd.config import GKDConfig, cpu_threads, rollout_engines
 from recipe_gkd.config.teachers import DEFAULT_TEACHER
 from recipe_gkd.data import Dataset, Prompt, ShardedStream, answer_reward
@@ -25,9 +25,8 @@ from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine, Scorer
 from recipe_gkd.rollout.producers import BatchProducer, Generated, build_producer, encode_checked
 from recipe_gkd.rollout.samples import sample_row, samples_due
-from recipe_gkd.rollout.teacher_set import TeacherSet
+from recipe_gkd.rollout.teacher_set import ScoringTarget, TeacherSet
 from recipe_gkd.stop_set import check_turn_ends
-from recipe_gkd.targets import build_target
 from recipe_gkd.weight_sync import PROBE_ROWS, Transport, probe_rows
 
 # Data positions remembered per generated batch: enough for the deepest pipeline plus the checkpoint.
@@ -48,8 +47,10 @@ def make_engine(cfg: GKDConfig) -> Engine:
 class RolloutWorker:
     """Rollout engine `rank` of `world`: its own data shard, its own teacher client."""
 
-    def __init__(self, cfg: GKDConfig, rank: int, world: int) -> None:
+    def __init__(self, cfg: GKDConfig, rank: int, world: int, target: ScoringTarget) -> None:
+        """`target`: the run's target kind (recipe_gkd/targets build_target), built once above the worker."""
         self.cfg = cfg
+        self.target = target
         self.rank = rank
         self.world = world
         self.weight_version = 0
@@ -82,12 +83,11 @@ class RolloutWorker:
         self.engine = make_engine(cfg)
         check_turn_ends(cfg, self.engine.stop)  # a same-tokenizer teacher ends a turn where the student does
         self.producer = build_producer(cfg, self.engine, self.world)
-        target = build_target(cfg)  # the run's target kind, once: what each teacher is asked and how it answers
         if scorer is None:
-            self.teachers = TeacherSet.connect(cfg, target, self.engine.tokenizer, teacher_addresses)
+            self.teachers = TeacherSet.connect(cfg, self.target, self.engine.tokenizer, teacher_addresses)
         else:
             scorers = scorer if isinstance(scorer, Mapping) else {DEFAULT_TEACHER: scorer}
-            self.teachers = TeacherSet(cfg, target, scorers, self.engine.tokenizer)
+            self.teachers = TeacherSet(cfg, self.target, scorers, self.engine.tokenizer)
         train = Dataset(cfg.data.train_files, "data.train_files")
         self.train_stream = ShardedStream(train, cfg.data.seed, self.rank, self.world)
         self.eval_dataset = Dataset(cfg.data.eval_files, "data.eval_files") if cfg.data.eval_files else None
@@ -183,7 +183,7 @@ class RolloutWorker:
         assert self.producer is not None, "call setup() first"
         return self.producer.generate(prompts, greedy, mix_from, self.weight_version)
 
-    def _score(self, generated: Generated, source: str) -> tuple[list[Sequence], float]:
+    def _score(self, generated: Generated, source: str) -> tuple[list[ScoredSequence], float]:
         """Each record's teacher's top-k for every response token of `generated`; returns the sequences and seconds."""
         assert self.teachers is not None, "call setup() first"
         where = [f"record {p.sample_id} of {source}" for p in generated.prompts]
@@ -206,7 +206,7 @@ class RolloutWorker:
             self._reward(p, r) for p, (r, _) in zip(generated.prompts, generated.responses, strict=True)
         ]
         sequences = [
-            Sequence(
+            ScoredSequence(
                 sample_id=prompt.sample_id,
                 input_ids=seq,
                 response_start=first,
@@ -246,7 +246,7 @@ class RolloutWorker:
         text = self.engine.tokenizer.decode(response, skip_special_tokens=True)
         return answer_reward(text, str(answer), self.cfg.data.answer_match)
 
-    def _samples(self, generated: Generated, sequences: list[Sequence]) -> list[dict[str, Any]]:
+    def _samples(self, generated: Generated, sequences: list[ScoredSequence]) -> list[dict[str, Any]]:
         """samples.jsonl rows of `sequences` (the first of `generated`'s): text with special tokens kept."""
         assert self.engine is not None
         decode = self.engine.tokenizer.decode
@@ -272,9 +272,9 @@ class RolloutWorker:
         return rows
 
     def _publish(
-        self, step: int, sequences: list[Sequence], timings: dict[str, float], dp_size: int, generated: Generated
+        self, step: int, sequences: list[ScoredSequence], timings: dict[str, float], dp_size: int, generated: Generated
     ) -> tuple[RolloutStats, list[TrainShard]]:
-        # Sequence j of this worker goes to actor rank (global index) % dp: every rank gets
+        # ScoredSequence j of this worker goes to actor rank (global index) % dp: every rank gets
         # the same count when the global batch divides by dp (config.validate checks that).
         weight_version = generated.weight_version
         shards = [TrainShard(step, weight_version, timings=timings) for _ in range(dp_size)]
@@ -340,7 +340,7 @@ class RolloutWorker:
             return self.engine.weight_checksums(dtype)
 
 
-def add_teacher_stats(per_teacher: dict[str, dict[str, float]], seq: Sequence, topk_mass: float) -> None:
+def add_teacher_stats(per_teacher: dict[str, dict[str, float]], seq: ScoredSequence, topk_mass: float) -> None:
     """Add `seq` to its teacher's sums (metrics per teacher, recipe_gkd.observe.metrics.teacher_columns)."""
     sums = per_teacher.setdefault(seq.teacher, dict.fromkeys(TEACHER_SUMS, 0.0))
     sums["sequences"] += 1
@@ -351,10 +351,12 @@ def add_teacher_stats(per_teacher: dict[str, dict[str, float]], seq: Sequence, t
         sums["rewarded"] += 1
 
 
-def summarize(step: int, weight_version: int, sequences: list[Sequence], timings: dict[str, float]) -> RolloutStats:
+def summarize(
+    step: int, weight_version: int, sequences: list[ScoredSequence], timings: dict[str, float]
+) -> RolloutStats:
     """The driver's view of a step's sequences: counts and sums, no per-token data.
 
-    Token counts and per-token sums are over the response tokens the student sampled (Sequence.sampled_rows): a
+    Token counts and per-token sums are over the response tokens the student sampled (ScoredSequence.sampled_rows): a
     tool's output and the template's turn markers, which the teacher also scored, count in none of them.
     """
     stats = RolloutStats(

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 from recipe_gkd.config import ConfigError, GKDConfig
 from recipe_gkd.config.teachers import teacher_handles
-from recipe_gkd.runtime.pools import Pools
+from recipe_gkd.pools import Pools
 
 CHECKPOINTS_DIR = "checkpoints"
 ACTOR_DIR = "actor"

@@ -16,6 +16,7 @@ from pathlib import Path
 from recipe_gkd.config import ConfigError, load_config
 from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.runtime import checkpoint
+from recipe_gkd.targets import actor_kinds
 
 # One CPU process with fake placement: enough to hold and reshard the student.
 EXPORT_OVERRIDES = (
@@ -55,7 +56,7 @@ def export(run_dir: Path, out: Path, path: Path | None = None) -> Path:
     problem = checkpoint.verify(chosen)
     if problem:
         raise ConfigError("--checkpoint", f"{chosen} is not a complete checkpoint: {problem}")
-    actor = MegatronActor(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0])
+    actor = MegatronActor(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0], actor_kinds(cfg))
     try:
         actor.setup()
         actor.load_checkpoint(str(chosen / checkpoint.ACTOR_DIR))

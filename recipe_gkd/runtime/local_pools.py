@@ -28,13 +28,13 @@ from recipe_gkd.batch import TrainShard, only_teacher
 from recipe_gkd.config import ConfigError, GKDConfig, actor_world_size, rollout_engines
 from recipe_gkd.config.teachers import teacher_views
 from recipe_gkd.plan.ports import reserve_ports
+from recipe_gkd.pools import Pending, Pools
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.rollout.worker import RolloutWorker
-from recipe_gkd.runtime.pools import Pending, Pools
-from recipe_gkd.targets import build_target
+from recipe_gkd.targets import actor_kinds, build_target
 from recipe_gkd.weight_sync import InProcess, SyncDriver, build_payload
-from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherScores
 
 
 @dataclass
@@ -159,7 +159,7 @@ class InProcessTeacher:
 
     def score(
         self, sequences: list[np.ndarray], score_from: list[int], named_ids: list[np.ndarray] | None = None
-    ) -> list[TeacherTopK]:
+    ) -> list[TeacherScores]:
         from teacher_server.server.backends import parsed_request
 
         request = parsed_request(
@@ -186,11 +186,12 @@ def local_pools(cfg: GKDConfig, scorer: Scorer | None = None) -> Iterator[Pools]
         )
     start = time.perf_counter()
     with ExitStack() as stack:
-        actor = actor_worker_class()(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0])
+        actor = actor_worker_class()(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0], actor_kinds(cfg))
         stack.callback(actor.shutdown)
         summary = str(actor.setup().get("summary", ""))
         teacher = scorer if scorer is not None else {n: InProcessTeacher(v) for n, v in teacher_views(cfg).items()}
-        workers = [RolloutWorker(cfg, rank, rollout_engines(cfg)) for rank in range(rollout_engines(cfg))]
+        target = build_target(cfg)  # the run's target kind, built once and handed to every worker
+        workers = [RolloutWorker(cfg, rank, rollout_engines(cfg), target) for rank in range(rollout_engines(cfg))]
         for worker in workers:
             worker.setup(scorer=teacher)
             stack.callback(worker.shutdown)  # closes the scorer's connection, if it has one

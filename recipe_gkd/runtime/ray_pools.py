@@ -1,7 +1,7 @@
 """The pools on Ray: every actor rank and rollout worker a Ray actor in its placement-group bundle.
 
 One of the two modules that import Ray (the other, recipe_gkd/runtime/ray_cluster.py, starts the cluster
-and makes the placement groups). Everything here implements recipe_gkd/runtime/pools.py's Protocols:
+and makes the placement groups). Everything here implements recipe_gkd/pools.py's Protocols:
 - `RayActorPool`, `RayRolloutPool`: `.remote` calls; the shards travel as object refs from the
   rollout workers to the actor ranks (the driver holds refs and small stats only);
 - the weight sync: `ray_transport` builds the run's transport (object store, gloo, nccl: recipe_gkd/weight_sync/
@@ -38,13 +38,14 @@ from recipe_gkd.parallel_layout import data_parallel_rank
 from recipe_gkd.plan.memory_plan import object_store_mib
 from recipe_gkd.plan.placement import PlacementPlan, Slot
 from recipe_gkd.plan.ports import reserve_ports
+from recipe_gkd.pools import Pending, Pools, Produced
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.runtime import watchdog
 from recipe_gkd.runtime.model_pins import Reader, on_this_node
-from recipe_gkd.runtime.pools import Pending, Pools, Produced
 from recipe_gkd.runtime.ray_cluster import ResourcePoolManager, SpillWatch
 from recipe_gkd.runtime.watchdog import HANG_KEY, SETUP_KEY, WorkerProcess, phase_timeout
+from recipe_gkd.targets import actor_kinds, build_target
 from recipe_gkd.weight_sync import (
     COLLECTIVES,
     GroupAddress,
@@ -306,10 +307,12 @@ def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[
         groups.create()
         actor_slots, rollout_slots = plan.role("actor"), plan.role("rollout")
         host, (megatron_port, sync_port) = _rank0_endpoint(groups, actor_slots[0], cfg.cluster.placement_timeout_s)
+        # The run's target kind and objective, built once here and handed to every worker (pickled into each).
+        kinds, target = actor_kinds(cfg), build_target(cfg)
         actor_cls = ray.remote(num_cpus=0)(ray_actor_worker_class())
         actors = [
             actor_cls.options(num_gpus=groups.gpu_request(s), scheduling_strategy=groups.scheduling_strategy(s)).remote(
-                cfg, s.rank, len(actor_slots), host, megatron_port
+                cfg, s.rank, len(actor_slots), host, megatron_port, kinds
             )
             for s in actor_slots
         ]
@@ -318,7 +321,7 @@ def launch_pools(cfg: GKDConfig, plan: PlacementPlan, teacher_address: Callable[
         rollouts = [
             rollout_cls.options(
                 num_gpus=groups.gpu_request(s), scheduling_strategy=groups.scheduling_strategy(s)
-            ).remote(cfg, s.rank, len(rollout_slots))
+            ).remote(cfg, s.rank, len(rollout_slots), target)
             for s in rollout_slots
         ]
         handles = actors + rollouts

@@ -24,6 +24,7 @@ from recipe_gkd.config import CONFIG_DIR, GKDConfig, load_config, to_yaml
 from recipe_gkd.selfcheck.full import prompts_file
 from recipe_gkd.selfcheck.record import GIB, Check
 from recipe_gkd.selfcheck.sizes import Sizes
+from recipe_gkd.targets import actor_kinds
 
 PRESETS = {"cuda": CONFIG_DIR / "presets" / "1x1_colocated.yaml", "cpu": CONFIG_DIR / "presets" / "cpu_colocated.yaml"}
 # Stage 0 holds the GPU alone (one process, every role in it): the actor's cap leaves room for nothing else.
@@ -111,7 +112,7 @@ def wire_hidden_states(values_NH: np.ndarray) -> Any:
 def synthetic_shard(cfg: GKDConfig, sizes: Sizes, hidden_size: int, seed: int = 0) -> Any:
     """One step's sequences with teacher targets of the stage's sizes: random ids, a top-k holding half the
     teacher's mass (the tail the other half), or final hidden states with teacher.output=hidden."""
-    from recipe_gkd.batch import Sequence, TrainShard
+    from recipe_gkd.batch import ScoredSequence, TrainShard
     from recipe_gkd.targets import build_target
 
     rng = np.random.default_rng(seed)
@@ -127,7 +128,7 @@ def synthetic_shard(cfg: GKDConfig, sizes: Sizes, hidden_size: int, seed: int = 
         first_R1 = rng.integers(0, vocab, size=(r, 1))
         ids_RK = ((first_R1 + np.arange(k)) % vocab).astype(np.int32)  # K distinct ids per position
         sequences.append(
-            Sequence(
+            ScoredSequence(
                 sample_id=i,
                 input_ids=ids,
                 response_start=sizes.prompt_len,
@@ -182,7 +183,7 @@ def actor_check(out: Path, models: Path, sizes: Sizes, recompute: str, output: s
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         figures["allocated_before_gib"] = base / GIB
-    actor = actor_worker_class()(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0])
+    actor = actor_worker_class()(cfg, 0, 1, "127.0.0.1", reserve_ports(1)[0], actor_kinds(cfg))
     try:
         setup = actor.setup()
         figures |= {"setup_s": time.perf_counter() - start, "params": setup["num_params"]}

@@ -17,17 +17,22 @@ with every kind that sends the sampled token's logprob (objectives.py: one class
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from recipe_gkd.config import CrossTokenizer, GKDConfig, Support, TeacherOutput
 from recipe_gkd.targets.base import Target
 from recipe_gkd.targets.hidden import Hidden
 from recipe_gkd.targets.objectives import Objective, build_objective
 from recipe_gkd.targets.spans import CrossTokenizerSpans
 from recipe_gkd.targets.topk import TopK
-from recipe_gkd.targets.union import Union
+from recipe_gkd.targets.union import UnionSupport
+
+if TYPE_CHECKING:
+    from recipe_gkd.actor.objective import ActorKinds
 
 KINDS: dict[str, type[Target]] = {
     TopK.name: TopK,
-    Union.name: Union,
+    UnionSupport.name: UnionSupport,
     Hidden.name: Hidden,
     CrossTokenizerSpans.name: CrossTokenizerSpans,
 }
@@ -40,7 +45,7 @@ def target_kind(cfg: GKDConfig) -> str:
     if cfg.teacher.output == TeacherOutput.hidden:
         return Hidden.name
     if cfg.algorithm.support == Support.union:
-        return Union.name
+        return UnionSupport.name
     return TopK.name
 
 
@@ -50,3 +55,11 @@ def build_target(cfg: GKDConfig) -> Target:
 
 
 __all__ = ["KINDS", "Objective", "Target", "build_objective", "build_target", "target_kind"]
+
+
+def actor_kinds(cfg: GKDConfig) -> ActorKinds:
+    """The target kind and objective an actor rank computes its loss with, built once (by the pools, the export, the
+    self-check) and handed to MegatronActor."""
+    from recipe_gkd.actor.objective import ActorKinds
+
+    return ActorKinds(target=build_target(cfg), objective=build_objective(cfg))

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from recipe_gkd.batch import TargetPayload
     from recipe_gkd.rollout.engine import Scorer
     from recipe_gkd.rollout.prompt_join import PromptJoin
-    from teacher_server.wire.protocol import TeacherTopK
+    from teacher_server.wire.protocol import TeacherScores
 
 
 class ActorSide(Protocol):
@@ -97,7 +97,7 @@ class Target:
         score_from: list[int],
         student_topk: list[np.ndarray | None],
         records: list[dict[str, Any]] | None,
-    ) -> list[TeacherTopK]:
+    ) -> list[TeacherScores]:
         """The teacher's scores of every sequence from score_from on, in this kind's columns.
 
         student_topk: per sequence the engine's [n_scored, k_s] top ids (None: not sampled by the student).
@@ -105,13 +105,14 @@ class Target:
         """
         return scorer.score(sequences, score_from)
 
-    def payload(self, scored: TeacherTopK, teacher: str) -> TargetPayload | None:
-        """This kind's own arrays of one response teacher `teacher` scored, for its Sequence (None: the common
+    def payload(self, scored: TeacherScores, teacher: str) -> TargetPayload | None:
+        """This kind's own arrays of one response teacher `teacher` scored, for its ScoredSequence (None: the common
         teacher arrays only)."""
         return None
 
-    def payload_bytes_per_token(self) -> int:
-        """Bytes of this kind's payload per response token through Ray's object store (the memory plan sizes it)."""
+    def payload_bytes_per_token(self, teacher_hidden_size: int | None) -> int:
+        """Bytes of this kind's payload per response token through Ray's object store (the memory plan sizes it;
+        `teacher_hidden_size`: the teacher's, from its config.json, None where that cannot be read)."""
         return 0
 
     # ------------------------------------------------------------------ metric columns

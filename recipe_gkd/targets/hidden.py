@@ -9,7 +9,7 @@ every divergence is over the whole vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -19,7 +19,7 @@ from recipe_gkd.config import GKDConfig, Precision
 from recipe_gkd.config.teachers import teacher_handles
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.targets.base import Target
-from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherScores
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +77,7 @@ class HiddenStates:
         return torch.tensor(np.ascontiguousarray(self.bits).view(np.int16)).view(torch_dtype(self.dtype))
 
     @staticmethod
-    def collate(payloads: SequenceOf[Any], rows: SequenceOf[slice], seq_len: int) -> Tensor:
+    def collate(payloads: Sequence[Any], rows: Sequence[slice], seq_len: int) -> Tensor:
         """[B, T, H] in the wire's 16-bit dtype until the teacher's head multiplies them (recipe_gkd/losses/hidden.py):
         each sequence's states at its loss positions `rows[b]`, 0 elsewhere."""
         import torch
@@ -111,25 +111,23 @@ class Hidden(Target):
         score_from: list[int],
         student_topk: list[np.ndarray | None],
         records: list[dict[str, Any]] | None,
-    ) -> list[TeacherTopK]:
+    ) -> list[TeacherScores]:
         replies = scorer.score(sequences, score_from)
         if any(reply.hidden_states is None for reply in replies):
             raise ValueError("teacher.output=hidden but the teacher's reply carries no hidden states")
         return replies
 
-    def payload(self, scored: TeacherTopK, teacher: str) -> HiddenStates:
+    def payload(self, scored: TeacherScores, teacher: str) -> HiddenStates:
         """The states in the wire's 16 bits again (half the bytes of float32 through Ray's object store)."""
         assert scored.hidden_states is not None  # checked by `score`
         dtype = teacher_handles(self.cfg)[teacher].section.client.hidden_dtype
         return HiddenStates.from_float32(scored.hidden_states, dtype)
 
-    def payload_bytes_per_token(self) -> int:
+    def payload_bytes_per_token(self, teacher_hidden_size: int | None) -> int:
         """The teacher's hidden size in 16-bit values (0 when its config.json cannot be read)."""
-        from recipe_gkd.plan.model_shape import read_shape
         from teacher_server.wire.hidden_codec import HIDDEN_ITEMSIZE
 
-        teacher = read_shape(self.cfg.teacher.model_path, "teacher.model_path", [])
-        return 0 if teacher is None else teacher.hidden_size * HIDDEN_ITEMSIZE
+        return 0 if teacher_hidden_size is None else teacher_hidden_size * HIDDEN_ITEMSIZE
 
     def sends_topk(self) -> bool:
         return False  # the whole vocabulary: no top-k travels
@@ -140,19 +138,19 @@ class Hidden(Target):
     def evaluates_kl(self) -> bool:
         return True
 
-    def _head_ref(self, vocab_size: int) -> Any:
+    @staticmethod
+    def _head_ref(cfg: GKDConfig, vocab_size: int) -> Any:
+        """The teacher's head in `cfg`'s files (the config as the reading process resolved its paths)."""
         from recipe_gkd.actor.teacher_head import find_teacher_head, tokenizer_size
 
-        m = self.cfg.model
-        return find_teacher_head(
-            self.cfg.teacher.model_path, vocab_size, tokenizer_size(m.tokenizer_path or m.student_path)
-        )
+        m = cfg.model
+        return find_teacher_head(cfg.teacher.model_path, vocab_size, tokenizer_size(m.tokenizer_path or m.student_path))
 
     def check_before_start(self) -> None:
         """The teacher's head is there and covers the ids the student's tokenizer produces."""
         from recipe_gkd.actor import hf_arch
 
-        self._head_ref(hf_arch.read_student_arch(self.cfg.model.student_path).vocab_size)
+        self._head_ref(self.cfg, hf_arch.read_student_arch(self.cfg.model.student_path).vocab_size)
 
     def setup_actor(self, objective: ActorSide) -> None:
         """This rank's columns of the ids both heads have, and (on the last pipeline stage: the loss is there) the
@@ -161,7 +159,8 @@ class Hidden(Target):
 
         from recipe_gkd.actor.teacher_head import load_teacher_head_shard
 
-        ref = self._head_ref(objective.vocab_size)
+        # The actor's own config: its paths resolved on its node (the kind was built where the pools are).
+        ref = self._head_ref(objective.cfg, objective.vocab_size)
         self.shard = objective.layout.local_vocab_slice(objective.vocab_size, ref.loss_vocab_size)[1]
         if not objective.layout.is_last_stage:
             return

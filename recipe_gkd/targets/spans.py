@@ -9,17 +9,17 @@ span's (losses.span_advantages).
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
 from recipe_gkd.config import GKDConfig
-from recipe_gkd.cross_tokenizer.targets import AlignedScores
+from recipe_gkd.cross_tokenizer.span_scores import AlignedScores
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.targets.base import Target
-from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherScores
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -35,13 +35,13 @@ class RecordScorer(Protocol):
 
     def score_records(
         self, sequences: list[np.ndarray], score_from: list[int], records: list[dict[str, Any]]
-    ) -> list[TeacherTopK]: ...
+    ) -> list[TeacherScores]: ...
 
 
 @dataclass
 class Spans:
     """The payload: per response token, > 0 at the first token of an aligned span (its token count), 0 inside one,
-    -1 unaligned (recipe_gkd/cross_tokenizer/targets.py); the teacher arrays hold the span's values at its first
+    -1 unaligned (recipe_gkd/cross_tokenizer/span_scores.py); the teacher arrays hold the span's values at its first
     token. `alignment`: the response's alignment counts (metrics only)."""
 
     span_len_N: np.ndarray  # int32 [L - response_start]
@@ -54,7 +54,7 @@ class Spans:
         return self.alignment
 
     @staticmethod
-    def collate(payloads: SequenceOf[Any], rows: SequenceOf[slice], seq_len: int) -> Tensor:
+    def collate(payloads: Sequence[Any], rows: Sequence[slice], seq_len: int) -> Tensor:
         """int64 [B, T]: each sequence's span structure at its loss positions `rows[b]` (-1 off the response)."""
         import torch
 
@@ -98,12 +98,12 @@ class CrossTokenizerSpans(Target):
         score_from: list[int],
         student_topk: list[np.ndarray | None],
         records: list[dict[str, Any]] | None,
-    ) -> list[TeacherTopK]:
+    ) -> list[TeacherScores]:
         if records is None or not isinstance(scorer, RecordScorer):
             raise ValueError("algorithm.cross_tokenizer needs a CrossTokenizerScorer and each sequence's record")
         return scorer.score_records(sequences, score_from, records)
 
-    def payload(self, scored: TeacherTopK, teacher: str) -> Spans:
+    def payload(self, scored: TeacherScores, teacher: str) -> Spans:
         if not isinstance(scored, AlignedScores) or scored.span_len is None:
             raise ValueError(
                 "algorithm.cross_tokenizer but the scorer's reply carries no spans (a same-tokenizer one?)"

@@ -18,11 +18,11 @@ import numpy as np
 from recipe_gkd.batch import EXCLUDED_ID
 from recipe_gkd.rollout.engine import Scorer
 from recipe_gkd.targets.topk import TopK
-from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherScores
 from teacher_server.wire.scores import repeated_named
 
 
-class Union(TopK):
+class UnionSupport(TopK):
     """The teacher's top-k together with the student's top-k_s ids (algorithm.support=union)."""
 
     name: ClassVar[str] = "union"
@@ -34,7 +34,7 @@ class Union(TopK):
         score_from: list[int],
         student_topk: list[np.ndarray | None],
         records: list[dict[str, Any]] | None,
-    ) -> list[TeacherTopK]:
+    ) -> list[TeacherScores]:
         named = [
             self._named_ids(seq, start, ids)
             for seq, start, ids in zip(sequences, score_from, student_topk, strict=True)
@@ -57,7 +57,7 @@ class Union(TopK):
         return np.ascontiguousarray(student_ids, dtype=np.int32)
 
 
-def union_scores(reply: TeacherTopK, named_ids_NS: np.ndarray) -> TeacherTopK:
+def union_scores(reply: TeacherScores, named_ids_NS: np.ndarray) -> TeacherScores:
     """The teacher's top-k and the named (student) ids as one set of K + k_s columns.
 
     A named id the top-k (or an earlier named column) already holds becomes EXCLUDED_ID at -inf:
@@ -72,4 +72,4 @@ def union_scores(reply: TeacherTopK, named_ids_NS: np.ndarray) -> TeacherTopK:
         [reply.topk_logprobs, np.where(repeated_NS, -np.inf, reply.named_logprobs).astype(reply.named_logprobs.dtype)],
         axis=1,
     )
-    return TeacherTopK(logprobs, ids, reply.sampled_logprob, reply.other_logmass)
+    return TeacherScores(logprobs, ids, reply.sampled_logprob, reply.other_logmass)

@@ -1,6 +1,6 @@
 """The driver's side of the weight sync: one class for both pools, over a crew of workers and the run's transport.
 
-`SyncDriver` is the pools' `WeightSync` (recipe_gkd/runtime/pools.py): the Ray pools hand it a crew of remote calls
+`SyncDriver` is the pools' `WeightSync` (recipe_gkd/pools.py): the Ray pools hand it a crew of remote calls
 (recipe_gkd/runtime/ray_pools.py RayCrew), the in-process pools one of direct calls (recipe_gkd/runtime/local_pools.py
 LocalCrew). It pushes each version through the transport and asks the workers the sync check's questions.
 """

@@ -8,7 +8,7 @@ as a list of token ids (no text, no re-tokenization) with `max_tokens=1` and
 `prompt_logprobs=teacher.top_k`: for every prompt position p >= 1 vLLM returns a map
 token id -> {logprob, rank} holding the token actually at p and the top-K (K entries when that
 token is among them, K + 1 otherwise); with top_k=0 only the token at p. Positions >= score_from
-become a `TeacherTopK`, exactly as the ZeroMQ server's replies do:
+become a `TeacherScores`, exactly as the ZeroMQ server's replies do:
 - the tail is rebuilt from the top-k (`tail_from_topk`, as the vllm backend does: vLLM returns no
   other mass); with top_k=0 it is log 1 = 0;
 - temperature 1 only (vLLM's prompt logprobs are of the raw logits); -inf is sent as -9999 by vLLM.
@@ -45,7 +45,7 @@ from teacher_server.client.zmq_client import (
     TeacherTimeoutError,
     split_balanced,
 )
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 from teacher_server.wire import protocol as P
 
 if TYPE_CHECKING:
@@ -118,7 +118,9 @@ class OpenAITeacherClient:
         self._check_top_k()
         return self.model
 
-    def score(self, sequences: Sequence[np.ndarray | Sequence[int]], score_from: Sequence[int]) -> list[P.TeacherTopK]:
+    def score(
+        self, sequences: Sequence[np.ndarray | Sequence[int]], score_from: Sequence[int]
+    ) -> list[P.TeacherScores]:
         """The teacher's top-k for positions score_from[i] .. len(sequences[i]) - 1 of every sequence, in order."""
         if len(sequences) != len(score_from):
             raise ValueError(f"{len(sequences)} sequences but {len(score_from)} score_from values")
@@ -216,7 +218,7 @@ class OpenAITeacherClient:
 
     # ------------------------------------------------------------------ scoring
 
-    def _score_chunk(self, arrays: list[np.ndarray], score_from: list[int], top_k: int) -> list[P.TeacherTopK]:
+    def _score_chunk(self, arrays: list[np.ndarray], score_from: list[int], top_k: int) -> list[P.TeacherScores]:
         body = {
             "model": self.model,
             "prompt": [a.tolist() for a in arrays],
@@ -287,7 +289,7 @@ class OpenAITeacherClient:
 
 def scores_from_prompt_logprobs(
     prompt_logprobs: list[dict[str, dict[str, Any]] | None], seq: np.ndarray, start: int, top_k: int
-) -> P.TeacherTopK:
+) -> P.TeacherScores:
     """Rows for positions start..len-1 from one choice's `prompt_logprobs` (token id -> {logprob, rank})."""
     n = seq.size - start
     if prompt_logprobs is None or len(prompt_logprobs) != seq.size:
@@ -312,7 +314,7 @@ def scores_from_prompt_logprobs(
         ids_NK[row] = top
         values_NK[row] = [entries[token]["logprob"] for token in top]
     values_NK, ids_NK = P.canonical_order(values_NK, ids_NK)
-    return P.TeacherTopK(values_NK, ids_NK, sampled_N, P.tail_from_topk(values_NK))
+    return P.TeacherScores(values_NK, ids_NK, sampled_N, P.tail_from_topk(values_NK))
 
 
 def read_api_key(path: str) -> str:

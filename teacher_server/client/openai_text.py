@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from teacher_server.client.openai_client import TOKENIZER_FILES, OpenAITeacherClient
 from teacher_server.client.zmq_client import TeacherMismatchError
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 from teacher_server.wire import protocol as P
 from teacher_server.wire.conversation import Conversation, Renderer, RenderError
 
@@ -59,7 +59,7 @@ class OpenAITextTeacher:
             raise
         return cls(client, renderer)
 
-    def score_conversations(self, conversations: Sequence[Conversation]) -> list[P.TeacherTopK]:
+    def score_conversations(self, conversations: Sequence[Conversation]) -> list[P.TeacherScores]:
         """Each conversation's response scored in the teacher's tokens, with its token ids and their byte ranges in the
         response text. A conversation the teacher cannot render raises TeacherMismatchError (exit 2), as the ZeroMQ
         route's `render_failed` does."""

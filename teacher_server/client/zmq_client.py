@@ -1,7 +1,7 @@
 """The trainer's side of the wire: a DEALER client with request ids, bounded retries and typed errors.
 
     client = TeacherClient.from_config(cfg.teacher, vocab_size=V, tokenizer_hash=tokenizer_fingerprint(tok))
-    scores = client.score(sequences, score_from)   # list[TeacherTopK], one per sequence, in order
+    scores = client.score(sequences, score_from)   # list[TeacherScores], one per sequence, in order
 
 `score` splits a batch into contiguous chunks of about equal tokens (at least
 teacher.client.max_inflight of them when there are enough sequences, more if a chunk would
@@ -175,7 +175,7 @@ class TeacherClient:
         temperature: float | None = None,
         replica: str = "",
         named_ids: Sequence[np.ndarray] | None = None,
-    ) -> list[P.TeacherTopK]:
+    ) -> list[P.TeacherScores]:
         """The teacher's top-k for positions score_from[i] .. len(sequences[i]) - 1 of every sequence.
 
         score_from[i] >= 1 (the first response token). `replica` pins the request to one
@@ -200,7 +200,7 @@ class TeacherClient:
         batches = self._run(requests, P.TopKBatch)
         return [part for batch in batches for part in batch.split()]
 
-    def score_conversations(self, conversations: Sequence[Conversation]) -> list[P.TeacherTopK]:
+    def score_conversations(self, conversations: Sequence[Conversation]) -> list[P.TeacherScores]:
         """The teacher's scores of each conversation's response in the teacher's own tokens (algorithm.cross_tokenizer):
         the server renders them (teacher_server/wire/conversation.py); each result also carries its token ids and their
         byte ranges in the response text. A conversation the teacher cannot render raises TeacherMismatchError.

@@ -1,8 +1,8 @@
-"""Config fields that declare their own bounds and choices, and the one error a bad value raises.
+"""Config fields that declare their own bounds and choices, checked where they are declared.
 
 Generic: the teacher section (teacher.py) and the trainer's whole schema (recipe_gkd/config/schema.py) declare
-their fields with `bounded` and `one_of` and check them with `check_fields`; `ConfigError` names the key to
-change. They live here, below both, because the teacher server imports nothing of the trainer.
+their fields with `bounded` and `one_of` and check them with `check_fields`, raising `ConfigError` (errors.py)
+naming the key to change. They live here, below both, because the teacher server imports nothing of the trainer.
 """
 
 from __future__ import annotations
@@ -11,18 +11,7 @@ import dataclasses
 from dataclasses import field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A config value is wrong; `key` is the dotted path to change."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"config error at `{key}`: {message}")
-        self.key = key
-        self.message = message
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        # Rebuilt from (key, message) when it crosses a process boundary (a Ray worker's error).
-        return type(self), (self.key, self.message)
+from teacher_server.config.errors import ConfigError
 
 
 def bounded(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 
 # org/name (the hub's repo id grammar), optionally @revision.
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.\-]*/[\w.\-]+)(?:@(?P<revision>[\w.\-/]+))?$")

@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 from teacher_server.config.teacher import TeacherBackend, TeacherConfig, TeacherLocation, validate_teacher_section
 
 STANDALONE_KEYS = frozenset({"teacher", "server"})

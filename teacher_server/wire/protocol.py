@@ -45,7 +45,7 @@ import numpy as np
 from teacher_server.wire.conversation import Conversation
 from teacher_server.wire.identity import AUTH_CONTEXT, auth_token, read_secret, tokenizer_fingerprint  # noqa: F401
 from teacher_server.wire.scores import (  # noqa: F401 - re-exported: the wire's result types
-    TeacherTopK,
+    TeacherScores,
     TopKBatch,
     canonical_order,
     other_from_union,

@@ -1,4 +1,4 @@
-"""What a score request returns, as numpy arrays: one sequence (TeacherTopK) or several (TopKBatch).
+"""What a score request returns, as numpy arrays: one sequence (TeacherScores) or several (TopKBatch).
 
 The wire (protocol.py) and every backend produce these. Named ids: a request may name, per
 scored position, ids whose teacher logprobs it wants (the student's own top-k); the result then
@@ -20,7 +20,7 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class TeacherTopK:
+class TeacherScores:
     """The teacher's scores for one sequence, from its first response position to its end.
 
     Row j is position p = score_from + j of the sequence and holds the teacher's distribution
@@ -63,7 +63,7 @@ class TeacherTopK:
 class TopKBatch:
     """Scores of several sequences, concatenated along positions (the wire and backend layout).
 
-    n_scored [B] int64; the other arrays are TeacherTopK's with N = n_scored.sum() rows.
+    n_scored [B] int64; the other arrays are TeacherScores's with N = n_scored.sum() rows.
     """
 
     n_scored: np.ndarray
@@ -90,14 +90,14 @@ class TopKBatch:
             self.byte_offsets,
         ]
 
-    def split(self) -> list[TeacherTopK]:
-        """One TeacherTopK per sequence (views, no copies)."""
+    def split(self) -> list[TeacherScores]:
+        """One TeacherScores per sequence (views, no copies)."""
         bounds = np.cumsum(self.n_scored)[:-1]
         columns = [[None] * len(self.n_scored) if a is None else np.split(a, bounds) for a in self._arrays()]
-        return [TeacherTopK(*row) for row in zip(*columns, strict=True)]
+        return [TeacherScores(*row) for row in zip(*columns, strict=True)]
 
     @staticmethod
-    def from_sequences(parts: Sequence[TeacherTopK]) -> TopKBatch:
+    def from_sequences(parts: Sequence[TeacherScores]) -> TopKBatch:
         """Pack per-sequence scores (the inverse of split)."""
         return TopKBatch(
             np.asarray([p.n_scored for p in parts], dtype=np.int64),
@@ -182,8 +182,8 @@ def other_from_union(
 
 def scores_from_logprobs(
     logprobs_NV: np.ndarray, next_ids_N: np.ndarray, top_k: int, named_ids_NS: np.ndarray | None = None
-) -> TeacherTopK:
-    """Exact TeacherTopK of N positions from their full-vocabulary log-probs (a reference scorer).
+) -> TeacherScores:
+    """Exact TeacherScores of N positions from their full-vocabulary log-probs (a reference scorer).
 
     Row n is the distribution of token next_ids_N[n]; the tail (and the mass outside the top-k and
     `named_ids_NS`) is computed in float64 from the whole distribution, as a backend that sees
@@ -205,4 +205,4 @@ def scores_from_logprobs(
         np.put_along_axis(rest_NV, named_NS, -np.inf, axis=-1)
         with np.errstate(divide="ignore"):
             other = np.logaddexp.reduce(rest_NV, axis=-1).astype(np.float32)
-    return TeacherTopK(logprobs, ids, sampled_N.astype(np.float32), tail_N.astype(np.float32), named, other)
+    return TeacherScores(logprobs, ids, sampled_N.astype(np.float32), tail_N.astype(np.float32), named, other)

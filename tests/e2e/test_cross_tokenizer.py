@@ -117,7 +117,7 @@ def test_a_role_the_teacher_template_refuses_is_a_bad_input_naming_the_key(
     the server lives on."""
     from recipe_gkd.config import load_config
     from recipe_gkd.cross_tokenizer.align import StudentText
-    from recipe_gkd.cross_tokenizer.targets import conversation_of
+    from recipe_gkd.cross_tokenizer.span_scores import conversation_of
     from recipe_gkd.exit_codes import exit_code_for
 
     cfg = load_config(None, [f"model.student_path={xtok_inputs['student']}", "algorithm.cross_tokenizer=span"])

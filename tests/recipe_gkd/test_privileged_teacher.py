@@ -26,6 +26,7 @@ from recipe_gkd.config import GKDConfig, load_config
 from recipe_gkd.offline_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.runtime.local_pools import InProcessTeacher
+from recipe_gkd.targets import build_target
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +99,7 @@ def privileged_rollout(
 ) -> dict[str, Any]:
     cfg = privileged_config(chatml_models, data_file, tmp_path_factory.mktemp("privileged") / "run")
     scorer = RecordingScorer(InProcessTeacher(cfg))
-    worker = RolloutWorker(cfg, 0, 1)
+    worker = RolloutWorker(cfg, 0, 1, build_target(cfg))
     worker.setup(scorer=scorer)
     assert worker.engine is not None
     sampled_from: list[list[int]] = []

@@ -19,7 +19,7 @@ from recipe_gkd.offline_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
 from recipe_gkd.rollout.teacher_set import TeacherSet
 from recipe_gkd.targets import build_target
 from recipe_gkd.teacher_prompt import FieldPrompt, StudentPrompt, TemplatePrompt
-from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherScores
 
 DEMO = CONFIG_DIR / "presets" / "cpu_demo.yaml"
 TWO = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"
@@ -172,10 +172,10 @@ class Recording:
     def __init__(self) -> None:
         self.asked: list[tuple[list[int], int]] = []
 
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
+    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherScores]:
         self.asked += [(s.tolist(), f) for s, f in zip(sequences, score_from, strict=True)]
         return [
-            TeacherTopK(
+            TeacherScores(
                 topk_logprobs=np.zeros((len(s) - f, 1), np.float32),
                 topk_ids=np.zeros((len(s) - f, 1), np.int32),
                 tail_logmass=np.zeros(len(s) - f, np.float32),
@@ -262,7 +262,7 @@ class RecordingText:
         self.renderer = renderer
         self.rendered: list[tuple[Any, Any]] = []
 
-    def score_conversations(self, conversations: list[Any]) -> list[TeacherTopK]:
+    def score_conversations(self, conversations: list[Any]) -> list[TeacherScores]:
         import dataclasses
 
         from teacher_server.wire.protocol import scores_from_logprobs

@@ -1,5 +1,5 @@
 """Multi-turn rollouts: the response tokens the student did not sample (a tool's output, the chat template's turn
-markers) are attended, never trained, never counted (Sequence.sampled_mask).
+markers) are attended, never trained, never counted (ScoredSequence.sampled_mask).
 
 The sequences are real ChatML conversations in the byte-level BPE (system prompt, eos == pad == <|im_end|>, split
 UTF-8 characters, special-token strings inside the tool's text); the teacher rows are a real distribution's, so the
@@ -19,7 +19,7 @@ from target_kinds import kinds
 
 from recipe_gkd.actor.collate import collate
 from recipe_gkd.actor.objective import ActorObjective
-from recipe_gkd.batch import Sequence, trained_tokens
+from recipe_gkd.batch import ScoredSequence, trained_tokens
 from recipe_gkd.config import load_config
 from recipe_gkd.parallel_layout import ParallelLayout
 from recipe_gkd.rollout.worker import summarize
@@ -67,7 +67,9 @@ def conversation(tok, question: str, call: str, tool_output: str, answer: str) -
     return prompt + turn1 + delta + turn2, len(prompt), mask
 
 
-def scored(ids: list[int], start: int, mask: np.ndarray | None, vocab: int, seed: int, sample_id: int) -> Sequence:
+def scored(
+    ids: list[int], start: int, mask: np.ndarray | None, vocab: int, seed: int, sample_id: int
+) -> ScoredSequence:
     """The sequence with a random teacher's exact top-k (a real distribution per row) and sampling logprobs; the rows
     the student did not sample carry what a rollout puts there: rollout logprob 0.0 (the placeholder)."""
     rng = np.random.default_rng(seed)
@@ -81,7 +83,7 @@ def scored(ids: list[int], start: int, mask: np.ndarray | None, vocab: int, seed
     if mask is not None:
         rollout_N[~mask] = 0.0
     hidden = HiddenStates.from_float32(_bf16(rng.standard_normal((n, HIDDEN)).astype(np.float32)), "bfloat16")
-    return Sequence(
+    return ScoredSequence(
         sample_id=sample_id,
         input_ids=np.asarray(ids, dtype=np.int32),
         response_start=start,
@@ -103,7 +105,7 @@ def _bf16(values: np.ndarray) -> np.ndarray:
     return torch.from_numpy(values).to(torch.bfloat16).float().numpy()
 
 
-def other_values_off_the_samples(seq: Sequence, seed: int) -> Sequence:
+def other_values_off_the_samples(seq: ScoredSequence, seed: int) -> ScoredSequence:
     """`seq` with different teacher rows, rollout and teacher logprobs and hidden states where the student did not
     sample: any of them reaching a loss or a metric changes it."""
     rng = np.random.default_rng(seed)
@@ -129,10 +131,10 @@ def other_values_off_the_samples(seq: Sequence, seed: int) -> Sequence:
     return out
 
 
-def only_sampled(seq: Sequence, sample_id: int) -> Sequence:
+def only_sampled(seq: ScoredSequence, sample_id: int) -> ScoredSequence:
     """The single-turn sequence made of `seq`'s prompt and the tokens the student sampled, with their rows."""
     keep = seq.sampled_rows()
-    return Sequence(
+    return ScoredSequence(
         sample_id=sample_id,
         input_ids=np.concatenate([seq.input_ids[: seq.response_start], seq.input_ids[seq.response_start :][keep]]),
         response_start=seq.response_start,
@@ -148,7 +150,7 @@ def only_sampled(seq: Sequence, sample_id: int) -> Sequence:
 
 
 @pytest.fixture(scope="module")
-def batch(chatml_tokenizer_dir: Path) -> tuple[list[Sequence], int]:
+def batch(chatml_tokenizer_dir: Path) -> tuple[list[ScoredSequence], int]:
     """Two multi-turn conversations and one single-turn (no mask), and the vocabulary size."""
     tok = tokenizer(chatml_tokenizer_dir)
     vocab = len(tok)
@@ -214,7 +216,7 @@ def reference_sum(micro, logits_BTV: torch.Tensor, divergence: str, beta: float 
 # ----------------------------------------------------------------------------- collate
 
 
-def test_collate_attends_the_tool_tokens_and_trains_the_sampled_ones(batch: tuple[list[Sequence], int]) -> None:
+def test_collate_attends_the_tool_tokens_and_trains_the_sampled_ones(batch: tuple[list[ScoredSequence], int]) -> None:
     sequences, _ = batch
     micro = collate(sequences, pad_id=0)
     for b, seq in enumerate(sequences):
@@ -274,7 +276,7 @@ def hidden_target(objective: ActorObjective) -> Hidden:
 
 @pytest.mark.parametrize(("name", "overrides"), LOSSES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(LOSSES)])
 def test_every_loss_trains_the_sampled_rows_only(
-    batch: tuple[list[Sequence], int], name: str, overrides: list[str]
+    batch: tuple[list[ScoredSequence], int], name: str, overrides: list[str]
 ) -> None:
     """The loss equals the float64 reference over the sampled rows; its gradient at every other position is exactly
     0; other values at the unsampled rows (rollout logprob 0 vs not, other teacher rows) change nothing; and it
@@ -337,7 +339,7 @@ def _full_forward_kl(mask_BT: torch.Tensor, teacher_logits_BTV: torch.Tensor, lo
     return float((teacher.exp() * (teacher - student)).sum())
 
 
-def test_the_ablation_trains_every_response_token(batch: tuple[list[Sequence], int]) -> None:
+def test_the_ablation_trains_every_response_token(batch: tuple[list[ScoredSequence], int]) -> None:
     """algorithm.mask_tool_tokens=false: the placeholders enter the sampled-token loss (the trap it demonstrates)."""
     sequences, vocab = batch
     objective = actor_objective(vocab, "algorithm.divergence=sampled_reverse_kl", "algorithm.mask_tool_tokens=false")
@@ -350,7 +352,7 @@ def test_the_ablation_trains_every_response_token(batch: tuple[list[Sequence], i
     assert loss.item() != pytest.approx(_loss(objective, masked, logits, "sampled_reverse_kl")[0].item(), rel=1e-3)
 
 
-def test_the_policy_statistics_count_the_sampled_rows(batch: tuple[list[Sequence], int]) -> None:
+def test_the_policy_statistics_count_the_sampled_rows(batch: tuple[list[ScoredSequence], int]) -> None:
     """advantage_mean (the divergence watch's figure) and the ratio over the sampled rows: not a placeholder's."""
     sequences, vocab = batch
     objective = actor_objective(vocab, "algorithm.divergence=sampled_reverse_kl")
@@ -366,7 +368,7 @@ def test_the_policy_statistics_count_the_sampled_rows(batch: tuple[list[Sequence
     assert micro.num_tokens == sum(s.num_sampled_tokens for s in sequences)
 
 
-def test_cross_tokenizer_spans_refuse_unsampled_tokens(batch: tuple[list[Sequence], int]) -> None:
+def test_cross_tokenizer_spans_refuse_unsampled_tokens(batch: tuple[list[ScoredSequence], int]) -> None:
     """Spans across tokenizers do not handle a tool's tokens yet: the loss refuses them, it never trains on them."""
     sequences, vocab = batch
     cfg = load_config(None, ["algorithm.cross_tokenizer=span"])
@@ -385,7 +387,7 @@ def test_cross_tokenizer_spans_refuse_unsampled_tokens(batch: tuple[list[Sequenc
 # ----------------------------------------------------------------------------- every metric
 
 
-def test_rollout_stats_count_the_sampled_rows_only(batch: tuple[list[Sequence], int]) -> None:
+def test_rollout_stats_count_the_sampled_rows_only(batch: tuple[list[ScoredSequence], int]) -> None:
     """Token counts, the teacher's top-k mass, the logprob sums (the KL estimate), per teacher: the sampled rows only,
     equal to the single-turn sequences made of them; other values at the other rows change nothing."""
     sequences, _ = batch

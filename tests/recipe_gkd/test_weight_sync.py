@@ -15,6 +15,7 @@ from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.runtime.ray_cluster import SpillWatch, ray_env, spilled_bytes
 from recipe_gkd.runtime.ray_pools import RayBucketStore, open_weight_sync
+from recipe_gkd.targets import build_target
 from recipe_gkd.weight_sync import (
     CollectiveChannel,
     FullStudent,
@@ -115,7 +116,8 @@ class RecordingRollout(RolloutWorker):
     """The real rollout worker's weight sync (its transport handed down, its receive), over a recording engine."""
 
     def __init__(self, delay_s: float = 0.0, bad_tensor: str = "") -> None:
-        super().__init__(load_config(None, []), 0, 1)
+        cfg = load_config(None, [])
+        super().__init__(cfg, 0, 1, build_target(cfg))
         self.engine = RecordingEngine(bad_tensor)
         self.delay_s = delay_s
 

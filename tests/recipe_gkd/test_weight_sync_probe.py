@@ -13,11 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from recipe_gkd.batch import Sequence, TrainShard
+from recipe_gkd.batch import ScoredSequence, TrainShard
 from recipe_gkd.config import WeightTransport, load_config
 from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.rollout.worker import make_engine
 from recipe_gkd.runtime.ray_pools import RayRolloutWorker, open_weight_sync, ray_actor_worker_class, ray_transport
+from recipe_gkd.targets import actor_kinds, build_target
 from teacher_server.wire.protocol import scores_from_logprobs
 
 TOP_K = 4
@@ -42,7 +43,7 @@ def _shard(rng: np.random.Generator, vocab: int, n: int) -> TrainShard:
         logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         scores = scores_from_logprobs(logprobs, response, TOP_K)
         sequences.append(
-            Sequence(
+            ScoredSequence(
                 sample_id=i,
                 input_ids=np.concatenate([prompt, response]).astype(np.int32),
                 response_start=len(prompt),
@@ -94,8 +95,11 @@ def test_rollout_matches_actor_after_sync(
     )
     port = _free_port()
     actor_cls = ray.remote(num_cpus=0)(ray_actor_worker_class()).options(num_gpus=1)
-    actors = [actor_cls.remote(cfg, rank, pp, "127.0.0.1", port) for rank in range(pp)]
-    rollouts = [ray.remote(num_cpus=0)(EngineOnlyRollout).options(num_gpus=1).remote(cfg, i, 2) for i in range(2)]
+    actors = [actor_cls.remote(cfg, rank, pp, "127.0.0.1", port, actor_kinds(cfg)) for rank in range(pp)]
+    rollouts = [
+        ray.remote(num_cpus=0)(EngineOnlyRollout).options(num_gpus=1).remote(cfg, i, 2, build_target(cfg))
+        for i in range(2)
+    ]
     try:
         ray.get([a.setup.remote() for a in actors] + [r.setup.remote() for r in rollouts], timeout=180)
         transports = transport.split("+")

@@ -17,6 +17,8 @@ import argparse
 import numpy as np
 from megatron_scenarios import make_cfg, rank_shards
 
+from recipe_gkd.targets import actor_kinds
+
 SAVED_STEPS = (1, 2)
 NEXT_STEP = 3
 # dp: every rank a data-parallel replica, with megatron's distributed optimizer (sharded state).
@@ -30,7 +32,7 @@ def run_job(rank: int, world: int, spec: str) -> None:
 
     split: dict[str, object] = {"distributed_optimizer": True} if parallel == "dp" else {parallel: world}
     cfg = make_cfg(model, world, "cpu", **split, micro_batch_size=4, lr=1e-3, warmup_steps=3)
-    actor = MegatronActor(cfg, rank, world, "127.0.0.1", int(port))
+    actor = MegatronActor(cfg, rank, world, "127.0.0.1", int(port), actor_kinds(cfg))
     actor.setup()
     vocab = actor.arch.vocab_size
     if mode == "save":

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from recipe_gkd.batch import FOLDED_BASE, Sequence, TrainShard
+from recipe_gkd.batch import FOLDED_BASE, ScoredSequence, TrainShard
 from recipe_gkd.config import (
     Attention,
     CrossTokenizer,
@@ -30,6 +30,7 @@ from recipe_gkd.config import (
     Recompute,
     TeacherOutput,
 )
+from recipe_gkd.targets import actor_kinds
 from recipe_gkd.targets.hidden import HiddenStates
 from recipe_gkd.targets.spans import Spans
 from teacher_server.wire.protocol import scores_from_logprobs
@@ -47,7 +48,7 @@ POLICY_KEYS = ("advantage_mean", "ratio_mean", "ratio_min", "ratio_max", "ratio_
 # ----------------------------------------------------------------------------- data
 
 
-def make_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> list[Sequence]:
+def make_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> list[ScoredSequence]:
     """Random prompt+response sequences with a random teacher's exact top-k log-probs."""
     rng = np.random.default_rng(seed)
     sequences = []
@@ -62,7 +63,7 @@ def make_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> lis
         # stream so that the other arrays stay what they were.
         stale = np.random.default_rng([seed, i, SAMPLER_SALT]).normal(size=length - response_start) * 0.3
         sequences.append(
-            Sequence(
+            ScoredSequence(
                 sample_id=i,
                 input_ids=ids,
                 response_start=response_start,
@@ -77,9 +78,9 @@ def make_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> lis
     return sequences
 
 
-def make_masked_sequences(seed: int, count: int, vocab: int, other: bool = False) -> list[Sequence]:
+def make_masked_sequences(seed: int, count: int, vocab: int, other: bool = False) -> list[ScoredSequence]:
     """make_sequences as multi-turn rollouts hand them on: in every response of 3+ tokens a run the student did not
-    sample (a tool's output; Sequence.sampled_mask) whose rollout logprob is the placeholder 0.0. `other`: the same
+    sample (a tool's output; ScoredSequence.sampled_mask) whose rollout logprob is the placeholder 0.0. `other`: the same
     batch with other values at those rows (rollout and teacher logprobs, teacher top-k rows and tail)."""
     rng = np.random.default_rng([seed, 0x7001])
     sequences = make_sequences(seed, count, vocab)
@@ -104,8 +105,8 @@ def make_masked_sequences(seed: int, count: int, vocab: int, other: bool = False
     return sequences
 
 
-def make_xtok_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> list[Sequence]:
-    """make_sequences shaped as a cross-tokenizer scorer maps its reply (recipe_gkd/cross_tokenizer/targets.py).
+def make_xtok_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -> list[ScoredSequence]:
+    """make_sequences shaped as a cross-tokenizer scorer maps its reply (recipe_gkd/cross_tokenizer/span_scores.py).
 
     Per response: spans of 1-3 student tokens tiling it but for an unaligned tail (span_len -1); a multi-token
     span's first position carries the teacher's log-probability of its text (teacher_sampled_logprob); one-token
@@ -131,7 +132,7 @@ def make_xtok_sequences(seed: int, count: int, vocab: int, top_k: int = TOP_K) -
     return sequences
 
 
-def make_hidden_sequences(seed: int, count: int, vocab: int, hidden_size: int) -> list[Sequence]:
+def make_hidden_sequences(seed: int, count: int, vocab: int, hidden_size: int) -> list[ScoredSequence]:
     """make_sequences with the teacher's final hidden states (teacher.output=hidden) as the worker hands them on:
     random states rounded to the wire's bfloat16, in its 16 bits."""
     from teacher_server.wire import hidden_codec
@@ -145,7 +146,7 @@ def make_hidden_sequences(seed: int, count: int, vocab: int, hidden_size: int) -
 
 
 def rank_shards(
-    seed: int, vocab: int, dp_rank: int, dp_size: int, make: Callable[..., list[Sequence]] = make_sequences
+    seed: int, vocab: int, dp_rank: int, dp_size: int, make: Callable[..., list[ScoredSequence]] = make_sequences
 ) -> list[TrainShard]:
     """This data-parallel rank's part of a GLOBAL_BATCH batch, as two shards (two rollout workers)."""
     sequences = make(seed, GLOBAL_BATCH, vocab)
@@ -198,7 +199,7 @@ class Job:
         if teacher:  # teacher.output=hidden with that model's head
             cfg.teacher.output = TeacherOutput.hidden
             cfg.teacher.model_path = str(Path(self.args.models) / teacher)
-        a = MegatronActor(cfg, self.args.rank, self.args.world, "127.0.0.1", next(self.ports))
+        a = MegatronActor(cfg, self.args.rank, self.args.world, "127.0.0.1", next(self.ports), actor_kinds(cfg))
         info = a.setup()
         self.out["info"] = np.array(json.dumps(info))
         self.out["group_timeouts_s"] = np.array(json.dumps(group_timeouts_s(a)))
@@ -285,7 +286,7 @@ def _masked_job(job: Job) -> None:
         a = job.actor("llama_untied_odd", micro_batch_size=3, lr=1e-3, **SAMPLED)
         vocab = a.arch.vocab_size
 
-        def make(seed: int, count: int, vocab: int, other: bool = other) -> list[Sequence]:
+        def make(seed: int, count: int, vocab: int, other: bool = other) -> list[ScoredSequence]:
             return make_masked_sequences(seed, count, vocab, other)
 
         shards = rank_shards(1, vocab, a.layout.dp_rank, a.layout.dp_size, make)

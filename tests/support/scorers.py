@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from recipe_gkd.runtime.local_pools import InProcessTeacher
-from teacher_server.wire.protocol import TeacherTopK, scores_from_logprobs
+from teacher_server.wire.protocol import TeacherScores, scores_from_logprobs
 
 
 class HFTopKScorer:
@@ -22,7 +22,7 @@ class HFTopKScorer:
         self.calls: list[tuple[list[np.ndarray], list[int]]] = []
 
     @torch.no_grad()
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
+    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherScores]:
         self.calls.append((sequences, score_from))
         out = []
         for seq, first in zip(sequences, score_from, strict=True):
@@ -40,6 +40,6 @@ class RecordingScorer:
         self.teacher = teacher
         self.asked: list[tuple[list[int], int]] = []
 
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
+    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherScores]:
         self.asked += [(s.tolist(), start) for s, start in zip(sequences, score_from, strict=True)]
         return self.teacher.score(sequences, score_from)

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from teacher_server.server.backends import BackendOptions, ModelInfo, token_budget_groups
 from teacher_server.wire import hidden_codec
-from teacher_server.wire.protocol import TeacherTopK, TopKBatch, canonical_order, tokenizer_fingerprint
+from teacher_server.wire.protocol import TeacherScores, TopKBatch, canonical_order, tokenizer_fingerprint
 from teacher_server.wire.score_frames import ParsedRequest
 
 # Rows x vocabulary of fp32 logits materialised at once (2^26 floats = 256 MiB).
@@ -71,7 +71,7 @@ class HFBackend:
         """Top-k scores of every position p >= score_from of every sequence, in request order."""
         sequences = request.sequences()
         named = request.named_per_sequence()
-        per_sequence: list[TeacherTopK] = [None] * len(sequences)  # type: ignore[list-item]
+        per_sequence: list[TeacherScores] = [None] * len(sequences)  # type: ignore[list-item]
         for group in token_budget_groups(request.lengths, self.max_batch_tokens):
             seqs = [sequences[i] for i in group]
             group_named = None if request.named_ids is None else np.concatenate([named[i] for i in group])

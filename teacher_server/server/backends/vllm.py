@@ -75,7 +75,7 @@ from teacher_server.server.backends import BackendOptions, ModelInfo
 from teacher_server.vllm_version import check_vllm_version
 from teacher_server.wire import hidden_codec
 from teacher_server.wire.protocol import (
-    TeacherTopK,
+    TeacherScores,
     TopKBatch,
     canonical_order,
     other_from_union,
@@ -196,12 +196,12 @@ class VLLMBackend:
         return TopKBatch.from_sequences(parts)
 
     @staticmethod
-    def _sequence(prompt_logprobs: Any, seq: np.ndarray, start: int, top_k: int) -> TeacherTopK:
+    def _sequence(prompt_logprobs: Any, seq: np.ndarray, start: int, top_k: int) -> TeacherScores:
         """Rows for positions start..len-1 from vLLM's FlatLogprobs (see the module doc for the layout)."""
         n = seq.size - start
         if n == 0:
             empty = np.zeros((0, top_k), dtype=np.float32)
-            return TeacherTopK(empty, empty.astype(np.int32), np.zeros(0, np.float32), np.zeros(0, np.float32))
+            return TeacherScores(empty, empty.astype(np.int32), np.zeros(0, np.float32), np.zeros(0, np.float32))
         starts = np.asarray(prompt_logprobs.start_indices[start:], dtype=np.int64)
         ends = np.asarray(prompt_logprobs.end_indices[start:], dtype=np.int64)
         if starts.size != n or np.any(ends - starts != top_k + 1):
@@ -215,7 +215,7 @@ class VLLMBackend:
         if not np.array_equal(ids_NJ[:, 0], seq[start:]):
             raise RuntimeError("vLLM's prompt logprobs do not line up with the scored tokens")
         values, ids = canonical_order(logprobs_NJ[:, 1:], ids_NJ[:, 1:].astype(np.int32))
-        return TeacherTopK(values, ids, logprobs_NJ[:, 0].copy(), tail_from_topk(values))
+        return TeacherScores(values, ids, logprobs_NJ[:, 0].copy(), tail_from_topk(values))
 
 
 # vLLM's per-token pooling task (vllm/tasks.py POOLING_TASKS), the one pooler_for_token_embed serves.
@@ -248,7 +248,7 @@ def check_plain_head(model_path: str) -> None:
             )
 
 
-def _hidden_part(states_TH: Any, seq: np.ndarray, start: int, hidden_dtype: str, hidden_size: int) -> TeacherTopK:
+def _hidden_part(states_TH: Any, seq: np.ndarray, start: int, hidden_dtype: str, hidden_size: int) -> TeacherScores:
     """One sequence's hidden-state reply: position p is predicted by the state at p-1; no top-k, sampled NaN."""
     n = seq.size - start
     if tuple(states_TH.shape) != (seq.size, hidden_size):
@@ -257,7 +257,7 @@ def _hidden_part(states_TH: Any, seq: np.ndarray, start: int, hidden_dtype: str,
         )
     rows_NH = states_TH[start - 1 : seq.size - 1].float().cpu().numpy()
     empty = np.zeros((n, 0), np.float32)
-    return TeacherTopK(
+    return TeacherScores(
         empty,
         empty.astype(np.int32),
         np.full(n, np.nan, np.float32),
@@ -286,7 +286,7 @@ def _params(top_k: int, named_NS: np.ndarray | None, start: int) -> SamplingPara
     )
 
 
-def _add_named(part: TeacherTopK, output: Any, named_NS: np.ndarray | None) -> TeacherTopK:
+def _add_named(part: TeacherScores, output: Any, named_NS: np.ndarray | None) -> TeacherScores:
     """`part` with the logprobs at the named ids and the mass outside top-k + named ids."""
     if named_NS is None:
         return part
@@ -298,4 +298,4 @@ def _add_named(part: TeacherTopK, output: Any, named_NS: np.ndarray | None) -> T
         if values.shape != (n, k_s):
             raise RuntimeError(f"vLLM returned named-id logprobs of shape {values.shape}, expected {(n, k_s)}")
     other = other_from_union(part.topk_logprobs, part.topk_ids, values, named_NS)
-    return TeacherTopK(part.topk_logprobs, part.topk_ids, part.sampled_logprob, part.tail_logmass, values, other)
+    return TeacherScores(part.topk_logprobs, part.topk_ids, part.sampled_logprob, part.tail_logmass, values, other)

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from recipe_gkd.actor.collate import LazyMicroBatches, collate, split_by_token_budget, split_micro_batches
-from recipe_gkd.batch import Sequence
+from recipe_gkd.batch import ScoredSequence
 from recipe_gkd.targets.hidden import HiddenStates
 
 PAD = 0
 
 
-def sequence(sample_id: int, length: int, response_start: int, top_k: int = 3) -> Sequence:
+def sequence(sample_id: int, length: int, response_start: int, top_k: int = 3) -> ScoredSequence:
     rng = np.random.default_rng(sample_id)
     responses = length - response_start
-    return Sequence(
+    return ScoredSequence(
         sample_id=sample_id,
         input_ids=rng.integers(1, 50, length).astype(np.int32),
         response_start=response_start,
@@ -102,7 +102,7 @@ def test_a_sequence_longer_than_the_budget_is_refused_naming_the_key() -> None:
 HIDDEN = 24
 
 
-def hidden_sequence(sample_id: int, length: int, response_start: int, dtype: str) -> Sequence:
+def hidden_sequence(sample_id: int, length: int, response_start: int, dtype: str) -> ScoredSequence:
     """A sequence with the teacher's hidden states as the client decodes the wire (float32 of 16-bit values)."""
     from teacher_server.wire import hidden_codec
 

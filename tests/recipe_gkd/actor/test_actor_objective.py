@@ -11,7 +11,7 @@ from target_kinds import kinds
 
 from recipe_gkd.actor.collate import collate
 from recipe_gkd.actor.objective import ActorObjective
-from recipe_gkd.batch import Sequence
+from recipe_gkd.batch import ScoredSequence
 from recipe_gkd.config import CONFIG_DIR, load_config
 from recipe_gkd.parallel_layout import ParallelLayout
 
@@ -19,7 +19,7 @@ PAD, VOCAB, TOP_K = 0, 102, 8
 PRESET = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"
 
 
-def sequence(sample_id: int, teacher: str, length: int, response_start: int) -> Sequence:
+def sequence(sample_id: int, teacher: str, length: int, response_start: int) -> ScoredSequence:
     """A scored sequence whose teacher top-k is a real distribution's (descending logprobs, distinct ids)."""
     rng = np.random.default_rng(sample_id)
     n = length - response_start
@@ -28,7 +28,7 @@ def sequence(sample_id: int, teacher: str, length: int, response_start: int) -> 
     ids_NK = np.argsort(-logprobs_NV, axis=1)[:, :TOP_K]
     top_NK = np.take_along_axis(logprobs_NV, ids_NK, 1)
     tail_N = np.log1p(-np.exp(np.logaddexp.reduce(top_NK, axis=1)))
-    return Sequence(
+    return ScoredSequence(
         sample_id=sample_id,
         input_ids=rng.integers(3, VOCAB, length).astype(np.int32),
         response_start=response_start,

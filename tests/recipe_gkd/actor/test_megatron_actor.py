@@ -29,6 +29,7 @@ from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.losses import gkd_loss_sum
 from recipe_gkd.offline_models import LLAMA3_ROPE_SHORT_CONTEXT, TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.plan.ports import reserve_ports
+from recipe_gkd.targets import actor_kinds
 
 SCENARIO_SCRIPT = Path(scenarios.__file__)
 # Both launches together, on 2 busy cores (imports alone take ~10 s per process).
@@ -541,6 +542,7 @@ def test_save_hf_writes_a_directory_transformers_loads(runs: dict[str, Path]) ->
 CPU_COMPAT_CHECK = """
 import threading, torch
 from recipe_gkd.actor.cpu_compat import cpu_compat_enabled, enable_cpu_compat
+from recipe_gkd.targets import actor_kinds
 enable_cpu_compat(); enable_cpu_compat()  # idempotent
 assert torch.zeros(2, device="cuda").device.type == "cpu"
 assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
@@ -595,7 +597,7 @@ def test_unsupported_split_is_refused_naming_the_key(
     cfg.actor.gpus_per_node = 4
     cfg.actor.megatron.pp, cfg.actor.megatron.cp = pp, cp
     with pytest.raises(ValueError, match=key):
-        MegatronActor(cfg, 0, 4, "127.0.0.1", 1).setup()
+        MegatronActor(cfg, 0, 4, "127.0.0.1", 1, actor_kinds(cfg)).setup()
 
 
 @pytest.mark.slow
@@ -604,7 +606,7 @@ def test_actor_runs_as_a_ray_actor(ray_local: None, tiny_model_dir: Path) -> Non
     import ray
 
     cfg = scenarios.make_cfg(str(tiny_model_dir), 1, "cpu", micro_batch_size=4)
-    actor = ray.remote(num_cpus=0)(MegatronActor).remote(cfg, 0, 1, "127.0.0.1", _free_ports(1)[0])
+    actor = ray.remote(num_cpus=0)(MegatronActor).remote(cfg, 0, 1, "127.0.0.1", _free_ports(1)[0], actor_kinds(cfg))
     try:
         info = ray.get(actor.setup.remote(), timeout=180)
         assert info["device"] == "cpu"

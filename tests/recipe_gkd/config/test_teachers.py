@@ -20,7 +20,7 @@ from recipe_gkd.plan.placement import build_plan, format_plan
 from recipe_gkd.rollout.teacher_set import TeacherSet
 from recipe_gkd.targets import build_target
 from teacher_server.client.zmq_client import TeacherDeadError
-from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherScores
 
 TWO = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"
 DEMO = CONFIG_DIR / "presets" / "cpu_demo.yaml"
@@ -129,7 +129,7 @@ class _Fake:
         self.calls: list[int] = []
         self.threads: set[str] = set()
 
-    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherTopK]:
+    def score(self, sequences: list[np.ndarray], score_from: list[int]) -> list[TeacherScores]:
         self.calls.append(len(sequences))
         self.threads.add(threading.current_thread().name)
         if self.meet is not None:
@@ -141,7 +141,7 @@ class _Fake:
         for seq, start in zip(sequences, score_from, strict=True):
             n = len(seq) - start
             out.append(
-                TeacherTopK(
+                TeacherScores(
                     topk_ids=np.zeros((n, 1), np.int32),
                     topk_logprobs=np.full((n, 1), self.mark, np.float32),
                     tail_logmass=np.zeros(n, np.float32),
@@ -270,7 +270,7 @@ class _FakeCross(_Fake):
 
     def score_records(
         self, sequences: list[np.ndarray], score_from: list[int], records: list[dict]
-    ) -> list[TeacherTopK]:
+    ) -> list[TeacherScores]:
         return self.score(sequences, score_from)
 
 

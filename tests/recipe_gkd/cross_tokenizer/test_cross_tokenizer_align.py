@@ -10,7 +10,7 @@ import pytest
 
 from recipe_gkd.batch import FOLDED_BASE
 from recipe_gkd.cross_tokenizer.align import Span, align_spans, student_text
-from recipe_gkd.cross_tokenizer.targets import vocabulary_map
+from recipe_gkd.cross_tokenizer.span_scores import vocabulary_map
 from recipe_gkd.offline_models import (
     CHATML_DEFAULT_SYSTEM,
     build_char_tokenizer,

@@ -9,9 +9,9 @@ import pytest
 from cross_tokenizer_pairs import build_pair
 
 from recipe_gkd.cross_tokenizer.align import align_spans, student_text
-from recipe_gkd.cross_tokenizer.targets import aligned_scores, vocabulary_map
+from recipe_gkd.cross_tokenizer.span_scores import aligned_scores, vocabulary_map
 from teacher_server.wire.conversation import Conversation, Renderer, token_byte_table
-from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherScores
 
 SEED = 4545
 CASES = 800  # per direction: under a second each
@@ -79,9 +79,9 @@ def _random_response(tok, table: list[bytes | None], rng: np.random.Generator) -
     return [*ids, tok.eos_token_id] if rng.random() < 0.5 else ids
 
 
-def _reply(n: int, vocab: int, rng: np.random.Generator) -> TeacherTopK:
+def _reply(n: int, vocab: int, rng: np.random.Generator) -> TeacherScores:
     """Any reply of the right shape: the alignment does not depend on its values."""
-    return TeacherTopK(
+    return TeacherScores(
         -rng.uniform(0, 5, size=(n, TOP_K)).astype(np.float32),
         rng.integers(0, vocab, size=(n, TOP_K)).astype(np.int32),
         -rng.uniform(0, 5, size=n).astype(np.float32),

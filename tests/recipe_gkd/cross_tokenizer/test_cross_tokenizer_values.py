@@ -11,12 +11,12 @@ import torch
 from cross_tokenizer_pairs import build_pair, piece_bytes
 
 from recipe_gkd.cross_tokenizer.align import align_spans, student_text
-from recipe_gkd.cross_tokenizer.targets import aligned_scores, vocabulary_map
+from recipe_gkd.cross_tokenizer.span_scores import aligned_scores, vocabulary_map
 from recipe_gkd.losses import cross_tokenizer_loss_sum, span_advantages
 from recipe_gkd.observe.metrics import alignment_columns
 from recipe_gkd.offline_models import build_char_tokenizer, build_llama3_bpe_tokenizer
 from teacher_server.wire.conversation import Conversation, Renderer, token_byte_table
-from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherScores
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def bpe_pair(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return build_pair(tmp_path_factory.mktemp("bpe_pair"))
 
 
-def _reply(logprobs_NV: np.ndarray, token_ids: np.ndarray, offsets: np.ndarray, top_k: int) -> TeacherTopK:
+def _reply(logprobs_NV: np.ndarray, token_ids: np.ndarray, offsets: np.ndarray, top_k: int) -> TeacherScores:
     """What the server sends for scored positions of full log-probabilities (float64 in, the wire's float32 out)."""
     order_NK = np.argsort(-logprobs_NV, axis=-1, kind="stable")[:, :top_k]
     values_NK = np.take_along_axis(logprobs_NV, order_NK, axis=-1)
@@ -40,7 +40,7 @@ def _reply(logprobs_NV: np.ndarray, token_ids: np.ndarray, offsets: np.ndarray, 
     np.put_along_axis(rest_NV, order_NK, -np.inf, axis=-1)
     tail_N = np.logaddexp.reduce(rest_NV, axis=-1)
     sampled_N = logprobs_NV[np.arange(len(token_ids)), token_ids]
-    return TeacherTopK(
+    return TeacherScores(
         values_NK.astype(np.float32),
         order_NK.astype(np.int32),
         sampled_N.astype(np.float32),
@@ -169,7 +169,7 @@ class InProcessTeacher:
     def __init__(self, tokenizer, model: Bigram) -> None:
         self.renderer, self.model = Renderer(tokenizer), model
 
-    def score_conversations(self, conversations) -> list[TeacherTopK]:
+    def score_conversations(self, conversations) -> list[TeacherScores]:
         out = []
         for conversation in conversations:
             r = self.renderer.render(conversation)

@@ -261,7 +261,7 @@ def refusal() -> SandboxUnavailable:
 
 def test_bwrap_refused_without_bubblewrap(monkeypatch: pytest.MonkeyPatch) -> None:
     from recipe_gkd.exit_codes import EXIT_BAD_CONFIG, exit_code_for
-    from teacher_server.config.fields import ConfigError
+    from teacher_server.config.errors import ConfigError
 
     real_which = sandbox.shutil.which
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if name == "bwrap" else real_which(name))

@@ -11,14 +11,14 @@ import torch
 
 from recipe_gkd.batch import EXCLUDED_ID, FOLDED_BASE
 from recipe_gkd.cross_tokenizer.align import Span, StudentText
-from recipe_gkd.cross_tokenizer.targets import aligned_scores
+from recipe_gkd.cross_tokenizer.span_scores import aligned_scores
 from recipe_gkd.losses import (
     cross_tokenizer_loss_sum,
     gkd_loss_sum,
     sampled_reverse_kl_loss_sum,
     span_advantages,
 )
-from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherScores
 
 B, T, V, K = 3, 9, 23, 5
 DIVERGENCES = [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3)]
@@ -50,7 +50,7 @@ def test_identical_tokenizers_give_the_same_tokenizer_loss(divergence: str, beta
     text = StudentText("", np.zeros((T, 2), np.int32), np.ones(T, bool), False)
     cols, span_len = [], []
     for b in range(B):
-        reply = TeacherTopK(
+        reply = TeacherScores(
             values[b].float().numpy(), ids[b].int().numpy(), np.zeros(T, np.float32), tail[b].float().numpy()
         )
         scored = aligned_scores(text, spans, reply, np.arange(V), K)

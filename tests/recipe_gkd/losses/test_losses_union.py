@@ -13,7 +13,7 @@ import torch
 from recipe_gkd.batch import EXCLUDED_ID
 from recipe_gkd.losses import DIVERGENCES, gkd_loss
 from recipe_gkd.targets.union import union_scores
-from teacher_server.wire.protocol import TeacherTopK, scores_from_logprobs
+from teacher_server.wire.protocol import TeacherScores, scores_from_logprobs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,7 +48,7 @@ def _union_tensors(
     np.put_along_axis(rest, student_ids_NS.astype(np.int64), -np.inf, axis=1)
     with np.errstate(divide="ignore"):
         other64 = np.logaddexp.reduce(rest, axis=1)
-    reply64 = TeacherTopK(top64, reply.topk_ids, reply.sampled_logprob, reply.tail_logmass, named64, other64)
+    reply64 = TeacherScores(top64, reply.topk_ids, reply.sampled_logprob, reply.tail_logmass, named64, other64)
     merged = union_scores(reply64, student_ids_NS)
     logprobs.append(merged.topk_logprobs.astype(np.float64))
     ids.append(merged.topk_ids)
@@ -138,7 +138,7 @@ def test_union_is_exact_over_its_partition(divergence: str) -> None:
 
 
 def test_union_scores_counts_each_id_once() -> None:
-    reply = TeacherTopK(
+    reply = TeacherScores(
         topk_logprobs=np.log(np.array([[0.5, 0.2]], np.float32)),
         topk_ids=np.array([[7, 3]], np.int32),
         sampled_logprob=np.zeros(1, np.float32),

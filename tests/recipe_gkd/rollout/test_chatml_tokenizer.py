@@ -26,6 +26,7 @@ from recipe_gkd.observe.metrics import MetricsLogger, read_metrics
 from recipe_gkd.offline_models import CHATML_DEFAULT_SYSTEM, IM_END, IM_START
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.runtime.local_pools import InProcessTeacher, local_pools
+from recipe_gkd.targets import build_target
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +92,7 @@ def stopping_rollout(
     teacher = chatml_models["teacher"]
     cfg = chatml_config(teacher, teacher, prompts_file, tmp_path_factory.mktemp("rollout") / "run")
     scorer = RecordingScorer(InProcessTeacher(cfg))
-    worker = RolloutWorker(cfg, 0, 1)
+    worker = RolloutWorker(cfg, 0, 1, build_target(cfg))
     worker.setup(scorer=scorer)
     assert worker.engine is not None
     sampled_from: list[list[int]] = []

@@ -37,6 +37,7 @@ from recipe_gkd.rollout.multi_turn import (
     conversation_counts,
     episode_seed,
 )
+from recipe_gkd.targets import build_target
 
 RECORD = {"prompt": "A shop sells 17 boxes of 23 pens and 4 loose pens. How many pens?", "answer": "395"}
 SOLVE = [
@@ -332,7 +333,7 @@ def echo_worker(cfg: Any, envs: list[EchoEnv]) -> Any:
     from recipe_gkd.rollout.producers import Conversations
     from recipe_gkd.rollout.worker import RolloutWorker
 
-    worker = RolloutWorker(cfg, rank=0, world=1)
+    worker = RolloutWorker(cfg, rank=0, world=1, target=build_target(cfg))
     worker.setup(scorer=HFTopKScorer(Path(cfg.model.student_path), top_k=3))
     assert isinstance(worker.producer, Conversations)
 

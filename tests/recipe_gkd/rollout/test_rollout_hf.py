@@ -13,6 +13,7 @@ from recipe_gkd.config import load_config
 from recipe_gkd.offline_models import build_tiny_causal_lm
 from recipe_gkd.rollout.hf import HFEngine
 from recipe_gkd.rollout.worker import RolloutWorker
+from recipe_gkd.targets import build_target
 
 
 def _cfg(model_dir: Path, data_dir: Path, *extra: str):
@@ -97,7 +98,7 @@ def test_weight_errors_are_clear(tiny_model_dir: Path, data_dir: Path) -> None:
 def test_worker_aligns_teacher_rows_with_response_tokens(tiny_model_dir: Path, data_dir: Path) -> None:
     cfg = _cfg(tiny_model_dir, data_dir, "algorithm.lmbda=0.5", "rollout.sampling.max_new_tokens=4")
     scorer = HFTopKScorer(tiny_model_dir, top_k=3)
-    worker = RolloutWorker(cfg, rank=0, world=1)
+    worker = RolloutWorker(cfg, rank=0, world=1, target=build_target(cfg))
     worker.setup(scorer=scorer)
     stats, shards = worker.produce(step=0, dp_size=2)
     assert stats.num_sequences == 6 and len(shards) == 2 and [len(s.sequences) for s in shards] == [3, 3]
@@ -179,7 +180,7 @@ def test_worker_union_plan_names_the_students_top_ids(tiny_model_dir: Path, data
 
     union = ["algorithm.support=union", "rollout.student_top_k=4", f"teacher.model_path={tiny_model_dir}"]
     cfg = _cfg(tiny_model_dir, data_dir, *union, "teacher.top_k=3")
-    worker = RolloutWorker(cfg, rank=0, world=1)
+    worker = RolloutWorker(cfg, rank=0, world=1, target=build_target(cfg))
     worker.setup(scorer=InProcessTeacher(cfg))
     _, shards = worker.produce(step=0, dp_size=1)
     assert worker.engine is not None

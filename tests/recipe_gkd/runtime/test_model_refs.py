@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from recipe_gkd.config import ConfigError
+from recipe_gkd.targets import actor_kinds, build_target
 from teacher_server.config.model_refs import resolve_model_ref
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -161,7 +162,7 @@ def test_the_ray_rollout_worker_resolves_the_pins_before_it_loads_anything(
     cfg = load_config(None, ["model.student_path=tiny-org/Tiny-LM"])
     resolve_config_models(cfg)
     use_cache(monkeypatch, tmp_path / "empty_hub")  # the worker's node has no copy
-    worker = RayRolloutWorker(cfg, 0, 1)
+    worker = RayRolloutWorker(cfg, 0, 1, build_target(cfg))
     with pytest.raises(ConfigError) as info:
         worker.setup(None, {})
     assert info.value.key == "model.student_path"
@@ -195,7 +196,9 @@ def test_the_ray_actor_worker_resolves_the_pins_before_it_loads_anything(
     cfg = load_config(None, ["model.student_path=tiny-org/Tiny-LM"])
     resolve_config_models(cfg)
     use_cache(monkeypatch, tmp_path / "empty_hub")
-    actor = ray_actor_worker_class()(cfg, 0, 1, "127.0.0.1", 1)  # port 1: nothing may connect before the check
+    actor = ray_actor_worker_class()(
+        cfg, 0, 1, "127.0.0.1", 1, actor_kinds(cfg)
+    )  # port 1: nothing may connect before the check
     with pytest.raises(ConfigError) as info:
         actor.setup()
     assert info.value.key == "model.student_path" and "hf download tiny-org/Tiny-LM" in str(info.value)

@@ -20,17 +20,17 @@ import torch
 from omegaconf import OmegaConf
 
 from recipe_gkd.actor.collate import collate
-from recipe_gkd.batch import Sequence
+from recipe_gkd.batch import ScoredSequence
 from recipe_gkd.config import CONFIG_DIR, load_config
 from recipe_gkd.config.teachers import chosen_teacher, split_teachers, teacher_handles
-from recipe_gkd.cross_tokenizer.targets import AlignedScores
+from recipe_gkd.cross_tokenizer.span_scores import AlignedScores
 from recipe_gkd.targets import Target, build_target
 from recipe_gkd.targets.hidden import Hidden, HiddenStates
 from recipe_gkd.targets.objectives import SampledReverseKL, TargetDivergence, build_objective
 from recipe_gkd.targets.spans import CrossTokenizerSpans, Spans
 from recipe_gkd.targets.topk import TopK
-from recipe_gkd.targets.union import Union
-from teacher_server.wire.protocol import TeacherTopK
+from recipe_gkd.targets.union import UnionSupport
+from teacher_server.wire.protocol import TeacherScores
 
 TWO = CONFIG_DIR / "presets" / "cpu_two_teachers.yaml"
 PAD, VOCAB, TOP_K, HIDDEN = 0, 50, 4, 6
@@ -41,7 +41,7 @@ PAD, VOCAB, TOP_K, HIDDEN = 0, 50, 4, 6
     [
         ([], TopK, True, True),
         (["teacher.top_k=0", "algorithm.divergence=sampled_reverse_kl"], TopK, False, True),
-        (["algorithm.support=union", "rollout.student_top_k=4"], Union, True, True),
+        (["algorithm.support=union", "rollout.student_top_k=4"], UnionSupport, True, True),
         (["teacher.output=hidden"], Hidden, False, False),
         (["algorithm.cross_tokenizer=span"], CrossTokenizerSpans, False, True),
         (["algorithm.cross_tokenizer=uld"], CrossTokenizerSpans, False, True),
@@ -77,7 +77,7 @@ class _Scorer:
 
     def score(
         self, sequences: list[np.ndarray], score_from: list[int], named_ids: list[np.ndarray] | None = None
-    ) -> list[TeacherTopK]:
+    ) -> list[TeacherScores]:
         self.named = named_ids
         out = []
         for i, (seq, start) in enumerate(zip(sequences, score_from, strict=True)):
@@ -87,7 +87,7 @@ class _Scorer:
             ids_NK = np.argsort(-lp_NV, axis=1)[:, :TOP_K].astype(np.int32)
             top_NK = np.take_along_axis(lp_NV, ids_NK, 1)
             tail_N = np.log1p(-np.exp(np.logaddexp.reduce(top_NK, axis=1)))
-            reply = TeacherTopK(top_NK.astype(np.float32), ids_NK, lp_NV[:, 0].astype(np.float32), tail_N)
+            reply = TeacherScores(top_NK.astype(np.float32), ids_NK, lp_NV[:, 0].astype(np.float32), tail_N)
             if named_ids is not None:
                 outside = np.ones_like(lp_NV, dtype=bool)
                 np.put_along_axis(outside, ids_NK.astype(np.int64), False, 1)
@@ -160,10 +160,10 @@ def test_across_tokenizers_the_scorer_scores_records_and_the_spans_are_the_paylo
     assert TopK(load_config(None, [])).payload(reply, "default") is None  # the top-k kind adds nothing
 
 
-def _sequence(sample_id: int, length: int, start: int, payload: object | None) -> Sequence:
+def _sequence(sample_id: int, length: int, start: int, payload: object | None) -> ScoredSequence:
     rng = np.random.default_rng(sample_id)
     n = length - start
-    return Sequence(
+    return ScoredSequence(
         sample_id=sample_id,
         input_ids=rng.integers(1, VOCAB, length).astype(np.int32),
         response_start=start,

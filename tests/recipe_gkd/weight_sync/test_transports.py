@@ -13,6 +13,7 @@ import torch
 from recipe_gkd.config import WeightSyncConfig, load_config
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.runtime.local_pools import LocalCrew
+from recipe_gkd.targets import build_target
 from recipe_gkd.weight_sync import (
     CollectiveChannel,
     FullStudent,
@@ -67,7 +68,7 @@ class Engine:
 
 def _workers(count: int) -> list[RolloutWorker]:
     cfg = load_config(None, [])
-    workers = [RolloutWorker(cfg, rank, count) for rank in range(count)]
+    workers = [RolloutWorker(cfg, rank, count, build_target(cfg)) for rank in range(count)]
     for worker in workers:
         worker.engine = Engine()  # type: ignore[assignment]
     return workers

@@ -16,7 +16,7 @@ from openai_script import MODELS, Script, completions
 
 from teacher_server.client.openai_client import OpenAITeacherClient, scores_from_prompt_logprobs
 from teacher_server.client.zmq_client import TeacherRequestError, TeacherTimeoutError
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 
 VOCAB = 11
 

@@ -7,7 +7,7 @@ The real vLLM server is in tests/teacher_server/client/test_teacher_openai.py.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,9 @@ from recipe_gkd.data import encode_prompt
 from recipe_gkd.exit_codes import EXIT_BAD_CONFIG, exit_code_for
 from teacher_server.client.openai_text import OpenAITextTeacher
 from teacher_server.client.zmq_client import TeacherMismatchError
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 from teacher_server.wire.conversation import Conversation, Renderer
-from teacher_server.wire.protocol import TeacherTopK, scores_from_logprobs
+from teacher_server.wire.protocol import TeacherScores, scores_from_logprobs
 
 # A Llama-3-shaped byte-level BPE teacher tokenizer (384 pieces) and the demo's char-tokenizer student.
 TEACHER = REPO_ROOT / "assets" / "demo_xtok" / "teacher"
@@ -52,7 +52,7 @@ class Bigram:
     def __init__(self, vocab: int) -> None:
         self.logits_VV = np.random.default_rng(38).normal(size=(vocab, vocab)) * 2.0
 
-    def logprobs(self, seq: SequenceOf[int]) -> np.ndarray:
+    def logprobs(self, seq: Sequence[int]) -> np.ndarray:
         """[L, V]: row p is the distribution of the token at p (row 0 unused, as vLLM sends None there)."""
         rows = self.logits_VV[[seq[0], *seq[:-1]]]
         return rows - np.logaddexp.reduce(rows, axis=1, keepdims=True)
@@ -72,7 +72,7 @@ class InProcessTeacher:
     def __init__(self, renderer: Renderer, bigram: Bigram) -> None:
         self.renderer, self.bigram = renderer, bigram
 
-    def score_conversations(self, conversations: SequenceOf[Conversation]) -> list[TeacherTopK]:
+    def score_conversations(self, conversations: Sequence[Conversation]) -> list[TeacherScores]:
         out = []
         for conversation in conversations:
             r = self.renderer.render(conversation)

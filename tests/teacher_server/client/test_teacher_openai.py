@@ -30,7 +30,7 @@ from recipe_gkd.observe.metrics import read_metrics
 from recipe_gkd.plan.ports import reserve_ports
 from teacher_server.client.openai_client import OpenAITeacherClient
 from teacher_server.client.zmq_client import TeacherDeadError, TeacherMismatchError, TeacherRequestError
-from teacher_server.config.fields import ConfigError
+from teacher_server.config.errors import ConfigError
 from teacher_server.server.backends import Backend, BackendOptions, load_backend, parsed_request
 from teacher_server.wire.protocol import tokenizer_fingerprint
 

@@ -153,7 +153,7 @@ def test_named_ids_roundtrip_and_cost_per_scored_token(id_encoding: str) -> None
     full = np.log(rng.dirichlet(np.ones(vocab), size=sum(n_scored)))
     named = rng.integers(0, vocab, size=(sum(n_scored), k_s)).astype(np.int32)
     ref = P.scores_from_logprobs(full, np.zeros(sum(n_scored), np.int64), top_k, named_ids_NS=named)
-    batch = P.TopKBatch(np.asarray(n_scored), *[getattr(ref, f) for f in P.TeacherTopK.__dataclass_fields__])
+    batch = P.TopKBatch(np.asarray(n_scored), *[getattr(ref, f) for f in P.TeacherScores.__dataclass_fields__])
     plain = P.TopKBatch(
         *[getattr(batch, f) for f in ("n_scored", "topk_logprobs", "topk_ids")],
         batch.sampled_logprob,

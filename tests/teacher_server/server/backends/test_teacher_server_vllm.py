@@ -246,7 +246,9 @@ def _teacher_logprobs_f64(seq: np.ndarray, start: int) -> np.ndarray:
     return torch.log_softmax(logits[start - 1 : seq.size - 1], dim=-1).numpy()
 
 
-def _check_hidden_gives_teacher_logits(got: list[P.TeacherTopK], seqs: list[np.ndarray], starts: list[int], dtype: str):
+def _check_hidden_gives_teacher_logits(
+    got: list[P.TeacherScores], seqs: list[np.ndarray], starts: list[int], dtype: str
+):
     """Each reply's states x the teacher's head are the teacher's float64 logprobs within the wire's rounding bound.
 
     A value rounded to `dtype` moves by <= HALF_ULP x |h_j|, so a logit by <= sum_j |W_vj| |h_j| x HALF_ULP and a

@@ -1,6 +1,6 @@
 """The teacher's reply in its own tokens, mapped onto the student's response tokens span by span.
 
-Per student response token j (the arrays of recipe_gkd.batch.Sequence, one row per response token):
+Per student response token j (the arrays of recipe_gkd.batch.ScoredSequence, one row per response token):
 
 - ``span_len[j]``: > 0 at the first student token of a span (the rows the span runs over), 0 at the span's
   other tokens, -1 at an unaligned token (no loss), a control token the student sampled inside the span too
@@ -32,12 +32,12 @@ import numpy as np
 from recipe_gkd.batch import EXCLUDED_ID, FOLDED_BASE
 from recipe_gkd.cross_tokenizer.align import Span, StudentText
 from teacher_server.wire.conversation import Conversation
-from teacher_server.wire.protocol import TeacherTopK
+from teacher_server.wire.protocol import TeacherScores
 
 
 @dataclass(frozen=True)
-class AlignedScores(TeacherTopK):
-    """TeacherTopK in the student's response positions (see the module doc), with the span structure."""
+class AlignedScores(TeacherScores):
+    """TeacherScores in the student's response positions (see the module doc), with the span structure."""
 
     span_len: np.ndarray | None = None  # int32 [n]
     # one_to_one_tokens, shared_spans, spans, aligned_tokens, response_tokens (this sequence's counts)
@@ -89,7 +89,7 @@ def conversation_of(record: dict[str, Any], data: Any, text: StudentText) -> Con
 
 
 def aligned_scores(
-    text: StudentText, spans: list[Span], reply: TeacherTopK, mapping: np.ndarray, top_k: int
+    text: StudentText, spans: list[Span], reply: TeacherScores, mapping: np.ndarray, top_k: int
 ) -> AlignedScores:
     """The arrays of the module doc for one response of `len(text.aligned)` student tokens."""
     n = len(text.aligned)
