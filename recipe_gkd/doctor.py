@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import tempfile
 import time
@@ -61,9 +62,15 @@ def say(finding: Finding) -> None:
 
 
 def student_tokenizer(cfg: GKDConfig) -> Any:
+    """The student's tokenizer, read once per doctor run (every check and teacher reads it; none changes it)."""
+    return _tokenizer(cfg.model.tokenizer_path or cfg.model.student_path)
+
+
+@functools.cache
+def _tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.student_path)
+    return AutoTokenizer.from_pretrained(path)
 
 
 def prompt_lengths(cfg: GKDConfig) -> str:

@@ -97,6 +97,10 @@ def preflight(checks: list[Check], cfg: GKDConfig) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.doctor:  # the doctor's own command, with the same arguments
+        from recipe_gkd.doctor import main as doctor
+
+        return doctor([*(["--config", args.config] if args.config else []), *args.overrides])
     try:
         cfg = load_config(args.config, args.overrides)
         plan = build_plan(cfg)
@@ -112,15 +116,6 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_BAD_CONFIG
         print("dry run: config valid, nothing started")
         return 0
-    if args.doctor:
-        from recipe_gkd.doctor import run_doctor
-
-        try:
-            resolve_config_models(cfg)
-        except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return EXIT_BAD_CONFIG
-        return run_doctor(cfg, plan)
     from recipe_gkd.runtime.model_pins import Reader, on_this_node
 
     try:

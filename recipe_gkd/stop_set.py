@@ -25,6 +25,8 @@ from typing import Any
 from recipe_gkd.config import ConfigError, GKDConfig
 
 GENERATION_CONFIG = "generation_config.json"
+# How a response the length limit cut "ended" (StopSet.ending).
+LENGTH_ENDING = "length"
 # The assistant message rendered to find the template's turn end: plain words no template rewrites.
 PROBE_CONTENT = "The answer is forty two."
 PROBE_CONVERSATION = [
@@ -74,6 +76,11 @@ class StopSet:
 
     def name(self, token: int) -> str:
         return dict(self.names).get(token, str(token))
+
+    def ending(self, stop_id: int | None) -> str:
+        """How a sampled response ended, for a person to read: `stop '<|im_end|>' (151645)`, or `length` when the
+        length limit cut it (samples.jsonl's `ended`)."""
+        return LENGTH_ENDING if stop_id is None else f"stop {self.name(stop_id)!r} ({stop_id})"
 
     def describe(self) -> str:
         """Each stop id with its token and its source, e.g. `<|im_end|>` (7: the chat template's turn end)."""

@@ -294,7 +294,6 @@ def conversation_counts(conversations: list[Conversation]) -> dict[str, float]:
         "tool_calls": float(sum(c.tool_calls for c in conversations)),
         "tool_failures": float(sum(c.tool_failures for c in conversations)),
         "tool_tokens": float(sum(len(c.sampled) - sum(c.sampled) for c in conversations)),
-        "clipped_turns": float(sum(c.clipped_turns for c in conversations)),
     }
     for ending in ENDINGS:
         counts[f"ended_{ending}"] = float(sum(c.ending == ending for c in conversations))

@@ -20,7 +20,6 @@ from recipe_gkd.data import Prompt, encode_prompt, encode_response
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 from recipe_gkd.rollout.engine import Engine
 from recipe_gkd.rollout.multi_turn import MultiTurnRollout, conversation_accuracy, conversation_counts, episode_seed
-from recipe_gkd.rollout.samples import LENGTH_ENDING, ending_text
 from recipe_gkd.teacher_prompt import own_prompt_encoder
 
 # Salt that separates the on/off-policy coin flips from the epoch order's random stream.
@@ -48,7 +47,7 @@ class Generated:
     sampled_masks: list[np.ndarray | None] | None = None
     env_rewards: list[float] | None = None
     episodes: dict[str, float] = field(default_factory=dict)
-    # How each response ended (rollout/samples.py ending_text; "dataset" for an off-policy one), and the generate
+    # How each response ended (StopSet.ending; "dataset" for an off-policy one), and the generate
     # calls' turns: sampled (one per on-policy response, one per turn of a conversation) and cut by the length limit.
     endings: list[str] = field(default_factory=list)
     sampled_turns: int = 0
@@ -102,13 +101,15 @@ class SingleTurn:
         responses: list[tuple[list[int], np.ndarray | None]] = []
         student_topk: list[np.ndarray | None] = []
         endings: list[str] = []
+        clipped = 0
         stop = self.engine.stop
         for prompt, on in zip(prompts, on_policy, strict=True):
             if on:
                 gen = next(sampled)
                 responses.append((gen.response_ids, gen.logprobs))
                 student_topk.append(gen.topk_ids)
-                endings.append(ending_text(gen.stop_id, stop.name(gen.stop_id) if gen.stop_id is not None else ""))
+                endings.append(stop.ending(gen.stop_id))
+                clipped += gen.stop_id is None
             else:
                 # The reference response closes its turn as the template does (the stop set's closing id).
                 ids = encode_response(self.engine.tokenizer, prompt.record, self.cfg.data.response_key, stop.closing_id)
@@ -125,7 +126,7 @@ class SingleTurn:
             student_topk,
             endings=endings,
             sampled_turns=sum(on_policy),
-            clipped_turns=endings.count(LENGTH_ENDING),
+            clipped_turns=clipped,
         )
 
     def _on_policy_flags(self, first_position: int, count: int) -> list[bool]:
@@ -182,11 +183,7 @@ class Conversations:
         )
         seconds = time.perf_counter() - start
         stop = loop.template.stop
-        endings = [
-            f"{c.ending}; last turn: "
-            + ending_text(c.last_stop, stop.name(c.last_stop) if c.last_stop is not None else "")
-            for c in conversations
-        ]
+        endings = [f"{c.ending}; last turn: " + stop.ending(c.last_stop) for c in conversations]
         return Generated(
             prompts,
             [c.prompt_ids for c in conversations],

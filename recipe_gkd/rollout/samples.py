@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 SAMPLES_FILE = "samples.jsonl"
-LENGTH_ENDING = "length"
 
 
 def samples_due(log_samples: int, every: int, eval_every: int, step: int) -> bool:
@@ -21,11 +20,6 @@ def samples_due(log_samples: int, every: int, eval_every: int, step: int) -> boo
         return False
     period = every or eval_every
     return step == 0 or (period > 0 and (step + 1) % period == 0)
-
-
-def ending_text(stop_id: int | None, name: str) -> str:
-    """How a sampled response ended: at stop id `stop_id` (its token `name`), or cut by the length limit."""
-    return LENGTH_ENDING if stop_id is None else f"stop {name!r} ({stop_id})"
 
 
 def sample_row(
