@@ -1,12 +1,15 @@
 """The actor's parallel layout: one object for its tensor-, context-, expert-, data- and pipeline-parallel sizes and ranks.
 
 megatron-core orders global ranks "tp-cp-ep-dp-pp" (parallel_state.initialize_model_parallel's default `order`,
-RankGenerator): tensor-parallel ranks are adjacent, then context, expert and data parallel, and pipeline stages are
-outermost, so global rank r = tp + TP * (cp + CP * (ep + EP * (dp + DP * pp))). Every model-parallel rank (TP x PP) of
-one data-parallel replica must receive the same data; the driver hands each rank the shard of its `dp_rank`.
-`MegatronActor.setup()` checks the layout against megatron's parallel_state. The actor, its objective and export,
-the checkpoints and the memory plan all read this one object; cp and ep are 1 (config validation refuses cp > 1).
-Pure Python: no torch or megatron import.
+RankGenerator) and builds two views of one world from it: the dense layers' (ep = 1, so global rank
+r = tp + TP * (cp + CP * (dp + DP * pp)), tensor-parallel ranks adjacent, pipeline stages outermost) and the
+experts' (cp = 1, the data-parallel size split into EP x DP/EP: ep = dp mod EP, the expert-data-parallel rank
+dp div EP). Expert parallelism thus lives inside data parallelism: each group of EP consecutive data-parallel
+replicas splits every layer's experts, and the replicas holding the same experts reduce their gradients together.
+Every model-parallel rank (TP x PP) of one data-parallel replica must receive the same data; the driver hands each
+rank the shard of its `dp_rank`. `MegatronActor.setup()` checks the layout against megatron's parallel_state. The
+actor, its objective and export, the checkpoints and the memory plan all read this one object; cp is 1 (config
+validation refuses cp > 1). Pure Python: no torch or megatron import.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from dataclasses import dataclass
 
 from recipe_gkd.config import GKDConfig, actor_data_parallel_size
 
-# megatron's rank order, innermost dimension first (its `order` string "tp-cp-ep-dp-pp").
-RANK_ORDER = ("tp", "cp", "ep", "dp", "pp")
+# megatron's rank order of the whole world, innermost dimension first (its `order` string "tp-cp-ep-dp-pp" with the
+# dense layers' ep = 1; the expert-parallel rank is a split of the data-parallel one).
+RANK_ORDER = ("tp", "cp", "dp", "pp")
 # Megatron's embedding / output layer shard the vocabulary evenly over tensor-parallel ranks.
 # Padding only to a multiple of tp keeps the padded columns (masked out of every loss) few.
 VOCAB_PAD_MULTIPLE_PER_TP_RANK = 1
@@ -32,7 +36,8 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """The sizes of the five parallel dimensions and where global rank `rank` sits in them (megatron's order)."""
+    """The sizes of the parallel dimensions and where global rank `rank` sits in them (megatron's order); `ep_size`
+    divides `dp_size` (the data-parallel size counts every replica, expert-parallel or not)."""
 
     tp_size: int = 1
     cp_size: int = 1
@@ -46,6 +51,8 @@ class ParallelLayout:
         if any(size < 1 for size in sizes.values()):
             raise ValueError(f"parallel sizes must be >= 1, got {sizes}")
         # megatron builds its dense groups with ep = 1 and its expert groups with cp = 1 (RankGenerator asserts it).
+        if self.ep_size < 1 or self.dp_size % self.ep_size:
+            raise ValueError(f"ep={self.ep_size} must divide the data-parallel size {self.dp_size}")
         if self.cp_size > 1 and self.ep_size > 1:
             raise ValueError(f"cp={self.cp_size} and ep={self.ep_size}: megatron's rank order takes one of them > 1")
         if not 0 <= self.rank < self.world_size:
@@ -53,9 +60,11 @@ class ParallelLayout:
 
     @classmethod
     def from_config(cls, cfg: GKDConfig, rank: int = 0) -> ParallelLayout:
-        """The actor's layout (actor.megatron.tp / .cp / .pp, data parallel over the rest), at global rank `rank`."""
+        """The actor's layout (actor.megatron.tp / .cp / .pp, data parallel over the rest, split over .ep for the
+        experts), at global rank `rank`."""
         m = cfg.actor.megatron
-        return cls(tp_size=m.tp, cp_size=m.cp, dp_size=actor_data_parallel_size(cfg), pp_size=m.pp, rank=rank)
+        dp = actor_data_parallel_size(cfg)
+        return cls(tp_size=m.tp, cp_size=m.cp, ep_size=m.ep, dp_size=dp, pp_size=m.pp, rank=rank)
 
     def at(self, rank: int) -> ParallelLayout:
         """The same layout as global rank `rank` sees it."""
@@ -79,10 +88,10 @@ class ParallelLayout:
             rest, coords[name] = divmod(rest, size)
         return coords
 
-    def global_rank(self, tp: int = 0, cp: int = 0, ep: int = 0, dp: int = 0, pp: int = 0) -> int:
+    def global_rank(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """The global rank at these coordinates (megatron's order)."""
         rank = 0
-        for name, coord in reversed(tuple(zip(RANK_ORDER, (tp, cp, ep, dp, pp), strict=True))):
+        for name, coord in reversed(tuple(zip(RANK_ORDER, (tp, cp, dp, pp), strict=True))):
             size = getattr(self, f"{name}_size")
             if not 0 <= coord < size:
                 raise ValueError(f"{name} rank {coord} outside {name} size {size}")
@@ -103,7 +112,26 @@ class ParallelLayout:
 
     @property
     def ep_rank(self) -> int:
-        return self.coordinates()["ep"]
+        """This rank's place in its expert-parallel group: which num_experts / ep experts it holds."""
+        return self.dp_rank % self.ep_size
+
+    @property
+    def expert_dp_size(self) -> int:
+        """The data-parallel ranks holding the same experts (they reduce the experts' gradients together)."""
+        return self.dp_size // self.ep_size
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self.dp_rank // self.ep_size
+
+    def expert_owner(self, expert: int, num_experts: int) -> int:
+        """The expert-parallel rank holding global expert `expert` (megatron: ep_rank x E/EP + local)."""
+        return expert // (num_experts // self.ep_size)
+
+    def local_experts(self, num_experts: int) -> range:
+        """The global experts this rank holds, in local order."""
+        per_rank = num_experts // self.ep_size
+        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
 
     @property
     def dp_rank(self) -> int:

@@ -49,7 +49,7 @@ def mcore_param_names(arch: HFArch) -> list[str]:
     """Every megatron parameter name of the model, in a fixed order."""
     names = [EMBEDDING]
     for i in range(arch.num_layers):
-        names += [MCORE_LAYER.format(i=i) + tensor.mcore for tensor in arch.family.layer]
+        names += [MCORE_LAYER.format(i=i) + tensor.mcore for tensor in arch.family.layer_tensors(arch)]
     names.append(FINAL_NORM)
     if not arch.tie_word_embeddings:
         names.append(OUTPUT_LAYER)
@@ -60,7 +60,7 @@ def hf_param_names(arch: HFArch) -> list[str]:
     """The HF parameter names (tied embeddings appear once, as `model.embed_tokens.weight`)."""
     names = [HF_EMBEDDING]
     for i in range(arch.num_layers):
-        names += [HF_LAYER.format(i=i) + hf for tensor in arch.family.layer for hf in tensor.hf]
+        names += [HF_LAYER.format(i=i) + hf for tensor in arch.family.layer_tensors(arch) for hf in tensor.hf]
     names.append(HF_FINAL_NORM)
     if not arch.tie_word_embeddings:
         names.append(HF_OUTPUT_LAYER)
@@ -85,7 +85,7 @@ def hf_unit_names(unit: str, arch: HFArch) -> list[str]:
     if unit == OUTPUT_LAYER:
         return [HF_OUTPUT_LAYER]
     prefix = HF_LAYER.format(i=layer_index(unit))
-    return [prefix + hf for tensor in arch.family.layer for hf in tensor.hf]
+    return [prefix + hf for tensor in arch.family.layer_tensors(arch) for hf in tensor.hf]
 
 
 # Each conversion of the family tables (recipe_gkd/models/base.py), both ways: HF tensors -> the megatron tensor, and
@@ -115,7 +115,7 @@ def hf_unit_to_mcore(unit: str, hf_state: Mapping[str, Tensor], arch: HFArch, tp
     hf, mc = HF_LAYER.format(i=i), MCORE_LAYER.format(i=i)
     return {
         mc + tensor.mcore: TO_MCORE[tensor.conversion]([hf_state[hf + name] for name in tensor.hf], arch)
-        for tensor in arch.family.layer
+        for tensor in arch.family.layer_tensors(arch)
     }
 
 
@@ -214,7 +214,7 @@ def mcore_unit_to_hf(unit: str, mcore_state: Mapping[str, Tensor], arch: HFArch)
     i = layer_index(unit)
     hf, mc = HF_LAYER.format(i=i), MCORE_LAYER.format(i=i)
     out: dict[str, Tensor] = {}
-    for tensor in arch.family.layer:
+    for tensor in arch.family.layer_tensors(arch):
         parts = TO_HF[tensor.conversion](mcore_state[mc + tensor.mcore], arch)
         out.update(zip((hf + name for name in tensor.hf), parts, strict=True))
     return out

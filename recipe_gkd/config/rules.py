@@ -270,6 +270,12 @@ def _validate_parallelism(cfg: GKDConfig) -> None:
         f"cp={a.megatron.cp}: context parallelism is not implemented in the actor; set actor.megatron.cp=1",
     )
     require(
+        actor_data_parallel_size(cfg) % a.megatron.ep == 0,
+        "actor.megatron.ep",
+        f"ep={a.megatron.ep} must divide the actor's data-parallel size {actor_data_parallel_size(cfg)} (expert "
+        "parallelism splits the experts over data-parallel ranks)",
+    )
+    require(
         r.gpus_per_node % r.tp == 0,
         "rollout.tp",
         f"rollout.tp={r.tp} must divide rollout.gpus_per_node={r.gpus_per_node} (an engine stays inside a node)",

@@ -166,6 +166,11 @@ class MegatronConfig:
     """Pipeline-parallel size: stages of num_hidden_layers / pp layers each (must divide the student's layers)."""
     cp: int = bounded(1, ge=1)
     """Context-parallel size; must be 1 (not implemented)."""
+    ep: int = bounded(1, ge=1)
+    """Expert-parallel size of a mixture-of-experts student: each group of `ep` data-parallel ranks splits every
+    layer's experts (num_experts / ep each) and exchanges tokens all-to-all; must divide the data-parallel size and
+    the student's num_experts. The experts' gradients and optimizer state are reduced and sharded over the
+    data-parallel ranks holding the same experts (data parallel / ep)."""
     distributed_optimizer: bool = True
     """megatron's distributed optimizer: fp32 master weights and Adam moments sharded over data parallel (gradients
     reduce-scattered, parameters all-gathered); false: replicated on every rank."""
@@ -173,6 +178,17 @@ class MegatronConfig:
     """Activation recompute: none | selective (the MLP; core attention too when unfused) | full (every layer)."""
     attention: Attention = Attention.sdpa
     """Core attention: sdpa (torch's fused kernels) | unfused (megatron's local implementation)."""
+
+
+@dataclass
+class MoEConfig:
+    aux_loss_coeff: float = bounded(0.0, ge=0, note="0: no load-balancing loss")
+    """Weight of the router's load-balancing loss (Switch-style: num_experts x sum over experts of the token share
+    times the mean routing probability, per layer), added to the distillation loss as a token-weighted mean over the
+    step's micro-batches. 0 by default: the trained objective stays the divergence to the teacher (what the
+    student's loss, grad norm and every comparison with a peer measure), and a pretrained router is balanced
+    already; set it (Qwen3's pretraining used 0.001, config.json router_aux_loss_coef) when the per-expert load in
+    the metrics drifts."""
 
 
 @dataclass
@@ -205,6 +221,8 @@ class ActorConfig:
     """First node (0-based) of the actor pool; the pool spans [node_offset, node_offset + nnodes)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """megatron-core's parallel split, optimizer sharding, recompute and attention."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """A mixture-of-experts student's router: its load-balancing loss (the split of its experts: megatron.ep)."""
     micro_batch_size: int = bounded(1, ge=1)
     """Sequences per micro-batch (right-padded to the longest), when max_tokens_per_micro_batch is 0."""
     max_tokens_per_micro_batch: int = bounded(0, ge=0, note="0: by micro_batch_size")

@@ -11,6 +11,7 @@ docs/layout.md "Adding a model family") and one line in FAMILIES. Pure Python, n
 | Llama, Mistral | llama.py | llama, mistral | nothing (Mistral: no sliding window) |
 | Qwen2 / Qwen2.5 | qwen2.py | qwen2 | q/k/v biases |
 | Qwen3 | qwen3.py | qwen3 | per-head q/k RMSNorm |
+| Qwen3-MoE | qwen3_moe.py | qwen3_moe | Qwen3's attention; a router and routed SwiGLU experts in every layer |
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from recipe_gkd.models.base import HFArch, ModelFamily, Shape, UnsupportedModelE
 from recipe_gkd.models.llama import Llama, Mistral
 from recipe_gkd.models.qwen2 import Qwen2
 from recipe_gkd.models.qwen3 import Qwen3
+from recipe_gkd.models.qwen3_moe import Qwen3Moe
 
 # The families the megatron actor reproduces exactly, one instance each.
-FAMILIES: tuple[ModelFamily, ...] = (Llama(), Mistral(), Qwen2(), Qwen3())
+FAMILIES: tuple[ModelFamily, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe())
 SUPPORTED_MODEL_TYPES = tuple(model_type for family in FAMILIES for model_type in family.model_types)
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 # The plan's reading of a dense model of no listed family (a teacher the actor never builds).

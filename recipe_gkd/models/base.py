@@ -75,6 +75,15 @@ class Shape:
     qkv_bias: bool = False
     qk_layernorm: bool = False
     max_position_embeddings: int = 0
+    # A mixture of experts (0 experts: dense): routed experts per MoE layer, experts each token goes to, and each
+    # expert's MLP width (its `intermediate_size` is then the dense MLP's, which a Qwen3-MoE layer does not have).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def layer_params(self, tp: int = 1) -> float:
         """Parameters of one decoder layer on one of `tp` tensor-parallel ranks."""
@@ -111,6 +120,8 @@ class HFArch(Shape):
     initializer_range: float = 0.02
     # Llama 3.x rope_type "llama3": (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
     llama3_rope: tuple[float, float, float, int] | None = None
+    # A mixture of experts: the top-k routing weights renormalised to sum to 1 (HF norm_topk_prob).
+    norm_topk_prob: bool = False
 
     @property
     def heads_per_group(self) -> int:
@@ -133,7 +144,8 @@ class ModelFamily:
 
     # The HF config's model_type values this family covers.
     model_types: ClassVar[tuple[str, ...]] = ()
-    # One decoder layer's tensors, in megatron's parameter order.
+    # One decoder layer's tensors, in megatron's parameter order (a family whose layer depends on the model's numbers,
+    # its experts, overrides `layer_tensors`).
     layer: ClassVar[tuple[LayerTensor, ...]] = DENSE_LAYER
     # An RMSNorm over each head's query and key (HF q_norm / k_norm, megatron q/k_layernorm).
     qk_layernorm: ClassVar[bool] = False
@@ -149,6 +161,11 @@ class ModelFamily:
 
     def __hash__(self) -> int:
         return hash(type(self))
+
+    def layer_tensors(self, arch: Shape) -> tuple[LayerTensor, ...]:
+        """One decoder layer's tensors of the model `arch`, in megatron's parameter order (the unsharded layout: an
+        expert under its global number)."""
+        return self.layer
 
     # ------------------------------------------------------------------------- config.json
 
@@ -199,18 +216,24 @@ class ModelFamily:
         self.refuse(hf_config)
         # The dense-transformer numbers through the memory plan's reader (one reading of a config); the actor's own below.
         shape = self.shape(hf_config)
-        if shape.max_position_embeddings <= 0:
-            raise UnsupportedModelError("model.student_path holds a config without max_position_embeddings")
         return HFArch(
             # Shape's qkv_bias is the actor's after `refuse` turned down any bias the family's layer lacks.
             **dataclasses.asdict(shape),
-            family=self,
-            model_type=getattr(hf_config, "model_type", ""),
-            rms_norm_eps=float(hf_config.rms_norm_eps),
-            rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
-            initializer_range=float(getattr(hf_config, "initializer_range", 0.02)),
-            llama3_rope=_llama3_rope(rope),
+            **self.actor_fields(hf_config, shape, rope),
         )
+
+    def actor_fields(self, hf_config: Any, shape: Shape, rope: dict[str, Any]) -> dict[str, Any]:
+        """The HFArch fields beyond the Shape: the numbers only the actor needs (a family adds its own)."""
+        if shape.max_position_embeddings <= 0:
+            raise UnsupportedModelError("model.student_path holds a config without max_position_embeddings")
+        return {
+            "family": self,
+            "model_type": getattr(hf_config, "model_type", ""),
+            "rms_norm_eps": float(hf_config.rms_norm_eps),
+            "rope_theta": float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
+            "initializer_range": float(getattr(hf_config, "initializer_range", 0.02)),
+            "llama3_rope": _llama3_rope(rope),
+        }
 
     # ------------------------------------------------------------------------- megatron
 

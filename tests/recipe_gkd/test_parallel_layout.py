@@ -1,5 +1,5 @@
 """ParallelLayout: megatron's "tp-cp-ep-dp-pp" rank order, written out by nested loops and read from megatron-core's own
-RankGenerator, and each rank's slice of the padded vocabulary."""
+RankGenerators (the dense layers' and the experts'), and each rank's slice of the padded vocabulary."""
 
 from __future__ import annotations
 
@@ -10,17 +10,20 @@ import pytest
 from recipe_gkd.config import GKDConfig
 from recipe_gkd.parallel_layout import RANK_ORDER, ParallelLayout, data_parallel_rank, padded_vocab_size
 
-# (tp, cp, ep, dp, pp): megatron takes cp > 1 or ep > 1 in one rank order, not both (RankGenerator asserts it).
+# (tp, cp, ep, dp, pp): ep divides dp (expert parallelism splits data parallelism); megatron takes cp > 1 or ep > 1,
+# not both (its RankGenerator asserts it).
 SHAPES = [
     (1, 1, 1, 1, 1),
     (2, 1, 1, 1, 1),
     (1, 1, 1, 4, 1),
+    (1, 1, 2, 4, 1),
     (2, 1, 1, 2, 2),
     (2, 2, 1, 2, 1),
     (3, 1, 2, 2, 1),
     (1, 2, 1, 3, 2),
-    (2, 1, 2, 1, 3),
+    (2, 1, 2, 4, 3),
     (4, 1, 1, 2, 2),
+    (1, 1, 4, 4, 2),
 ]
 
 
@@ -30,15 +33,15 @@ def layout_of(shape: tuple[int, int, int, int, int], rank: int = 0) -> ParallelL
 
 
 def megatron_order(shape: tuple[int, int, int, int, int]) -> list[tuple[int, int, int, int, int]]:
-    """Every rank's (tp, cp, ep, dp, pp) in global-rank order: tp varies fastest, the pipeline stage slowest."""
+    """Every rank's (tp, cp, ep, dp, pp) in global-rank order: tp varies fastest, the pipeline stage slowest, the
+    expert-parallel rank the innermost part of the data-parallel one."""
     tp, cp, ep, dp, pp = shape
     order = []
     for pp_rank in range(pp):
         for dp_rank in range(dp):
-            for ep_rank in range(ep):
-                for cp_rank in range(cp):
-                    for tp_rank in range(tp):
-                        order.append((tp_rank, cp_rank, ep_rank, dp_rank, pp_rank))
+            for cp_rank in range(cp):
+                for tp_rank in range(tp):
+                    order.append((tp_rank, cp_rank, dp_rank % ep, dp_rank, pp_rank))
     return order
 
 
@@ -47,12 +50,12 @@ def test_rank_and_coordinates_follow_megatrons_order(shape: tuple[int, int, int,
     layout = layout_of(shape)
     expected = megatron_order(shape)
     assert layout.world_size == len(expected)
-    for rank, coords in enumerate(expected):
+    for rank, (tp, cp, ep, dp, pp) in enumerate(expected):
         at = layout.at(rank)
-        assert (at.tp_rank, at.cp_rank, at.ep_rank, at.dp_rank, at.pp_rank) == coords
-        assert tuple(layout.coordinates(rank).values()) == coords
-        assert layout.global_rank(*coords) == rank
-        assert at.is_first_stage == (coords[4] == 0) and at.is_last_stage == (coords[4] == shape[4] - 1)
+        assert (at.tp_rank, at.cp_rank, at.ep_rank, at.dp_rank, at.pp_rank) == (tp, cp, ep, dp, pp)
+        assert tuple(layout.coordinates(rank).values()) == (tp, cp, dp, pp)
+        assert layout.global_rank(tp, cp, dp, pp) == rank
+        assert at.is_first_stage == (pp == 0) and at.is_last_stage == (pp == shape[4] - 1)
 
 
 def _groups_along(layout: ParallelLayout, name: str) -> list[list[int]]:
@@ -64,24 +67,50 @@ def _groups_along(layout: ParallelLayout, name: str) -> list[list[int]]:
     return sorted(list(g) for g in groups)
 
 
+def _expert_groups(layout: ParallelLayout, key) -> list[list[int]]:
+    """The ranks grouped by `key(layout at rank)`, each group in rank order."""
+    groups: dict[object, list[int]] = {}
+    for r in range(layout.world_size):
+        groups.setdefault(key(layout.at(r)), []).append(r)
+    return sorted(groups.values())
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-def test_groups_equal_megatron_cores_rank_generator(shape: tuple[int, int, int, int, int]) -> None:
-    """megatron-core 0.16.1 parallel_state.RankGenerator (the order initialize_model_parallel builds its groups by)."""
+def test_groups_equal_megatron_cores_rank_generators(shape: tuple[int, int, int, int, int]) -> None:
+    """megatron-core 0.16.1 parallel_state.initialize_model_parallel's two RankGenerators: the dense layers' (ep=1)
+    and the experts' (cp=1, expert tensor parallel = tp, expert data parallel = dp / ep)."""
     from megatron.core.parallel_state import RankGenerator
 
     tp, cp, ep, dp, pp = shape
-    generator = RankGenerator(tp=tp, ep=ep, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
     layout = layout_of(shape)
     for name in RANK_ORDER:
-        assert sorted(generator.get_ranks(name)) == _groups_along(layout, name), name
+        assert sorted(dense.get_ranks(name)) == _groups_along(layout, name), name
     # Model parallel (TP x PP) ranks hold the same data: each is one data-parallel replica's.
-    for group in generator.get_ranks("tp-pp"):
+    for group in dense.get_ranks("tp-pp"):
         assert len({layout.at(r).dp_rank for r in group}) == 1
+    if cp > 1:
+        return  # no expert generator with cp > 1 (megatron builds it at cp = 1)
+    experts = RankGenerator(tp=tp, ep=ep, dp=dp // ep, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    # An expert-parallel group: the same tp, pp and expert-data-parallel rank, every ep rank.
+    assert sorted(experts.get_ranks("ep")) == _expert_groups(layout, lambda a: (a.tp_rank, a.pp_rank, a.expert_dp_rank))
+    # An expert-data-parallel group (the experts' gradient reduction): the same tp, pp and ep rank.
+    assert sorted(experts.get_ranks("dp")) == _expert_groups(layout, lambda a: (a.tp_rank, a.pp_rank, a.ep_rank))
+    assert {layout.at(r).expert_dp_size for r in range(layout.world_size)} == {dp // ep}
+
+
+def test_each_expert_lives_on_one_expert_parallel_rank() -> None:
+    """megatron's global expert number: ep_rank x E/EP + local (moe/experts.py SequentialMLP's sharded names)."""
+    layout = ParallelLayout(ep_size=4, dp_size=8)
+    owned = [list(layout.at(r).local_experts(16)) for r in range(4)]
+    assert owned == [list(range(4 * r, 4 * r + 4)) for r in range(4)]
+    assert [layout.expert_owner(e, 16) for e in range(16)] == [e // 4 for e in range(16)]
+    assert list(layout.at(5).local_experts(16)) == list(range(4, 8))  # dp rank 5: ep rank 1, expert dp rank 1
 
 
 def test_rank_with_changes_only_the_named_coordinates() -> None:
     layout = ParallelLayout(tp_size=2, dp_size=2, pp_size=3, rank=7)  # tp 1, dp 1, pp 1
-    assert layout.coordinates() == {"tp": 1, "cp": 0, "ep": 0, "dp": 1, "pp": 1}
+    assert layout.coordinates() == {"tp": 1, "cp": 0, "dp": 1, "pp": 1}
     assert layout.rank_with(pp=2) == 11 and layout.rank_with(tp=0, dp=0) == 4
     assert layout.global_rank(pp=2) == 8
 
@@ -90,7 +119,9 @@ def test_the_layout_refuses_impossible_coordinates() -> None:
     with pytest.raises(ValueError, match="outside a world of 4"):
         ParallelLayout(tp_size=2, dp_size=2, rank=4)
     with pytest.raises(ValueError, match="one of them"):
-        ParallelLayout(cp_size=2, ep_size=2)
+        ParallelLayout(cp_size=2, ep_size=2, dp_size=2)
+    with pytest.raises(ValueError, match="ep=2 must divide the data-parallel size 3"):
+        ParallelLayout(ep_size=2, dp_size=3)
     with pytest.raises(ValueError, match="dp rank 2 outside dp size 2"):
         ParallelLayout(tp_size=2, dp_size=2).global_rank(dp=2)
 
@@ -132,6 +163,6 @@ def test_the_vocabulary_slice_on_a_data_parallel_rank_is_its_tp_ranks() -> None:
 def test_every_coordinate_is_a_field() -> None:
     """One object for each axis: every dimension of the rank order is a size field with a rank property."""
     layout = ParallelLayout()
-    for name in RANK_ORDER:
+    for name in (*RANK_ORDER, "ep", "expert_dp"):
         assert getattr(layout, f"{name}_size") == 1 and getattr(layout, f"{name}_rank") == 0
     assert list(itertools.chain(layout.sizes())) == list(RANK_ORDER)

@@ -16,6 +16,7 @@ from transformers import (
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from recipe_gkd.actor.hf_arch import read_student_arch
@@ -40,29 +41,46 @@ CONFIGS = {
     "mistral": lambda: MistralConfig(vocab_size=101, sliding_window=None, **SHAPE),
     "qwen2": lambda: Qwen2Config(vocab_size=90, num_key_value_heads=1, **SHAPE),
     "qwen3": lambda: Qwen3Config(vocab_size=97, num_key_value_heads=2, head_dim=16, **SHAPE),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        vocab_size=97,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+        **SHAPE,
+    ),
 }
 
 
 def test_the_registry_covers_the_supported_model_types_once() -> None:
-    assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3")
+    assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
     assert sorted(CONFIGS) == sorted(SUPPORTED_MODEL_TYPES)
     assert all(family_of(t) is f for f in FAMILIES for t in f.model_types)
     assert family_of("gpt2") is None
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
-def test_a_familys_layer_table_is_exactly_hfs_decoder_layer(model_type: str) -> None:
-    """transformers' own model of the config (an independent listing) has the tensors the family's table names."""
+def test_a_familys_layer_table_is_exactly_hfs_decoder_layer(model_type: str, tmp_path: Path) -> None:
+    """The checkpoint transformers saves of its own model of the config (an independent listing; a Qwen3-MoE model
+    holds its experts fused and saves them per expert, as hub checkpoints ship them) has the tensors the family's
+    table names."""
+    from safetensors import safe_open
+
     config = CONFIGS[model_type]()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as saved:
+        names = list(saved.keys())
     prefix = HF_LAYER.format(i=0)
-    hf_layer = [name[len(prefix) :] for name, _ in model.named_parameters() if name.startswith(prefix)]
-    family = read_hf_arch(config).family
+    hf_layer = [name[len(prefix) :] for name in names if name.startswith(prefix)]
+    arch = read_hf_arch(config)
+    family, table = arch.family, arch.family.layer_tensors(arch)
     assert family is family_of(model_type)
-    assert sorted(name for tensor in family.layer for name in tensor.hf) == sorted(hf_layer)
+    assert sorted(name for tensor in table for name in tensor.hf) == sorted(hf_layer)
     # Each table lists the megatron tensors once.
-    assert len({tensor.mcore for tensor in family.layer}) == len(family.layer)
+    assert len({tensor.mcore for tensor in table}) == len(table)
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
@@ -73,7 +91,8 @@ def test_the_plans_shape_and_the_actors_arch_are_one_reading(model_type: str) ->
     assert isinstance(arch, Shape) and shape == Shape(
         **{f.name: getattr(arch, f.name) for f in dataclasses.fields(Shape)}
     )
-    assert arch.qkv_bias == (model_type == "qwen2") and arch.qk_layernorm == (model_type == "qwen3")
+    assert arch.qkv_bias == (model_type == "qwen2") and arch.qk_layernorm == model_type.startswith("qwen3")
+    assert (arch.num_experts, arch.experts_per_token) == ((4, 2) if model_type == "qwen3_moe" else (0, 0))
 
 
 @pytest.mark.parametrize(
@@ -85,6 +104,7 @@ def test_the_plans_shape_and_the_actors_arch_are_one_reading(model_type: str) ->
         pytest.param(lambda: MistralConfig(sliding_window=None, **SHAPE), id="mistral"),
         pytest.param(lambda: Qwen2Config(**SHAPE), id="qwen2"),
         pytest.param(lambda: Qwen3Config(**SHAPE), id="qwen3"),
+        pytest.param(CONFIGS["qwen3_moe"], id="qwen3_moe"),
     ],
 )
 def test_the_drivers_json_read_equals_the_actors_autoconfig_read(config, tmp_path: Path) -> None:
@@ -192,7 +212,22 @@ REFUSED = [
     (lambda: Qwen3Config(attention_bias=True, **SHAPE), "Qwen3 attention_bias=true is not supported"),
     (
         lambda: _with(LlamaConfig(**SHAPE), model_type="gpt2"),
-        "model.student_path holds a 'gpt2' model; the megatron actor supports ('llama', 'mistral', 'qwen2', 'qwen3')",
+        "model.student_path holds a 'gpt2' model; the megatron actor supports ('llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe')",
+    ),
+    (
+        lambda: _with(CONFIGS["qwen3_moe"](), mlp_only_layers=[1]),
+        "Qwen3-MoE with dense layers (decoder_sparse_step=1, mlp_only_layers=[1]) is not supported: "
+        "the megatron actor builds experts in every layer",
+    ),
+    (
+        lambda: _with(CONFIGS["qwen3_moe"](), decoder_sparse_step=2),
+        "Qwen3-MoE with dense layers (decoder_sparse_step=2, mlp_only_layers=[]) is not supported: "
+        "the megatron actor builds experts in every layer",
+    ),
+    (
+        lambda: _with(LlamaConfig(**SHAPE), model_type="qwen2_moe"),
+        "model.student_path holds a 'qwen2_moe' model; the megatron actor supports "
+        "('llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe')",
     ),
     (
         lambda: _with(LlamaConfig(**SHAPE), max_position_embeddings=0),
