@@ -1,7 +1,8 @@
 """Actor checkpoints: model and optimizer as a megatron dist checkpoint, the lr schedule, step and RNG beside it.
 
 The sharded tensors are keyed by their global names (layer numbers over all stages) and offsets,
-so a checkpoint loads into any tensor-, pipeline- and data-parallel size. Also the two
+so a checkpoint loads into any tensor-, pipeline-, data- and expert-parallel size (an expert under its global
+number: megatron's SequentialMLP.sharded_state_dict). Also the two
 megatron-core 0.16.1 fixes a distributed-optimizer load needs without Apex / Transformer Engine.
 megatron is imported inside the functions.
 """
@@ -42,6 +43,7 @@ def save_checkpoint(
             "steps": steps,
             "tp": layout.tp_size,
             "pp": layout.pp_size,
+            "ep": layout.ep_size,
         }
         torch.save(state, out / ACTOR_STATE_FILE)
     torch.save(_rng_states(), out / RNG_FILE.format(rank=rank))

@@ -12,6 +12,11 @@ thread, without touching megatron's source:
    CUDA ones (`Tensor.type()` -> 'torch.cuda.FloatTensor'), which megatron's optimizer checks.
 3. megatron's model-parallel RNG tracker forks the CPU generator instead of the CUDA one, so
    `model_parallel_cuda_manual_seed` and activation recompute's RNG save/restore work unchanged.
+4. A mixture of experts (`_patch_moe`): the all-to-all token dispatcher's device-to-host side stream (a
+   `torch.cuda.Stream()` built in its `__init__`) is a stand-in that does nothing, its move of the split sizes
+   to the host gives them as numpy arrays, as the GPU path does (on CPU megatron's `maybe_move_tensor_to_cpu`
+   leaves them tensors, which `all_to_all_single` refuses as split sizes), and the router's gating GEMM takes
+   its plain torch path (`te_general_gemm` is undefined without Transformer Engine: NameError).
 
 Dropout is off in every model `hf_convert` builds (HF Llama/Qwen2 fine-tune without it), so no
 dropout mask ever depends on the RNG tracker. Call this only when `cluster.device=cpu`.
@@ -156,6 +161,7 @@ def _patch_megatron_rng_tracker() -> None:
     # A tracker built before this patch would still be the CUDA one: rebuild on next use.
     mcore_random.initialize_rng_tracker(force_reset=True)
     _patch_causal_mask()
+    _patch_moe()
 
 
 def _patch_causal_mask() -> None:
@@ -171,3 +177,52 @@ def _patch_causal_mask() -> None:
         return torch.triu(torch.ones(sq, sq, device=CPU), diagonal=1).bool()
 
     fused_softmax.get_default_causal_mask = cpu_causal_mask
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+
+class HostStream:
+    """Stands in for the token dispatcher's CUDA side stream on CPU: every operation runs on the host, in order."""
+
+    def wait_stream(self, stream: object) -> None:
+        return None
+
+    def record_event(self) -> HostStream:
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+    def __enter__(self) -> HostStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+HOST_STREAM = HostStream()
+
+
+def _host_split_sizes(dispatcher: Any, point: str, tokens_per_expert: Any = None) -> Any:
+    """megatron-core 0.16.1 MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize on the host: at its
+    device-to-host point the split sizes become numpy arrays (GPU: `maybe_move_tensor_to_cpu(..., as_numpy=True)`
+    on its side stream); the token counts stay tensors; nothing to synchronise."""
+    if not dispatcher.drop_and_pad and point == dispatcher.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(dispatcher, name)
+            if torch.is_tensor(value):
+                setattr(dispatcher, name, value.numpy())
+    return tokens_per_expert
+
+
+def _patch_moe() -> None:
+    """The three places megatron-core 0.16.1's MoE layer needs CUDA or Transformer Engine (module docstring, 4)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher.__init__ builds the stream once per class.
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = HOST_STREAM  # type: ignore[assignment]
+    token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_split_sizes  # type: ignore[method-assign]
+    # transformer/moe/moe_utils.py RouterGatingLinearFunction: `if te_general_gemm is not None` else torch.mm.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]

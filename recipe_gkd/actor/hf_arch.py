@@ -46,10 +46,32 @@ def check_parallel_layout(arch: HFArch, tp_size: int, pp_size: int = 1) -> None:
         )
 
 
-def check_split(arch: HFArch, tp_size: int, pp_size: int, cp_size: int) -> None:
+def check_split(arch: HFArch, tp_size: int, pp_size: int, cp_size: int, *, ep_size: int = 1) -> None:
     """Raise naming the actor.megatron key when the student cannot be split this way."""
     check_context_parallel(cp_size)
     check_parallel_layout(arch, tp_size, pp_size)
+    check_expert_split(arch, tp_size, ep_size)
+
+
+def check_expert_split(arch: HFArch, tp_size: int, ep_size: int) -> None:
+    """Raise naming actor.megatron.ep (or .tp) when the experts cannot be split: expert parallelism needs experts,
+    `ep` must divide them, and each expert's MLP splits over tp (megatron's expert tensor parallel = tp)."""
+    if not arch.is_moe:
+        if ep_size > 1:
+            raise UnsupportedModelError(
+                f"actor.megatron.ep={ep_size}: the student ({arch.model_type}) has no experts; set actor.megatron.ep=1"
+            )
+        return
+    if arch.num_experts % ep_size:
+        raise UnsupportedModelError(
+            f"actor.megatron.ep={ep_size} must divide the student's num_experts={arch.num_experts}; "
+            "choose another actor.megatron.ep"
+        )
+    if arch.moe_intermediate_size % tp_size:
+        raise UnsupportedModelError(
+            f"actor.megatron.tp={tp_size} must divide the student's moe_intermediate_size={arch.moe_intermediate_size}"
+            " (each expert splits over tensor parallel); choose another actor.megatron.tp"
+        )
 
 
 def read_student_arch(model_dir: str | Path) -> HFArch:

@@ -40,6 +40,7 @@ from recipe_gkd.models.base import (
     MCORE_LAYER,
     OUTPUT_LAYER,
 )
+from recipe_gkd.models.qwen3_moe import expert_number, with_expert_number
 from recipe_gkd.parallel_layout import padded_vocab_size
 
 # ----------------------------------------------------------------------------- HF <-> megatron (unsharded)
@@ -156,22 +157,46 @@ class HFCheckpointReader:
 def load_stage_shards(
     reader: HFCheckpointReader, arch: HFArch, global_names: Sequence[str], tp_rank: int, tp_size: int
 ) -> dict[str, Tensor]:
-    """Global megatron name -> this TP rank's shard, for `global_names` only (one pipeline stage's).
+    """Global megatron name -> this TP rank's shard, for `global_names` only (one pipeline stage's, one
+    expert-parallel rank's experts).
 
-    Converts unit by unit (the embedding, a decoder layer, ...): the host holds one unit's
-    unsharded tensors at a time plus the shards kept, never the whole checkpoint.
+    Converts tensor by tensor, reading only the HF tensors each needs: the host holds one tensor's unsharded parts
+    at a time plus the shards kept, never the whole checkpoint, and an expert-parallel rank reads its experts only.
     """
-    wanted = set(global_names)
-    units = list(dict.fromkeys(mcore_unit_of(name) for name in global_names))
     shards: dict[str, Tensor] = {}
-    for unit in units:
-        hf_tensors = {name: reader.read(name) for name in hf_unit_names(unit, arch)}
-        for name, full in hf_unit_to_mcore(unit, hf_tensors, arch, tp_size).items():
-            if name in wanted:
-                # A copy: a slice would keep the whole unsharded tensor alive.
-                shards[name] = shard_for_tp(name, full, tp_rank, tp_size).clone()
-        del hf_tensors
+    for name in dict.fromkeys(global_names):  # a tied head's copy on the last stage names the embedding again
+        parts = {hf: reader.read(hf) for hf in hf_tensor_names(name, arch)}
+        full = hf_tensor_to_mcore(name, parts, arch, tp_size)
+        # A copy: a slice would keep the whole unsharded tensor alive.
+        shards[name] = shard_for_tp(name, full, tp_rank, tp_size).clone()
+        del parts, full
     return shards
+
+
+def _layer_tensor(name: str, arch: HFArch) -> Any:
+    """The family table's entry of decoder-layer tensor `name` (`decoder.layers.<i>.<tensor>`)."""
+    tensor_name = name.split(".", 3)[3]
+    for tensor in arch.family.layer_tensors(arch):
+        if tensor.mcore == tensor_name:
+            return tensor
+    raise KeyError(f"{name}: no such tensor in the {arch.family} layer table")
+
+
+def hf_tensor_names(name: str, arch: HFArch) -> list[str]:
+    """The HF tensors megatron tensor `name` (global, unsharded) is made of."""
+    if not name.startswith("decoder.layers."):
+        return hf_unit_names(name, arch)
+    prefix = HF_LAYER.format(i=layer_index(name))
+    return [prefix + hf for hf in _layer_tensor(name, arch).hf]
+
+
+def hf_tensor_to_mcore(name: str, hf_state: Mapping[str, Tensor], arch: HFArch, tp_size: int) -> Tensor:
+    """Megatron tensor `name` (global, unsharded; vocabulary padded for `tp_size`) from its HF tensors."""
+    if not name.startswith("decoder.layers."):
+        return hf_unit_to_mcore(name, hf_state, arch, tp_size)[name]
+    tensor = _layer_tensor(name, arch)
+    prefix = HF_LAYER.format(i=layer_index(name))
+    return TO_MCORE[tensor.conversion]([hf_state[prefix + hf] for hf in tensor.hf], arch)
 
 
 def mcore_full_to_hf(mcore_state: Mapping[str, Tensor], arch: HFArch) -> dict[str, Tensor]:
@@ -270,21 +295,33 @@ def stage_layers(arch: HFArch, pp_rank: int, pp_size: int) -> range:
     return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
 
-def stage_param_names(arch: HFArch, pp_rank: int, pp_size: int) -> dict[str, str]:
-    """Megatron's parameter names on stage `pp_rank` -> their names in the whole (unsharded) model.
+def stage_param_names(arch: HFArch, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> dict[str, str]:
+    """Megatron's parameter names on stage `pp_rank` (expert-parallel rank `ep_rank`) -> their names in the whole
+    (unsharded) model.
 
-    Decoder layers are numbered from 0 on every stage. With tied embeddings and several stages
-    the last stage holds a copy of the embedding as `output_layer.weight` (megatron all-reduces
-    its gradient with the first stage's), so it maps to the embedding.
+    Decoder layers are numbered from 0 on every stage, and a mixture of experts' local experts from 0 on every
+    expert-parallel rank (rank r holds global experts r x E/EP ... (r + 1) x E/EP - 1, megatron's numbering); a rank
+    lists only the experts it holds. With tied embeddings and several stages the last stage holds a copy of the
+    embedding as `output_layer.weight` (megatron all-reduces its gradient with the first stage's), so it maps to
+    the embedding.
     """
     layers = stage_layers(arch, pp_rank, pp_size)
+    per_rank = arch.num_experts // ep_size if arch.is_moe else 0
+    mine = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     out: dict[str, str] = {}
     for name in mcore_param_names(arch):
         if name.startswith("decoder.layers."):
             index = layer_index(name)
-            if index in layers:
-                out[MCORE_LAYER.format(i=index - layers.start) + name.split(".", 3)[3]] = name
+            if index not in layers:
+                continue
+            local = MCORE_LAYER.format(i=index - layers.start) + name.split(".", 3)[3]
+            expert = expert_number(name)
+            if expert is not None:
+                if expert not in mine:
+                    continue
+                local = with_expert_number(local, expert - mine.start)
+            out[local] = name
         elif (name == EMBEDDING and first) or (name in (FINAL_NORM, OUTPUT_LAYER) and last):
             out[name] = name
     if arch.tie_word_embeddings and pp_size > 1 and last:

@@ -51,15 +51,21 @@ def build_transformer_config(
     on_cpu: bool,
     recompute: str = "none",
     attention: str = "sdpa",
+    aux_loss_coeff: float = 0.0,
 ) -> TransformerConfig:
-    """megatron TransformerConfig reproducing the HF model (local spec, no fused kernels)."""
+    """megatron TransformerConfig reproducing the HF model (local spec, no fused kernels).
+
+    `aux_loss_coeff` (actor.moe.aux_loss_coeff): a mixture of experts' load-balancing loss weight; the actor sets
+    the config's coefficient per micro-batch (recipe_gkd/actor/moe_stats.py `scaled_aux_loss_coeff`).
+    """
     from megatron.core.transformer import TransformerConfig
 
-    check_split(arch, layout.tp_size, layout.pp_size, layout.cp_size)
+    check_split(arch, layout.tp_size, layout.pp_size, layout.cp_size, ep_size=layout.ep_size)
     return TransformerConfig(
         **recompute_settings(recompute, attention),
-        # The family's architecture: sizes, norms, biases, the gated MLP.
+        # The family's architecture: sizes, norms, biases, the gated MLP (a mixture of experts' router and experts).
         **arch.family.transformer_config(arch),
+        **moe_settings(arch, layout, aux_loss_coeff),
         activation_func=ACTIVATIONS[arch.family.activation],
         # Distillation fine-tunes as HF does: no dropout (this also keeps TP=1 == TP=2 exact).
         hidden_dropout=0.0,
@@ -73,7 +79,7 @@ def build_transformer_config(
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         # Micro-batches are padded to their own longest sequence: stages exchange shapes first.
         variable_seq_lengths=True,
-        # No MoE layers; megatron rejects its default (allgather) dispatcher with variable lengths.
+        # megatron rejects its default (allgather) dispatcher with variable lengths; alltoall also runs at EP = 1.
         moe_token_dispatcher_type="alltoall",
         bf16=bf16,
         # The loss is a token sum over the global token count: DDP must sum, not average.
@@ -90,6 +96,18 @@ def build_transformer_config(
         masked_softmax_fusion=False,
         persist_layer_norm=False,
     )
+
+
+def moe_settings(arch: HFArch, layout: ParallelLayout, aux_loss_coeff: float) -> dict[str, Any]:
+    """The run's mixture-of-experts fields: the expert-parallel size (expert tensor parallel = TP, megatron's
+    default) and the router's load-balancing loss (megatron's Switch-style "aux_loss"; "none" at 0)."""
+    if not arch.is_moe:
+        return {}
+    return {
+        "expert_model_parallel_size": layout.ep_size,
+        "moe_router_load_balancing_type": "aux_loss" if aux_loss_coeff > 0 else "none",
+        "moe_aux_loss_coeff": aux_loss_coeff,
+    }
 
 
 def torch_norm_block_spec(layer_spec: Any, config: TransformerConfig) -> Any:
@@ -155,7 +173,24 @@ def build_gpt_model(
     if arch.llama3_rope is not None:
         _apply_llama3_rope(model, arch)
     _mark_tensor_parallel_params(model)
+    if arch.is_moe:
+        _keep_experts_apart(model)
     return model
+
+
+def _keep_experts_apart(model: torch.nn.Module) -> None:
+    """Give the experts' parameters their own gradient buffers and optimizer at every expert-parallel size.
+
+    megatron-core 0.16.1 marks an expert's weight `allreduce=False` only at EP > 1 (tensor_parallel/layers.py
+    ColumnParallelLinear / RowParallelLinear with is_expert), and get_megatron_optimizer builds a second, expert
+    optimizer from those (optimizer/__init__.py `is_expert_parallel`): at EP = 1 the experts would sit in the dense
+    optimizer and a checkpoint's optimizer state would be laid out otherwise (one optimizer, not two chained ones),
+    so a checkpoint saved at EP = 2 would not load at EP = 1. Marked at every EP, they are reduced over the
+    expert-data-parallel group, which at EP = 1 is the data-parallel group: the same sums.
+    """
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False  # type: ignore[attr-defined]
 
 
 def _apply_llama3_rope(model: GPTModel, arch: HFArch) -> None:

@@ -1,4 +1,4 @@
-"""The student trainer: one megatron-core GPTModel rank (TP x PP x DP; CP = 1), a plain class.
+"""The student trainer: one megatron-core GPTModel rank (TP x PP x DP, EP inside DP for experts; CP = 1), a plain class.
 
 The driver applies `ray.remote` and calls every method on every actor rank (they all take part
 in collectives); tests construct it directly, one process per rank. One step:
@@ -43,6 +43,7 @@ from torch import Tensor
 
 from recipe_gkd.actor import checkpointing, hf_arch, hf_convert, mcore_model
 from recipe_gkd.actor.collate import LazyMicroBatches, MicroBatch, split_by_token_budget, split_micro_batches
+from recipe_gkd.actor.moe_stats import RouterWatch, scaled_aux_loss_coeff
 from recipe_gkd.actor.objective import ActorKinds, ActorObjective, sum_from_last_stage
 from recipe_gkd.actor.optimizer import build_optimizer, clip_grads, wrap_ddp
 from recipe_gkd.actor.probe_rows import forward_only_micro_batch, pack_rows, unpack_token_logprobs
@@ -78,6 +79,7 @@ class MegatronActor:
         self.layout = ParallelLayout.from_config(cfg, rank)
         self._steps = 0
         self._model: Any = None
+        self.router_watch: RouterWatch | None = None
 
     # ------------------------------------------------------------------------- setup / teardown
 
@@ -105,6 +107,7 @@ class MegatronActor:
             on_cpu=self.on_cpu,
             recompute=m.recompute.value,
             attention=m.attention.value,
+            aux_loss_coeff=self.cfg.actor.moe.aux_loss_coeff,
         )
         self.gpt = mcore_model.build_gpt_model(
             self.arch,
@@ -116,8 +119,11 @@ class MegatronActor:
         self._check_stage_layers()
         if not self.on_cpu:
             self.gpt.cuda(torch.cuda.current_device())
-        # This stage's parameter names -> names in the whole model (layers renumbered per stage).
-        self._global_names = hf_convert.stage_param_names(self.arch, self.layout.pp_rank, self.layout.pp_size)
+        # This stage's parameter names -> names in the whole model (layers renumbered per stage, experts per
+        # expert-parallel rank).
+        self._global_names = hf_convert.stage_param_names(
+            self.arch, self.layout.pp_rank, self.layout.pp_size, self.layout.ep_rank, self.layout.ep_size
+        )
         reader = hf_convert.HFCheckpointReader(self.cfg.model.student_path)
         self._load_stage(reader)
         num_params = sum(reader.numel(n) for n in hf_convert.hf_param_names(self.arch))
@@ -137,6 +143,8 @@ class MegatronActor:
         self._exporter = WeightExporter(
             self.gpt, self.arch, self._global_names, self.layout, self.rank, self.device, self.tp_group
         )
+        first_layer = hf_convert.stage_layers(self.arch, self.layout.pp_rank, self.layout.pp_size).start
+        self.router_watch = RouterWatch(self.gpt, self.arch, first_layer, self.device) if self.arch.is_moe else None
         return {
             "rank": self.rank,
             "tp_rank": self.layout.tp_rank,
@@ -145,6 +153,8 @@ class MegatronActor:
             "tp_size": self.layout.tp_size,
             "dp_size": self.layout.dp_size,
             "pp_size": self.layout.pp_size,
+            "ep_rank": self.layout.ep_rank,
+            "ep_size": self.layout.ep_size,
             "device": str(self.device),
             "num_params": num_params,
             "num_local_params": sum(p.numel() for p in self.gpt.parameters()),
@@ -198,7 +208,7 @@ class MegatronActor:
                 "set actor.gpus_per_node to the number of actor ranks"
             )
         layout = self.layout
-        hf_arch.check_split(self.arch, layout.tp_size, layout.pp_size, layout.cp_size)
+        hf_arch.check_split(self.arch, layout.tp_size, layout.pp_size, layout.cp_size, ep_size=layout.ep_size)
 
     def _check_stage_layers(self) -> None:
         """megatron's layer numbers on this stage must be the ones `hf_convert.stage_layers` loads into it."""
@@ -236,10 +246,12 @@ class MegatronActor:
         layout = self.layout
         # megatron-core 0.16.1 parallel_state.initialize_model_parallel gives every group it creates (TP, DP, PP,
         # MP, embedding, ...) `timedelta(minutes=distributed_timeout_minutes)`, 30 by default, not the world's bound.
+        # Expert parallelism inside data parallelism, expert tensor parallel = tp (megatron's default).
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp_size,
             pipeline_model_parallel_size=layout.pp_size,
             context_parallel_size=layout.cp_size,
+            expert_model_parallel_size=layout.ep_size,
             distributed_timeout_minutes=group_timeout_minutes(bound_s),
         )
         model_parallel_cuda_manual_seed(MEGATRON_SEED)
@@ -248,11 +260,13 @@ class MegatronActor:
             parallel_state.get_context_parallel_rank(),
             parallel_state.get_data_parallel_rank(),
             parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_expert_model_parallel_rank(),
+            parallel_state.get_expert_data_parallel_rank(),
         )
-        ours = (layout.tp_rank, layout.cp_rank, layout.dp_rank, layout.pp_rank)
+        ours = (layout.tp_rank, layout.cp_rank, layout.dp_rank, layout.pp_rank, layout.ep_rank, layout.expert_dp_rank)
         if megatron_coords != ours:
             raise RuntimeError(
-                f"rank {self.rank}: megatron places it at (tp, cp, dp, pp) = {megatron_coords}, "
+                f"rank {self.rank}: megatron places it at (tp, cp, dp, pp, ep, expert dp) = {megatron_coords}, "
                 f"recipe_gkd.parallel_layout at {ours}"
             )
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -300,7 +314,9 @@ class MegatronActor:
         self._model.zero_grad_buffer()
         self.optimizer.zero_grad()
         # Backward of each micro-batch's loss sum; finalize_model_grads divides by the global count.
-        outputs = self._run_schedule(self._micro_batches(sequences), self.objective.train_loss, forward_only=False)
+        outputs = self._run_schedule(
+            self._micro_batches(sequences), self.objective.train_loss, forward_only=False, training=True
+        )
         loss_sum = self._sum_from_last_stage([out["loss_sum"] for out in outputs], 1)[0]
         forward_backward_s = time.perf_counter() - start
         grad_norm, stepped = self._optimizer_step()
@@ -316,6 +332,7 @@ class MegatronActor:
             "num_sequences": float(self._sum_over_dp(len(sequences))),
             # Top-k entries whose id the student has no embedding row for (folded into the tail).
             "teacher_ids_folded": float(self._sum_over_dp(self._folded_ids(sequences))),
+            **(self.router_watch.step_stats(self.dp_group, self.pp_group) if self.router_watch else {}),
             "skipped_step": 0.0 if stepped else 1.0,
             "forward_backward_s": forward_backward_s,
             "train_step_s": time.perf_counter() - start,
@@ -370,15 +387,23 @@ class MegatronActor:
         *,
         forward_only: bool,
         collect_non_loss_data: bool = False,
+        training: bool = False,
     ) -> list[Any]:
         """Every micro-batch through megatron's schedule; the last stage's `loss_fn` outputs (empty elsewhere).
 
-        `loss_fn(micro, output)` runs on the last stage with its logits [B, T, V_padded / tp].
+        `loss_fn(micro, output)` runs on the last stage with its logits [B, T, V_padded / tp]. `training`: a
+        mixture of experts' routers are watched and its load-balancing loss weighted by the micro-batch's loss
+        tokens (recipe_gkd/actor/moe_stats.py).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[Tensor, Callable[..., Any]]:
             micro = next(data_iterator)
+            if self.router_watch is not None:
+                self.router_watch.watch(micro.loss_mask_BT if training else None)
+                self.tconfig.moe_aux_loss_coeff = scaled_aux_loss_coeff(
+                    self.cfg.actor.moe.aux_loss_coeff, micro.num_tokens
+                )
             # No attention mask: right padding never precedes a real token, the causal mask suffices.
             # Stages after the first read the previous stage's activations, not input_ids.
             output = model(micro.input_ids_BT, micro.position_ids_BT, None)

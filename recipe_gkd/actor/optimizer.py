@@ -86,15 +86,21 @@ def clip_grads(optimizer: Any, max_norm: float, device: torch.device) -> float:
     """Global L2 grad norm; scale the grads to `max_norm` (actor.optim.clip_grad) when above it.
 
     megatron lists each TP shard once and skips TP-replicated params (norm weights) on all
-    but TP rank 0, so the model-parallel all-reduce counts every gradient entry once.
+    but TP rank 0, so the model-parallel all-reduce counts every gradient entry once. A mixture of
+    experts has two leaf optimizers whose gradients live on different groups (the dense ones: the
+    model-parallel group; the experts': the expert-model-parallel group, each expert on one expert-
+    parallel rank): each leaf's squares are summed over its own group, then added (megatron-core
+    0.16.1 ChainedOptimizer.get_grad_norm, when the groups differ).
     """
     leaves = leaf_optimizers(optimizer)
-    grads = [g for opt in leaves for g in opt.get_main_grads_for_grad_norm()]
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads:
-        squares += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
-    dist.all_reduce(squares, group=optimizer.get_grad_stats_parallel_group())
-    grad_norm = float(squares.sqrt().item())
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for leaf in leaves:
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        for grad in leaf.get_main_grads_for_grad_norm():
+            squares += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
+        dist.all_reduce(squares, group=leaf.get_grad_stats_parallel_group())
+        total += squares
+    grad_norm = float(total.sqrt().item())
     if max_norm > 0 and math.isfinite(grad_norm):
         coeff = max_norm / (grad_norm + CLIP_EPS)
         if coeff < 1.0:

@@ -2,8 +2,10 @@
 
 `WeightExporter.iter_hf_tensors` yields (HF name, tensor) one conversion unit (a decoder layer) at
 a time on global rank 0 (every rank takes part): replica 0's TP ranks gather each parameter of
-their stage, a later stage's TP rank 0 sends it to rank 0 point to point. `write_hf_dir` writes
-what it yields as config, model.safetensors and tokenizer files.
+their stage, a later stage's TP rank 0 sends it to rank 0 point to point. A mixture of experts'
+expert is gathered by the TP ranks of the expert-parallel rank holding it (data-parallel replica
+`ep_rank`, expert-data-parallel rank 0) and sent to rank 0 the same way, one layer's experts at a
+time. `write_hf_dir` writes what it yields as config, model.safetensors and tokenizer files.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor
 
 from recipe_gkd.actor import hf_convert
 from recipe_gkd.models import HFArch
+from recipe_gkd.models.qwen3_moe import expert_number
 from recipe_gkd.parallel_layout import ParallelLayout
 
 WEIGHTS_FILE = "model.safetensors"
@@ -60,7 +63,7 @@ class WeightExporter:
         parameters (TP=1): consume them before the next optimizer step. Otherwise a copy on the host, in the
         training dtype (the object store) or, with `fp32`, in fp32 (HF checkpoints).
         """
-        if self.layout.dp_rank != 0:
+        if self.layout.expert_dp_rank != 0:  # dense models: every replica but the first
             return
         params = dict(self.gpt.named_parameters())
         # The tied embedding's copy on the last stage is the first stage's embedding: exported once.
@@ -75,13 +78,16 @@ class WeightExporter:
         """Global parameter `name` unsharded on global rank 0 (None on every other rank): on this rank's
         device in the parameter's dtype (`on_device`), else a host copy in that dtype or (`fp32`) in fp32."""
         owner = hf_convert.owner_stage(name, self.arch, self.layout.pp_size)
-        if self.layout.pp_rank != owner:
+        expert = expert_number(name)
+        # The data-parallel replica holding it: an expert's expert-parallel rank, else the first.
+        replica = 0 if expert is None else self.layout.expert_owner(expert, self.arch.num_experts)
+        if (self.layout.pp_rank, self.layout.dp_rank) != (owner, replica):
             if self.rank != 0:
                 return None
-            received = self._recv_tensor(src=self.layout.global_rank(pp=owner))
+            received = self._recv_tensor(src=self.layout.global_rank(pp=owner, dp=replica))
             return received if on_device else received.to("cpu", torch.float32 if fp32 else received.dtype)
         if param is None:
-            raise RuntimeError(f"weight export: {name} is missing from pipeline stage {owner}")
+            raise RuntimeError(f"weight export: {name} is missing from pipeline stage {owner}, replica {replica}")
         shards = self._gather_to_tp_rank0(param.detach())
         if shards is None:
             return None

@@ -171,6 +171,8 @@ def make_cfg(model_dir: str, world: int, device: str, **actor: Any) -> GKDConfig
     cfg.debug.setup_timeout_s = SETUP_TIMEOUT_S
     cfg.actor.megatron.tp = actor.pop("tp", 1)
     cfg.actor.megatron.pp = actor.pop("pp", 1)
+    cfg.actor.megatron.ep = actor.pop("ep", 1)
+    cfg.actor.moe.aux_loss_coeff = actor.pop("aux_loss_coeff", 0.0)
     cfg.actor.micro_batch_size = actor.pop("micro_batch_size", 4)
     cfg.actor.precision = Precision(actor.pop("precision", "fp32"))
     cfg.actor.max_tokens_per_micro_batch = actor.pop("max_tokens_per_micro_batch", 0)
@@ -347,6 +349,51 @@ def _save_job(model: str, **actor: Any) -> Callable[[Job], None]:
     return run
 
 
+def local_grads(a: Any) -> dict[str, np.ndarray]:
+    """This rank's gradients (megatron's main_grad: d(global token-mean loss), before the optimizer) under their
+    global megatron names (experts under their global number, layers over all stages)."""
+    out = {}
+    for local, param in a.gpt.named_parameters():
+        grad = getattr(param, "main_grad", None)
+        if grad is not None:
+            out[a._global_names[local]] = grad.detach().float().cpu().numpy().copy()
+    return out
+
+
+def _moe_job(model: str, *, save: bool = False, resume: bool = False, **actor: Any) -> Callable[[Job], None]:
+    """A mixture of experts at `ep` (default: every rank of the world, one expert-parallel group): the probe's
+    logits and the untouched export, then two steps, each rank's gradients of the first, the exported weights,
+    the router's statistics; `save`: a checkpoint after the first step (at workdir/<job>_ckpt) and an HF directory;
+    `resume`: loads `actor['from']`'s checkpoint first and runs only the second step."""
+
+    def run(job: Job) -> None:
+        ckpt_from = actor.pop("from", None)
+        a = job.actor(model, **{"ep": job.args.world, **actor})
+        vocab = a.arch.vocab_size
+        job.out["logits"] = a.forward_logits(probe_ids(vocab))
+        if resume:
+            a.load_checkpoint(str(Path(job.args.workdir).parent / ckpt_from))
+            job.out["resumed_logprobs"] = a.token_logprobs(probe_ids(vocab))
+        else:
+            job.export(a, "before")
+            first = a.train_step(job.shards(a, 1, vocab))
+            job.out["first_loss"] = np.array(first["loss"])
+            job.out["first_grad_norm"] = np.array(first["grad_norm"])
+            job.out["router_stats"] = np.array(json.dumps({k: v for k, v in first.items() if k.startswith("moe_")}))
+            grads = local_grads(a)
+            np.savez(Path(job.args.workdir) / f"{job.name}_grads_rank{job.args.rank}.npz", **grads)
+            if save:
+                a.save_checkpoint(str(Path(job.args.workdir) / f"{job.name}_ckpt"))
+                a.save_hf(str(Path(job.args.workdir) / f"{job.name}_hf"))
+                job.out["saved_logprobs"] = a.token_logprobs(probe_ids(vocab))
+        second = a.train_step(job.shards(a, 2, vocab))
+        job.out["second_loss"] = np.array(second["loss"])
+        job.export(a, "after")
+        a.shutdown()
+
+    return run
+
+
 NO_CLIP = {"clip_grad": 0.0, "lr": 1e-3}
 SAMPLED = {"divergence": "sampled_reverse_kl", "ratio_clip": 0.2}
 XTOK = {"cross_tokenizer": "span"}
@@ -401,6 +448,20 @@ JOBS: dict[str, Callable[[Job], None]] = {
     "tp2_xtok": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, **XTOK),
     "tp1_xtok_sampled": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, **XTOK, **SAMPLED),
     "tp2_xtok_sampled": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, **XTOK, **SAMPLED),
+    # A mixture of experts (tests/recipe_gkd/actor/test_moe_actor.py): EP = the world, or EP = 1 at DP = 2.
+    "moe": _moe_job("qwen3_moe", micro_batch_size=2, **NO_CLIP),
+    "moe_ep1": _moe_job("qwen3_moe", ep=1, micro_batch_size=2, **NO_CLIP),
+    "moe_distopt": _moe_job("qwen3_moe", micro_batch_size=2, distributed_optimizer=True, **NO_CLIP),
+    "moe_aux": _moe_job("qwen3_moe", micro_batch_size=2, aux_loss_coeff=0.5, **NO_CLIP),
+    "moe_save": _moe_job("qwen3_moe", save=True, micro_batch_size=2, distributed_optimizer=True, **NO_CLIP),
+    "moe_resume": _moe_job(
+        "qwen3_moe",
+        resume=True,
+        micro_batch_size=2,
+        distributed_optimizer=True,
+        **{"from": "w2/moe_save_ckpt"},
+        **NO_CLIP,
+    ),
 }
 
 
