@@ -19,6 +19,8 @@ from recipe_gkd.targets import Target
 
 # The actor's statistics of the sampled-token objective (algorithm.divergence=sampled_reverse_kl).
 POLICY_KEYS = ("advantage_mean", "ratio_mean", "ratio_min", "ratio_max", "ratio_clipped_frac")
+# The actor's statistics of a mixture of experts' routers (recipe_gkd/actor/moe_stats.py RouterWatch).
+MOE_PREFIX = "moe_"
 # Per-worker memory keys (debug.log_memory), e.g. actor1_rss_mb, rollout0_gpu_peak_mb.
 MEMORY_SUFFIXES = ("_rss_mb", "_gpu_peak_mb")
 
@@ -89,6 +91,9 @@ def step_row(
         "step_s": step_s,
         **teacher_columns(stats, handles.values(), ""),
         **teacher_loss_columns(cfg, train),
+        # A mixture-of-experts student: per-expert load, the most and least loaded (layer, expert) against uniform,
+        # the router's entropy (recipe_gkd/actor/moe_stats.py); absent for a dense student.
+        **{key: value for key, value in train.items() if key.startswith(MOE_PREFIX)},
         **alignment_columns(stats),
         **episode_columns(stats, ""),
         "sample_ids": sorted(i for s in stats for i in s.sample_ids),

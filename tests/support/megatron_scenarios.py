@@ -394,6 +394,49 @@ def _moe_job(model: str, *, save: bool = False, resume: bool = False, **actor: A
     return run
 
 
+def _moe_shims_job(job: Job) -> None:
+    """Each of recipe_gkd/actor/cpu_compat.py's three MoE shims undone in turn (the rest kept): an EP = world forward
+    of the MoE model fails with that shim's error (recorded), then passes with all three."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    from recipe_gkd.actor import cpu_compat
+    from recipe_gkd.actor.megatron_actor import MegatronActor
+
+    cpu_compat.enable_cpu_compat()
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+
+    def tensors_kept(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
+        return tokens_per_expert  # megatron's maybe_move_tensor_to_cpu on CPU: the split sizes stay tensors
+
+    undo = {
+        "side_stream": (dispatcher, "cuda_dtoh_stream", None),
+        "split_sizes": (dispatcher, "_maybe_dtoh_and_synchronize", tensors_kept),
+        "router_gemm": (moe_utils, "te_general_gemm", "absent"),
+    }
+    errors = {}
+    for shim, (owner, attribute, value) in undo.items():
+        kept = getattr(owner, attribute)
+        if value == "absent":
+            delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, value)
+        cfg = make_cfg(str(Path(job.args.models) / "qwen3_moe"), job.args.world, job.args.device, ep=job.args.world)
+        a = MegatronActor(cfg, job.args.rank, job.args.world, "127.0.0.1", next(job.ports), actor_kinds(cfg))
+        try:
+            a.setup()
+            a.forward_logits(probe_ids(a.arch.vocab_size))
+            errors[shim] = ""
+        except Exception as err:  # what the shim prevents, recorded for the test  # noqa: BLE001
+            errors[shim] = f"{type(err).__name__}: {err}"
+        finally:
+            a.shutdown()
+            setattr(owner, attribute, kept)
+    job.out["errors"] = np.array(json.dumps(errors))
+    a = job.actor("qwen3_moe", ep=job.args.world)
+    job.out["logits"] = a.forward_logits(probe_ids(a.arch.vocab_size))
+    a.shutdown()
+
+
 NO_CLIP = {"clip_grad": 0.0, "lr": 1e-3}
 SAMPLED = {"divergence": "sampled_reverse_kl", "ratio_clip": 0.2}
 XTOK = {"cross_tokenizer": "span"}
@@ -450,6 +493,7 @@ JOBS: dict[str, Callable[[Job], None]] = {
     "tp2_xtok_sampled": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, **XTOK, **SAMPLED),
     # A mixture of experts (tests/recipe_gkd/actor/test_moe_actor.py): EP = the world, or EP = 1 at DP = 2.
     "moe": _moe_job("qwen3_moe", micro_batch_size=2, **NO_CLIP),
+    "moe_shims": _moe_shims_job,
     "moe_ep1": _moe_job("qwen3_moe", ep=1, micro_batch_size=2, **NO_CLIP),
     "moe_distopt": _moe_job("qwen3_moe", micro_batch_size=2, distributed_optimizer=True, **NO_CLIP),
     "moe_aux": _moe_job("qwen3_moe", micro_batch_size=2, aux_loss_coeff=0.5, **NO_CLIP),

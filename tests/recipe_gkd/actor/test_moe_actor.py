@@ -71,7 +71,7 @@ def runs(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
     one = _launch(1, "moe,moe_aux", models, root / "w1", env)
-    two = _launch(2, "moe,moe_ep1,moe_distopt,moe_aux,moe_save", models, root / "w2", env)
+    two = _launch(2, "moe,moe_ep1,moe_distopt,moe_aux,moe_save,moe_shims", models, root / "w2", env)
     _wait_all(
         one + two, [root / "w1" / "rank0.log", root / "w2" / "rank0.log", root / "w2" / "rank1.log"], LAUNCH_TIMEOUT_S
     )
@@ -221,3 +221,17 @@ def test_the_exported_student_loads_as_qwen3_moe_with_the_actors_logits(runs: di
     with torch.no_grad():
         logprobs = torch.log_softmax(model(ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
     np.testing.assert_allclose(logprobs.numpy(), result(runs, "w2", "moe_save")["saved_logprobs"], atol=LOGITS_ATOL)
+
+
+@pytest.mark.slow
+def test_each_cpu_shim_of_megatrons_moe_is_needed(runs: dict[str, Path], models: Path) -> None:
+    """recipe_gkd/actor/cpu_compat.py: with any one of its MoE shims undone an EP = 2 forward fails with that shim's
+    error; with all three it equals HF."""
+    data = result(runs, "w2", "moe_shims")
+    errors = json.loads(str(data["errors"]))
+    assert "CUDA" in errors["side_stream"] or "cuda" in errors["side_stream"], errors["side_stream"]
+    assert "split" in errors["split_sizes"].lower(), errors["split_sizes"]
+    assert errors["router_gemm"].startswith("NameError") and "te_general_gemm" in errors["router_gemm"]
+    with torch.no_grad():
+        reference = load_hf(models / MODEL)(torch.as_tensor(probe_ids(96))).logits.numpy()
+    np.testing.assert_allclose(data["logits"], reference, atol=LOGITS_ATOL, rtol=0)
