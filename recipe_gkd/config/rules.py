@@ -81,6 +81,7 @@ ASSET_BUILDERS = {
         for model in ("teacher", "student")
     },
     "assets/two_teachers/student": "python -m recipe_gkd.demo.mixed_student",
+    "assets/moe/student": "python -m recipe_gkd.demo.moe_student",
 }
 
 
