@@ -86,7 +86,14 @@ def hf_unit_names(unit: str, arch: HFArch) -> list[str]:
     if unit == OUTPUT_LAYER:
         return [HF_OUTPUT_LAYER]
     prefix = HF_LAYER.format(i=layer_index(unit))
-    return [prefix + hf for tensor in arch.family.layer_tensors(arch) for hf in tensor.hf]
+    return [prefix + hf for tensor in unit_table(unit, arch) for hf in tensor.hf]
+
+
+def unit_table(unit: str, arch: HFArch) -> list[Any]:
+    """The family table's entries (LayerTensor) of decoder-layer unit `unit`: its layer's tensors but the experts'
+    (the attention, the norms, the router), or one expert's."""
+    mc = MCORE_LAYER.format(i=layer_index(unit))
+    return [t for t in arch.family.layer_tensors(arch) if mcore_unit_of(mc + t.mcore) == unit]
 
 
 # Each conversion of the family tables (recipe_gkd/models/base.py), both ways: HF tensors -> the megatron tensor, and
@@ -116,7 +123,7 @@ def hf_unit_to_mcore(unit: str, hf_state: Mapping[str, Tensor], arch: HFArch, tp
     hf, mc = HF_LAYER.format(i=i), MCORE_LAYER.format(i=i)
     return {
         mc + tensor.mcore: TO_MCORE[tensor.conversion]([hf_state[hf + name] for name in tensor.hf], arch)
-        for tensor in arch.family.layer_tensors(arch)
+        for tensor in unit_table(unit, arch)
     }
 
 
@@ -221,7 +228,10 @@ def mcore_units(arch: HFArch) -> dict[str, list[str]]:
 
 
 def mcore_unit_of(name: str) -> str:
-    """The unit of a megatron parameter: its decoder-layer prefix, or the parameter itself."""
+    """The unit of a megatron parameter: its decoder-layer prefix (an expert's tensors: the expert's own prefix, so
+    that an export holds one expert at a time, not a whole layer's), or the parameter itself."""
+    if expert_number(name) is not None:  # decoder.layers.<i>.mlp.experts.local_experts.<e>
+        return ".".join(name.split(".")[:7])
     if name.startswith("decoder.layers."):
         return ".".join(name.split(".")[:3])
     return name
@@ -239,7 +249,7 @@ def mcore_unit_to_hf(unit: str, mcore_state: Mapping[str, Tensor], arch: HFArch)
     i = layer_index(unit)
     hf, mc = HF_LAYER.format(i=i), MCORE_LAYER.format(i=i)
     out: dict[str, Tensor] = {}
-    for tensor in arch.family.layer_tensors(arch):
+    for tensor in unit_table(unit, arch):
         parts = TO_HF[tensor.conversion](mcore_state[mc + tensor.mcore], arch)
         out.update(zip((hf + name for name in tensor.hf), parts, strict=True))
     return out

@@ -4,8 +4,8 @@
 a time on global rank 0 (every rank takes part): replica 0's TP ranks gather each parameter of
 their stage, a later stage's TP rank 0 sends it to rank 0 point to point. A mixture of experts'
 expert is gathered by the TP ranks of the expert-parallel rank holding it (data-parallel replica
-`ep_rank`, expert-data-parallel rank 0) and sent to rank 0 the same way, one layer's experts at a
-time. `write_hf_dir` writes what it yields as config, model.safetensors and tokenizer files.
+`ep_rank`, expert-data-parallel rank 0) and sent to rank 0 the same way, one expert at a time (an
+expert is a conversion unit of its own). `write_hf_dir` writes what it yields as config, model.safetensors and tokenizer files.
 """
 
 from __future__ import annotations

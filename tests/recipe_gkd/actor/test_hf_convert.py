@@ -269,3 +269,50 @@ def test_a_config_without_max_position_embeddings_is_refused_by_name(tmp_path: P
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="max_position_embeddings"):
         hf_arch.read_student_arch(tmp_path)
+
+
+def qwen3_moe_checkpoint(out: Path) -> tuple[HFArch, dict[str, torch.Tensor]]:
+    """A tiny Qwen3-MoE saved as transformers saves it (per-expert names), and its saved tensors."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(6)
+    config = Qwen3MoeConfig(
+        vocab_size=97, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, norm_topk_prob=True, tie_word_embeddings=False, **SHAPE,
+    )  # fmt: skip
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    return read_hf_arch(config), load_file(str(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 2), (1, 4)])
+def test_an_expert_parallel_rank_reads_and_holds_only_its_experts(tmp_path: Path, tp: int, ep: int) -> None:
+    """Every megatron tensor of a Qwen3-MoE is on exactly one expert-parallel rank or on all (the dense ones),
+    global expert = ep_rank x E/EP + local; a rank reads the HF tensors of its experts only; the whole conversion
+    round-trips HF -> megatron -> HF bit-exactly, one expert per export unit."""
+    arch, saved = qwen3_moe_checkpoint(tmp_path)
+    full = hf_convert.hf_to_mcore_full(saved, arch, tp)
+    holders: dict[str, list[int]] = {}
+    for ep_rank in range(ep):
+        names = hf_convert.stage_param_names(arch, 0, 1, ep_rank, ep)
+        for local, global_name in names.items():
+            holders.setdefault(global_name, []).append(ep_rank)
+            if ".local_experts." in local:  # local l on rank r is global r x E/EP + l
+                local_e = int(local.split(".local_experts.")[1].split(".")[0])
+                global_e = int(global_name.split(".local_experts.")[1].split(".")[0])
+                assert global_e == ep_rank * (arch.num_experts // ep) + local_e
+        reader = hf_convert.HFCheckpointReader(tmp_path)
+        shards = hf_convert.load_stage_shards(reader, arch, list(names.values()), tp - 1, tp)
+        for name, shard in shards.items():
+            assert torch.equal(shard, hf_convert.shard_for_tp(name, full[name], tp - 1, tp)), name
+        read_experts = {int(n.split(".experts.")[1].split(".")[0]) for n in reader.read_names if ".experts." in n}
+        assert read_experts == set(range(ep_rank * (arch.num_experts // ep), (ep_rank + 1) * (arch.num_experts // ep)))
+    assert holders.keys() == full.keys()
+    for name, ranks in holders.items():
+        assert ranks == ([ranks[0]] if ".local_experts." in name else list(range(ep))), name
+    units = hf_convert.mcore_units(arch)
+    assert "decoder.layers.1.mlp.experts.local_experts.3" in units and len(units) == 3 + arch.num_layers * 5
+    back = hf_convert.mcore_full_to_hf(full, arch)
+    assert back.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(back[name], tensor), name
