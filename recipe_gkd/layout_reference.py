@@ -68,7 +68,9 @@ A student family the megatron actor reproduces is one module and one registry li
 1. `recipe_gkd/models/<family>.py`: a `ModelFamily` subclass (`recipe_gkd/models/base.py`) with its `model_types`,
    what it refuses (`refuse`: an `UnsupportedModelError` naming the feature), its shape facts (`qkv_bias`,
    `qk_layernorm`), its decoder layer's table (`layer`: each megatron tensor with the HF tensors it converts from and
-   how) and, where they differ from the dense base's, its megatron fields (`transformer_config`, `layer_spec`);
+   how) and, where they differ from the dense base's, its megatron fields (`transformer_config`, `layer_spec`); where
+   transformers stacks tensors the checkpoint holds one by one (Qwen3-MoE's experts), `stacked`: the HF rollout
+   engine's views of them under the checkpoint's names;
 2. its instance in `FAMILIES` (`recipe_gkd/models/__init__.py`);
 3. its config in `CONFIGS` of `tests/recipe_gkd/models/test_model_families.py`: its table is checked against
    transformers' own model, its refusals by message.

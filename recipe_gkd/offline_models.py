@@ -283,6 +283,10 @@ class TinyModelSpec:
     head_dim: int = 0
     # The dtype the weights are saved in (real checkpoints ship bfloat16).
     save_dtype: str = "float32"
+    # qwen3_moe only: routed experts per layer, experts per token (renormalised top-k), each expert's MLP width.
+    num_experts: int = 4
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 64
 
 
 def build_char_tokenizer(out_dir: str | Path):
@@ -366,7 +370,7 @@ LLAMA3_ROPE_SHORT_CONTEXT = {
     "original_max_position_embeddings": 16,
 }
 # Architectures the tiny builder writes, each with transformers' own config class.
-TINY_FAMILIES = ("llama", "llama3", "mistral", "qwen3")
+TINY_FAMILIES = ("llama", "llama3", "mistral", "qwen3", "qwen3_moe")
 
 
 def build_tiny_causal_lm(
@@ -379,8 +383,8 @@ def build_tiny_causal_lm(
 ) -> Path:
     """Write a randomly initialised tiny causal LM of `family` and its tokenizer to `out_dir`.
 
-    `family`: llama, llama3 (Llama with llama3 RoPE scaling), mistral (no sliding window) or qwen3
-    (per-head q/k norm). `tokenizer_kind`: one of TOKENIZERS (see the module docstring);
+    `family`: llama, llama3 (Llama with llama3 RoPE scaling), mistral (no sliding window), qwen3
+    (per-head q/k norm) or qwen3_moe (Qwen3's attention, `spec.num_experts` routed experts in every layer). `tokenizer_kind`: one of TOKENIZERS (see the module docstring);
     `tokenizer`: one already built (e.g. by `build_tools_bpe_tokenizer`), saved with the model instead.
     Deterministic for a given (seed, spec, family, tokenizer) on every machine with this torch.
     """
@@ -392,6 +396,8 @@ def build_tiny_causal_lm(
         MistralForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     if family not in TINY_FAMILIES:
@@ -416,11 +422,19 @@ def build_tiny_causal_lm(
         "llama3": (LlamaConfig, LlamaForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[family]
     extra: dict = {
         "llama3": {"rope_parameters": LLAMA3_ROPE_SHORT_CONTEXT},
         "mistral": {"sliding_window": None},
         "qwen3": {"head_dim": spec.head_dim or spec.hidden_size // spec.num_heads},
+        "qwen3_moe": {
+            "head_dim": spec.head_dim or spec.hidden_size // spec.num_heads,
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.experts_per_token,
+            "moe_intermediate_size": spec.moe_intermediate_size,
+            "norm_topk_prob": True,  # as Qwen3-30B-A3B ships
+        },
     }.get(family, {})
     config = config_class(
         vocab_size=spec.vocab_size or len(tokenizer),

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from recipe_gkd.models.base import HFArch, ModelFamily, Shape, UnsupportedModelError, config_field
+from recipe_gkd.models.base import HFArch, ModelFamily, Shape, StackedTensor, UnsupportedModelError, config_field
 from recipe_gkd.models.llama import Llama, Mistral
 from recipe_gkd.models.qwen2 import Qwen2
 from recipe_gkd.models.qwen3 import Qwen3
@@ -39,6 +39,7 @@ __all__ = [
     "HFArch",
     "ModelFamily",
     "Shape",
+    "StackedTensor",
     "UnsupportedModelError",
     "family_of",
     "read_hf_arch",

@@ -46,6 +46,16 @@ class LayerTensor:
     conversion: str = COPY
 
 
+@dataclass(frozen=True)
+class StackedTensor:
+    """A parameter transformers holds for every expert of a layer at once ([E, rows, cols], its modeling code) where the
+    checkpoint has one tensor per expert and part: expert e's [rows, cols] is its `parts` (with {e} filled in)
+    concatenated along the rows. Names after the layer prefix."""
+
+    name: str
+    parts: tuple[str, ...]
+
+
 INPUT_NORM = LayerTensor("input_layernorm.weight", ("input_layernorm.weight",))
 QKV = LayerTensor("self_attention.linear_qkv.weight", tuple(f"self_attn.{p}_proj.weight" for p in "qkv"), FUSED_QKV)
 QKV_BIAS = LayerTensor("self_attention.linear_qkv.bias", tuple(f"self_attn.{p}_proj.bias" for p in "qkv"), FUSED_QKV)
@@ -147,6 +157,9 @@ class ModelFamily:
     # One decoder layer's tensors, in megatron's parameter order (a family whose layer depends on the model's numbers,
     # its experts, overrides `layer_tensors`).
     layer: ClassVar[tuple[LayerTensor, ...]] = DENSE_LAYER
+    # The parameters transformers stacks over a layer's experts (the HF rollout engine's names for them); none when
+    # its modeling code holds every checkpoint tensor as a parameter of its own.
+    stacked: ClassVar[tuple[StackedTensor, ...]] = ()
     # An RMSNorm over each head's query and key (HF q_norm / k_norm, megatron q/k_layernorm).
     qk_layernorm: ClassVar[bool] = False
     # The MLP's gated activation (HF hidden_act): SwiGLU.

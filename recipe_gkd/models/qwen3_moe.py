@@ -28,6 +28,7 @@ from recipe_gkd.models.base import (
     HFArch,
     LayerTensor,
     Shape,
+    StackedTensor,
     UnsupportedModelError,
     config_field,
 )
@@ -38,6 +39,14 @@ ROUTER = LayerTensor("mlp.router.weight", ("mlp.gate.weight",))
 MCORE_EXPERT = "mlp.experts.local_experts.{e}."
 HF_EXPERT = "mlp.experts.{e}."
 ATTENTION = (INPUT_NORM, QKV, Q_NORM, K_NORM, ATTENTION_OUT, MLP_NORM)
+# transformers 5 holds a layer's experts fused (modeling_qwen3_moe.py Qwen3MoeExperts: gate_up_proj [E, 2I, H] with each
+# expert's gate rows first, as its forward's `chunk(2)` reads them; down_proj [E, H, I]), loaded from and saved to the
+# per-expert names (conversion_mapping.py "qwen2_moe", which qwen3_moe maps to: MergeModulelist(dim=0) over the
+# experts, then Concatenate(dim=1) of gate_proj and up_proj).
+TRANSFORMERS_EXPERTS = (
+    StackedTensor("mlp.experts.gate_up_proj", (f"{HF_EXPERT}gate_proj.weight", f"{HF_EXPERT}up_proj.weight")),
+    StackedTensor("mlp.experts.down_proj", (f"{HF_EXPERT}down_proj.weight",)),
+)
 
 
 def num_experts(config: Mapping[str, Any] | Any) -> int:
@@ -75,6 +84,7 @@ class Qwen3Moe(Qwen3):
 
     model_types = ("qwen3_moe",)
     layer = (*ATTENTION, ROUTER)
+    stacked = TRANSFORMERS_EXPERTS
 
     def layer_tensors(self, arch: Shape) -> tuple[LayerTensor, ...]:
         return (*ATTENTION, ROUTER, *(t for e in range(arch.num_experts) for t in expert_tensors(e)))

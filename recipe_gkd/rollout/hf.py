@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from recipe_gkd.config import Device, GKDConfig
+from recipe_gkd.models import DENSE, StackedTensor, family_of
 from recipe_gkd.rollout.engine import Generation
 from recipe_gkd.stop_set import StopSet, student_stop_set
 
@@ -72,6 +73,25 @@ def without_model_generation_defaults(model: Any) -> Iterator[None]:
         model.generation_config = saved
 
 
+def checkpoint_views(
+    named: Iterable[tuple[str, torch.Tensor]], stacked: tuple[StackedTensor, ...]
+) -> dict[str, torch.Tensor]:
+    """The model's tensors under their checkpoint names (what the actor sends), each a view of the parameter that holds
+    it: a parameter stacked over experts (`stacked`, the family's) gives one [rows, cols] slice per expert and part."""
+    views: dict[str, torch.Tensor] = {}
+    for name, param in named:
+        spec = next((s for s in stacked if name.endswith(f".{s.name}")), None)
+        if spec is None:
+            views[name] = param.detach()
+            continue
+        prefix = name[: -len(spec.name)]
+        for e, expert_RC in enumerate(param.detach()):  # [E, rows, cols] -> expert e's [rows, cols]
+            # [rows, cols] -> each part's [rows / len(parts), cols], in the order the checkpoint concatenates them.
+            for part, rows_RC in zip(spec.parts, expert_RC.chunk(len(spec.parts), dim=0), strict=True):
+                views[prefix + part.format(e=e)] = rows_RC
+    return views
+
+
 class HFEngine:
     """The student as a transformers causal LM, sampling with `generate`."""
 
@@ -84,10 +104,12 @@ class HFEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
         self.stop = student_stop_set(cfg, self.tokenizer)
+        # The family's experts stacked by transformers (Qwen3-MoE), else none: the sender names each expert's tensor.
+        self._stacked = (family_of(self.model.config.model_type) or DENSE).stacked
         # Every name a sender may use (tied weights under both names) -> the tensor to fill.
-        self._params = dict(self.model.state_dict(keep_vars=True))
+        self._params = checkpoint_views(self.model.state_dict(keep_vars=True).items(), self._stacked)
         # Names that must arrive on every update: tied weights count once, as the embedding.
-        self.expected = {name for name, _ in self.model.named_parameters()}
+        self.expected = set(checkpoint_views(self.model.named_parameters(), self._stacked))
 
     @torch.no_grad()
     def generate(
@@ -211,14 +233,13 @@ class HFEngine:
 
     @torch.no_grad()
     def weight_checksums(self, dtype: str) -> list[EngineTensor]:
-        """Each parameter the model computes with (a tied head once, as the embedding), fingerprinted in `dtype`."""
+        """Each tensor the model computes with under its checkpoint name (a tied head once, as the embedding; each
+        expert's slice of a stacked parameter as that expert's tensor), fingerprinted in `dtype`."""
         from recipe_gkd.weight_sync import EngineTensor, tensor_checksum
 
         as_dtype = getattr(torch, dtype)
-        return [
-            EngineTensor(name, ((name, 1),), tensor_checksum(param, as_dtype))
-            for name, param in self.model.named_parameters()
-        ]
+        views = checkpoint_views(self.model.named_parameters(), self._stacked)
+        return [EngineTensor(name, ((name, 1),), tensor_checksum(view, as_dtype)) for name, view in views.items()]
 
 
 def describe(engine: HFEngine) -> dict[str, Any]:

