@@ -55,7 +55,7 @@ def build_transformer_config(
     """megatron TransformerConfig reproducing the HF model (local spec, no fused kernels)."""
     from megatron.core.transformer import TransformerConfig
 
-    check_split(arch, layout.tp_size, layout.pp_size, layout.cp_size)
+    check_split(arch, layout.tp_size, layout.pp_size, layout.cp_size, ep_size=layout.ep_size)
     return TransformerConfig(
         **recompute_settings(recompute, attention),
         # The family's architecture: sizes, norms, biases, the gated MLP.

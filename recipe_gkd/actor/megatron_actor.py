@@ -198,7 +198,7 @@ class MegatronActor:
                 "set actor.gpus_per_node to the number of actor ranks"
             )
         layout = self.layout
-        hf_arch.check_split(self.arch, layout.tp_size, layout.pp_size, layout.cp_size)
+        hf_arch.check_split(self.arch, layout.tp_size, layout.pp_size, layout.cp_size, ep_size=layout.ep_size)
 
     def _check_stage_layers(self) -> None:
         """megatron's layer numbers on this stage must be the ones `hf_convert.stage_layers` loads into it."""
