@@ -108,12 +108,12 @@ def record_teachers(cfg: GKDConfig) -> str:
 
 
 def student_split(cfg: GKDConfig) -> str:
-    """The student's architecture and the actor's TP x PP split fit together (before Ray starts)."""
+    """The student's architecture and the actor's TP x PP x EP split fit together (before Ray starts)."""
     from recipe_gkd.actor import hf_arch
 
     m = cfg.actor.megatron
-    hf_arch.check_split(hf_arch.read_student_arch(cfg.model.student_path), m.tp, m.pp, m.cp)
-    return f"the student takes actor.megatron tp={m.tp} pp={m.pp} cp={m.cp}"
+    hf_arch.check_split(hf_arch.read_student_arch(cfg.model.student_path), m.tp, m.pp, m.cp, ep_size=m.ep)
+    return f"the student takes actor.megatron tp={m.tp} pp={m.pp} cp={m.cp} ep={m.ep}"
 
 
 def teacher_head(cfg: GKDConfig) -> str:

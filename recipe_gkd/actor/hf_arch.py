@@ -1,4 +1,4 @@
-"""The HF student as the megatron actor splits and loads it: the tensor x pipeline x context-parallel splits it allows, its weight files.
+"""The HF student as the megatron actor splits and loads it: the tensor x pipeline x context x expert-parallel splits it allows, its weight files.
 
 `check_split` checks a split against the student's `HFArch` (read by its family, recipe_gkd/models) and raises
 `UnsupportedModelError` naming the actor.megatron key; `read_student_arch` reads the student's config.json for the
@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from recipe_gkd.models import HFArch, UnsupportedModelError, read_hf_arch
+from recipe_gkd.models import HFArch, Shape, UnsupportedModelError, read_hf_arch
 from recipe_gkd.parallel_layout import padded_vocab_size
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -21,7 +21,14 @@ MISTRAL_WEIGHT_FILES = "consolidated*.safetensors"
 
 def check_parallel_layout(arch: HFArch, tp_size: int, pp_size: int = 1) -> None:
     """Raise naming actor.megatron.tp / .pp when the model cannot be split over that many ranks."""
-    for what, count in (("num_attention_heads", arch.num_heads), ("intermediate_size", arch.intermediate_size)):
+    # The MLP TP shards: a mixture of experts' experts (megatron's expert tensor parallel size is tp); a Qwen3-MoE
+    # config's intermediate_size is a dense MLP no layer has.
+    mlp = (
+        ("moe_intermediate_size", arch.moe_intermediate_size)
+        if arch.is_moe
+        else ("intermediate_size", arch.intermediate_size)
+    )
+    for what, count in (("num_attention_heads", arch.num_heads), mlp):
         if count % tp_size:
             raise UnsupportedModelError(
                 f"actor.megatron.tp={tp_size} must divide the student's {what}={count}; choose another actor.megatron.tp"
@@ -49,6 +56,7 @@ def check_parallel_layout(arch: HFArch, tp_size: int, pp_size: int = 1) -> None:
 def check_split(arch: HFArch, tp_size: int, pp_size: int, cp_size: int, *, ep_size: int = 1) -> None:
     """Raise naming the actor.megatron key when the student cannot be split this way."""
     check_context_parallel(cp_size)
+    check_expert_parallel(arch, ep_size)
     check_parallel_layout(arch, tp_size, pp_size)
     check_expert_split(arch, tp_size, ep_size)
 
@@ -71,6 +79,23 @@ def check_expert_split(arch: HFArch, tp_size: int, ep_size: int) -> None:
         raise UnsupportedModelError(
             f"actor.megatron.tp={tp_size} must divide the student's moe_intermediate_size={arch.moe_intermediate_size}"
             " (each expert splits over tensor parallel); choose another actor.megatron.tp"
+        )
+
+
+def check_expert_parallel(shape: Shape, ep_size: int) -> None:
+    """Raise naming actor.megatron.ep when the student's experts cannot be split over `ep_size` ranks: a dense
+    student has none, and each rank holds num_experts / ep of every layer's."""
+    if ep_size == 1:
+        return
+    if not shape.is_moe:
+        raise UnsupportedModelError(
+            f"actor.megatron.ep={ep_size} but the student is a dense model (no num_experts in its config.json): "
+            "expert parallelism splits a mixture of experts' experts; set actor.megatron.ep=1"
+        )
+    if shape.num_experts % ep_size:
+        raise UnsupportedModelError(
+            f"actor.megatron.ep={ep_size} must divide the student's num_experts={shape.num_experts} (each rank "
+            "holds num_experts / ep experts of every layer); choose another actor.megatron.ep"
         )
 
 

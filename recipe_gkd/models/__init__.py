@@ -1,8 +1,8 @@
 """Model families: one spec per family (config.json reading, HF <-> megatron tensor table, megatron layer fields).
 
 `read_hf_arch(hf_config)` is the actor's one reading of the student's config (refusing a model_type no family
-covers); `shape_from_config(config)` the memory plan's, of any dense model (the student's family's facts when it has
-one). The torch conversion over a family's table is recipe_gkd/actor/hf_convert.py, the megatron model
+covers); `shape_from_config(config)` the memory plan's, of any model (the student's family's facts when it has
+one: a Qwen3-MoE's experts). The torch conversion over a family's table is recipe_gkd/actor/hf_convert.py, the megatron model
 recipe_gkd/actor/mcore_model.py; neither tests a family. Adding a family: its module here (a `ModelFamily` subclass,
 docs/layout.md "Adding a model family") and one line in FAMILIES. Pure Python, no torch or megatron import.
 

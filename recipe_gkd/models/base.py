@@ -72,7 +72,8 @@ DENSE_LAYER = (INPUT_NORM, QKV, ATTENTION_OUT, MLP_NORM, FC1, FC2)
 
 @dataclass(frozen=True)
 class Shape:
-    """The numbers of a dense decoder-only transformer the plan needs (from its config.json)."""
+    """The numbers of a decoder-only transformer the plan needs (from its config.json): dense, or a mixture of
+    experts in every layer."""
 
     vocab_size: int
     hidden_size: int
@@ -95,21 +96,55 @@ class Shape:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    def layer_params(self, tp: int = 1) -> float:
-        """Parameters of one decoder layer on one of `tp` tensor-parallel ranks."""
+    def dense_layer_params(self, tp: int = 1) -> float:
+        """Parameters of one decoder layer outside its routed experts, on one of `tp` tensor-parallel ranks: attention
+        and norms, then the dense MLP, or (a mixture of experts) the router, E x H, replicated over TP (megatron's
+        TopKRouter weight; a dense parameter: reduced and sharded over all of data parallel)."""
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         sharded = self.hidden_size * qkv_rows + self.num_heads * self.head_dim * self.hidden_size
-        sharded += 3 * self.hidden_size * self.intermediate_size + (qkv_rows if self.qkv_bias else 0)
+        sharded += qkv_rows if self.qkv_bias else 0
         replicated = 2 * self.hidden_size + (2 * self.head_dim if self.qk_layernorm else 0)
+        if self.is_moe:  # the router; a Qwen3-MoE layer has no dense MLP (its intermediate_size is unused)
+            replicated += self.num_experts * self.hidden_size
+        else:
+            sharded += 3 * self.hidden_size * self.intermediate_size
         return sharded / tp + replicated
 
+    def expert_params(self) -> int:
+        """One routed expert's parameters: a SwiGLU MLP, gate and up [I_moe, H] and down [H, I_moe] (0: dense)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size if self.is_moe else 0
+
+    def expert_layer_params(self, tp: int = 1, ep: int = 1) -> float:
+        """One decoder layer's routed experts on one rank: num_experts / `ep` of them (expert parallelism), a 1/`tp`
+        shard of each (megatron's expert tensor parallel size is the tensor-parallel size). 0 for a dense model."""
+        return (self.num_experts // ep) * self.expert_params() / tp
+
+    def layer_params(self, tp: int = 1, ep: int = 1) -> float:
+        """Parameters of one decoder layer on one of `tp` tensor-parallel ranks (of `ep` expert-parallel ones)."""
+        return self.dense_layer_params(tp) + self.expert_layer_params(tp, ep)
+
+    def embedding_params(self) -> int:
+        """The embedding, the output layer when untied, and the final norm."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
     def num_params(self) -> float:
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * self.layer_params() + embeddings + self.hidden_size
+        """Every parameter of the model (a mixture of experts: every expert of every layer)."""
+        return self.num_layers * self.layer_params() + self.embedding_params()
+
+    def active_params(self) -> float:
+        """The parameters one token goes through: a mixture of experts' attention, norms and router and its
+        `experts_per_token` experts of each layer, the embeddings (a dense model: num_params)."""
+        per_layer = self.dense_layer_params() + self.experts_per_token * self.expert_params()
+        return self.num_layers * per_layer + self.embedding_params()
 
     def largest_module_params(self, tp: int) -> float:
-        """The parameters of the largest module on one of `tp` ranks: embedding / lm_head, fused gate_up, qkv."""
+        """The parameters of the largest module on one of `tp` ranks: embedding / lm_head, qkv, the fused gate_up
+        (a dense MLP), or a mixture of experts' routed experts of one layer (vLLM's FusedMoE holds them as one
+        module, w13 [E, 2 I_moe / tp, H] and w2 [E, H, I_moe / tp]) and its router (E x H, replicated)."""
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        if self.is_moe:
+            sharded = [self.vocab_size, qkv_rows, self.num_experts * 3 * self.moe_intermediate_size]
+            return max(max(rows * self.hidden_size for rows in sharded) / tp, self.num_experts * self.hidden_size)
         per_rank = [self.vocab_size, 2 * self.intermediate_size, qkv_rows, self.intermediate_size]
         return max(rows * self.hidden_size for rows in per_rank) / tp
 

@@ -5,10 +5,12 @@ For every GPU role of the config, an estimate in GiB of what that GPU will hold:
 - actor rank (megatron, the heaviest pipeline stage): weights, gradient buffer, optimizer state
   (fp32 master weights + Adam moments, divided over data parallel with the distributed
   optimizer), activations of the micro-batches in flight, logits/loss buffers, and a fixed
-  CUDA/NCCL reserve;
-- rollout engine GPU (vLLM): its `rollout.gpu_memory_utilization` share holds the weights, a
-  runtime reserve and the KV cache, which must hold at least one sequence of
-  `data.max_prompt_length + rollout.sampling.max_new_tokens` tokens;
+  CUDA/NCCL reserve; a mixture of experts' num_experts / ep experts of every layer beside its
+  dense parameters (their optimizer state over data parallel / ep), its active experts'
+  activations and its all-to-all dispatcher's buffers (`RankState`);
+- rollout engine GPU (vLLM): its `rollout.gpu_memory_utilization` share holds the weights (a
+  mixture of experts: every expert), a runtime reserve and the KV cache, which must hold at
+  least one sequence of `data.max_prompt_length + rollout.sampling.max_new_tokens` tokens;
 - teacher replica GPU (vLLM, local): weights, one request's full-vocabulary prompt log-prob
   buffers, a runtime reserve and the KV cache for `teacher.max_model_len`.
 
@@ -23,6 +25,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from recipe_gkd.actor.hf_arch import check_expert_parallel
 from recipe_gkd.config import (
     PIPELINE_DEPTH,
     ConfigError,
@@ -39,7 +42,7 @@ from recipe_gkd.config import (
 from recipe_gkd.config.derived import longest_sequence
 from recipe_gkd.config.rules import teacher_longest_sequence
 from recipe_gkd.config.teachers import TeacherHandle, teacher_handles, teacher_views
-from recipe_gkd.models import Shape
+from recipe_gkd.models import Shape, UnsupportedModelError
 from recipe_gkd.parallel_layout import ParallelLayout
 from recipe_gkd.plan.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
 from recipe_gkd.plan.model_shape import read_shape
@@ -70,6 +73,23 @@ VLLM_BATCHED_TOKENS = 16384
 # the gpu_memory_utilization share, which is a fraction of the device's total (request_memory).
 VLLM_CUDA_CONTEXT_GIB = 0.5
 VLLM_NCCL_GIB = 0.5
+# A mixture of experts on the actor (megatron-core 0.16.1, the alltoall dispatcher recipe_gkd/actor/mcore_model.py
+# sets, SequentialMLP experts of the local spec). Kept for backward per routed copy of a token, in I_moe / tp values:
+# fc1's output [gate; up] (2), silu of the gate half (1), the up half plus glu_linear_offset (1, a new tensor), their
+# product, which the routing weight multiplies (1), and the weighted product fc2 keeps (1) (transformer/mlp.py
+# MLP.forward with per_token_scale). The copy of the token each expert's fc1 keeps (h values) is counted beside them.
+EXPERT_ACTIVATION_VALUES = 6
+# What the router and the permutation keep per token, bounded per expert: three fp32 [E] tensors and the boolean
+# routing map (transformer/moe/router.py TopKRouter at moe_router_dtype fp32, moe_utils.permute's transposed
+# probabilities and map; the top-k indices and probabilities, k << E, fit in the bound). A megatron MoE layer's saved
+# tensors on CPU: 176 B a token at E = 16, k = 4 against this 208; its experts' and token copies matched the terms
+# above to the byte (4608 + 2048 B a token at k = 4, I_moe = 96, h = 256, bf16).
+ROUTER_BYTES_PER_EXPERT = 3 * 4 + 1
+# MoEAlltoAllTokenDispatcher (transformer/moe/token_dispatcher.py): dispatch permutes each token's copies into one
+# [tokens x experts_per_token, h] tensor (moe_utils.permute, dropless: num_out_tokens = tokens x topk) and the
+# all-to-all receives as many (in); combine sends the experts' outputs back and receives them (out). Four such
+# buffers of one layer at a time, in the compute dtype (an upper bound: at ep = 1 the all-to-all returns its input).
+DISPATCH_BUFFERS = 4
 
 
 @dataclass
@@ -123,7 +143,9 @@ def actor_bytes_per_token_and_layer(
     the output and one log-sum-exp per row; unfused keeps q, k and v repeated to every head,
     the fp32 softmax output and its copy in the compute dtype ([heads, s] per token).
     selective recomputes the MLP (and unfused core attention); full keeps the layer input only
-    (the recomputed layer's activations are added once by the caller).
+    (the recomputed layer's activations are added once by the caller). A mixture of experts keeps,
+    in place of the MLP's, its active experts' (experts_per_token of them) and its router's,
+    which selective recompute does not recompute.
     """
     h, d = shape.hidden_size, shape.head_dim
     heads, groups = shape.num_heads / tp, max(1.0, shape.num_kv_heads / tp)
@@ -137,11 +159,18 @@ def actor_bytes_per_token_and_layer(
     else:
         attn = 4 * heads * d
         probs = heads * seq_len * (4 + (act_bytes if act_bytes != 4 else 0)) / act_bytes
-    mlp = 4 * shape.intermediate_size / tp
+    if shape.is_moe:
+        # The active width: each token's experts_per_token copies, each kept by its expert's fc1 (h) and through
+        # its SwiGLU (EXPERT_ACTIVATION_VALUES x I_moe / tp); the router's fp32 [E] tensors beside them.
+        experts = shape.experts_per_token * (h + EXPERT_ACTIVATION_VALUES * shape.moe_intermediate_size / tp)
+        mlp = experts + shape.num_experts * ROUTER_BYTES_PER_EXPERT / act_bytes
+    else:
+        mlp = 4 * shape.intermediate_size / tp
     if recompute == "full":
         return act_bytes * h
     if recompute == "selective":
-        mlp = 0.0
+        # megatron's "mlp" recompute module skips MoE layers (transformer/transformer_layer.py): experts stay.
+        mlp = mlp if shape.is_moe else 0.0
         if attention == "unfused":
             attn, probs = (heads + 2 * groups) * d + heads * d, 0.0
     return act_bytes * (norms + attn + probs + mlp)
@@ -156,16 +185,16 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
     """
     a, m = cfg.actor, cfg.actor.megatron
     layout = ParallelLayout.from_config(cfg)
+    try:  # the student's config.json read here first (a dry run): its experts and actor.megatron.ep
+        check_expert_parallel(shape, layout.ep_size)
+    except UnsupportedModelError as err:
+        raise ConfigError("actor.megatron.ep", str(err)) from err
     tp, pp, dp = layout.tp_size, layout.pp_size, layout.dp_size
     bf16 = a.precision == Precision.bf16
     act = 2 if bf16 else 4
     vocab_shard = layout.vocab_shard_size(shape.vocab_size)
     layers = shape.num_layers // pp
-    embedding = vocab_shard * shape.hidden_size
-    # The last stage: final norm + output layer (a tied one is a copy there when pp > 1).
-    last = shape.hidden_size + (embedding if (not shape.tie_word_embeddings or pp > 1) else 0)
-    params = layers * shape.layer_params(tp) + (embedding + last if pp == 1 else max(embedding, last))
-    optimizer_per_param = (12 if bf16 else 8) / (dp if m.distributed_optimizer else 1)
+    state = RankState.of(shape, layout, bf16=bf16, distributed=m.distributed_optimizer)
     seq_len = longest_sequence(cfg)[0]  # multi-turn: rollout.max_total_tokens
     tokens = a.max_tokens_per_micro_batch or a.micro_batch_size * seq_len
     per_rank = cfg.data.train_batch_size // dp
@@ -182,31 +211,26 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
     # Last stage: logits in the compute dtype, their fp32 copy, the loss's fp32 log-softmax and
     # the two gradients of the same size (measured on CPU: benchmarks/bench_actor_memory.py).
     logits = tokens * vocab_shard * (act + 4 * 4)
-    gathered = _gathered_vocabulary_parts(cfg, shape, tokens)
-    freed = activations + logits + sum(b for _, b in gathered)  # all gone before the optimizer steps
-    # torch's AdamW (megatron-core 0.16.1's GPU optimizer without Transformer Engine or apex,
-    # megatron/core/optimizer/__init__.py) steps with foreach ops: `_foreach_sqrt` of the second moments
-    # makes one fp32 tensor per parameter of the optimizer's shard. Activations and logits are freed by
-    # then, so only what exceeds them adds to the peak (Fused Adam steps in place: this is the bound).
-    step_temp = params * 4 / (dp if m.distributed_optimizer else 1)
-    mode = f"distributed over data parallel {dp}" if m.distributed_optimizer else "replicated"
+    # Buffers of one layer or of the loss at a time: the experts' dispatcher, a gathered vocabulary.
+    transient = [*_dispatcher_parts(shape, tokens, act), *_gathered_vocabulary_parts(cfg, shape, tokens)]
+    freed = activations + logits + sum(b for _, b in transient)  # all gone before the optimizer steps
+    step_temp = state.step_temporary()
     role = RoleMemory(
         role="actor rank",
         gpus=actor_world_size(cfg),
         parts=[
-            (f"weights ({'bf16' if bf16 else 'fp32'}, {params / 1e9:.2f}B params on this rank)", params * act),
-            ("gradient buffer (fp32)", params * 4),
-            (f"optimizer state ({'fp32 master + ' if bf16 else ''}Adam moments, {mode})", params * optimizer_per_param),
+            *state.parts(layers),
             (
                 f"activations ({in_flight} micro-batch(es) of {tokens} tokens x {layers} layers, "
-                f"recompute {m.recompute.value}, {m.attention.value} attention)",
+                f"recompute {m.recompute.value}, {m.attention.value} attention"
+                f"{_active_experts(shape, tp)})",
                 activations,
             ),
             (
                 f"logits and loss buffers ({tokens} tokens x {vocab_shard} vocabulary columns)",
                 logits,
             ),
-            *gathered,
+            *transient,
             (
                 f"optimizer step temporary (fp32 sqrt of the Adam second moments, {step_temp / GIB:.2f} GiB) "
                 "beyond the freed activations and logits",
@@ -222,9 +246,142 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
         role.outside = [role.parts.pop()]
         role.capacity = share * role.capacity
         role.notes.append(f"budget = actor.gpu_memory_utilization {share} x {cfg.cluster.gpu_memory_gib} GiB")
+    if shape.is_moe:
+        role.notes.append(
+            f"mixture of experts: {shape.num_params() / 1e9:.2f}B params, {shape.active_params() / 1e9:.2f}B active "
+            f"per token; actor.megatron.ep={layout.ep_size}: {shape.num_experts // layout.ep_size} of "
+            f"{shape.num_experts} experts per layer on each rank, their gradients and optimizer state over the "
+            f"{layout.expert_dp_size} data-parallel rank(s) holding the same experts"
+        )
     if role.total > role.capacity:
-        role.key, role.problem = _actor_remedy(cfg, role)
+        role.key, role.problem = _actor_remedy(cfg, role, shape, state.total() + step_temp)
     return role
+
+
+@dataclass(frozen=True)
+class RankState:
+    """The model state of the heaviest actor rank: its dense parameters (attention, norms, a router, the embedding and
+    output layer) and its experts' (num_experts / ep of every layer, 1/tp of each), with what each is sharded over.
+
+    megatron-core 0.16.1 reduces and shards the two apart: an expert's weights are `allreduce=False` when ep > 1
+    (tensor_parallel/layers.py ColumnParallelLinear / RowParallelLinear, is_expert), DDP puts their gradients in
+    `expert_parallel_buffers` over the expert data-parallel group (distributed/distributed_data_parallel.py), and
+    get_megatron_optimizer (optimizer/__init__.py) builds a second optimizer for them whose data_parallel_group is
+    `intra_expt_dp_group` (parallel_state.get_expert_data_parallel_group), which the distributed optimizer shards
+    each bucket over (optimizer/distrib_optimizer.py _build_model_gbuf_range). At ep = 1 the experts are dense
+    parameters of the one optimizer, sharded over all of data parallel (dp / ep = dp: the same shares).
+    """
+
+    dense: float
+    experts: float
+    # Ranks the dense / the experts' optimizer state is divided over (1: replicated, no distributed optimizer).
+    dense_shards: int
+    expert_shards: int
+    ep_size: int
+    num_experts: int
+    tp_size: int
+    bf16: bool
+    distributed: bool
+
+    @classmethod
+    def of(cls, shape: Shape, layout: ParallelLayout, *, bf16: bool, distributed: bool) -> RankState:
+        pp, tp = layout.pp_size, layout.tp_size
+        layers = shape.num_layers // pp
+        embedding = layout.vocab_shard_size(shape.vocab_size) * shape.hidden_size
+        # The last stage: final norm + output layer (a tied one is a copy there when pp > 1).
+        last = shape.hidden_size + (embedding if (not shape.tie_word_embeddings or pp > 1) else 0)
+        return cls(
+            dense=layers * shape.dense_layer_params(tp) + (embedding + last if pp == 1 else max(embedding, last)),
+            experts=layers * shape.expert_layer_params(tp, layout.ep_size),
+            dense_shards=layout.dp_size if distributed else 1,
+            expert_shards=layout.expert_dp_size if distributed else 1,
+            ep_size=layout.ep_size,
+            num_experts=shape.num_experts,
+            tp_size=tp,
+            bf16=bf16,
+            distributed=distributed,
+        )
+
+    @property
+    def params(self) -> float:
+        return self.dense + self.experts
+
+    def weights(self) -> float:
+        return self.params * (2 if self.bf16 else 4)
+
+    def gradients(self) -> float:
+        return self.params * 4
+
+    def optimizer(self) -> float:
+        """fp32 master weights (bf16) and the two Adam moments, each part over its own shards."""
+        per_param = 12 if self.bf16 else 8
+        return self.dense * (per_param / self.dense_shards) + self.experts * (per_param / self.expert_shards)
+
+    def total(self) -> float:
+        return self.weights() + self.gradients() + self.optimizer()
+
+    def step_temporary(self) -> float:
+        """The optimizer step's fp32 temporary: torch's AdamW (megatron-core 0.16.1's GPU optimizer without Transformer
+        Engine or apex, megatron/core/optimizer/__init__.py) steps with foreach ops, and `_foreach_sqrt` of the second
+        moments makes one fp32 tensor per parameter of the optimizer's shard (Fused Adam steps in place: this is the
+        bound). ep > 1: the dense and the expert optimizer of megatron's ChainedOptimizer step one after the other,
+        the larger shard's temporary is the peak."""
+        if self.ep_size > 1:
+            return max(self.dense * 4 / self.dense_shards, self.experts * 4 / self.expert_shards)
+        return self.params * 4 / self.dense_shards
+
+    def parts(self, layers: int) -> list[tuple[str, float]]:
+        """The plan's weights, gradient buffer and optimizer state lines (a mixture of experts: the experts' share)."""
+        dtype = "bf16" if self.bf16 else "fp32"
+        master = "fp32 master + " if self.bf16 else ""
+        if not self.experts:
+            mode = f"distributed over data parallel {self.dense_shards}" if self.distributed else "replicated"
+            return [
+                (f"weights ({dtype}, {self.params / 1e9:.2f}B params on this rank)", self.weights()),
+                ("gradient buffer (fp32)", self.gradients()),
+                (f"optimizer state ({master}Adam moments, {mode})", self.optimizer()),
+            ]
+        local = self.num_experts // self.ep_size
+        shard = f", 1/{self.tp_size} of each" if self.tp_size > 1 else ""
+        expert_gib = self.experts * 4 / GIB
+        mode = (
+            f"distributed: dense over data parallel {self.dense_shards}, the experts' "
+            f"{self.experts * (12 if self.bf16 else 8) / self.expert_shards / GIB:.2f} GiB over expert data parallel "
+            f"{self.expert_shards}"
+            if self.distributed
+            else "replicated"
+        )
+        return [
+            (
+                f"weights ({dtype}, {self.params / 1e9:.2f}B params on this rank: {self.dense / 1e9:.2f}B dense + "
+                f"{self.experts / 1e9:.2f}B experts, {local} of {self.num_experts} in each of {layers} layers{shard})",
+                self.weights(),
+            ),
+            (f"gradient buffer (fp32, the experts' {expert_gib:.2f} GiB of it)", self.gradients()),
+            (f"optimizer state ({master}Adam moments, {mode})", self.optimizer()),
+        ]
+
+
+def _active_experts(shape: Shape, tp: int) -> str:
+    """The activations line's note for a mixture of experts: the active width it counts."""
+    if not shape.is_moe:
+        return ""
+    return (
+        f"; {shape.experts_per_token} of {shape.num_experts} experts per token x {shape.moe_intermediate_size}"
+        f"{f' / tp {tp}' if tp > 1 else ''} wide, and the router"
+    )
+
+
+def _dispatcher_parts(shape: Shape, tokens: int, act: int) -> list[tuple[str, float]]:
+    """A mixture of experts: the all-to-all dispatcher's permuted tokens in and out, one layer at a time."""
+    if not shape.is_moe:
+        return []
+    rows = tokens * shape.experts_per_token
+    name = (
+        f"all-to-all dispatcher buffers ({tokens} tokens x {shape.experts_per_token} experts x {shape.hidden_size}, "
+        "permuted and exchanged in and out, one layer at a time)"
+    )
+    return [(name, DISPATCH_BUFFERS * rows * shape.hidden_size * act)]
 
 
 def _gathered_vocabulary_parts(cfg: GKDConfig, shape: Shape, tokens: int) -> list[tuple[str, float]]:
@@ -258,26 +415,45 @@ def _teacher_head_parts(teacher: Shape | None, vocab_shard: int, tokens: int, ac
     ]
 
 
-def _actor_remedy(cfg: GKDConfig, role: RoleMemory) -> tuple[str, str]:
-    """The key to change first: the split when the model state alone overflows, else the activations."""
+def _actor_remedy(cfg: GKDConfig, role: RoleMemory, shape: Shape, state: float) -> tuple[str, str]:
+    """The key to change first: the split when the model state (`state`: weights, gradients, optimizer state and its
+    step's temporary, which no smaller micro-batch shrinks) overflows, else the activations."""
     m, a = cfg.actor.megatron, cfg.actor
-    state = sum(b for name, b in role.parts[:3])
+    layout = ParallelLayout.from_config(cfg)
     over = f"needs {role.total / GIB:.1f} GiB of {role.capacity / GIB:.1f} GiB"
     if state + (0 if role.outside else ACTOR_RESERVE_GIB * GIB) > role.capacity:
         if cfg.actor.gpu_memory_utilization and cfg.cluster.colocate:
             return "actor.gpu_memory_utilization", f"{over}; give the actor a larger share of the colocated GPU"
-        if not m.distributed_optimizer and ParallelLayout.from_config(cfg).dp_size > 1:
+        if not m.distributed_optimizer and layout.dp_size > 1:
             return "actor.megatron.distributed_optimizer", f"{over}; shard the optimizer state over data parallel"
+        if (ep := _wider_expert_parallel(shape, layout)) is not None:
+            return (
+                "actor.megatron.ep",
+                f"{over}; the model state alone takes {state / GIB:.1f} GiB, most of it the "
+                f"{shape.num_experts // layout.ep_size} of {shape.num_experts} experts of every layer on each rank: "
+                f"split them over more ranks (actor.megatron.ep={ep}: {shape.num_experts // ep} each)",
+            )
         return (
             "actor.megatron.tp",
             f"{over}; weights, gradients and optimizer state alone take {state / GIB:.1f} GiB: split the student "
             "over more GPUs (actor.megatron.tp / actor.megatron.pp, or more actor GPUs with the distributed optimizer)",
         )
     if m.recompute != Recompute.full:
-        nxt = "selective" if m.recompute == Recompute.none else "full"
+        # A mixture of experts: selective recompute leaves the experts' activations (megatron skips MoE layers).
+        nxt = "selective" if m.recompute == Recompute.none and not shape.is_moe else "full"
         return "actor.megatron.recompute", f"{over}; recompute activations (actor.megatron.recompute={nxt})"
     key = "actor.max_tokens_per_micro_batch" if a.max_tokens_per_micro_batch else "actor.micro_batch_size"
     return key, f"{over}; use smaller micro-batches ({key})"
+
+
+def _wider_expert_parallel(shape: Shape, layout: ParallelLayout) -> int | None:
+    """The next expert-parallel size that divides both the data-parallel size and the experts (None: none, or dense).
+
+    A wider ep divides each rank's experts' weights and gradients; their optimizer state, over dp / ep ranks, stays."""
+    if not shape.is_moe:
+        return None
+    wider = (e for e in range(layout.ep_size + 1, layout.dp_size + 1) if not layout.dp_size % e)
+    return next((e for e in wider if not shape.num_experts % e), None)
 
 
 # ----------------------------------------------------------------------------- vLLM engines
@@ -305,7 +481,14 @@ def vllm_memory(
     budget = utilization * capacity
     weights = shape.num_params() * dtype_bytes / tp
     dtype = {2: "bf16", 4: "fp32"}[dtype_bytes]
-    parts = [(f"weights ({dtype}, {shape.num_params() / 1e9:.2f}B params / tp {tp})", weights)]
+    # A mixture of experts: vLLM holds every expert on every GPU of the engine (1/tp of each; its own expert
+    # parallelism is not used).
+    experts = (
+        f", {shape.num_layers * shape.expert_layer_params() / 1e9:.2f}B of them in all {shape.num_experts} experts"
+        if shape.is_moe
+        else ""
+    )
+    parts = [(f"weights ({dtype}, {shape.num_params() / 1e9:.2f}B params / tp {tp}{experts})", weights)]
     parts.append(("vLLM runtime (CUDA graphs, sampler, profile activations)", VLLM_RESERVE_GIB * GIB))
     outside = [("CUDA context of the vLLM process", VLLM_CUDA_CONTEXT_GIB * GIB)]
     if tp > 1:

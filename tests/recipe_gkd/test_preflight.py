@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recipe_gkd.config import ConfigError, load_config
-from recipe_gkd.preflight import DRY_RUN_CHECKS, START_CHECKS, Check, Finding, Status, run_checks
+import pytest
+
+from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
+from recipe_gkd.models import UnsupportedModelError
+from recipe_gkd.preflight import DRY_RUN_CHECKS, START_CHECKS, Check, Finding, Status, run_checks, student_split
 
 
 def test_checks_run_in_order_until_the_first_error() -> None:
@@ -58,3 +61,23 @@ def test_a_python_tool_that_cannot_be_sandboxed_here_is_refused_before_the_worke
     monkeypatch.setattr(sandbox, "bubblewrap_isolation", lambda: "bwrap is not on PATH")
     finding = environment.finding(cfg)
     assert finding.failed and finding.key == "rollout.tool_isolation" and "bwrap is not on PATH" in finding.line
+
+
+def test_the_student_split_check_refuses_expert_parallelism_without_experts(tmp_path: Path) -> None:
+    """actor.megatron.ep reaches the start check: a dense student (config.json only) is refused naming the key."""
+    from transformers import Qwen3Config
+
+    Qwen3Config(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ).save_pretrained(tmp_path)
+    preset = CONFIG_DIR / "presets" / "2x8_a8_r4_t4.yaml"  # 8 actor GPUs at TP 2: data parallel 4
+    split = [f"model.student_path={tmp_path}", "actor.megatron.ep=2"]
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.ep=2 but the student is a dense model"):
+        student_split(load_config(preset, split))
+    assert student_split(load_config(preset, split[:1])).endswith("ep=1")

@@ -139,6 +139,34 @@ def test_pipeline_stages_must_split_the_layers_evenly() -> None:
         hf_arch.check_parallel_layout(arch, 1, 3)
 
 
+def test_expert_parallelism_splits_a_mixture_of_experts_evenly_naming_the_ep_key() -> None:
+    """ep > 1 needs experts, as many on every rank; a dense student's split checks keep their old call."""
+    from transformers import Qwen3MoeConfig
+
+    dense = read_hf_arch(llama().config)
+    hf_arch.check_split(dense, 1, 1, 1)
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.ep=2 but the student is a dense model"):
+        hf_arch.check_split(dense, 1, 1, 1, ep_size=2)
+    moe = Qwen3MoeConfig(
+        vocab_size=97,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=18,
+        **{**SHAPE, "intermediate_size": 5},
+    )
+    arch = read_hf_arch(moe)
+    for ep in (1, 2, 3, 6):
+        hf_arch.check_split(arch, 1, 1, 1, ep_size=ep)
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.ep=4 must divide the student's num_experts=6"):
+        hf_arch.check_split(arch, 1, 1, 1, ep_size=4)
+    # TP shards each expert's moe_intermediate_size (18), not the config's unused dense intermediate_size (5).
+    hf_arch.check_split(arch, 2, 1, 1)
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.tp=4 must divide .*moe_intermediate_size=18"):
+        hf_arch.check_split(arch, 4, 1, 1)
+
+
 def test_context_parallel_is_refused_naming_the_key() -> None:
     hf_arch.check_context_parallel(1)
     with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.cp"):

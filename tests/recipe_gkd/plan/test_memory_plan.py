@@ -1,6 +1,7 @@
 """The per-GPU memory plan (recipe_gkd.plan.memory_plan) and --dry-run's use of it.
 
-Model shapes are the published config.json numbers of the models the GPU presets name; they
+Model shapes are the published config.json numbers of the models the GPU presets name (and of
+Qwen3-30B-A3B, a mixture-of-experts student, counted by hand below); they
 are written into a private Hugging Face cache layout, so the plan reads them as it would on a
 user's machine (config.json only, no weights, no network).
 """
@@ -29,8 +30,35 @@ QWEN25_7B = {
     "tie_word_embeddings": False,
     "max_position_embeddings": 32768,
 }
-# Published shapes of every model the GPU presets name (the teachers of remote presets are not planned).
+# Qwen3-30B-A3B's published config.json (a mixture of experts: 128 experts, 8 per token, in every layer; no dense MLP,
+# so its intermediate_size is counted nowhere): the student of the 2x8 mixture-of-experts split (docs/memory_plan.md).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+}
+# Published shapes of every model the GPU presets name (the teachers of remote presets are not planned), and the
+# mixture-of-experts student the 2x8 preset's overrides plan.
 HUB_MODELS = {
+    "Qwen/Qwen3-30B-A3B": QWEN3_30B_A3B,
     "Qwen/Qwen2.5-7B-Instruct": QWEN25_7B,
     # The two teachers of 1x8_two_teachers.yaml: Qwen2.5-7B's shape; the math model's context is 4096.
     "Qwen/Qwen2.5-Math-7B-Instruct": {**QWEN25_7B, "max_position_embeddings": 4096},
@@ -241,9 +269,10 @@ def test_no_plan_on_cpu() -> None:
     assert memory_plan.build_memory_plan(load_config(None)) is None
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama_tied", "llama_untied"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama_tied", "llama_untied", "qwen3_moe"])
 def test_parameter_count_equals_transformers(family: str) -> None:
-    """Shape.num_params against the same shape instantiated by transformers (an independent count)."""
+    """Shape.num_params against the same shape instantiated by transformers (an independent count); a mixture of
+    experts' active parameters against its tensors, the experts' counted experts_per_token / num_experts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base = dict(
@@ -254,6 +283,17 @@ def test_parameter_count_equals_transformers(family: str) -> None:
         "qwen3": dict(model_type="qwen3", vocab_size=300, head_dim=16, tie_word_embeddings=True),
         "llama_tied": dict(model_type="llama", vocab_size=301, tie_word_embeddings=True),
         "llama_untied": dict(model_type="llama", vocab_size=301, tie_word_embeddings=False),
+        # intermediate_size (176) is a dense MLP no layer has: counting it would miss.
+        "qwen3_moe": dict(
+            model_type="qwen3_moe",
+            vocab_size=300,
+            head_dim=16,
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            norm_topk_prob=True,
+        ),
     }[family]
     config_dict = {**base, **settings}
     kwargs = {k: v for k, v in config_dict.items() if k != "model_type"}
@@ -262,6 +302,11 @@ def test_parameter_count_equals_transformers(family: str) -> None:
     assert shape_from_config(config_dict).num_params() == sum(unique.values())
     # The same reader on the transformers config object (the actor's HFArch reads its numbers through it).
     assert shape_from_config(model.config).num_params() == sum(unique.values())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    shape = shape_from_config(config_dict)
+    assert shape.is_moe == (experts > 0)
+    per_token = shape.experts_per_token / shape.num_experts if shape.is_moe else 1
+    assert shape.active_params() == sum(unique.values()) - experts + experts * per_token
 
 
 def test_the_7b_shape_counts_7_6_billion_parameters() -> None:
@@ -580,3 +625,153 @@ def test_a_teacher_with_its_own_prompt_is_planned_for_its_own_bound() -> None:
     )
     teacher = memory_plan.teacher_memory(cfg, shape)
     assert not teacher.fits and teacher.key == "data.max_teacher_prompt_length", teacher.problem
+
+
+# ----------------------------------------------------------------------------- a mixture of experts: Qwen3-30B-A3B
+
+TWO_NODES = CONFIG_DIR / "presets" / "2x8_a8_r4_t4.yaml"
+# The 2x8 preset's actor node (8 GPUs) at TP 1 (data parallel 8), the experts split 8 ways, on H200s as CUDA sees them.
+A3B_SPLIT = ["model.student_path=Qwen/Qwen3-30B-A3B", "actor.megatron.tp=1", "actor.megatron.ep=8"]
+H200_GIB = 139.8
+
+# Qwen3-30B-A3B by hand. One layer: the fused q/k/v rows ((32 + 2 x 4) heads x 128) and the output projection
+# (32 x 128 -> 2048), two RMSNorms of 2048 and the q/k norms of 128, the router (128 x 2048), and 128 SwiGLU experts
+# of gate, up [768, 2048] and down [2048, 768]. The model: 48 layers, the untied embedding and lm_head, the final norm.
+A3B_ATTENTION = 2048 * (32 + 2 * 4) * 128 + 32 * 128 * 2048
+A3B_NORMS = 2 * 2048 + 2 * 128
+A3B_ROUTER = 128 * 2048
+A3B_EXPERT = 3 * 2048 * 768
+A3B_LAYER = A3B_ATTENTION + A3B_NORMS + A3B_ROUTER + 128 * A3B_EXPERT
+A3B_EMBEDDINGS = 2 * 151936 * 2048 + 2048
+
+
+def test_the_30b_a3b_shape_counts_every_expert_and_its_active_eight_by_hand() -> None:
+    shape = shape_from_config(QWEN3_30B_A3B)
+    assert (A3B_ATTENTION, A3B_NORMS, A3B_ROUTER, A3B_EXPERT) == (18_874_368, 4_352, 262_144, 4_718_592)
+    assert A3B_LAYER == 623_120_640
+    assert shape.layer_params() == A3B_LAYER
+    assert shape.dense_layer_params() == A3B_ATTENTION + A3B_NORMS + A3B_ROUTER
+    # On one rank of TP 2 x EP 8: 16 experts, half of each; the router replicated over TP.
+    assert shape.expert_layer_params(2, 8) == 16 * A3B_EXPERT / 2
+    assert shape.dense_layer_params(2) == A3B_ATTENTION / 2 + A3B_NORMS + A3B_ROUTER
+    total = 48 * A3B_LAYER + A3B_EMBEDDINGS
+    active = 48 * (A3B_ATTENTION + A3B_NORMS + A3B_ROUTER + 8 * A3B_EXPERT) + A3B_EMBEDDINGS
+    assert (total, active) == (30_532_122_624, 3_353_032_704)
+    assert shape.num_params() == total and shape.active_params() == active
+    # The model card: 30.5B parameters, 3.3B activated.
+    assert total == pytest.approx(30.5e9, rel=0.002) and active == pytest.approx(3.3e9, rel=0.02)
+    # vLLM's FusedMoE holds a layer's 128 experts as one module: the largest its in-place reload materialises.
+    assert shape.largest_module_params(1) == 128 * A3B_EXPERT
+    assert shape.largest_module_params(4) == 128 * A3B_EXPERT / 4
+
+
+def test_the_30b_a3b_student_on_the_2x8_split_prints_each_gpus_plan_with_its_experts(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["--config", str(TWO_NODES), "--dry-run", *A3B_SPLIT, f"cluster.gpu_memory_gib={H200_GIB}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for role in ("actor rank (x8)", "rollout GPU (x4)", "teacher GPU (x4)"):
+        assert next(x for x in out.splitlines() if x.strip().startswith(role)).endswith("fits"), out
+    assert "1.54B dense + 3.62B experts, 16 of 128 in each of 48 layers" in out
+    assert "the experts' 40.50 GiB over expert data parallel 1" in out
+    assert "30.53B params, 3.35B active per token" in out
+    assert "weights (bf16, 30.53B params / tp 1, 28.99B of them in all 128 experts)" in out  # the rollout engine's
+    # Every part of the actor rank and of a rollout GPU, by hand.
+    plan = memory_plan.build_memory_plan(load_config(TWO_NODES, [*A3B_SPLIT, f"cluster.gpu_memory_gib={H200_GIB}"]))
+    assert plan is not None
+    actor = dict(next(r for r in plan.roles if r.role == "actor rank").parts)
+    dense = 48 * (A3B_ATTENTION + A3B_NORMS + A3B_ROUTER) + A3B_EMBEDDINGS  # every rank's: data parallel 8
+    experts = 48 * 16 * A3B_EXPERT  # 128 / ep 8 of every layer
+    tokens = 2 * (512 + 2048)  # the preset's micro-batch of 2 sequences of prompt + response
+    # Kept per token and layer (values): norms 4h + q/k norm inputs, sdpa's q, k, v and output (bf16: grouped k, v),
+    # 8 copies of the token with 6 x 768 of SwiGLU each, the router's fp32 [128] tensors and routing map (bytes / 2).
+    per_layer = 4 * 2048 + (32 + 4) * 128 + (2 * 32 + 2 * 4) * 128 + 8 * (2048 + 6 * 768) + 128 * 13 / 2
+    expected = {
+        "weights": (dense + experts) * 2,
+        "gradient buffer": (dense + experts) * 4,
+        "optimizer state": dense * 12 / 8 + experts * 12 / 1,  # experts' state over the dp / ep = 1 rank holding them
+        "activations": tokens * 48 * per_layer * 2,
+        "logits and loss buffers": tokens * 151936 * (2 + 16),
+        "all-to-all dispatcher buffers": 4 * tokens * 8 * 2048 * 2,
+        "optimizer step temporary": 0.0,  # 4 x experts (14.5 GB) is below the freed activations and logits
+    }
+    for prefix, value in expected.items():
+        assert next(b for n, b in actor.items() if n.startswith(prefix)) == pytest.approx(value, rel=1e-12), prefix
+    rollout = next(r for r in plan.roles if r.role == "rollout GPU")
+    assert rollout.parts[0][1] == (48 * A3B_LAYER + A3B_EMBEDDINGS) * 2  # vLLM holds every expert (no vLLM EP)
+    reload = next(b for n, b in rollout.outside if n.startswith("in-place reload"))
+    assert reload == 128 * A3B_EXPERT * 2  # one layer's FusedMoE
+
+
+def test_experts_that_do_not_fit_name_the_expert_parallel_split(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ep=1: every rank holds all 128 experts of every layer, 170 GiB of weights and gradients: ep is the key (its
+    next size, 2). ep=8 on an 80 GB GPU: the experts' Adam state over dp / ep = 1 rank and its step's temporary
+    leave no room whatever the micro-batch: more GPUs (no wider ep divides data parallel 8)."""
+    one = [*A3B_SPLIT[:-1], "actor.megatron.ep=1"]
+    for gib in (79.0, H200_GIB):
+        assert main(["--config", str(TWO_NODES), "--dry-run", *one, f"cluster.gpu_memory_gib={gib}"]) == 2
+        err = capsys.readouterr().err
+        assert "config error at `actor.megatron.ep`: actor rank does not fit" in err
+        assert "actor.megatron.ep=2: 64 each" in err
+    cfg = load_config(TWO_NODES, [*A3B_SPLIT, "actor.max_tokens_per_micro_batch=2560", "actor.megatron.recompute=full"])
+    with pytest.raises(ConfigError) as raised:
+        memory_plan.check_memory_plan(memory_plan.build_memory_plan(cfg))  # type: ignore[arg-type]
+    assert raised.value.key == "actor.megatron.tp" and "split the student over more GPUs" in raised.value.message
+
+
+def test_expert_parallelism_needs_experts_that_split_evenly(
+    tmp_path: Path, hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dense student with actor.megatron.ep > 1, and ep not dividing num_experts, exit 2 naming actor.megatron.ep
+    (the dry run reads the student's config.json there)."""
+    assert (
+        main(
+            [
+                "--config",
+                str(REMOTE_PRESET),
+                "--dry-run",
+                f"model.student_path={qwen7b_dir(tmp_path)}",
+                "actor.megatron.ep=2",
+            ]
+        )
+        == 2
+    )
+    assert "config error at `actor.megatron.ep`: actor.megatron.ep=2 but the student is a dense model" in (
+        capsys.readouterr().err
+    )
+    odd = tmp_path / "a3b-100-experts"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "num_experts": 100}))
+    split = [f"model.student_path={odd}", "actor.megatron.tp=1", f"cluster.gpu_memory_gib={H200_GIB}"]
+    assert main(["--config", str(TWO_NODES), "--dry-run", *split, "actor.megatron.ep=8"]) == 2
+    assert "actor.megatron.ep=8 must divide the student's num_experts=100" in capsys.readouterr().err
+    # ep=4 divides the 100 experts: planned (25 a rank), whether or not it fits.
+    four = memory_plan.build_memory_plan(load_config(TWO_NODES, [*split, "actor.megatron.ep=4"]))
+    assert four is not None and "25 of 100 in each of 48 layers" in four.roles[0].parts[0][0]
+
+
+def test_selective_recompute_keeps_the_experts_activations() -> None:
+    """megatron's "mlp" recompute module skips MoE layers: selective saves a dense model its MLP, an MoE nothing of
+    its experts; the remedy then is full recompute."""
+    moe, dense = shape_from_config(QWEN3_30B_A3B), shape_from_config(HUB_MODELS["Qwen/Qwen3-8B"])
+    per_layer = memory_plan.actor_bytes_per_token_and_layer
+    assert per_layer(moe, 1, 2, 2560, "selective", "sdpa") == per_layer(moe, 1, 2, 2560, "none", "sdpa")
+    assert per_layer(dense, 1, 2, 2560, "none", "sdpa") - per_layer(dense, 1, 2, 2560, "selective", "sdpa") == (
+        2 * 4 * 12288
+    )
+
+
+def test_a_mixture_of_experts_no_family_reads_is_not_planned(tmp_path: Path) -> None:
+    mixtral = {**QWEN25_7B, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}
+    dense_layers = {**QWEN3_30B_A3B, "mlp_only_layers": [0, 47]}
+    for name, config in (("mixtral", mixtral), ("a3b-dense-layers", dense_layers)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    skipped: list[str] = []
+    assert memory_plan.read_shape(str(tmp_path / "mixtral"), "teacher.model_path", skipped) is None
+    assert memory_plan.read_shape(str(tmp_path / "a3b-dense-layers"), "teacher.model_path", skipped) is None
+    assert "whose experts no family of recipe_gkd/models reads (model_type 'mixtral')" in skipped[0]
+    assert "a mixture of experts with dense layers" in skipped[1]
