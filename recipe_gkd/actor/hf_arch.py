@@ -58,27 +58,18 @@ def check_split(arch: HFArch, tp_size: int, pp_size: int, cp_size: int, *, ep_si
     check_context_parallel(cp_size)
     check_expert_parallel(arch, ep_size)
     check_parallel_layout(arch, tp_size, pp_size)
-    check_expert_split(arch, tp_size, ep_size)
+    check_expert_tensor_parallel(arch, tp_size)
 
 
-def check_expert_split(arch: HFArch, tp_size: int, ep_size: int) -> None:
-    """Raise naming actor.megatron.ep (or .tp) when the experts cannot be split: expert parallelism needs experts,
-    `ep` must divide them, and each expert's MLP splits over tp (megatron's expert tensor parallel = tp)."""
-    if not arch.is_moe:
-        if ep_size > 1:
-            raise UnsupportedModelError(
-                f"actor.megatron.ep={ep_size}: the student ({arch.model_type}) has no experts; set actor.megatron.ep=1"
-            )
-        return
-    if arch.num_experts % ep_size:
+def check_expert_tensor_parallel(arch: HFArch, tp_size: int) -> None:
+    """Raise naming actor.megatron.tp for a mixture of experts at TP > 1: megatron-core 0.16.1's MoELayer.forward
+    refuses to train at TP > 1 without sequence parallelism (transformer/moe/moe_layer.py), which the actor does
+    not use; its experts split over expert parallelism instead."""
+    if arch.is_moe and tp_size > 1:
         raise UnsupportedModelError(
-            f"actor.megatron.ep={ep_size} must divide the student's num_experts={arch.num_experts}; "
-            "choose another actor.megatron.ep"
-        )
-    if arch.moe_intermediate_size % tp_size:
-        raise UnsupportedModelError(
-            f"actor.megatron.tp={tp_size} must divide the student's moe_intermediate_size={arch.moe_intermediate_size}"
-            " (each expert splits over tensor parallel); choose another actor.megatron.tp"
+            f"actor.megatron.tp={tp_size} with a mixture-of-experts student: the actor trains experts at TP=1 "
+            "(megatron's MoE layer needs sequence parallelism at TP > 1); set actor.megatron.tp=1 and split the "
+            "experts with actor.megatron.ep"
         )
 
 

@@ -81,3 +81,19 @@ def test_the_student_split_check_refuses_expert_parallelism_without_experts(tmp_
     with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.ep=2 but the student is a dense model"):
         student_split(load_config(preset, split))
     assert student_split(load_config(preset, split[:1])).endswith("ep=1")
+
+
+def test_the_student_split_check_refuses_a_mixture_of_experts_at_tensor_parallel(tmp_path: Path) -> None:
+    """megatron's MoE layer does not train at TP > 1 without sequence parallelism: refused at start naming
+    actor.megatron.tp, while TP=1 with the experts split over EP passes."""
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(
+        vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    preset = CONFIG_DIR / "presets" / "2x8_a8_r4_t4.yaml"  # 8 actor GPUs at TP 2
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.tp=2 with a mixture-of-experts student"):
+        student_split(load_config(preset, [f"model.student_path={tmp_path}", "actor.megatron.ep=2"]))
+    split = [f"model.student_path={tmp_path}", "actor.megatron.tp=1", "actor.megatron.ep=8"]
+    assert student_split(load_config(preset, split)).endswith("ep=8")

@@ -161,10 +161,13 @@ def test_expert_parallelism_splits_a_mixture_of_experts_evenly_naming_the_ep_key
         hf_arch.check_split(arch, 1, 1, 1, ep_size=ep)
     with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.ep=4 must divide the student's num_experts=6"):
         hf_arch.check_split(arch, 1, 1, 1, ep_size=4)
-    # TP shards each expert's moe_intermediate_size (18), not the config's unused dense intermediate_size (5).
-    hf_arch.check_split(arch, 2, 1, 1)
+    # TP shards each expert's moe_intermediate_size (18), not the config's unused dense intermediate_size (5) ...
+    hf_arch.check_parallel_layout(arch, 2, 1)
     with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.tp=4 must divide .*moe_intermediate_size=18"):
-        hf_arch.check_split(arch, 4, 1, 1)
+        hf_arch.check_parallel_layout(arch, 4, 1)
+    # ... but the actor trains a mixture of experts at TP=1 (megatron's MoE layer needs sequence parallelism).
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.tp=2 with a mixture-of-experts student"):
+        hf_arch.check_split(arch, 2, 1, 1)
 
 
 def test_context_parallel_is_refused_naming_the_key() -> None:
