@@ -251,6 +251,10 @@ def colocated_shares(cfg: GKDConfig) -> dict[str, float]:
     return shares
 
 
+# actor.megatron.cp: the zigzag split cuts each sequence into 2 x cp chunks.
+CONTEXT_PARALLEL_SIZES = (1, 2, 4, 8)
+
+
 def _validate_parallelism(cfg: GKDConfig) -> None:
     a, r = cfg.actor, cfg.rollout
     model_parallel = a.megatron.tp * a.megatron.pp * a.megatron.cp
@@ -264,11 +268,23 @@ def _validate_parallelism(cfg: GKDConfig) -> None:
         "actor.megatron.pp",
         f"tp x pp x cp = {model_parallel} must divide the actor's {actor_world_size(cfg)} GPUs",
     )
-    # The megatron actor implements tensor, pipeline and data parallelism; refused here, before anything starts.
+    # Context parallelism: the actor's own attention over a zigzag split of every sequence (recipe_gkd/actor/attention.py).
     require(
-        a.megatron.cp == 1,
+        a.megatron.cp in CONTEXT_PARALLEL_SIZES,
         "actor.megatron.cp",
-        f"cp={a.megatron.cp}: context parallelism is not implemented in the actor; set actor.megatron.cp=1",
+        f"cp={a.megatron.cp}: choose one of {CONTEXT_PARALLEL_SIZES}",
+    )
+    require(
+        a.megatron.cp == 1 or a.megatron.ep == 1,
+        "actor.megatron.cp",
+        f"cp={a.megatron.cp} with ep={a.megatron.ep}: megatron's rank order takes context or expert parallelism, "
+        "not both; set actor.megatron.cp=1 or actor.megatron.ep=1",
+    )
+    require(
+        a.megatron.cp == 1 or cfg.algorithm.cross_tokenizer == CrossTokenizer.none,
+        "algorithm.cross_tokenizer",
+        f"algorithm.cross_tokenizer={cfg.algorithm.cross_tokenizer.value} with actor.megatron.cp={a.megatron.cp}: a "
+        "span of student tokens may cross two context-parallel ranks' chunks; set actor.megatron.cp=1",
     )
     require(
         actor_data_parallel_size(cfg) % a.megatron.ep == 0,

@@ -165,7 +165,10 @@ class MegatronConfig:
     pp: int = bounded(1, ge=1)
     """Pipeline-parallel size: stages of num_hidden_layers / pp layers each (must divide the student's layers)."""
     cp: int = bounded(1, ge=1)
-    """Context-parallel size; must be 1 (not implemented)."""
+    """Context-parallel size (1, 2, 4 or 8): each of `cp` ranks holds a load-balanced share of every sequence (the
+    zigzag split: chunks i and 2 x cp - 1 - i of 2 x cp), attention gathers keys and values over them, so a sequence
+    takes 1 / cp of the activations; with expert parallelism it is not combined (ep = 1), nor with
+    algorithm.cross_tokenizer (a span may cross two ranks' chunks)."""
     ep: int = bounded(1, ge=1)
     """Expert-parallel size of a mixture-of-experts student: each group of `ep` data-parallel ranks splits every
     layer's experts (num_experts / ep each) and exchanges tokens all-to-all; must divide the data-parallel size and
