@@ -111,18 +111,25 @@ class ParallelLayout:
         return self.coordinates()["cp"]
 
     @property
+    def _data_context_rank(self) -> int:
+        """The rank over data x context parallel (cp innermost): megatron's expert generator takes cp = 1 and
+        counts these ranks as its data parallelism."""
+        return self.cp_rank + self.cp_size * self.dp_rank
+
+    @property
     def ep_rank(self) -> int:
         """This rank's place in its expert-parallel group: which num_experts / ep experts it holds."""
-        return self.dp_rank % self.ep_size
+        return self._data_context_rank % self.ep_size
 
     @property
     def expert_dp_size(self) -> int:
-        """The data-parallel ranks holding the same experts (they reduce the experts' gradients together)."""
-        return self.dp_size // self.ep_size
+        """The ranks holding the same experts (they reduce the experts' gradients together): data x context
+        parallel / ep (ep > 1 only with cp = 1)."""
+        return self.dp_size * self.cp_size // self.ep_size
 
     @property
     def expert_dp_rank(self) -> int:
-        return self.dp_rank // self.ep_size
+        return self._data_context_rank // self.ep_size
 
     def expert_owner(self, expert: int, num_experts: int) -> int:
         """The expert-parallel rank holding global expert `expert` (megatron: ep_rank x E/EP + local)."""

@@ -17,6 +17,9 @@ thread, without touching megatron's source:
    to the host gives them as numpy arrays, as the GPU path does (on CPU megatron's `maybe_move_tensor_to_cpu`
    leaves them tensors, which `all_to_all_single` refuses as split sizes), and the router's gating GEMM takes
    its plain torch path (`te_general_gemm` is undefined without Transformer Engine: NameError).
+5. Context parallelism (`_patch_rotary_cp`): the rotary embedding's choice of this CP rank's positions builds
+   its index in pinned memory (models/common/embeddings/rope_utils.py get_pos_emb_on_this_cp_rank,
+   `pin_memory=True`), which needs CUDA: the same index on the embedding's device.
 
 Dropout is off in every model `hf_convert` builds (HF Llama/Qwen2 fine-tune without it), so no
 dropout mask ever depends on the RNG tracker. Call this only when `cluster.device=cpu`.
@@ -162,6 +165,7 @@ def _patch_megatron_rng_tracker() -> None:
     mcore_random.initialize_rng_tracker(force_reset=True)
     _patch_causal_mask()
     _patch_moe()
+    _patch_rotary_cp()
 
 
 def _patch_causal_mask() -> None:
@@ -226,3 +230,22 @@ def _patch_moe() -> None:
     # transformer/moe/moe_utils.py RouterGatingLinearFunction: `if te_general_gemm is not None` else torch.mm.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+
+def _rotary_positions_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """megatron-core 0.16.1 rope_utils.get_pos_emb_on_this_cp_rank without pinned memory: chunks cp_rank and
+    2 x cp - 1 - cp_rank of 2 x cp along `seq_dim` (recipe_gkd/actor/context_parallel.py's zigzag split)."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+
+def _patch_rotary_cp() -> None:
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _rotary_positions_on_this_cp_rank  # type: ignore[assignment]

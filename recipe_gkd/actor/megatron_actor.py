@@ -1,4 +1,4 @@
-"""The student trainer: one megatron-core GPTModel rank (TP x PP x DP, EP inside DP for experts; CP = 1), a plain class.
+"""The student trainer: one megatron-core GPTModel rank (TP x CP x PP x DP, EP inside DP for experts), a plain class.
 
 The driver applies `ray.remote` and calls every method on every actor rank (they all take part
 in collectives); tests construct it directly, one process per rank. One step:
@@ -43,6 +43,7 @@ from torch import Tensor
 
 from recipe_gkd.actor import checkpointing, hf_arch, hf_convert, mcore_model
 from recipe_gkd.actor.collate import LazyMicroBatches, MicroBatch, split_by_token_budget, split_micro_batches
+from recipe_gkd.actor.context_parallel import ContextSplit
 from recipe_gkd.actor.moe_stats import RouterWatch, scaled_aux_loss_coeff
 from recipe_gkd.actor.objective import ActorKinds, ActorObjective, sum_from_last_stage
 from recipe_gkd.actor.optimizer import build_optimizer, clip_grads, wrap_ddp
@@ -136,7 +137,7 @@ class MegatronActor:
             self.device,
             tp_group=self.tp_group,
             pp_group=self.pp_group,
-            dp_group=self.dp_group,
+            dp_group=self.dp_cp_group,
             target=self.kinds.target,
             objective=self.kinds.objective,
         )
@@ -271,6 +272,11 @@ class MegatronActor:
             )
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
+        # Token sums of the split sequences (losses, their statistics) run over data x context parallel: every CP
+        # rank holds a share of its replica's tokens (megatron's finalize_model_grads counts them over this group).
+        self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.cp_group = parallel_state.get_context_parallel_group()
+        self.context_split = ContextSplit(layout.cp_size, layout.cp_rank, self.cp_group, self.pad_id)
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         # TP x PP: the ranks that compute one model replica together (and hold the same data).
         self.mp_group = parallel_state.get_model_parallel_group()
@@ -320,7 +326,7 @@ class MegatronActor:
         loss_sum = self._sum_from_last_stage([out["loss_sum"] for out in outputs], 1)[0]
         forward_backward_s = time.perf_counter() - start
         grad_norm, stepped = self._optimizer_step()
-        dist.all_reduce(loss_sum, group=self.dp_group)
+        dist.all_reduce(loss_sum, group=self.dp_cp_group)
         policy_stats = self.objective.policy_stats(outputs, global_tokens)
         return {
             **policy_stats,
@@ -354,7 +360,7 @@ class MegatronActor:
         with torch.no_grad():
             outputs = self._run_schedule(self._micro_batches(sequences), self.objective.eval_loss, forward_only=True)
         sums = self._sum_from_last_stage([out["sums"] for out in outputs], 2)
-        dist.all_reduce(sums, group=self.dp_group)
+        dist.all_reduce(sums, group=self.dp_cp_group)
         denominator = max(global_tokens, 1)
         return {
             "loss": float(sums[0].item()) / denominator,
@@ -398,7 +404,8 @@ class MegatronActor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[Tensor, Callable[..., Any]]:
-            micro = next(data_iterator)
+            # Context parallelism: this rank's zigzag share of every sequence (the whole micro-batch at CP = 1).
+            micro = self.context_split.split(next(data_iterator))
             if self.router_watch is not None:
                 self.router_watch.watch(micro.loss_mask_BT if training else None)
                 self.tconfig.moe_aux_loss_coeff = scaled_aux_loss_coeff(
@@ -528,7 +535,9 @@ class MegatronActor:
         batch, length = ids_BL.shape
         micro = forward_only_micro_batch(ids_BL, self.device)
         self._model.eval()
-        outputs = self._run_schedule([micro], self._gather_logits, forward_only=True, collect_non_loss_data=True)
+        outputs = self._run_schedule(
+            [micro], partial(self._gather_logits, length=length), forward_only=True, collect_non_loss_data=True
+        )
         if self.layout.pp_size == 1:
             return outputs[0]
         if self.layout.is_last_stage:
@@ -539,12 +548,17 @@ class MegatronActor:
         dist.broadcast(logits_BLV, src=last, group=self.pp_group)
         return logits_BLV
 
-    def _gather_logits(self, micro: MicroBatch, logits_BLv: Tensor, non_loss_data: bool = True) -> Tensor:
+    def _gather_logits(
+        self, micro: MicroBatch, logits_BLv: Tensor, non_loss_data: bool = True, *, length: int
+    ) -> Tensor:
+        """The last stage's logits shard -> fp32 [B, length, V]: gathered over TP and (context parallel) over CP."""
         if self.layout.tp_size > 1:
             from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
             logits_BLv = gather_from_tensor_model_parallel_region(logits_BLv)
-        return logits_BLv[..., : self.arch.vocab_size].float()
+        logits_BLV = logits_BLv[..., : self.arch.vocab_size].float()
+        # Context parallelism: every CP rank's positions back in the sequence's order, its padding cut off.
+        return self.context_split.gather(logits_BLV, length)
 
     def export_hf_state_dict(self) -> dict[str, np.ndarray] | None:
         """The current weights as HF-named fp32 arrays, on global rank 0 (None elsewhere).

@@ -21,6 +21,7 @@ from recipe_gkd.config.multi_turn_rules import validate_multi_turn
 from recipe_gkd.config.schema import (
     PIPELINE_DEPTH,
     VALID_LOGGERS,
+    Attention,
     CrossTokenizer,
     Device,
     Divergence,
@@ -279,6 +280,12 @@ def _validate_parallelism(cfg: GKDConfig) -> None:
         "actor.megatron.cp",
         f"cp={a.megatron.cp} with ep={a.megatron.ep}: megatron's rank order takes context or expert parallelism, "
         "not both; set actor.megatron.cp=1 or actor.megatron.ep=1",
+    )
+    require(
+        a.megatron.cp == 1 or a.megatron.attention == Attention.sdpa,
+        "actor.megatron.attention",
+        f"actor.megatron.cp={a.megatron.cp} computes attention with actor.megatron.attention=sdpa (the unfused "
+        "attention has no context parallelism); set actor.megatron.attention=sdpa",
     )
     require(
         a.megatron.cp == 1 or cfg.algorithm.cross_tokenizer == CrossTokenizer.none,

@@ -89,14 +89,13 @@ def test_groups_equal_megatron_cores_rank_generators(shape: tuple[int, int, int,
     # Model parallel (TP x PP) ranks hold the same data: each is one data-parallel replica's.
     for group in dense.get_ranks("tp-pp"):
         assert len({layout.at(r).dp_rank for r in group}) == 1
-    if cp > 1:
-        return  # no expert generator with cp > 1 (megatron builds it at cp = 1)
-    experts = RankGenerator(tp=tp, ep=ep, dp=dp // ep, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    # megatron builds the experts' generator at cp = 1: data x context parallel is its data parallelism.
+    experts = RankGenerator(tp=tp, ep=ep, dp=dp * cp // ep, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
     # An expert-parallel group: the same tp, pp and expert-data-parallel rank, every ep rank.
     assert sorted(experts.get_ranks("ep")) == _expert_groups(layout, lambda a: (a.tp_rank, a.pp_rank, a.expert_dp_rank))
     # An expert-data-parallel group (the experts' gradient reduction): the same tp, pp and ep rank.
     assert sorted(experts.get_ranks("dp")) == _expert_groups(layout, lambda a: (a.tp_rank, a.pp_rank, a.ep_rank))
-    assert {layout.at(r).expert_dp_size for r in range(layout.world_size)} == {dp // ep}
+    assert {layout.at(r).expert_dp_size for r in range(layout.world_size)} == {dp * cp // ep}
 
 
 def test_each_expert_lives_on_one_expert_parallel_rank() -> None:

@@ -172,6 +172,7 @@ def make_cfg(model_dir: str, world: int, device: str, **actor: Any) -> GKDConfig
     cfg.actor.megatron.tp = actor.pop("tp", 1)
     cfg.actor.megatron.pp = actor.pop("pp", 1)
     cfg.actor.megatron.ep = actor.pop("ep", 1)
+    cfg.actor.megatron.cp = actor.pop("cp", 1)
     cfg.actor.moe.aux_loss_coeff = actor.pop("aux_loss_coeff", 0.0)
     cfg.actor.micro_batch_size = actor.pop("micro_batch_size", 4)
     cfg.actor.precision = Precision(actor.pop("precision", "fp32"))
@@ -437,6 +438,42 @@ def _moe_shims_job(job: Job) -> None:
     a.shutdown()
 
 
+def _cp_job(model: str, make: Callable[..., list[ScoredSequence]] | None = None, **actor: Any) -> Callable[[Job], None]:
+    """Context parallelism at cp = the world (cp = 1 on one rank): one step's loss, grad norm and gradients (the
+    whole ones on every CP rank after megatron's reduction over data x context parallel), policy statistics, the
+    eval losses, the probe's logits and masked token logprobs, the weights after the step."""
+
+    def run(job: Job) -> None:
+        a = job.actor(model, **{"cp": job.args.world, **actor})
+        vocab = a.arch.vocab_size
+        if make is not None:
+            shards = rank_shards(1, vocab, a.layout.dp_rank, a.layout.dp_size, make)
+        elif a.cfg.teacher.output == TeacherOutput.hidden:
+            hidden = a.objective.target.head_vH.shape[1]
+            sequences = make_hidden_sequences(7, GLOBAL_BATCH, vocab, hidden)
+            shards = [TrainShard(step=7, weight_version=0, sequences=sequences)]
+        else:
+            shards = job.shards(a, 1, vocab)
+        job.out["logits"] = a.forward_logits(probe_ids(vocab))
+        mask = np.ones(PROBE_SHAPE, dtype=bool)
+        mask[0, :3] = False
+        job.out["probe_logprobs"] = a.token_logprobs(probe_ids(vocab), mask)
+        stats = a.train_step(shards)
+        for key in ("loss", "grad_norm", "num_tokens", *POLICY_KEYS):
+            if key in stats:
+                job.out[key] = np.array(stats[key])
+        np.savez(Path(job.args.workdir) / f"{job.name}_grads_rank{job.args.rank}.npz", **local_grads(a))
+        job.out["eval"] = np.array(json.dumps(a.eval_loss(shards)))
+        job.export(a, "after")
+        a.shutdown()
+
+    return run
+
+
+def _masked_sequences(seed: int, count: int, vocab: int) -> list[ScoredSequence]:
+    return make_masked_sequences(seed, count, vocab, other=True)
+
+
 NO_CLIP = {"clip_grad": 0.0, "lr": 1e-3}
 SAMPLED = {"divergence": "sampled_reverse_kl", "ratio_clip": 0.2}
 XTOK = {"cross_tokenizer": "span"}
@@ -494,6 +531,12 @@ JOBS: dict[str, Callable[[Job], None]] = {
     # A mixture of experts (tests/recipe_gkd/actor/test_moe_actor.py): EP = the world, or EP = 1 at DP = 2.
     "moe": _moe_job("qwen3_moe", micro_batch_size=2, **NO_CLIP),
     "moe_shims": _moe_shims_job,
+    # Context parallelism (tests/recipe_gkd/actor/test_context_parallel_actor.py): cp = the world.
+    "cp_topk": _cp_job("llama_untied_odd", micro_batch_size=3, **NO_CLIP),
+    "cp_sampled": _cp_job("llama_untied_odd", micro_batch_size=3, **NO_CLIP, **SAMPLED),
+    "cp_masked": _cp_job("llama_untied_odd", _masked_sequences, micro_batch_size=3, **NO_CLIP, **SAMPLED),
+    "cp_hidden": _cp_job("llama_tied", micro_batch_size=2, teacher_model="llama_untied", **NO_CLIP),
+    "cp_qwen3": _cp_job("qwen3_qknorm", micro_batch_size=4, **NO_CLIP),
     "moe_ep1": _moe_job("qwen3_moe", ep=1, micro_batch_size=2, **NO_CLIP),
     "moe_distopt": _moe_job("qwen3_moe", micro_batch_size=2, distributed_optimizer=True, **NO_CLIP),
     "moe_aux": _moe_job("qwen3_moe", micro_batch_size=2, aux_loss_coeff=0.5, **NO_CLIP),
