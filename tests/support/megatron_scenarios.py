@@ -361,8 +361,9 @@ def local_grads(a: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def _moe_job(model: str, *, save: bool = False, resume: bool = False, **actor: Any) -> Callable[[Job], None]:
-    """A mixture of experts at `ep` (default: every rank of the world, one expert-parallel group): the probe's
+def _step_pair_job(model: str, *, save: bool = False, resume: bool = False, **actor: Any) -> Callable[[Job], None]:
+    """Two steps at `ep` (default: every rank of the world, one expert-parallel group; a dense model passes ep=1
+    and its own split): the probe's
     logits and the untouched export, then two steps, each rank's gradients of the first, the exported weights,
     the router's statistics; `save`: a checkpoint after the first step (at workdir/<job>_ckpt) and an HF directory;
     `resume`: loads `actor['from']`'s checkpoint first and runs only the second step."""
@@ -529,7 +530,7 @@ JOBS: dict[str, Callable[[Job], None]] = {
     "tp1_xtok_sampled": _train_job("llama_untied_odd", [1, 2, 3], micro_batch_size=3, lr=1e-3, **XTOK, **SAMPLED),
     "tp2_xtok_sampled": _train_job("llama_untied_odd", [1, 2, 3], tp=2, micro_batch_size=3, lr=1e-3, **XTOK, **SAMPLED),
     # A mixture of experts (tests/recipe_gkd/actor/test_moe_actor.py): EP = the world, or EP = 1 at DP = 2.
-    "moe": _moe_job("qwen3_moe", micro_batch_size=2, **NO_CLIP),
+    "moe": _step_pair_job("qwen3_moe", micro_batch_size=2, **NO_CLIP),
     "moe_shims": _moe_shims_job,
     # Context parallelism (tests/recipe_gkd/actor/test_context_parallel_actor.py): cp = the world.
     "cp_topk": _cp_job("llama_untied_odd", micro_batch_size=3, **NO_CLIP),
@@ -537,11 +538,24 @@ JOBS: dict[str, Callable[[Job], None]] = {
     "cp_masked": _cp_job("llama_untied_odd", _masked_sequences, micro_batch_size=3, **NO_CLIP, **SAMPLED),
     "cp_hidden": _cp_job("llama_tied", micro_batch_size=2, teacher_model="llama_untied", **NO_CLIP),
     "cp_qwen3": _cp_job("qwen3_qknorm", micro_batch_size=4, **NO_CLIP),
-    "moe_ep1": _moe_job("qwen3_moe", ep=1, micro_batch_size=2, **NO_CLIP),
-    "moe_distopt": _moe_job("qwen3_moe", micro_batch_size=2, distributed_optimizer=True, **NO_CLIP),
-    "moe_aux": _moe_job("qwen3_moe", micro_batch_size=2, aux_loss_coeff=0.5, **NO_CLIP),
-    "moe_save": _moe_job("qwen3_moe", save=True, micro_batch_size=2, distributed_optimizer=True, **NO_CLIP),
-    "moe_resume": _moe_job(
+    "cp_pp": _cp_job("llama_untied_odd", cp=2, pp=2, micro_batch_size=3, **NO_CLIP),
+    "cp_save": _step_pair_job(
+        "llama_untied_odd", save=True, ep=1, cp=2, micro_batch_size=3, distributed_optimizer=True, **NO_CLIP
+    ),
+    "cp_resume": _step_pair_job(
+        "llama_untied_odd",
+        resume=True,
+        ep=1,
+        micro_batch_size=3,
+        distributed_optimizer=True,
+        **{"from": "w2/cp_save_ckpt"},
+        **NO_CLIP,
+    ),
+    "moe_ep1": _step_pair_job("qwen3_moe", ep=1, micro_batch_size=2, **NO_CLIP),
+    "moe_distopt": _step_pair_job("qwen3_moe", micro_batch_size=2, distributed_optimizer=True, **NO_CLIP),
+    "moe_aux": _step_pair_job("qwen3_moe", micro_batch_size=2, aux_loss_coeff=0.5, **NO_CLIP),
+    "moe_save": _step_pair_job("qwen3_moe", save=True, micro_batch_size=2, distributed_optimizer=True, **NO_CLIP),
+    "moe_resume": _step_pair_job(
         "qwen3_moe",
         resume=True,
         micro_batch_size=2,
