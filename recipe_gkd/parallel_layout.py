@@ -8,8 +8,8 @@ dp div EP). Expert parallelism thus lives inside data parallelism: each group of
 replicas splits every layer's experts, and the replicas holding the same experts reduce their gradients together.
 Every model-parallel rank (TP x PP) of one data-parallel replica must receive the same data; the driver hands each
 rank the shard of its `dp_rank`. `MegatronActor.setup()` checks the layout against megatron's parallel_state. The
-actor, its objective and export, the checkpoints and the memory plan all read this one object; cp is 1 (config
-validation refuses cp > 1). Pure Python: no torch or megatron import.
+actor, its objective and export, the checkpoints and the memory plan all read this one object. Pure Python: no
+torch or megatron import.
 """
 
 from __future__ import annotations
@@ -155,6 +155,22 @@ class ParallelLayout:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    # ------------------------------------------------------------------------- a sequence over context parallel
+
+    @property
+    def cp_chunks(self) -> int:
+        """Chunks the zigzag split cuts each (padded) sequence into: 2 x cp, rank r holding chunks r and 2cp-1-r
+        (1 at cp = 1: the sequence is not cut, nor padded)."""
+        return 2 * self.cp_size if self.cp_size > 1 else 1
+
+    def cp_padded_length(self, tokens: int) -> int:
+        """A sequence's length padded for the zigzag split: the next multiple of 2 x cp (unchanged at cp = 1)."""
+        return math.ceil(tokens / self.cp_chunks) * self.cp_chunks
+
+    def cp_local_length(self, tokens: int) -> int:
+        """The tokens of a `tokens`-long sequence each context-parallel rank holds: two chunks of the padded one."""
+        return self.cp_padded_length(tokens) // self.cp_size
 
     # ------------------------------------------------------------------------- the vocabulary over tensor parallel
 

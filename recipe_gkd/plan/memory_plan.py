@@ -3,11 +3,13 @@
 For every GPU role of the config, an estimate in GiB of what that GPU will hold:
 
 - actor rank (megatron, the heaviest pipeline stage): weights, gradient buffer, optimizer state
-  (fp32 master weights + Adam moments, divided over data parallel with the distributed
-  optimizer), activations of the micro-batches in flight, logits/loss buffers, and a fixed
-  CUDA/NCCL reserve; a mixture of experts' num_experts / ep experts of every layer beside its
-  dense parameters (their optimizer state over data parallel / ep), its active experts'
-  activations and its all-to-all dispatcher's buffers (`RankState`);
+  (fp32 master weights + Adam moments, divided over data parallel x context parallel with the
+  distributed optimizer), activations of the micro-batches in flight, logits/loss buffers (with
+  context parallelism: of the rank's 1/cp of every sequence, and the keys and values each layer
+  gathers from the whole sequence), and a fixed CUDA/NCCL reserve; a mixture of experts'
+  num_experts / ep experts of every layer beside its dense parameters (their optimizer state over
+  data parallel / ep), its active experts' activations and its all-to-all dispatcher's buffers
+  (`RankState`);
 - rollout engine GPU (vLLM): its `rollout.gpu_memory_utilization` share holds the weights (a
   mixture of experts: every expert), a runtime reserve and the KV cache, which must hold at
   least one sequence of `data.max_prompt_length + rollout.sampling.max_new_tokens` tokens;
@@ -40,7 +42,7 @@ from recipe_gkd.config import (
     weight_transport,
 )
 from recipe_gkd.config.derived import longest_sequence
-from recipe_gkd.config.rules import teacher_longest_sequence
+from recipe_gkd.config.rules import CONTEXT_PARALLEL_SIZES, teacher_longest_sequence, validate
 from recipe_gkd.config.teachers import TeacherHandle, teacher_handles, teacher_views
 from recipe_gkd.models import Shape, UnsupportedModelError
 from recipe_gkd.parallel_layout import ParallelLayout
@@ -181,15 +183,25 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
 
     With pp > 1 the first stage holds the embedding and the most micro-batches in flight, the
     last one the output layer and the logits; the estimate takes the larger of the two end
-    layers and adds both the first stage's activations and the last stage's logits.
+    layers and adds both the first stage's activations and the last stage's logits. With cp > 1
+    everything per token is the rank's share of each sequence (`ParallelLayout.cp_local_length`).
     """
+    role, state = _actor_role(cfg, shape, teacher)
+    if role.total > role.capacity:
+        role.key, role.problem = _actor_remedy(cfg, role, shape, teacher, state)
+    return role
+
+
+def _actor_role(cfg: GKDConfig, shape: Shape, teacher: Shape | None) -> tuple[RoleMemory, float]:
+    """The actor rank's parts against its budget, and its model state (weights, gradients, optimizer state and the
+    step's temporary, which no smaller micro-batch shrinks); no remedy (`_actor_remedy` plans other settings)."""
     a, m = cfg.actor, cfg.actor.megatron
     layout = ParallelLayout.from_config(cfg)
     try:  # the student's config.json read here first (a dry run): its experts and actor.megatron.ep
         check_expert_parallel(shape, layout.ep_size)
     except UnsupportedModelError as err:
         raise ConfigError("actor.megatron.ep", str(err)) from err
-    tp, pp, dp = layout.tp_size, layout.pp_size, layout.dp_size
+    tp, pp, dp, cp = layout.tp_size, layout.pp_size, layout.dp_size, layout.cp_size
     bf16 = a.precision == Precision.bf16
     act = 2 if bf16 else 4
     vocab_shard = layout.vocab_shard_size(shape.vocab_size)
@@ -204,39 +216,56 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
         else per_rank // a.micro_batch_size
     )
     in_flight = min(pp, micro_batches)
-    per_layer = actor_bytes_per_token_and_layer(shape, tp, act, seq_len, m.recompute.value, m.attention.value)
-    activations = in_flight * tokens * layers * per_layer
+    # Context parallelism: each rank holds 2 of the 2 x cp chunks of every row padded to a multiple of 2 x cp, so
+    # every per-token buffer below is of `rank_tokens` (a token budget is taken as padded rows'; at cp = 1 both
+    # are the micro-batch's tokens). Attention's scores span the whole padded row (`padded_len`).
+    rank_tokens = (
+        layout.cp_local_length(a.max_tokens_per_micro_batch)
+        if a.max_tokens_per_micro_batch
+        else a.micro_batch_size * layout.cp_local_length(seq_len)
+    )
+    padded_len = layout.cp_padded_length(seq_len)
+    per_layer = actor_bytes_per_token_and_layer(shape, tp, act, padded_len, m.recompute.value, m.attention.value)
+    activations = in_flight * rank_tokens * layers * per_layer
     if m.recompute == Recompute.full:  # one layer's full activations while it is recomputed
-        activations += tokens * actor_bytes_per_token_and_layer(shape, tp, act, seq_len, "none", m.attention.value)
+        activations += rank_tokens * actor_bytes_per_token_and_layer(
+            shape, tp, act, padded_len, "none", m.attention.value
+        )
     # Last stage: logits in the compute dtype, their fp32 copy, the loss's fp32 log-softmax and
     # the two gradients of the same size (measured on CPU: benchmarks/bench_actor_memory.py).
-    logits = tokens * vocab_shard * (act + 4 * 4)
+    logits = rank_tokens * vocab_shard * (act + 4 * 4)
     # Buffers of one layer or of the loss at a time: the experts' dispatcher, a gathered vocabulary.
-    transient = [*_dispatcher_parts(shape, tokens, act), *_gathered_vocabulary_parts(cfg, shape, tokens)]
+    transient = [
+        *_gathered_kv_parts(shape, layout, act, rank_tokens * cp, layers, in_flight, m.recompute, m.attention.value),
+        *_dispatcher_parts(shape, rank_tokens, act),
+        *_gathered_vocabulary_parts(cfg, shape, rank_tokens),
+    ]
     freed = activations + logits + sum(b for _, b in transient)  # all gone before the optimizer steps
     step_temp = state.step_temporary()
+    of_tokens = (
+        f"{tokens} tokens"
+        if cp == 1
+        else f"{rank_tokens} tokens per context-parallel rank ({rank_tokens * cp} padded / cp {cp})"
+    )
     role = RoleMemory(
         role="actor rank",
         gpus=actor_world_size(cfg),
         parts=[
             *state.parts(layers),
             (
-                f"activations ({in_flight} micro-batch(es) of {tokens} tokens x {layers} layers, "
+                f"activations ({in_flight} micro-batch(es) of {of_tokens} x {layers} layers, "
                 f"recompute {m.recompute.value}, {m.attention.value} attention"
                 f"{_active_experts(shape, tp)})",
                 activations,
             ),
-            (
-                f"logits and loss buffers ({tokens} tokens x {vocab_shard} vocabulary columns)",
-                logits,
-            ),
+            (f"logits and loss buffers ({rank_tokens} tokens x {vocab_shard} vocabulary columns)", logits),
             *transient,
             (
                 f"optimizer step temporary (fp32 sqrt of the Adam second moments, {step_temp / GIB:.2f} GiB) "
                 "beyond the freed activations and logits",
                 max(0.0, step_temp - freed),
             ),
-            *_teacher_head_parts(teacher, vocab_shard, tokens, act),
+            *_teacher_head_parts(teacher, vocab_shard, rank_tokens, act),
             ("CUDA context, NCCL, allocator reserve", ACTOR_RESERVE_GIB * GIB),
         ],
         capacity=cfg.cluster.gpu_memory_gib * GIB,
@@ -253,9 +282,63 @@ def actor_memory(cfg: GKDConfig, shape: Shape, teacher: Shape | None = None) -> 
             f"{shape.num_experts} experts per layer on each rank, their gradients and optimizer state over the "
             f"{layout.expert_dp_size} data-parallel rank(s) holding the same experts"
         )
-    if role.total > role.capacity:
-        role.key, role.problem = _actor_remedy(cfg, role, shape, state.total() + step_temp)
-    return role
+    if cp > 1:
+        role.notes.append(
+            f"actor.megatron.cp={cp}: each {seq_len}-token sequence padded to a multiple of {2 * cp} ({padded_len}) "
+            f"and cut into {2 * cp} chunks, {padded_len // cp} tokens on each rank; attention gathers the keys and "
+            f"values of all {padded_len} ({_kv_gather_traffic(shape, layout, act, padded_len) / GIB:.2f} GiB "
+            "received per rank and sequence in the forward, as much reduce-scattered in the backward)"
+        )
+    return role, state.total() + step_temp
+
+
+def kv_gather_bytes(shape: Shape, tp: int, act_bytes: int, tokens: int) -> float:
+    """One layer's keys and values of `tokens` tokens as one tensor-parallel rank's attention holds them after the
+    context-parallel all-gather: 2 x kv_heads / tp x head_dim values a token in the compute dtype (fp32: repeated to
+    every query head for the memory-efficient kernel, as `actor_bytes_per_token_and_layer` counts them)."""
+    heads, groups = shape.num_heads / tp, max(1.0, shape.num_kv_heads / tp)
+    width = heads if act_bytes == 4 else groups
+    return tokens * 2 * width * shape.head_dim * act_bytes
+
+
+def _kv_gather_traffic(shape: Shape, layout: ParallelLayout, act: int, tokens: int) -> float:
+    """Bytes one rank receives in the all-gathers of one `tokens`-long sequence's forward: every layer's keys and
+    values of the other cp - 1 ranks' chunks (grouped, as they travel: 2 x kv_heads / tp x head_dim a token)."""
+    groups = max(1.0, shape.num_kv_heads / layout.tp_size)
+    share = (layout.cp_size - 1) / layout.cp_size
+    return shape.num_layers // layout.pp_size * 2 * groups * shape.head_dim * tokens * act * share
+
+
+def _gathered_kv_parts(
+    shape: Shape,
+    layout: ParallelLayout,
+    act: int,
+    padded_tokens: int,
+    layers: int,
+    in_flight: int,
+    recompute: Recompute,
+    attention: str,
+) -> list[tuple[str, float]]:
+    """cp > 1: the whole micro-batch's keys and values each layer's attention all-gathers over the context-parallel
+    group (recipe_gkd/actor/attention.py SDPAttention), `padded_tokens` of them (all cp ranks' chunks).
+
+    Assumed as the code holds them: the gathered tensors are what scaled_dot_product_attention saves for the
+    backward, so every layer that is not recomputed keeps its own (x the micro-batches in flight); the local keys
+    and values before the gather stay counted in the per-token activations (an upper bound). Beside them, one
+    layer's worth in flight: the backward's gradient of the gathered keys and values, whole-sequence before its
+    reduce-scatter. With full recompute (or selective with unfused core attention) none is kept: the layer being
+    recomputed holds its gather and that gradient (two)."""
+    if layout.cp_size == 1:
+        return []
+    one_layer = kv_gather_bytes(shape, layout.tp_size, act, padded_tokens)
+    recomputed = recompute == Recompute.full or (recompute == Recompute.selective and attention == "unfused")
+    kept = 0 if recomputed else layers * in_flight
+    held = kept + (2 if recomputed else 1)
+    what = (
+        f"{kept} kept for the backward + {held - kept} in flight" if kept else "the recomputed layer's and its gradient"
+    )
+    name = f"gathered keys and values ({padded_tokens} tokens of the whole sequence x {held} layers: {what})"
+    return [(name, held * one_layer)]
 
 
 @dataclass(frozen=True)
@@ -270,6 +353,15 @@ class RankState:
     `intra_expt_dp_group` (parallel_state.get_expert_data_parallel_group), which the distributed optimizer shards
     each bucket over (optimizer/distrib_optimizer.py _build_model_gbuf_range). At ep = 1 the experts are dense
     parameters of the one optimizer, sharded over all of data parallel (dp / ep = dp: the same shares).
+
+    Context parallelism replicates weights and gradients (each rank holds the whole layer) but shards the optimizer
+    state over data parallel x context parallel: the dense optimizer's data_parallel_group is `intra_dp_cp_group`
+    (optimizer/__init__.py get_megatron_optimizer; process_groups_config.py: parallel_state.get_data_parallel_group(
+    with_context_parallel=True, partial_data_parallel=True), the dp x cp group itself with one optimizer instance,
+    parallel_state.py), over which DDP also allocates the gradient buffers and reduces the gradients
+    (distributed/distributed_data_parallel.py `_allocate_buffers_for_parameters(dense_params, intra_dp_cp_group)`,
+    scaled by 1 / dp_cp_group.size()). The experts' group at ep = 1 spans the same ranks (megatron's expert rank
+    order has no cp: its data parallel is world / (tp x ep x pp)).
     """
 
     dense: float
@@ -282,6 +374,7 @@ class RankState:
     tp_size: int
     bf16: bool
     distributed: bool
+    cp_size: int = 1
 
     @classmethod
     def of(cls, shape: Shape, layout: ParallelLayout, *, bf16: bool, distributed: bool) -> RankState:
@@ -293,13 +386,14 @@ class RankState:
         return cls(
             dense=layers * shape.dense_layer_params(tp) + (embedding + last if pp == 1 else max(embedding, last)),
             experts=layers * shape.expert_layer_params(tp, layout.ep_size),
-            dense_shards=layout.dp_size if distributed else 1,
-            expert_shards=layout.expert_dp_size if distributed else 1,
+            dense_shards=layout.dp_size * layout.cp_size if distributed else 1,
+            expert_shards=layout.expert_dp_size * layout.cp_size if distributed else 1,
             ep_size=layout.ep_size,
             num_experts=shape.num_experts,
             tp_size=tp,
             bf16=bf16,
             distributed=distributed,
+            cp_size=layout.cp_size,
         )
 
     @property
@@ -330,12 +424,18 @@ class RankState:
             return max(self.dense * 4 / self.dense_shards, self.experts * 4 / self.expert_shards)
         return self.params * 4 / self.dense_shards
 
+    def _over(self, shards: int, what: str = "data parallel") -> str:
+        """The ranks an optimizer state is sharded over, as its line names them (with cp > 1: dp x cp)."""
+        if self.cp_size == 1:
+            return f"{what} {shards}"
+        return f"{what} x context parallel {shards // self.cp_size} x {self.cp_size}"
+
     def parts(self, layers: int) -> list[tuple[str, float]]:
         """The plan's weights, gradient buffer and optimizer state lines (a mixture of experts: the experts' share)."""
         dtype = "bf16" if self.bf16 else "fp32"
         master = "fp32 master + " if self.bf16 else ""
         if not self.experts:
-            mode = f"distributed over data parallel {self.dense_shards}" if self.distributed else "replicated"
+            mode = f"distributed over {self._over(self.dense_shards)}" if self.distributed else "replicated"
             return [
                 (f"weights ({dtype}, {self.params / 1e9:.2f}B params on this rank)", self.weights()),
                 ("gradient buffer (fp32)", self.gradients()),
@@ -345,9 +445,9 @@ class RankState:
         shard = f", 1/{self.tp_size} of each" if self.tp_size > 1 else ""
         expert_gib = self.experts * 4 / GIB
         mode = (
-            f"distributed: dense over data parallel {self.dense_shards}, the experts' "
-            f"{self.experts * (12 if self.bf16 else 8) / self.expert_shards / GIB:.2f} GiB over expert data parallel "
-            f"{self.expert_shards}"
+            f"distributed: dense over {self._over(self.dense_shards)}, the experts' "
+            f"{self.experts * (12 if self.bf16 else 8) / self.expert_shards / GIB:.2f} GiB over "
+            f"{self._over(self.expert_shards, 'expert data parallel')}"
             if self.distributed
             else "replicated"
         )
@@ -415,9 +515,13 @@ def _teacher_head_parts(teacher: Shape | None, vocab_shard: int, tokens: int, ac
     ]
 
 
-def _actor_remedy(cfg: GKDConfig, role: RoleMemory, shape: Shape, state: float) -> tuple[str, str]:
+def _actor_remedy(
+    cfg: GKDConfig, role: RoleMemory, shape: Shape, teacher: Shape | None, state: float
+) -> tuple[str, str]:
     """The key to change first: the split when the model state (`state`: weights, gradients, optimizer state and its
-    step's temporary, which no smaller micro-batch shrinks) overflows, else the activations."""
+    step's temporary, which no smaller micro-batch shrinks) overflows; a larger context-parallel size when one
+    sequence does not fit even at full recompute (its activations, logits and loss buffers: only splitting the
+    sequence shrinks them); else recompute, then the micro-batch."""
     m, a = cfg.actor.megatron, cfg.actor
     layout = ParallelLayout.from_config(cfg)
     over = f"needs {role.total / GIB:.1f} GiB of {role.capacity / GIB:.1f} GiB"
@@ -433,17 +537,74 @@ def _actor_remedy(cfg: GKDConfig, role: RoleMemory, shape: Shape, state: float) 
                 f"{shape.num_experts // layout.ep_size} of {shape.num_experts} experts of every layer on each rank: "
                 f"split them over more ranks (actor.megatron.ep={ep}: {shape.num_experts // ep} each)",
             )
-        return (
-            "actor.megatron.tp",
-            f"{over}; weights, gradients and optimizer state alone take {state / GIB:.1f} GiB: split the student "
-            "over more GPUs (actor.megatron.tp / actor.megatron.pp, or more actor GPUs with the distributed optimizer)",
+        return _split_the_student(over, state)
+    longest, bound = longest_sequence(cfg)
+    lean = _lean(cfg)
+    lean_role = _actor_role(lean, shape, teacher)[0]
+    if lean_role.total > lean_role.capacity:  # one sequence is too long for this split: split the sequence
+        if (cp := _wider_context_parallel(cfg, shape, teacher)) is not None:
+            size, fits_as_is = cp
+            at = ParallelLayout.from_config(_with_cp(cfg, size))
+            how = "" if fits_as_is else ", with actor.megatron.recompute=full and one sequence per micro-batch"
+            return (
+                "actor.megatron.cp",
+                f"{over}; one {longest}-token sequence ({bound}) needs {lean_role.total / GIB:.1f} GiB even at full "
+                f"recompute, one sequence per micro-batch: split every sequence over context-parallel ranks "
+                f"(actor.megatron.cp={size}: {at.cp_local_length(longest)} tokens of each per rank{how})",
+            )
+        why = (
+            f"; one {longest}-token sequence ({bound}) does not fit beside the model state at any actor.megatron.cp "
+            f"these {actor_world_size(cfg)} GPUs take"
         )
+        return _split_the_student(over, state, why)
     if m.recompute != Recompute.full:
         # A mixture of experts: selective recompute leaves the experts' activations (megatron skips MoE layers).
         nxt = "selective" if m.recompute == Recompute.none and not shape.is_moe else "full"
         return "actor.megatron.recompute", f"{over}; recompute activations (actor.megatron.recompute={nxt})"
     key = "actor.max_tokens_per_micro_batch" if a.max_tokens_per_micro_batch else "actor.micro_batch_size"
     return key, f"{over}; use smaller micro-batches ({key})"
+
+
+def _split_the_student(over: str, state: float, why: str = "") -> tuple[str, str]:
+    """The last remedy: more GPUs for the student (tensor or pipeline parallelism, more actor GPUs)."""
+    return (
+        "actor.megatron.tp",
+        f"{over}{why}; weights, gradients and optimizer state alone take {state / GIB:.1f} GiB: split the student "
+        "over more GPUs (actor.megatron.tp / actor.megatron.pp, or more actor GPUs with the distributed optimizer)",
+    )
+
+
+def _lean(cfg: GKDConfig) -> GKDConfig:
+    """The same split at its leanest per token: full recompute, one sequence per micro-batch."""
+    a = cfg.actor
+    megatron = dataclasses.replace(a.megatron, recompute=Recompute.full)
+    actor = dataclasses.replace(a, megatron=megatron, micro_batch_size=1, max_tokens_per_micro_batch=0)
+    return dataclasses.replace(cfg, actor=actor)
+
+
+def _with_cp(cfg: GKDConfig, cp: int) -> GKDConfig:
+    actor = dataclasses.replace(cfg.actor, megatron=dataclasses.replace(cfg.actor.megatron, cp=cp))
+    return dataclasses.replace(cfg, actor=actor)
+
+
+def _wider_context_parallel(cfg: GKDConfig, shape: Shape, teacher: Shape | None) -> tuple[int, bool] | None:
+    """The smallest context-parallel size above the config's that the config rules take on these actor GPUs (not with
+    expert parallelism or a cross-tokenizer teacher, dividing the GPUs by tp x pp) and that fits: as configured
+    (True), else at full recompute with one sequence per micro-batch (False); None when none fits either way."""
+    candidates = []
+    for size in (c for c in CONTEXT_PARALLEL_SIZES if c > cfg.actor.megatron.cp):
+        candidate = _with_cp(cfg, size)
+        try:
+            validate(candidate)
+        except ConfigError:  # a size these GPUs or this run do not take: the next one
+            continue
+        candidates.append(candidate)
+    for as_is in (True, False):
+        for candidate in candidates:
+            role = _actor_role(candidate if as_is else _lean(candidate), shape, teacher)[0]
+            if role.total <= role.capacity:
+                return candidate.actor.megatron.cp, as_is
+    return None
 
 
 def _wider_expert_parallel(shape: Shape, layout: ParallelLayout) -> int | None:

@@ -165,3 +165,21 @@ def test_every_coordinate_is_a_field() -> None:
     for name in (*RANK_ORDER, "ep", "expert_dp"):
         assert getattr(layout, f"{name}_size") == 1 and getattr(layout, f"{name}_rank") == 0
     assert list(itertools.chain(layout.sizes())) == list(RANK_ORDER)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+@pytest.mark.parametrize("tokens", [1, 7, 16, 1000, 32763, 32768])
+def test_each_context_parallel_rank_holds_its_two_zigzag_chunks_of_the_padded_sequence(cp: int, tokens: int) -> None:
+    """The zigzag split written out: the sequence padded to 2 x cp equal chunks (not cut at cp = 1), rank r holding
+    chunks r and 2cp-1-r; every padded position on exactly one rank, each rank as many as the layout says."""
+    layout = ParallelLayout(cp_size=cp, dp_size=1)
+    chunks = 2 * cp if cp > 1 else 1
+    chunk = -(-tokens // chunks)  # ceil
+    padded = chunk * chunks
+    positions: dict[int, list[int]] = {r: [] for r in range(cp)}
+    for r in range(cp):
+        for c in sorted({r, chunks - 1 - r}):
+            positions[r] += range(c * chunk, (c + 1) * chunk)
+    assert sorted(p for held in positions.values() for p in held) == list(range(padded))
+    assert layout.cp_padded_length(tokens) == padded and padded - tokens < chunks
+    assert all(len(held) == layout.cp_local_length(tokens) for held in positions.values())

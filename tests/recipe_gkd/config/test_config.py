@@ -85,7 +85,8 @@ BAD_VALUES = [
         ["actor.gpus_per_node=2", "rollout.gpus_per_node=2", "actor.megatron.pp=4", "data.train_batch_size=96"],
         "actor.megatron.pp",
     ),
-    (["actor.gpus_per_node=2", "rollout.gpus_per_node=2", "actor.megatron.cp=2"], "actor.megatron.cp"),
+    # cp is 1, 2, 4 or 8 (the zigzag split); 3 divides these 3 actor GPUs, only the size rule refuses it.
+    (["actor.gpus_per_node=3", "rollout.gpus_per_node=1", "actor.megatron.cp=3"], "actor.megatron.cp"),
     (["rollout.tp=2"], "rollout.tp"),
     (["data.train_batch_size=100"], "data.train_batch_size"),
     (["data.eval_batch_size=100"], "data.eval_batch_size"),

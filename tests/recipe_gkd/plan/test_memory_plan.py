@@ -775,3 +775,152 @@ def test_a_mixture_of_experts_no_family_reads_is_not_planned(tmp_path: Path) -> 
     assert memory_plan.read_shape(str(tmp_path / "a3b-dense-layers"), "teacher.model_path", skipped) is None
     assert "whose experts no family of recipe_gkd/models reads (model_type 'mixtral')" in skipped[0]
     assert "a mixture of experts with dense layers" in skipped[1]
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+LONG = CONFIG_DIR / "presets" / "1x8_a4_r2_t2_cp2.yaml"
+# Qwen3-8B by hand (HUB_MODELS): h 4096, ffn 12288, 32 heads, 8 kv heads, head_dim 128, 36 layers, vocab 151936.
+# Values one layer keeps a token at TP 1, no recompute, sdpa (actor_bytes_per_token_and_layer's docstring):
+# norms 4h + Qwen3's q/k norm inputs (32 + 8) x 128 = 16384 + 5120; q, output, k, v (2 x 32 + 2 x 8) x 128 = 10240;
+# the MLP's fc1 output, its two halves and their product 4 x 12288 = 49152. In bf16, 2 bytes each.
+QWEN3_8B_LAYER_BYTES_PER_TOKEN = (16384 + 5120 + 10240 + 49152) * 2  # 161792
+# One layer's keys and values of a whole 32768-token sequence after the gather: 2 x 8 kv heads x 128 x 2 bytes a token.
+QWEN3_8B_GATHERED_KV_ONE_LAYER = 32768 * 2 * 8 * 128 * 2  # 134217728 = 128 MiB
+# The loss's buffers per token and logits column: bf16 logits, fp32 copy, fp32 log-softmax and two fp32 gradients.
+LOGITS_BYTES = 2 + 4 + 4 + 4 + 4
+
+
+def _long_actor(overrides: list[str]) -> dict[str, float]:
+    """The actor rank's parts of the long-trace preset (Qwen3-8B, 32768 tokens, 4 actor GPUs) with `overrides`."""
+    shape = shape_from_config(HUB_MODELS["Qwen/Qwen3-8B"])
+    return dict(memory_plan.actor_memory(load_config(LONG, overrides), shape).parts)
+
+
+def _part(parts: dict[str, float], prefix: str) -> float:
+    (found,) = [b for n, b in parts.items() if n.startswith(prefix)]
+    return found
+
+
+def test_one_layer_at_cp_4_against_a_hand_count() -> None:
+    """TP 1 x CP 4, no recompute, one 32768-token sequence: each rank keeps 8192 tokens of every layer's activations,
+    its 8192 tokens' logits, and every layer's gathered keys and values of all 32768 (plus one in flight: the
+    backward's gradient of them); the optimizer state over data parallel 1 x context parallel 4."""
+    split = ["actor.megatron.tp=1", "actor.megatron.cp=4", "actor.megatron.recompute=none"]
+    parts = _long_actor(split)
+    layers, rank_tokens = 36, 32768 // 4
+    assert _part(parts, "activations (1 micro-batch(es) of 8192 tokens per context-parallel rank") == (
+        layers * rank_tokens * QWEN3_8B_LAYER_BYTES_PER_TOKEN  # 36 x 8192 x 161792 = 47.7 GB
+    )
+    assert _part(parts, "logits and loss buffers (8192 tokens x 151936") == rank_tokens * 151936 * LOGITS_BYTES
+    assert _part(parts, "gathered keys and values (32768 tokens of the whole sequence x 37 layers") == (
+        (layers + 1) * QWEN3_8B_GATHERED_KV_ONE_LAYER
+    )
+    params = shape_from_config(HUB_MODELS["Qwen/Qwen3-8B"]).num_params()
+    # Weights and gradients whole on every rank; master weights + 2 Adam moments (12 bytes) over dp x cp = 4.
+    assert _part(parts, "weights (bf16") == params * 2 and _part(parts, "gradient buffer") == params * 4
+    assert _part(parts, "optimizer state (fp32 master + Adam moments, distributed over data parallel x context ") == (
+        params * 12 / 4
+    )
+    assert memory_plan.kv_gather_bytes(shape_from_config(HUB_MODELS["Qwen/Qwen3-8B"]), 1, 2, 32768) == (
+        QWEN3_8B_GATHERED_KV_ONE_LAYER
+    )
+
+
+def test_cp_4_holds_a_quarter_of_cp_1s_per_token_buffers_and_the_same_model_state() -> None:
+    at = {cp: _long_actor(["actor.megatron.tp=1", f"actor.megatron.cp={cp}"]) for cp in (1, 4)}
+    activations = {cp: _part(parts, "activations") for cp, parts in at.items()}
+    logits = {cp: _part(parts, "logits and loss buffers") for cp, parts in at.items()}
+    assert activations[1] == 4 * activations[4] and logits[1] == 4 * logits[4]
+    for state in ("weights", "gradient buffer", "optimizer state"):  # dp 4 at cp 1, dp 1 x cp 4: the same shards
+        assert _part(at[1], state) == _part(at[4], state)
+    # cp = 1: no gather, and the lines read as they always did.
+    assert not any(n.startswith("gathered keys") for n in at[1])
+    assert "activations (1 micro-batch(es) of 32768 tokens x 36 layers, recompute full, sdpa attention)" in at[1]
+    assert "optimizer state (fp32 master + Adam moments, distributed over data parallel 4)" in at[1]
+
+
+def test_the_gathered_keys_and_values_follow_what_recompute_keeps() -> None:
+    """Full recompute keeps no layer's gather: the recomputed layer's and its gradient (2 layers); selective keeps
+    sdpa's (every layer + 1); fp32 repeats the keys and values to every query head (32, not 8), 4-byte values."""
+    split = ["actor.megatron.tp=1", "actor.megatron.cp=4"]
+    full = _part(_long_actor(split), "gathered keys and values (32768 tokens of the whole sequence x 2 layers")
+    assert full == 2 * QWEN3_8B_GATHERED_KV_ONE_LAYER
+    selective = _long_actor([*split, "actor.megatron.recompute=selective"])
+    assert _part(selective, "gathered keys and values") == 37 * QWEN3_8B_GATHERED_KV_ONE_LAYER
+    fp32 = _long_actor([*split, "actor.precision=fp32"])
+    assert _part(fp32, "gathered keys and values") == 2 * 32768 * 2 * 32 * 128 * 4
+    # At TP 2 each rank gathers its 4 of the 8 kv heads.
+    tp2 = _long_actor(["actor.megatron.tp=2", "actor.megatron.cp=2"])
+    assert _part(tp2, "gathered keys and values") == 2 * QWEN3_8B_GATHERED_KV_ONE_LAYER / 2
+
+
+def test_an_odd_length_is_padded_to_the_zigzag_chunks() -> None:
+    """32764 tokens at cp 4: padded to 32768 (8 chunks of 4096, not 4 of 8191), 8192 a rank; at cp 1 nothing is
+    padded."""
+    odd = ["rollout.sampling.max_new_tokens=30716", "teacher.max_model_len=32765", "actor.megatron.tp=1"]
+    parts = _long_actor([*odd, "actor.megatron.cp=4"])
+    assert _part(parts, "logits and loss buffers (8192 tokens") == 8192 * 151936 * LOGITS_BYTES
+    assert _part(parts, "gathered keys and values (32768 tokens") == 2 * QWEN3_8B_GATHERED_KV_ONE_LAYER
+    dense = _long_actor([*odd, "actor.megatron.cp=1"])
+    assert _part(dense, "logits and loss buffers (32764 tokens") == 32764 * 151936 * LOGITS_BYTES
+
+
+def test_the_long_preset_prints_its_context_parallel_plan(hub_cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--config", str(LONG), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "actor rank (x4): 75.2 of 79.0 GiB, fits" in out
+    assert "16384 tokens per context-parallel rank (32768 padded / cp 2)" in out
+    # 36 layers x 2 x 4 kv heads (8 over TP 2) x 128 x 32768 tokens x 2 bytes x (cp - 1) / cp = 1.125 GiB.
+    assert "1.12 GiB received per rank and sequence in the forward" in out
+
+
+def test_a_sequence_too_long_for_the_split_exits_2_naming_context_parallelism(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At cp = 1 one 32768-token sequence needs 102 GiB of a TP-2 rank even at full recompute (its logits alone take
+    41.7 GiB): no recompute or micro-batch helps, a larger cp does, and the dry run names it before anything starts."""
+    assert main(["--config", str(LONG), "--dry-run", "actor.megatron.cp=1"]) == 2
+    err = capsys.readouterr().err
+    assert "config error at `actor.megatron.cp`: actor rank does not fit: needs 102.0 GiB of 79.0 GiB" in err
+    assert "split every sequence over context-parallel ranks (actor.megatron.cp=2: 16384 tokens of each" in err
+
+
+def test_the_remedies_keep_their_order_around_context_parallelism(hub_cache: Path) -> None:
+    def key(overrides: list[str]) -> str:
+        with pytest.raises(ConfigError) as err:
+            plan = memory_plan.build_memory_plan(load_config(LONG, overrides))
+            memory_plan.check_memory_plan(plan)  # type: ignore[arg-type]
+        return err.value.key
+
+    # The sequence fits at full recompute at this cp: recompute first, as for a short sequence.
+    assert key(["actor.megatron.recompute=selective"]) == "actor.megatron.recompute"
+    # Two sequences a micro-batch at full recompute: the micro-batch (one sequence fits).
+    assert key(["actor.micro_batch_size=2"]) == "actor.micro_batch_size"
+    # TP 1 x CP 4: 8192 tokens a rank, but the whole 8B state on each of them leaves too little (76.3 GiB with the
+    # optimizer step's temporary); no cp these 4 GPUs take fits: split the student.
+    assert key(["actor.megatron.tp=1", "actor.megatron.cp=4"]) == "actor.megatron.tp"
+    # cp = 1 and selective recompute: recompute alone cannot fit the sequence, cp (with full recompute) does.
+    with pytest.raises(ConfigError) as err:
+        plan = memory_plan.build_memory_plan(
+            load_config(LONG, ["actor.megatron.cp=1", "actor.megatron.recompute=selective"])
+        )
+        memory_plan.check_memory_plan(plan)  # type: ignore[arg-type]
+    assert err.value.key == "actor.megatron.cp"
+    assert "actor.megatron.cp=2: 16384 tokens of each per rank, with actor.megatron.recompute=full" in err.value.message
+
+
+def test_the_long_presets_longest_sequence_in_docs_is_the_plans_boundary() -> None:
+    """docs/context_parallel.md's table (benchmarks/cp_lengths_table.py): the preset's actor fits 37,328 tokens at its
+    cp 2 and not one more; at cp 1, 18,751."""
+    shape = shape_from_config(HUB_MODELS["Qwen/Qwen3-8B"])
+
+    def fits(length: int, cp: int) -> bool:
+        response, model_len = length - 2048, length + 1  # its 2048-token prompt
+        over = [f"rollout.sampling.max_new_tokens={response}", f"teacher.max_model_len={model_len}"]
+        over += [f"actor.megatron.cp={cp}", "cluster.gpu_memory_gib=79.0"]
+        role = memory_plan.actor_memory(load_config(LONG, over), shape)
+        return role.total <= role.capacity
+
+    assert fits(37328, 2) and not fits(37329, 2)
+    assert fits(18751, 1) and not fits(18752, 1)
