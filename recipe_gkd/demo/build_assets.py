@@ -194,7 +194,19 @@ def recipe(assets: TaskAssets = DEMO) -> dict[str, Any]:
 
 
 # TinyModelSpec fields added after the assets were built, at the values that leave the bytes as they were.
-SPEC_FIELDS_AT_THEIR_DEFAULT = {"vocab_size": 0, "head_dim": 0, "save_dtype": "float32"}
+# The expert fields shape a qwen3_moe model only: a dense model's bytes never depend on them.
+EXPERT_SPEC_DEFAULTS = {"num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 64}
+SPEC_FIELDS_AT_THEIR_DEFAULT = {"vocab_size": 0, "head_dim": 0, "save_dtype": "float32", **EXPERT_SPEC_DEFAULTS}
+
+
+def without_expert_defaults(described: dict[str, Any]) -> dict[str, Any]:
+    """A model recipe (asdict of one with a `spec`) without the expert fields at their default, which leave a dense
+    model's bytes as they were: the recipe of assets built before those fields existed."""
+    spec = described["spec"]
+    for name, default in EXPERT_SPEC_DEFAULTS.items():
+        if spec.get(name) == default:
+            spec.pop(name)
+    return described
 
 
 def _model_recipe(model: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from recipe_gkd.demo import task
-from recipe_gkd.demo.build_assets import TEACHER, deterministic_torch, sha256_file
+from recipe_gkd.demo.build_assets import TEACHER, deterministic_torch, sha256_file, without_expert_defaults
 from recipe_gkd.demo.evaluate import greedy_accuracy
 from recipe_gkd.demo.sft import sft_train
 from recipe_gkd.offline_models import build_tiny_causal_lm
@@ -39,7 +39,11 @@ XTOK_TEACHER = replace(TEACHER, sft=replace(TEACHER.sft, steps=TEACHER_STEPS))
 
 
 def recipe() -> dict[str, Any]:
-    return {"build_version": BUILD_VERSION, "tokenizer": TOKENIZER_KIND, "teacher": asdict(XTOK_TEACHER)}
+    return {
+        "build_version": BUILD_VERSION,
+        "tokenizer": TOKENIZER_KIND,
+        "teacher": without_expert_defaults(asdict(XTOK_TEACHER)),
+    }
 
 
 def build(out: Path, force: bool = False) -> dict[str, Any]:

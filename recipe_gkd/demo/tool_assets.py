@@ -113,7 +113,9 @@ def recipe() -> dict[str, Any]:
 def _model_recipe(model: ModelRecipe) -> dict[str, Any]:
     from dataclasses import asdict
 
-    return asdict(model)
+    from recipe_gkd.demo.build_assets import without_expert_defaults
+
+    return without_expert_defaults(asdict(model))
 
 
 def manifest_problem(out: Path) -> str | None:

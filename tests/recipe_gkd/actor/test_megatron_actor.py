@@ -12,28 +12,33 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-# pytest's default (prepend) import mode puts this directory on sys.path.
+# pytest's default (prepend) import mode puts tests/support on sys.path.
 import megatron_scenarios as scenarios
 import numpy as np
 import pytest
 import torch
 from adam_bounds import assert_same_weights
+from megatron_launch import (
+    LAUNCH_TIMEOUT_S,
+    build_models,
+    free_ports,
+    hf_with_weights,
+    launch,
+    load_hf,
+    prefixed,
+    result,
+    wait_all,
+)
 from repo_paths import REPO_ROOT
 
 from recipe_gkd.actor.collate import split_by_token_budget
 from recipe_gkd.actor.megatron_actor import MegatronActor
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.losses import gkd_loss_sum
-from recipe_gkd.offline_models import LLAMA3_ROPE_SHORT_CONTEXT, TinyModelSpec, build_tiny_causal_lm
-from recipe_gkd.plan.ports import reserve_ports
 from recipe_gkd.targets import actor_kinds
 
-SCENARIO_SCRIPT = Path(scenarios.__file__)
-# Both launches together, on 2 busy cores (imports alone take ~10 s per process).
-LAUNCH_TIMEOUT_S = 420.0
 LOGITS_ATOL = 1e-5
 LOSS_RTOL = 1e-5
 ONE_RANK_JOBS = (
@@ -46,112 +51,7 @@ TWO_RANK_JOBS = (
 )
 # TP=2 x PP=2 and DP=2 x PP=2: every parallelism together (gathers on a later stage, DP + tied-embedding all-reduces).
 FOUR_RANK_JOBS = "tp2pp2_steps,dp2pp2"
-PORTS_PER_LAUNCH = 32  # one per actor a launch builds (every model twice in the logits jobs)
 MODELS = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm", "llama3_rope", "mistral")
-
-
-# ----------------------------------------------------------------------------- models
-
-
-def build_models(root: Path) -> Path:
-    """Tiny HF models: Llama tied/untied (char tokenizer), Qwen2 with qkv biases, Llama vocab 101."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    build_tiny_causal_lm(root / "llama_tied", seed=0)
-    build_tiny_causal_lm(root / "llama_untied", seed=1, spec=TinyModelSpec(tie_word_embeddings=False))
-    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
-    torch.manual_seed(2)
-    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=96, num_key_value_heads=1, rope_theta=1e6, **shape))
-    with torch.no_grad():  # HF initialises biases to 0: random ones make the bias test real
-        for name, param in qwen.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.5)
-    qwen.save_pretrained(root / "qwen2_bias")
-    torch.manual_seed(4)
-    # Qwen3: per-head q/k RMSNorm (random weights, HF starts them at 1) and a head_dim of its own (32 != 64 / 4).
-    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=98, num_key_value_heads=2, head_dim=32, **shape))
-    with torch.no_grad():
-        for name, param in qwen3.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                param.uniform_(0.5, 1.5)
-    qwen3.save_pretrained(root / "qwen3_qknorm")
-    torch.manual_seed(5)
-    # Llama 3.x RoPE scaling, with an original context of 16 so that it changes the probe's logits.
-    rope = LLAMA3_ROPE_SHORT_CONTEXT
-    llama3 = LlamaForCausalLM(LlamaConfig(vocab_size=99, num_key_value_heads=2, rope_parameters=rope, **shape))
-    llama3.save_pretrained(root / "llama3_rope")
-    torch.manual_seed(6)
-    # Mistral-style Llama: the same blocks under model_type "mistral", no sliding window.
-    mistral = MistralForCausalLM(MistralConfig(vocab_size=95, num_key_value_heads=2, sliding_window=None, **shape))
-    mistral.save_pretrained(root / "mistral")
-    torch.manual_seed(3)
-    # Odd vocabulary: TP=2 pads it to 102; untied output layer; GQA 4 heads / 2 groups.
-    odd = LlamaForCausalLM(
-        LlamaConfig(vocab_size=101, num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-5, **shape)
-    )
-    odd.save_pretrained(root / "llama_untied_odd")
-    return root
-
-
-def load_hf(path: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def hf_with_weights(path: Path, arrays: dict[str, np.ndarray]) -> torch.nn.Module:
-    model = load_hf(path)
-    result = model.load_state_dict({k: torch.from_numpy(v) for k, v in arrays.items()}, strict=False)
-    assert not result.unexpected_keys
-    assert set(result.missing_keys) <= {"lm_head.weight"} and model.config.tie_word_embeddings == bool(
-        result.missing_keys
-    )
-    return model
-
-
-# ----------------------------------------------------------------------------- launches
-
-
-def _free_ports(count: int) -> list[int]:
-    return reserve_ports(count)
-
-
-def _launch(
-    world: int, jobs: str, models: Path, workdir: Path, env: dict[str, str], device: str = "cpu"
-) -> list[subprocess.Popen]:
-    """One scenario process per rank, output to workdir/rank<r>.log."""
-    workdir.mkdir(parents=True)
-    ports = ",".join(map(str, _free_ports(PORTS_PER_LAUNCH)))
-    procs = []
-    for rank in range(world):
-        log = open(workdir / f"rank{rank}.log", "w")  # the child keeps its own descriptor
-        cmd = [sys.executable, str(SCENARIO_SCRIPT), f"--rank={rank}", f"--world={world}", f"--device={device}"]
-        cmd += [f"--workdir={workdir}", f"--models={models}", f"--ports={ports}", f"--jobs={jobs}"]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-        log.close()
-    return procs
-
-
-def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    try:
-        for proc, log in zip(procs, logs, strict=True):
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            assert rc == 0, f"{log} (rc {rc}):\n{log.read_text()[-4000:]}"
-    finally:
-        for proc in procs:  # only the processes this fixture started, by handle
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -167,23 +67,14 @@ def runs(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     # 3 processes share 2 cores: one thread each avoids oversubscription stalls in gloo.
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
-    one = _launch(1, ONE_RANK_JOBS, models, root / "w1", env)
-    two = _launch(2, TWO_RANK_JOBS, models, root / "w2", env)
+    one = launch(1, ONE_RANK_JOBS, models, root / "w1", env)
+    two = launch(2, TWO_RANK_JOBS, models, root / "w2", env)
     logs = [root / "w1" / "rank0.log", root / "w2" / "rank0.log", root / "w2" / "rank1.log"]
-    _wait_all(one + two, logs, LAUNCH_TIMEOUT_S)
+    wait_all(one + two, logs, LAUNCH_TIMEOUT_S)
     # After the others: 4 more processes at once would only slow all of them down on 2 cores.
-    four = _launch(4, FOUR_RANK_JOBS, models, root / "w4", env)
-    _wait_all(four, [root / "w4" / f"rank{r}.log" for r in range(4)], LAUNCH_TIMEOUT_S)
+    four = launch(4, FOUR_RANK_JOBS, models, root / "w4", env)
+    wait_all(four, [root / "w4" / f"rank{r}.log" for r in range(4)], LAUNCH_TIMEOUT_S)
     return {"w1": root / "w1", "w2": root / "w2", "w4": root / "w4"}
-
-
-def result(runs: dict[str, Path], world: str, job: str) -> dict[str, np.ndarray]:
-    with np.load(runs[world] / f"{job}.npz") as data:
-        return {k: data[k] for k in data.files}
-
-
-def prefixed(data: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
-    return {k[len(prefix) + 1 :]: v for k, v in data.items() if k.startswith(prefix + "/")}
 
 
 # ----------------------------------------------------------------------------- HF equivalence
@@ -606,7 +497,7 @@ def test_actor_runs_as_a_ray_actor(ray_local: None, tiny_model_dir: Path) -> Non
     import ray
 
     cfg = scenarios.make_cfg(str(tiny_model_dir), 1, "cpu", micro_batch_size=4)
-    actor = ray.remote(num_cpus=0)(MegatronActor).remote(cfg, 0, 1, "127.0.0.1", _free_ports(1)[0], actor_kinds(cfg))
+    actor = ray.remote(num_cpus=0)(MegatronActor).remote(cfg, 0, 1, "127.0.0.1", free_ports(1)[0], actor_kinds(cfg))
     try:
         info = ray.get(actor.setup.remote(), timeout=180)
         assert info["device"] == "cpu"
@@ -631,8 +522,8 @@ def test_actor_on_cuda_matches_hf(models: Path, tmp_path: Path) -> None:
     worlds = [1, 2] if torch.cuda.device_count() >= 2 else [1]
     for world in worlds:
         jobs = "logits,tp1_steps" if world == 1 else "logits,tp2_steps,pp2_steps"
-        procs = _launch(world, jobs, models, tmp_path / f"w{world}", env, device="cuda")
-        _wait_all(procs, [tmp_path / f"w{world}" / f"rank{r}.log" for r in range(world)], LAUNCH_TIMEOUT_S)
+        procs = launch(world, jobs, models, tmp_path / f"w{world}", env, device="cuda")
+        wait_all(procs, [tmp_path / f"w{world}" / f"rank{r}.log" for r in range(world)], LAUNCH_TIMEOUT_S)
         runs_dir[f"w{world}"] = tmp_path / f"w{world}"
     for world in runs_dir:
         data = result(runs_dir, world, "logits")

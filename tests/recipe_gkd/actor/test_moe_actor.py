@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 from adam_bounds import assert_same_weights
+from megatron_launch import LAUNCH_TIMEOUT_S, launch, load_hf, prefixed, result, wait_all
 from megatron_scenarios import GLOBAL_BATCH, make_sequences, probe_ids
 from repo_paths import REPO_ROOT
-from test_megatron_actor import LAUNCH_TIMEOUT_S, _launch, _wait_all, load_hf, prefixed, result
 
 MODEL = "qwen3_moe"
 EXPERTS, TOP_K = 4, 2
@@ -70,13 +70,13 @@ def runs(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
-    one = _launch(1, "moe,moe_aux", models, root / "w1", env)
-    two = _launch(2, "moe,moe_ep1,moe_distopt,moe_aux,moe_save,moe_shims", models, root / "w2", env)
-    _wait_all(
+    one = launch(1, "moe,moe_aux", models, root / "w1", env)
+    two = launch(2, "moe,moe_ep1,moe_distopt,moe_aux,moe_save,moe_shims", models, root / "w2", env)
+    wait_all(
         one + two, [root / "w1" / "rank0.log", root / "w2" / "rank0.log", root / "w2" / "rank1.log"], LAUNCH_TIMEOUT_S
     )
-    resume = _launch(1, "moe_resume", models, root / "r1", env)
-    _wait_all(resume, [root / "r1" / "rank0.log"], LAUNCH_TIMEOUT_S)
+    resume = launch(1, "moe_resume", models, root / "r1", env)
+    wait_all(resume, [root / "r1" / "rank0.log"], LAUNCH_TIMEOUT_S)
     return {"w1": root / "w1", "w2": root / "w2", "r1": root / "r1"}
 
 
