@@ -86,8 +86,6 @@ class SDPAttention(DotProductAttention):
 
     def _context_parallel(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         """Causal attention of this CP rank's two chunks [s, b, n, d] over the whole sequence's keys and values."""
-        from torch.nn.attention.bias import causal_lower_right
-
         group = parallel_state.get_context_parallel_group()
         size, rank = group.size(), group.rank()
         seq, batch = query.shape[0], query.shape[1]
@@ -108,10 +106,27 @@ class SDPAttention(DotProductAttention):
                 k, v = (t.repeat_interleave(repeats, dim=1) for t in (k, v))
                 grouped = False
             context = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=causal_lower_right(chunk, visible), scale=self.softmax_scale, enable_gqa=grouped
-            )
+                q, k, v, attn_mask=lower_right_causal(chunk, visible, q.device), scale=self.softmax_scale,
+                enable_gqa=grouped,
+            )  # fmt: skip
             outputs.append(context.permute(2, 0, 1, 3))  # [b, n, c, d] -> [c, b, n, d]
         return torch.cat(outputs, dim=0).reshape(seq, batch, self.hidden_size_per_partition)
+
+
+def lower_right_causal(queries: int, keys: int, device: torch.device) -> Any:
+    """The mask of `queries` queries that are the last of `keys` positions: query i sees keys j <= i + keys - queries.
+
+    On CUDA torch's lower-right causal bias (torch.nn.attention.bias.causal_lower_right), which reaches the flash
+    and memory-efficient kernels without materialising a [queries, keys] mask (GPU-only, reasoned from
+    CausalBias._dispatch); on CPU, where that bias materialises the mask anyway, the boolean mask itself (a plain
+    tensor: the bias, a tensor subclass, does not pass through torch dispatch modes).
+    """
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(queries, keys)
+    rows = torch.arange(queries, device=device)[:, None] + (keys - queries)
+    return torch.arange(keys, device=device)[None, :] <= rows
 
 
 def repeat_kv_for_kernel(query: Tensor) -> bool:

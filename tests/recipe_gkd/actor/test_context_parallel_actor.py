@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from adam_bounds import assert_same_weights
+from megatron_launch import LAUNCH_TIMEOUT_S, build_models, launch, prefixed, result, wait_all
 from repo_paths import REPO_ROOT
-from test_megatron_actor import LAUNCH_TIMEOUT_S, _launch, _wait_all, build_models, prefixed, result
 
 JOBS = ("cp_topk", "cp_sampled", "cp_masked", "cp_hidden", "cp_qwen3")
 FOUR_RANK_JOBS = ("cp_topk", "cp_masked", "cp_pp")  # cp_pp: CP = 2 x PP = 2, against cp_topk at one rank
@@ -34,14 +34,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
-    one = _launch(1, ",".join(JOBS), models, root / "w1", env)
-    two = _launch(2, ",".join((*JOBS, "cp_save")), models, root / "w2", env)
-    _wait_all(
+    one = launch(1, ",".join(JOBS), models, root / "w1", env)
+    two = launch(2, ",".join((*JOBS, "cp_save")), models, root / "w2", env)
+    wait_all(
         one + two, [root / "w1" / "rank0.log", *(root / "w2" / f"rank{r}.log" for r in range(2))], LAUNCH_TIMEOUT_S
     )
-    four = _launch(4, ",".join(FOUR_RANK_JOBS), models, root / "w4", env)
-    resume = _launch(1, "cp_resume", models, root / "r1", env)
-    _wait_all(
+    four = launch(4, ",".join(FOUR_RANK_JOBS), models, root / "w4", env)
+    resume = launch(1, "cp_resume", models, root / "r1", env)
+    wait_all(
         four + resume, [*(root / "w4" / f"rank{r}.log" for r in range(4)), root / "r1" / "rank0.log"], LAUNCH_TIMEOUT_S
     )
     return {"w1": root / "w1", "w2": root / "w2", "w4": root / "w4", "r1": root / "r1"}
