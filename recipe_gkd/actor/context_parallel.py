@@ -13,7 +13,6 @@ a probe's logits come back whole with `ContextSplit.gather`. Pure torch: no mega
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from recipe_gkd.actor.collate import MicroBatch
+from recipe_gkd.parallel_layout import ParallelLayout
 
 # The MicroBatch fields with a sequence axis (dim 1) and the value their padding takes (the loss mask False: the
 # padding is never a loss token, so the rest only needs to be finite).
@@ -40,8 +40,8 @@ PER_TOKEN_FIELDS = {
 
 
 def padded_length(length: int, cp_size: int) -> int:
-    """The smallest multiple of 2 x cp_size >= length."""
-    return math.ceil(length / (2 * cp_size)) * 2 * cp_size
+    """The smallest multiple of 2 x cp_size >= length (the memory plan's reading too: ParallelLayout)."""
+    return ParallelLayout(cp_size=cp_size).cp_padded_length(length)
 
 
 def zigzag_positions(length: int, cp_size: int, cp_rank: int) -> Tensor:

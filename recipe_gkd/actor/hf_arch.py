@@ -59,6 +59,12 @@ def check_split(arch: HFArch, tp_size: int, pp_size: int, cp_size: int, *, ep_si
     check_expert_parallel(arch, ep_size)
     check_parallel_layout(arch, tp_size, pp_size)
     check_expert_tensor_parallel(arch, tp_size)
+    if arch.is_moe and cp_size > 1:
+        raise UnsupportedModelError(
+            f"actor.megatron.cp={cp_size} with a mixture-of-experts student: context parallelism is not built for "
+            "its experts (the router and the all-to-all dispatcher take a replica's whole sequences); set "
+            "actor.megatron.cp=1 and split the experts with actor.megatron.ep"
+        )
 
 
 def check_expert_tensor_parallel(arch: HFArch, tp_size: int) -> None:

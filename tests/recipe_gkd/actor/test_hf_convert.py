@@ -170,10 +170,11 @@ def test_expert_parallelism_splits_a_mixture_of_experts_evenly_naming_the_ep_key
         hf_arch.check_split(arch, 2, 1, 1)
 
 
-def test_context_parallel_is_refused_naming_the_key() -> None:
-    hf_arch.check_context_parallel(1)
-    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.cp"):
-        hf_arch.check_context_parallel(2)
+def test_a_context_parallel_size_the_zigzag_split_does_not_take_is_refused_naming_the_key() -> None:
+    for cp in (1, 2, 4, 8):
+        hf_arch.check_context_parallel(cp)
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.cp=3: choose one of \(1, 2, 4, 8\)"):
+        hf_arch.check_context_parallel(3)
 
 
 def six_layer_arch(tied: bool) -> HFArch:
@@ -347,3 +348,17 @@ def test_an_expert_parallel_rank_reads_and_holds_only_its_experts(tmp_path: Path
     assert back.keys() == saved.keys()
     for name, tensor in saved.items():
         assert torch.equal(back[name], tensor), name
+
+
+def test_a_mixture_of_experts_is_refused_at_context_parallel() -> None:
+    from transformers import Qwen3MoeConfig
+
+    moe = Qwen3MoeConfig(
+        vocab_size=97, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, **SHAPE,
+    )  # fmt: skip
+    arch = read_hf_arch(moe)
+    hf_arch.check_split(arch, 1, 1, 1, ep_size=2)
+    with pytest.raises(UnsupportedModelError, match=r"actor\.megatron\.cp=2 with a mixture-of-experts student"):
+        hf_arch.check_split(arch, 1, 1, 2)
+    hf_arch.check_split(read_hf_arch(qwen3().config), 1, 1, 2)  # a dense student at CP=2
