@@ -472,11 +472,14 @@ def test_cpu_compat_maps_cuda_to_cpu_per_thread_and_forks_cpu_rng() -> None:
 # ----------------------------------------------------------------------------- in-process checks
 
 
-@pytest.mark.parametrize(("pp", "cp", "key"), [(4, 1, r"actor\.megatron\.pp=4"), (1, 4, r"actor\.megatron\.cp=4")])
+@pytest.mark.parametrize(
+    ("pp", "cp", "key"), [(4, 1, r"actor\.megatron\.pp=4"), (1, 3, r"actor\.megatron\.cp=3: choose one of")]
+)
 def test_unsupported_split_is_refused_naming_the_key(
     tiny_model_dir: Path, pp: int, cp: int, key: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """4 pipeline stages for the student's 2 layers, or context parallelism: refused before any rendezvous."""
+    """4 pipeline stages for the student's 2 layers, or a context-parallel size the zigzag split does not take:
+    refused before any rendezvous."""
 
     def entered(_self: MegatronActor) -> None:
         raise AssertionError("the compat layer touched torch before the split was refused")
