@@ -58,20 +58,22 @@ def check_split(arch: HFArch, tp_size: int, pp_size: int, cp_size: int, *, ep_si
     check_context_parallel(cp_size)
     check_expert_parallel(arch, ep_size)
     check_parallel_layout(arch, tp_size, pp_size)
-    check_expert_tensor_parallel(arch, tp_size)
-    if arch.is_moe and cp_size > 1:
+    check_moe_split(arch, tp_size, cp_size)
+
+
+def check_moe_split(arch: HFArch, tp_size: int, cp_size: int) -> None:
+    """Raise naming actor.megatron.tp / .cp for a mixture of experts at TP > 1 or CP > 1: megatron-core 0.16.1's
+    MoELayer.forward refuses to train at TP > 1 without sequence parallelism (transformer/moe/moe_layer.py), which
+    the actor does not use, and context parallelism is not built for experts; they split over expert parallelism."""
+    if not arch.is_moe:
+        return
+    if cp_size > 1:
         raise UnsupportedModelError(
             f"actor.megatron.cp={cp_size} with a mixture-of-experts student: context parallelism is not built for "
             "its experts (the router and the all-to-all dispatcher take a replica's whole sequences); set "
             "actor.megatron.cp=1 and split the experts with actor.megatron.ep"
         )
-
-
-def check_expert_tensor_parallel(arch: HFArch, tp_size: int) -> None:
-    """Raise naming actor.megatron.tp for a mixture of experts at TP > 1: megatron-core 0.16.1's MoELayer.forward
-    refuses to train at TP > 1 without sequence parallelism (transformer/moe/moe_layer.py), which the actor does
-    not use; its experts split over expert parallelism instead."""
-    if arch.is_moe and tp_size > 1:
+    if tp_size > 1:
         raise UnsupportedModelError(
             f"actor.megatron.tp={tp_size} with a mixture-of-experts student: the actor trains experts at TP=1 "
             "(megatron's MoE layer needs sequence parallelism at TP > 1); set actor.megatron.tp=1 and split the "
