@@ -258,13 +258,14 @@ def test_gloo_load_error_fails_the_sync_promptly_with_its_message(ray_local: Non
 
 def test_gloo_stuck_rollout_times_out_naming_the_key(ray_local: None) -> None:
     actors = [_remote(FakeActor).remote(0, _named())]
-    rollouts = [_remote(RecordingRollout).remote(delay_s=60)]
-    sync = _group(actors, rollouts, timeout_s=2)
+    rollouts = [_remote(RecordingRollout).remote(delay_s=120)]
+    # The group's rendezvous is bounded by the same timeout: 2 s was too short for it on a loaded 2-core CI machine.
+    sync = _group(actors, rollouts, timeout_s=8)
     start = time.monotonic()
-    with pytest.raises(WeightSyncError, match=r"weight_sync\.timeout_s=2"):
+    with pytest.raises(WeightSyncError, match=r"weight_sync\.timeout_s=8"):
         sync.push(1)
-    # Cut at the timeout, long before the stuck rollout's 60 s (a loaded 2-core CI machine took > 15 s once).
-    assert time.monotonic() - start < 30
+    # Cut at the timeout, long before the stuck rollout's 120 s (a loaded 2-core CI machine took > 15 s once).
+    assert time.monotonic() - start < 60
 
 
 # Ray's object store spilling (a whole weight version larger than the store): the run says so once, in its own
