@@ -38,11 +38,13 @@ def rollout_engines(cfg: GKDConfig) -> int:
 
 
 def weight_transport(cfg: GKDConfig) -> WeightTransport:
-    """weight_sync.transport, with auto resolved: nccl on GPUs, object_store on CPU and for colocated roles."""
+    """weight_sync.transport, with auto resolved: nccl on GPUs, object_store on CPU, for colocated roles and for an
+    adapter-only (LoRA) sync."""
     chosen = cfg.weight_sync.transport
     if chosen != WeightTransport.auto:
         return chosen
-    if cfg.cluster.device == Device.cpu or cfg.cluster.colocate:
+    # An adapter-only sync (actor.lora.rank > 0) is megabytes, loaded through the engine's LoRA API.
+    if cfg.cluster.device == Device.cpu or cfg.cluster.colocate or cfg.actor.lora.rank > 0:
         return WeightTransport.object_store
     return WeightTransport.nccl
 

@@ -24,6 +24,7 @@ from recipe_gkd.config.schema import (
     Attention,
     CrossTokenizer,
     Device,
+    LORA_TARGETS,
     Divergence,
     GKDConfig,
     RolloutBackend,
@@ -49,6 +50,7 @@ def validate(cfg: GKDConfig) -> None:
     _validate_cpu_threads(cfg)
     _validate_gpu_split(cfg)
     _validate_parallelism(cfg)
+    _validate_lora(cfg)
     _validate_batches(cfg)
     _validate_algorithm(cfg)
     teachers_config.validate_teachers(cfg)
@@ -317,9 +319,43 @@ def _validate_parallelism(cfg: GKDConfig) -> None:
     # An engine with TP workers in processes of their own cannot be handed the object store's
     # stream: each worker receives the broadcast itself.
     require(
-        not (r.backend == RolloutBackend.vllm and r.tp > 1 and weight_transport(cfg) == WeightTransport.object_store),
+        not (
+            r.backend == RolloutBackend.vllm
+            and r.tp > 1
+            and weight_transport(cfg) == WeightTransport.object_store
+            and a.lora.rank == 0  # an adapter is loaded through vLLM's LoRA API, which reaches every TP worker
+        ),
         "weight_sync.transport",
         f"rollout.tp={r.tp} vLLM engines receive weights in every TP worker: set weight_sync.transport=nccl (or gloo)",
+    )
+
+
+def _validate_lora(cfg: GKDConfig) -> None:
+    """actor.lora: the adapters' targets and dropout, and the transport of an adapter-only sync."""
+    lora = cfg.actor.lora
+    if lora.rank == 0:
+        return
+    unknown = [t for t in lora.targets if t not in LORA_TARGETS]
+    require(not unknown, "actor.lora.targets", f"unknown targets {unknown}: choose among {list(LORA_TARGETS)}")
+    require(bool(lora.targets), "actor.lora.targets", f"name at least one of {list(LORA_TARGETS)}")
+    require(
+        len(set(lora.targets)) == len(lora.targets), "actor.lora.targets", f"{list(lora.targets)} names one twice"
+    )
+    require(lora.dropout < 1, "actor.lora.dropout", f"dropout={lora.dropout} must be < 1")
+    # A column-parallel adapter's A is replicated over TP: its dropout masks would have to agree on every TP rank.
+    require(
+        lora.dropout == 0 or cfg.actor.megatron.tp == 1,
+        "actor.lora.dropout",
+        f"actor.lora.dropout={lora.dropout} with actor.megatron.tp={cfg.actor.megatron.tp}: the adapters' dropout "
+        "runs at tp=1 only; set actor.lora.dropout=0",
+    )
+    # An adapter is megabytes: it travels through the object store and is loaded by the engine's own LoRA API.
+    require(
+        weight_transport(cfg) == WeightTransport.object_store,
+        "weight_sync.transport",
+        f"weight_sync.transport={cfg.weight_sync.transport.value} with actor.lora.rank={lora.rank}: an adapter-only "
+        "sync goes through the object store (the adapter is megabytes); set weight_sync.transport=auto or "
+        "object_store",
     )
 
 

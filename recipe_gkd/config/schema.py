@@ -194,6 +194,24 @@ class MoEConfig:
     the metrics drifts."""
 
 
+# actor.lora.targets: megatron's four linears of a decoder layer (HF: q/k/v_proj, o_proj, gate/up_proj, down_proj).
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = bounded(0, ge=0, note="0: the whole student is trained")
+    """> 0: train low-rank adapters (rank `rank`) on the student's linears instead of the student: the base weights
+    are frozen (no gradient, no optimizer state), the engines get them once at start and only the adapter after
+    every step; `final_student/` holds the merged model and `final_adapter/` the adapter as a PEFT directory."""
+    alpha: float = bounded(32.0, gt=0)
+    """The adapters' scale is alpha / rank (PEFT's lora_alpha): the update is (alpha / rank) x B x A."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """The linears that get adapters, of qkv (q/k/v_proj), proj (o_proj), fc1 (gate/up_proj), fc2 (down_proj)."""
+    dropout: float = bounded(0.0, ge=0)
+    """Dropout on the adapters' input (PEFT's lora_dropout), 0 by default; > 0 needs actor.megatron.tp=1."""
+
+
 @dataclass
 class OptimConfig:
     lr: float = bounded(1e-6, gt=0)
@@ -226,6 +244,8 @@ class ActorConfig:
     """megatron-core's parallel split, optimizer sharding, recompute and attention."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """A mixture-of-experts student's router: its load-balancing loss (the split of its experts: megatron.ep)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters instead of the whole student (rank 0: off; docs/lora.md)."""
     micro_batch_size: int = bounded(1, ge=1)
     """Sequences per micro-batch (right-padded to the longest), when max_tokens_per_micro_batch is 0."""
     max_tokens_per_micro_batch: int = bounded(0, ge=0, note="0: by micro_batch_size")

@@ -65,6 +65,12 @@ class Engine(Protocol):
         student's load when the engine's own receivers joined a gloo/nccl group."""
         ...
 
+    def update_adapter(self, named: Iterator[tuple[str, Any]]) -> set[str]:
+        """Load a whole LoRA adapter version in its sync form (recipe_gkd/weight_sync/adapter.py) over the base
+        weights the engine started with; raise if any adapter tensor is missing (the adapter-only load:
+        recipe_gkd/weight_sync/payload.py AdapterOnly). Every later generate and probe uses it."""
+        ...
+
     def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray: ...
 
     def weight_checksums(self, dtype: str) -> list[EngineTensor]:

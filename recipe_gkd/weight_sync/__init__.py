@@ -23,7 +23,7 @@ from recipe_gkd.weight_sync.check import (
     weight_mismatches,
 )
 from recipe_gkd.weight_sync.driver import SyncDriver
-from recipe_gkd.weight_sync.payload import FullStudent, SyncPayload, build_payload
+from recipe_gkd.weight_sync.payload import AdapterOnly, FullStudent, SyncPayload, build_payload
 from recipe_gkd.weight_sync.transports import (
     COLLECTIVES,
     BucketStore,
@@ -53,6 +53,7 @@ from recipe_gkd.weight_sync.wire import (
 )
 
 __all__ = [
+    "AdapterOnly",
     "CHECKSUM_CHUNK",
     "COLLECTIVES",
     "MIB",

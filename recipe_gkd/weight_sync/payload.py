@@ -1,10 +1,10 @@
 """What one weight sync carries: a payload strategy, chosen once, owning the actor's export and the engine's load.
 
 A transport (recipe_gkd/weight_sync/transports.py) moves whatever stream of (HF name, tensor) the payload exports on
-the actor side and hands what arrives to the payload's load on the engine side; it never looks at the names. Today
-there is one payload, `FullStudent`. An adapter-only (LoRA) or per-expert (MoE) sync is one more class here, built by
-`build_payload`, with the engine methods its load calls (docs/weight_sync.md, "Adding a transport or a synced
-payload").
+the actor side and hands what arrives to the payload's load on the engine side; it never looks at the names. Two
+payloads: `FullStudent` (every weight) and `AdapterOnly` (actor.lora.rank > 0: the LoRA adapter alone, in its sync
+form, recipe_gkd/weight_sync/adapter.py), built by `build_payload` (docs/weight_sync.md, "Adding a transport or a
+synced payload").
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ class ExportingActor(Protocol):
         """The current weights as (HF name, torch tensor), unit by unit, on global rank 0 only (every rank calls)."""
         ...
 
+    def iter_adapter_tensors(self, on_device: bool) -> Iterator[tuple[str, Any]]:
+        """The LoRA adapter in its sync form (PEFT names, B scaled), on global rank 0 only (every rank calls)."""
+        ...
+
 
 class LoadingEngine(Protocol):
     """What a payload calls on a rollout engine (recipe_gkd/rollout/engine.py Engine)."""
@@ -37,6 +41,10 @@ class LoadingEngine(Protocol):
 
     def receive_weights(self) -> set[str]:
         """Receive one version over the weight-sync group the engine's own receivers joined, and load it."""
+        ...
+
+    def update_adapter(self, named: Named) -> set[str]:
+        """Load a whole adapter version (sync form) from a stream; raise if any adapter tensor is missing."""
         ...
 
 
@@ -81,7 +89,27 @@ class FullStudent:
         return engine.receive_weights()
 
 
+class AdapterOnly:
+    """The LoRA adapter alone (actor.lora.rank > 0): the base weights reached the engines once, at start (they load
+    model.student_path); every sync carries the adapter in its sync form, megabytes, into the engine's adapter load
+    (vLLM: its LoRA API, reloading the same adapter in place; HF: the adapter applied in memory).
+
+    It travels through the object store (config rule): a collective's receivers live in the engine's workers, while
+    the LoRA load is the engine's own call."""
+
+    name = "adapter"
+
+    def export(self, actor: ExportingActor, on_device: bool) -> Named:
+        return actor.iter_adapter_tensors(on_device=on_device)
+
+    def load(self, engine: LoadingEngine, named: Named) -> set[str]:
+        return engine.update_adapter(named)
+
+    def receive(self, engine: LoadingEngine) -> set[str]:
+        raise RuntimeError("an adapter-only sync is not received over a collective group (weight_sync.transport)")
+
+
 def build_payload(cfg: GKDConfig) -> SyncPayload:
-    """The payload of `cfg`'s sync, built once where the pools are built (today always the full student; an
-    adapter-only student would choose its payload here, from its own config section)."""
-    return FullStudent()
+    """The payload of `cfg`'s sync, built once where the pools are built: the adapter with actor.lora.rank > 0,
+    else the whole student."""
+    return AdapterOnly() if cfg.actor.lora.rank > 0 else FullStudent()
