@@ -16,7 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recipe_gkd.actor.lora import LoRASettings, is_adapter
 from recipe_gkd.actor.optimizer import leaf_optimizers
+from recipe_gkd.config import ConfigError
 from recipe_gkd.parallel_layout import ParallelLayout
 
 # The lr schedule and step count beside the dist checkpoint (plain objects, rank 0 only).
@@ -26,9 +28,20 @@ RNG_FILE = "rng_rank{rank}.pt"
 
 
 def save_checkpoint(
-    path: str, *, model: Any, optimizer: Any, scheduler: Any, steps: int, rank: int, layout: ParallelLayout
+    path: str,
+    *,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    steps: int,
+    rank: int,
+    layout: ParallelLayout,
+    lora: LoRASettings | None = None,
 ) -> None:
-    """Model + optimizer as a megatron dist checkpoint in `path` (empty dir), + lr schedule and step (every rank calls)."""
+    """Model + optimizer as a megatron dist checkpoint in `path` (empty dir), + lr schedule and step (every rank calls).
+
+    A LoRA student's checkpoint holds its adapters and their optimizer state only: the frozen base is the HF
+    student's (model.student_path), read again at start."""
     from megatron.core import dist_checkpointing
 
     out = Path(path)
@@ -36,7 +49,7 @@ def save_checkpoint(
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     _in_process_write_results()
-    dist_checkpointing.save(sharded_state_dict(model, optimizer), str(out))
+    dist_checkpointing.save(sharded_state_dict(model, optimizer, adapters_only=lora is not None), str(out))
     if rank == 0:
         state = {
             "scheduler": scheduler.state_dict(),
@@ -44,6 +57,7 @@ def save_checkpoint(
             "tp": layout.tp_size,
             "pp": layout.pp_size,
             "ep": layout.ep_size,
+            "lora": None if lora is None else {"rank": lora.rank, "targets": list(lora.targets)},
         }
         torch.save(state, out / ACTOR_STATE_FILE)
     torch.save(_rng_states(), out / RNG_FILE.format(rank=rank))
@@ -51,19 +65,29 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: str, *, model: Any, optimizer: Any, scheduler: Any, rank: int, distributed_optimizer: bool
+    path: str,
+    *,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    rank: int,
+    distributed_optimizer: bool,
+    lora: LoRASettings | None = None,
 ) -> int:
     """Restore what `save_checkpoint` wrote (possibly at another parallel size); returns the step count."""
     from megatron.core import dist_checkpointing
 
+    state = torch.load(Path(path) / ACTOR_STATE_FILE, weights_only=False)
+    check_same_lora(state.get("lora"), lora, path)
     init_empty_optimizer_state(optimizer, distributed_optimizer)
-    loaded = dist_checkpointing.load(sharded_state_dict(model, optimizer, is_loading=True), path)
-    model.module.load_state_dict(loaded["model"], strict=True)
+    loaded = dist_checkpointing.load(
+        sharded_state_dict(model, optimizer, is_loading=True, adapters_only=lora is not None), path
+    )
+    _load_model_state(model.module, loaded["model"], adapters_only=lora is not None)
     optimizer.load_state_dict(loaded["optimizer"])
     _unshare_adam_steps(optimizer)
     # fp32 main params (bf16 training) are the optimizer's copy: refresh them from the model.
     optimizer.reload_model_params()
-    state = torch.load(Path(path) / ACTOR_STATE_FILE, weights_only=False)
     scheduler.load_state_dict(state["scheduler"])
     rng = Path(path) / RNG_FILE.format(rank=rank)
     if rng.is_file():  # absent when this rank did not exist at save time (a larger world)
@@ -90,9 +114,36 @@ def init_empty_optimizer_state(optimizer: Any, distributed_optimizer: bool) -> N
         _keep_adam_step_on_reshardable_load(leaf)
 
 
-def sharded_state_dict(model: Any, optimizer: Any, is_loading: bool = False) -> dict[str, Any]:
-    """The model's and the optimizer's sharded state dicts, as dist_checkpointing saves and loads them."""
+def check_same_lora(saved: dict[str, Any] | None, lora: LoRASettings | None, path: str) -> None:
+    """A checkpoint resumes into the same kind of student: a LoRA one with the same rank and targets."""
+    now = None if lora is None else {"rank": lora.rank, "targets": list(lora.targets)}
+    if saved != now:
+        raise ConfigError(
+            "actor.lora.rank",
+            f"checkpoint {path} was saved with adapters {saved or 'none (the whole student trained)'}, this run has "
+            f"{now or 'none (actor.lora.rank=0)'}: resume with the checkpoint's actor.lora settings",
+        )
+
+
+def _load_model_state(module: torch.nn.Module, state: dict[str, Any], adapters_only: bool) -> None:
+    """The loaded tensors into the model: all of them, or (a LoRA checkpoint) every adapter and nothing else."""
+    if not adapters_only:
+        module.load_state_dict(state, strict=True)
+        return
+    result = module.load_state_dict(state, strict=False)
+    missing = [name for name in result.missing_keys if is_adapter(name)]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"LoRA checkpoint: adapters missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+
+
+def sharded_state_dict(
+    model: Any, optimizer: Any, is_loading: bool = False, adapters_only: bool = False
+) -> dict[str, Any]:
+    """The model's and the optimizer's sharded state dicts, as dist_checkpointing saves and loads them
+    (`adapters_only`: a LoRA student's adapters, its frozen base left out)."""
     model_sd = model.module.sharded_state_dict()
+    if adapters_only:
+        model_sd = {key: value for key, value in model_sd.items() if is_adapter(key)}
     # The distributed optimizer's default format (fully_sharded_model_space) is refused by
     # megatron-core 0.16.1's own checkpointing (flattened ranges); fully_reshardable gathers its
     # shards into per-parameter tensors, so a checkpoint loads at another TP / PP / DP size.

@@ -353,9 +353,11 @@ def layer_index(name: str) -> int:
 
 # ----------------------------------------------------------------------------- tensor-parallel sharding
 
-_COLUMN_PARALLEL = re.compile(r"(word_embeddings|output_layer|linear_qkv)\.(weight|bias)$")
-_ROW_PARALLEL = re.compile(r"(linear_proj|linear_fc2)\.weight$")
-_GATED_FC1 = re.compile(r"linear_fc1\.weight$")
+# A LoRA adapter (recipe_gkd/actor/lora.py) is sharded as its linear: a column-parallel linear's B by rows (fc1's
+# per rank [gate_r; up_r] as its weight), a row-parallel linear's A by columns; the other factor is replicated.
+_COLUMN_PARALLEL = re.compile(r"(word_embeddings|output_layer|linear_qkv)\.(weight|bias)$|linear_qkv\.lora_B$")
+_ROW_PARALLEL = re.compile(r"(linear_proj|linear_fc2)\.(weight|lora_A)$")
+_GATED_FC1 = re.compile(r"linear_fc1\.(weight|lora_B)$")
 
 
 def partition_dim(name: str) -> int | None:

@@ -172,7 +172,7 @@ def build_gpt_model(
     )
     if arch.llama3_rope is not None:
         _apply_llama3_rope(model, arch)
-    _mark_tensor_parallel_params(model)
+    mark_tensor_parallel_params(model)
     if arch.is_moe:
         _keep_experts_apart(model)
     return model
@@ -211,7 +211,7 @@ def _apply_llama3_rope(model: GPTModel, arch: HFArch) -> None:
     )
 
 
-def _mark_tensor_parallel_params(model: torch.nn.Module) -> None:
+def mark_tensor_parallel_params(model: torch.nn.Module) -> None:
     """Tag sharded weights the way megatron's weight init would have.
 
     With perform_initialization=False megatron 0.16 leaves `tensor_model_parallel` unset on

@@ -44,6 +44,7 @@ from torch import Tensor
 from recipe_gkd.actor import checkpointing, hf_arch, hf_convert, mcore_model
 from recipe_gkd.actor.collate import LazyMicroBatches, MicroBatch, split_by_token_budget, split_micro_batches
 from recipe_gkd.actor.context_parallel import ContextSplit
+from recipe_gkd.actor.lora import LoRASettings, add_adapters, check_lora_student, is_adapter
 from recipe_gkd.actor.moe_stats import RouterWatch, scaled_aux_loss_coeff
 from recipe_gkd.actor.objective import ActorKinds, ActorObjective, sum_from_last_stage
 from recipe_gkd.actor.optimizer import build_optimizer, clip_grads, wrap_ddp
@@ -53,6 +54,7 @@ from recipe_gkd.batch import ScoredSequence, TrainShard, trained_rows, trained_t
 from recipe_gkd.config import Device, GKDConfig, Precision, actor_world_size, cpu_threads
 from recipe_gkd.models import read_hf_arch
 from recipe_gkd.parallel_layout import ParallelLayout
+from recipe_gkd.weight_sync.adapter import adapter_config, write_peft_dir
 
 # megatron's RNG tracker needs a seed; nothing random runs (no dropout, weights from HF).
 MEGATRON_SEED = 1234
@@ -81,6 +83,7 @@ class MegatronActor:
         self._steps = 0
         self._model: Any = None
         self.router_watch: RouterWatch | None = None
+        self.lora: LoRASettings | None = None
 
     # ------------------------------------------------------------------------- setup / teardown
 
@@ -118,6 +121,9 @@ class MegatronActor:
             attention=m.attention.value,
         )
         self._check_stage_layers()
+        # A LoRA student (actor.lora.rank > 0): the base frozen, adapters on its linears (recipe_gkd/actor/lora.py).
+        self.lora = LoRASettings.from_config(self.cfg)
+        check_lora_student(self.lora, self.arch)
         if not self.on_cpu:
             self.gpt.cuda(torch.cuda.current_device())
         # This stage's parameter names -> names in the whole model (layers renumbered per stage, experts per
@@ -127,6 +133,9 @@ class MegatronActor:
         )
         reader = hf_convert.HFCheckpointReader(self.cfg.model.student_path)
         self._load_stage(reader)
+        first_layer = hf_convert.stage_layers(self.arch, self.layout.pp_rank, self.layout.pp_size).start
+        if self.lora is not None:
+            add_adapters(self.gpt, self.lora, first_layer, self.cfg.data.seed, self.layout.tp_rank)
         num_params = sum(reader.numel(n) for n in hf_convert.hf_param_names(self.arch))
         self._model = wrap_ddp(self.cfg, self.tconfig, self.gpt, bf16)
         self.optimizer, self.scheduler = build_optimizer(self.cfg, self._model, bf16)
@@ -142,9 +151,8 @@ class MegatronActor:
             objective=self.kinds.objective,
         )
         self._exporter = WeightExporter(
-            self.gpt, self.arch, self._global_names, self.layout, self.rank, self.device, self.tp_group
+            self.gpt, self.arch, self._global_names, self.layout, self.rank, self.device, self.tp_group, self.lora
         )
-        first_layer = hf_convert.stage_layers(self.arch, self.layout.pp_rank, self.layout.pp_size).start
         self.router_watch = RouterWatch(self.gpt, self.arch, first_layer, self.device) if self.arch.is_moe else None
         return {
             "rank": self.rank,
@@ -159,6 +167,7 @@ class MegatronActor:
             "device": str(self.device),
             "num_params": num_params,
             "num_local_params": sum(p.numel() for p in self.gpt.parameters()),
+            "num_trained_local_params": sum(p.numel() for p in self.gpt.parameters() if p.requires_grad),
             "setup_s": time.perf_counter() - start,
             "summary": self._summary(),
         }
@@ -180,9 +189,15 @@ class MegatronActor:
             if a.max_tokens_per_micro_batch
             else f"micro-batches of {a.micro_batch_size} sequences"
         )
+        trained = (
+            f"LoRA adapters rank {self.lora.rank} (alpha {self.lora.alpha:g}) on {', '.join(self.lora.targets)}, the "
+            "base frozen"
+            if self.lora is not None
+            else "every weight trained"
+        )
         return (
             f"{a.precision.value} params ({'fp32 master weights, ' if a.precision == Precision.bf16 else ''}"
-            f"Adam), attention: {attention}, local layer spec (no Transformer Engine), recompute: "
+            f"Adam), {trained}, attention: {attention}, local layer spec (no Transformer Engine), recompute: "
             f"{m.recompute.value}, {optimizer}, {batches}"
         )
 
@@ -283,7 +298,7 @@ class MegatronActor:
 
     def _load_stage(self, reader: hf_convert.HFCheckpointReader) -> None:
         """This rank's shards of this stage's parameters, read from the HF checkpoint unit by unit."""
-        params = dict(self.gpt.named_parameters())
+        params = {n: p for n, p in self.gpt.named_parameters() if not is_adapter(n)}
         expected = set(self._global_names)
         if set(params) != expected:
             raise RuntimeError(
@@ -487,6 +502,7 @@ class MegatronActor:
             steps=self._steps,
             rank=self.rank,
             layout=self.layout,
+            lora=self.lora,
         )
         return {"save_s": time.perf_counter() - start}
 
@@ -501,6 +517,7 @@ class MegatronActor:
             scheduler=self.scheduler,
             rank=self.rank,
             distributed_optimizer=self.cfg.actor.megatron.distributed_optimizer,
+            lora=self.lora,
         )
         return {"load_s": time.perf_counter() - start, "steps": float(self._steps)}
 
@@ -586,6 +603,25 @@ class MegatronActor:
         """
         self._enter_device()
         yield from self._exporter.iter_hf_tensors(on_device, fp32)
+
+    def iter_adapter_tensors(self, on_device: bool) -> Iterator[tuple[str, Tensor]]:
+        """The LoRA adapter in its sync form (PEFT names, B scaled: recipe_gkd/weight_sync/adapter.py), layer by
+        layer, on global rank 0 only (every rank calls); see `WeightExporter.iter_adapter_tensors`."""
+        self._enter_device()
+        yield from self._exporter.iter_adapter_tensors(sync_form=True, on_device=on_device)
+
+    def save_adapter(self, out_dir: str) -> str | None:
+        """Write the LoRA adapter as a PEFT directory (adapter_config.json, adapter_model.safetensors: B as trained,
+        lora_alpha = actor.lora.alpha, fp32) on rank 0; every rank calls it. None without adapters."""
+        if self.lora is None:
+            return None
+        self._enter_device()
+        state = dict(self._exporter.iter_adapter_tensors(sync_form=False, on_device=False, fp32=True))
+        if self.rank == 0:
+            config = adapter_config(self.lora.rank, self.lora.alpha, self.lora.targets, self.cfg.model.student_path)
+            write_peft_dir(Path(out_dir), state, config)
+        dist.barrier()
+        return str(out_dir) if self.rank == 0 else None
 
     def save_hf(self, out_dir: str) -> str | None:
         """Write an HF directory (config, model.safetensors, tokenizer) on rank 0; every rank calls it."""

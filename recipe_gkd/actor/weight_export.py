@@ -20,9 +20,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from recipe_gkd.actor import hf_convert
+from recipe_gkd.actor.lora import LoRASettings, adapter_units, merged_views
 from recipe_gkd.models import HFArch
 from recipe_gkd.models.qwen3_moe import expert_number
 from recipe_gkd.parallel_layout import ParallelLayout
+from recipe_gkd.weight_sync.adapter import HF_PROJECTIONS, lora_names
 
 WEIGHTS_FILE = "model.safetensors"
 # Largest rank of a weight sent between pipeline stages during export (matrices and vectors).
@@ -45,8 +47,14 @@ class WeightExporter:
         rank: int,
         device: torch.device,
         tp_group: dist.ProcessGroup,
+        lora: LoRASettings | None = None,
     ) -> None:
+        """`lora`: a LoRA student's adapters (recipe_gkd/actor/lora.py): the whole-model export gives each adapted
+        weight merged (W + scale x B A, per shard), `iter_adapter_tensors` the adapter alone."""
         self.gpt = gpt
+        self.lora = lora
+        # This stage's adapted weight names -> their merged shard (computed when exported).
+        self.merged = merged_views(gpt, lora) if lora is not None else {}
         self.arch = arch
         # This stage's parameter names -> names in the whole model (layers renumbered per stage).
         self.global_names = global_names
@@ -67,12 +75,47 @@ class WeightExporter:
             return
         params = dict(self.gpt.named_parameters())
         # The tied embedding's copy on the last stage is the first stage's embedding: exported once.
-        owned = {g: params[local] for local, g in self.global_names.items() if local == g or g != hf_convert.EMBEDDING}
+        owned = {g: local for local, g in self.global_names.items() if local == g or g != hf_convert.EMBEDDING}
         for unit, names in hf_convert.mcore_units(self.arch).items():
-            full = {name: self._whole_on_rank0(name, owned.get(name), on_device, fp32) for name in names}
+            full = {
+                name: self._whole_on_rank0(name, self._local(owned.get(name), params), on_device, fp32)
+                for name in names
+            }
             if self.rank == 0:
                 whole = {name: tensor for name, tensor in full.items() if tensor is not None}
                 yield from hf_convert.mcore_unit_to_hf(unit, whole, self.arch).items()
+
+    def _local(self, local: str | None, params: dict[str, Tensor]) -> Tensor | None:
+        """This stage's tensor of local name `local`: the parameter, or an adapted weight merged with its adapter."""
+        if local is None:
+            return None
+        merged = self.merged.get(local)
+        return merged() if merged is not None else params[local]
+
+    def iter_adapter_tensors(
+        self, sync_form: bool, on_device: bool, fp32: bool = False
+    ) -> Iterator[tuple[str, Tensor]]:
+        """The LoRA adapter under its PEFT names (recipe_gkd/weight_sync/adapter.py), layer by layer, on global rank
+        0 only (every rank calls): each factor gathered over TP and sent from its pipeline stage as a weight is, a
+        fused linear's pair split into its HF projections' (B's rows split as the weight's, A repeated).
+
+        `sync_form`: B multiplied by the scale (what the engines load, scale 1); else B as trained (final_adapter/).
+        """
+        assert self.lora is not None, "iter_adapter_tensors needs a LoRA student (actor.lora.rank > 0)"
+        if self.layout.expert_dp_rank != 0:  # every data-parallel replica but the first
+            return
+        params = dict(self.gpt.named_parameters())
+        first = hf_convert.stage_layers(self.arch, self.layout.pp_rank, self.layout.pp_size).start
+        for layer, target, a_name, b_name in adapter_units(self.arch, self.lora.targets):
+            a, b = (
+                self._whole_on_rank0(n, params.get(_stage_local(n, first)), on_device, fp32) for n in (a_name, b_name)
+            )
+            if self.rank != 0:
+                continue
+            assert a is not None and b is not None
+            if sync_form:
+                b = (b.float() * self.lora.scale).to(b.dtype)
+            yield from hf_adapter_pairs(layer, target, a, b, self.arch)
 
     def _whole_on_rank0(self, name: str, param: Tensor | None, on_device: bool, fp32: bool) -> Tensor | None:
         """Global parameter `name` unsharded on global rank 0 (None on every other rank): on this rank's
@@ -127,6 +170,27 @@ class WeightExporter:
         dst = dist.get_global_rank(self.tp_group, 0)
         dist.gather(local.contiguous(), gather_list=shards, dst=dst, group=self.tp_group)
         return shards
+
+
+def _stage_local(name: str, first_layer: int) -> str:
+    """The stage-local name of global decoder-layer parameter `name` (layers numbered from 0 on each stage)."""
+    index = hf_convert.layer_index(name)
+    return hf_convert.MCORE_LAYER.format(i=index - first_layer) + name.split(".", 3)[3]
+
+
+def hf_adapter_pairs(layer: int, target: str, a: Tensor, b: Tensor, arch: HFArch) -> Iterator[tuple[str, Tensor]]:
+    """One fused linear's unsharded adapter (A [r, in], B [out, r]) as its HF projections' PEFT (lora_A, lora_B):
+    B's rows split as the fused weight's (megatron's qkv interleaved per GQA group, fc1's [gate; up]), A repeated."""
+    if target == "qkv":
+        parts = hf_convert.split_qkv(b, arch)
+    elif target == "fc1":
+        parts = b.chunk(2, dim=0)
+    else:
+        parts = (b,)
+    for proj, b_part in zip(HF_PROJECTIONS[target], parts, strict=True):
+        a_key, b_key = lora_names(hf_convert.HF_LAYER.format(i=layer) + proj)
+        yield a_key, a
+        yield b_key, b_part.contiguous()
 
 
 def write_hf_dir(state: dict[str, np.ndarray], out: Path, student_path: Path, tokenizer_path: Path) -> None:

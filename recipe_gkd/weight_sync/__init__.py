@@ -53,12 +53,12 @@ from recipe_gkd.weight_sync.wire import (
 )
 
 __all__ = [
-    "AdapterOnly",
     "CHECKSUM_CHUNK",
     "COLLECTIVES",
     "MIB",
     "PROBE_ROWS",
     "SYNC_TOLERANCE",
+    "AdapterOnly",
     "BucketStore",
     "Collective",
     "CollectiveChannel",

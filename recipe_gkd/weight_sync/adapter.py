@@ -87,7 +87,8 @@ def write_peft_dir(out: Path, tensors: Mapping[str, Any], config: Mapping[str, A
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    state = {name: torch.as_tensor(t).detach().to("cpu").contiguous() for name, t in tensors.items()}
+    # A copy each: a fused linear's projections share one A, which safetensors refuses to write twice.
+    state = {name: torch.as_tensor(t).detach().to("cpu").clone() for name, t in tensors.items()}
     save_file(state, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(dict(config), indent=2) + "\n")
 

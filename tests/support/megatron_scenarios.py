@@ -180,6 +180,8 @@ def make_cfg(model_dir: str, world: int, device: str, **actor: Any) -> GKDConfig
     cfg.algorithm.divergence = Divergence(actor.pop("divergence", "forward_kl"))
     cfg.algorithm.ratio_clip = actor.pop("ratio_clip", 0.0)
     cfg.algorithm.cross_tokenizer = CrossTokenizer(actor.pop("cross_tokenizer", "none"))
+    cfg.actor.lora.rank = actor.pop("lora_rank", 0)
+    cfg.actor.lora.alpha = actor.pop("lora_alpha", 32.0)
     m = cfg.actor.megatron
     m.distributed_optimizer = actor.pop("distributed_optimizer", False)
     m.recompute = Recompute(actor.pop("recompute", "none"))
@@ -471,6 +473,77 @@ def _cp_job(model: str, make: Callable[..., list[ScoredSequence]] | None = None,
     return run
 
 
+def adapter_grads(a: Any) -> dict[str, np.ndarray]:
+    """This rank's adapter gradients (megatron's main_grad) under their global megatron names (layers over all
+    stages)."""
+    from recipe_gkd.actor import hf_convert
+    from recipe_gkd.actor.lora import is_adapter
+
+    first = hf_convert.stage_layers(a.arch, a.layout.pp_rank, a.layout.pp_size).start
+    out = {}
+    for local, param in a.gpt.named_parameters():
+        if is_adapter(local):
+            name = hf_convert.MCORE_LAYER.format(i=hf_convert.layer_index(local) + first) + local.split(".", 3)[3]
+            out[name] = param.main_grad.detach().float().cpu().numpy().copy()
+    return out
+
+
+def frozen_report(a: Any) -> dict[str, Any]:
+    """What trains on this rank: base parameters that require or hold a gradient (none may), the adapters'
+    element count and the optimizer's state elements."""
+    from recipe_gkd.actor.lora import is_adapter
+
+    params = dict(a.gpt.named_parameters())
+    base = {n: p for n, p in params.items() if not is_adapter(n)}
+    return {
+        "base_with_grad": [
+            n for n, p in base.items() if p.requires_grad or p.grad is not None or hasattr(p, "main_grad")
+        ],
+        "base_numel": sum(p.numel() for p in base.values()),
+        "adapter_numel": sum(p.numel() for n, p in params.items() if is_adapter(n)),
+        "optimizer_state_numel": optimizer_state_numel(a.optimizer),
+    }
+
+
+def _lora_job(model: str, *, save: bool = False, resume: bool = False, **actor: Any) -> Callable[[Job], None]:
+    """A LoRA student (tests/recipe_gkd/actor/test_lora_actor.py): the probe's logits at step 0, two steps (each
+    rank's adapter gradients of each, what trains), the logits after, the adapter in its sync form, the PEFT
+    directory and the merged HF directory; `save`: a checkpoint after the first step; `resume`: loads
+    `actor['from']`'s checkpoint first and runs only the second step."""
+
+    def run(job: Job) -> None:
+        settings = dict(actor)
+        ckpt_from = settings.pop("from", None)
+        a = job.actor(model, **settings)
+        vocab = a.arch.vocab_size
+        job.out["logits_before"] = a.forward_logits(probe_ids(vocab))
+        workdir = Path(job.args.workdir)
+        if resume:
+            a.load_checkpoint(str(workdir.parent / ckpt_from))
+            job.out["resumed_logprobs"] = a.token_logprobs(probe_ids(vocab))
+        else:
+            first = a.train_step(job.shards(a, 1, vocab))
+            job.out["first_loss"] = np.array(first["loss"])
+            job.out["first_grad_norm"] = np.array(first["grad_norm"])
+            np.savez(workdir / f"{job.name}_grads_rank{job.args.rank}.npz", **adapter_grads(a))
+            (workdir / f"{job.name}_frozen_rank{job.args.rank}.json").write_text(json.dumps(frozen_report(a)))
+            if save:
+                a.save_checkpoint(str(workdir / f"{job.name}_ckpt"))
+                job.out["saved_logprobs"] = a.token_logprobs(probe_ids(vocab))
+        second = a.train_step(job.shards(a, 2, vocab))
+        job.out["second_loss"] = np.array(second["loss"])
+        job.out["second_grad_norm"] = np.array(second["grad_norm"])
+        np.savez(workdir / f"{job.name}_grads2_rank{job.args.rank}.npz", **adapter_grads(a))
+        job.out["logits_after"] = a.forward_logits(probe_ids(vocab))
+        sync = {name: t.float().numpy() for name, t in a.iter_adapter_tensors(on_device=False)}
+        job.out.update({f"sync/{name}": v for name, v in sync.items()})
+        a.save_adapter(str(workdir / f"{job.name}_adapter"))
+        a.save_hf(str(workdir / f"{job.name}_hf"))
+        a.shutdown()
+
+    return run
+
+
 def _masked_sequences(seed: int, count: int, vocab: int) -> list[ScoredSequence]:
     return make_masked_sequences(seed, count, vocab, other=True)
 
@@ -480,6 +553,8 @@ SAMPLED = {"divergence": "sampled_reverse_kl", "ratio_clip": 0.2}
 XTOK = {"cross_tokenizer": "span"}
 # eps >> |grad| makes Adam's first step ~ lr * grad / eps: linear in the (clipped) gradient.
 LINEAR_ADAM = {"eps": 1.0e3, "lr": 1.0e3}
+# Adapters of rank 4 (scale 8 / 4), a learning rate that moves them well past the probe's tolerance in two steps.
+LORA = {"lora_rank": 4, "lora_alpha": 8.0, "micro_batch_size": 4, "clip_grad": 0.0, "lr": 1e-2}
 JOBS: dict[str, Callable[[Job], None]] = {
     "logits": _logits_job("tp"),
     "logits_pp": _logits_job("pp"),
@@ -550,6 +625,14 @@ JOBS: dict[str, Callable[[Job], None]] = {
         distributed_optimizer=True,
         **{"from": "w2/cp_save_ckpt"},
         **NO_CLIP,
+    ),
+    # LoRA students (tests/recipe_gkd/actor/test_lora_actor.py): TP = 2, PP = 2 and a resume at TP = 1 vs TP = 1.
+    "lora_tp1": _lora_job("qwen3_qknorm", **LORA),
+    "lora_tp2": _lora_job("qwen3_qknorm", tp=2, **LORA),
+    "lora_pp2": _lora_job("qwen3_qknorm", pp=2, **LORA),
+    "lora_save": _lora_job("qwen3_qknorm", save=True, tp=2, distributed_optimizer=True, **LORA),
+    "lora_resume": _lora_job(
+        "qwen3_qknorm", resume=True, distributed_optimizer=True, **{"from": "w2/lora_save_ckpt"}, **LORA
     ),
     "moe_ep1": _step_pair_job("qwen3_moe", ep=1, micro_batch_size=2, **NO_CLIP),
     "moe_distopt": _step_pair_job("qwen3_moe", micro_batch_size=2, distributed_optimizer=True, **NO_CLIP),
