@@ -35,7 +35,7 @@ from recipe_gkd.observe import console
 from recipe_gkd.observe.clip_watch import ClipWatch
 from recipe_gkd.observe.divergence_watch import DIVERGENCE_FILE, DivergenceWatch
 from recipe_gkd.observe.metrics import MetricsLogger
-from recipe_gkd.observe.report import FINAL_EXPORT_DIR, report, teacher_accuracy
+from recipe_gkd.observe.report import FINAL_ADAPTER_DIR, FINAL_EXPORT_DIR, report, teacher_accuracy
 from recipe_gkd.observe.rows import MEMORY_SUFFIXES, eval_row, eval_teacher_kls, memory_row, step_row
 from recipe_gkd.plan.placement import PlacementPlan
 from recipe_gkd.pools import Pending, Pools, ShardHandle
@@ -304,7 +304,11 @@ def evaluate(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, step: int) ->
 
 
 def export_student(cfg: GKDConfig, pools: Pools) -> Path:
-    """The trained student as an HF directory under the run directory (every actor rank takes part)."""
-    out = Path(cfg.trainer.run_dir).resolve() / FINAL_EXPORT_DIR
+    """The trained student as an HF directory under the run directory (every actor rank takes part); a LoRA
+    student merged, and its adapter as a PEFT directory beside it."""
+    run_dir = Path(cfg.trainer.run_dir).resolve()
+    out = run_dir / FINAL_EXPORT_DIR
     pools.actor.export_hf(str(out))
+    if cfg.actor.lora.rank > 0:
+        pools.actor.export_adapter(str(run_dir / FINAL_ADAPTER_DIR))
     return out

@@ -94,7 +94,11 @@ class ActorPool(Protocol):
     def load_checkpoint(self, path: str) -> None: ...
 
     def export_hf(self, out_dir: str) -> None:
-        """The student as an HF directory (every rank takes part; rank 0 writes)."""
+        """The student as an HF directory (every rank takes part; rank 0 writes); a LoRA student merged."""
+        ...
+
+    def export_adapter(self, out_dir: str) -> None:
+        """A LoRA student's adapter as a PEFT directory (every rank takes part; rank 0 writes)."""
         ...
 
 

@@ -112,8 +112,11 @@ def student_split(cfg: GKDConfig) -> str:
     from recipe_gkd.actor import hf_arch
 
     m = cfg.actor.megatron
-    hf_arch.check_split(hf_arch.read_student_arch(cfg.model.student_path), m.tp, m.pp, m.cp, ep_size=m.ep)
-    return f"the student takes actor.megatron tp={m.tp} pp={m.pp} cp={m.cp} ep={m.ep}"
+    arch = hf_arch.read_student_arch(cfg.model.student_path)
+    hf_arch.check_split(arch, m.tp, m.pp, m.cp, ep_size=m.ep)
+    hf_arch.check_lora_student(arch, cfg.actor.lora.rank)
+    lora = f", LoRA rank {cfg.actor.lora.rank}" if cfg.actor.lora.rank else ""
+    return f"the student takes actor.megatron tp={m.tp} pp={m.pp} cp={m.cp} ep={m.ep}{lora}"
 
 
 def teacher_head(cfg: GKDConfig) -> str:

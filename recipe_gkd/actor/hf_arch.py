@@ -61,6 +61,16 @@ def check_split(arch: HFArch, tp_size: int, pp_size: int, cp_size: int, *, ep_si
     check_moe_split(arch, tp_size, cp_size)
 
 
+def check_lora_student(arch: HFArch, lora_rank: int) -> None:
+    """Raise naming actor.lora.rank for adapters on a mixture of experts: they cover dense linears only (an
+    expert's are its own, per expert)."""
+    if lora_rank > 0 and arch.is_moe:
+        raise UnsupportedModelError(
+            f"actor.lora.rank={lora_rank} with a mixture-of-experts student ({arch.num_experts} experts): adapters "
+            "cover dense students only; set actor.lora.rank=0"
+        )
+
+
 def check_moe_split(arch: HFArch, tp_size: int, cp_size: int) -> None:
     """Raise naming actor.megatron.tp / .cp for a mixture of experts at TP > 1 or CP > 1: megatron-core 0.16.1's
     MoELayer.forward refuses to train at TP > 1 without sequence parallelism (transformer/moe/moe_layer.py), which

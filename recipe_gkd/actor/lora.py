@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from recipe_gkd.actor.mcore_model import mark_tensor_parallel_params
-from recipe_gkd.config import ConfigError, GKDConfig
+from recipe_gkd.config import GKDConfig
 from recipe_gkd.models import HFArch
 from recipe_gkd.models.base import MCORE_LAYER
 
@@ -64,16 +64,6 @@ class LoRASettings:
         if lora.rank == 0:
             return None
         return cls(lora.rank, lora.alpha, tuple(lora.targets), lora.dropout)
-
-
-def check_lora_student(settings: LoRASettings | None, arch: HFArch) -> None:
-    """Refuse what the adapters do not cover: a mixture of experts' experts (their linears are per expert)."""
-    if settings is not None and arch.is_moe:
-        raise ConfigError(
-            "actor.lora.rank",
-            f"rank={settings.rank} with a mixture-of-experts student ({arch.num_experts} experts): adapters cover "
-            "dense students only; set actor.lora.rank=0",
-        )
 
 
 def is_adapter(name: str) -> bool:

@@ -44,7 +44,7 @@ from torch import Tensor
 from recipe_gkd.actor import checkpointing, hf_arch, hf_convert, mcore_model
 from recipe_gkd.actor.collate import LazyMicroBatches, MicroBatch, split_by_token_budget, split_micro_batches
 from recipe_gkd.actor.context_parallel import ContextSplit
-from recipe_gkd.actor.lora import LoRASettings, add_adapters, check_lora_student, is_adapter
+from recipe_gkd.actor.lora import LoRASettings, add_adapters, is_adapter
 from recipe_gkd.actor.moe_stats import RouterWatch, scaled_aux_loss_coeff
 from recipe_gkd.actor.objective import ActorKinds, ActorObjective, sum_from_last_stage
 from recipe_gkd.actor.optimizer import build_optimizer, clip_grads, wrap_ddp
@@ -123,7 +123,7 @@ class MegatronActor:
         self._check_stage_layers()
         # A LoRA student (actor.lora.rank > 0): the base frozen, adapters on its linears (recipe_gkd/actor/lora.py).
         self.lora = LoRASettings.from_config(self.cfg)
-        check_lora_student(self.lora, self.arch)
+        hf_arch.check_lora_student(self.arch, self.cfg.actor.lora.rank)
         if not self.on_cpu:
             self.gpt.cuda(torch.cuda.current_device())
         # This stage's parameter names -> names in the whole model (layers renumbered per stage, experts per

@@ -19,6 +19,8 @@ from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
 
 # The exported student, under the run directory.
 FINAL_EXPORT_DIR = "final_student"
+# A LoRA student's adapter as a PEFT directory, beside the merged final_student/.
+FINAL_ADAPTER_DIR = "final_adapter"
 
 
 def teacher_accuracy(cfg: GKDConfig, rollout: RolloutPool) -> tuple[AnswerAccuracy | None, str]:

@@ -117,6 +117,9 @@ class LocalActorPool:
     def export_hf(self, out_dir: str) -> None:
         self.actor.save_hf(out_dir)
 
+    def export_adapter(self, out_dir: str) -> None:
+        self.actor.save_adapter(out_dir)
+
 
 class LocalCrew:
     """The workers a weight sync touches, in this process (weight_sync.SyncCrew): each call runs when launched and

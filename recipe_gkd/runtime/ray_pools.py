@@ -199,6 +199,9 @@ class RayActorPool:
     def export_hf(self, out_dir: str) -> None:
         wait([a.save_hf.remote(out_dir) for a in self.handles], self.timeout_s, "export")
 
+    def export_adapter(self, out_dir: str) -> None:
+        wait([a.save_adapter.remote(out_dir) for a in self.handles], self.timeout_s, "adapter export")
+
 
 # ----------------------------------------------------------------------------- the weight sync on Ray
 

@@ -97,3 +97,5 @@ def test_the_student_split_check_refuses_a_mixture_of_experts_at_tensor_parallel
         student_split(load_config(preset, [f"model.student_path={tmp_path}", "actor.megatron.ep=2"]))
     split = [f"model.student_path={tmp_path}", "actor.megatron.tp=1", "actor.megatron.ep=8"]
     assert student_split(load_config(preset, split)).endswith("ep=8")
+    with pytest.raises(UnsupportedModelError, match=r"actor\.lora\.rank=8 with a mixture-of-experts student"):
+        student_split(load_config(preset, [*split, "actor.lora.rank=8"]))
