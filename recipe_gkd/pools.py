@@ -108,7 +108,7 @@ class WeightSync(Protocol):
     def push(self, version: int) -> dict[str, float]:
         """Every rollout worker holds the actor's current weights as `version` afterwards.
 
-        Returns {"sync_export_s", "sync_load_s"}; raises WeightSyncError naming the side that failed.
+        Returns {"sync_export_s", "sync_load_s", "sync_bytes"}; raises WeightSyncError naming the side that failed.
         """
         ...
 

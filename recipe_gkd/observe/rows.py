@@ -80,6 +80,8 @@ def step_row(
         # The actor's export (object store: up to every bucket put) and the engines' receive and in-place load.
         "sync_export_s": sync["sync_export_s"],
         "sync_load_s": sync["sync_load_s"],
+        # One weight version's bytes as it travels to each engine (a LoRA student's: the adapter alone).
+        "sync_bytes": sync.get("sync_bytes"),
         # Mean |token logprob difference| engine vs actor on the sync probe, on the steps that check it.
         "sync_logprob_diff": sync.get("sync_logprob_diff"),
         # How far the actor's own probe logprobs moved since the previous check (the probe's power: a shift below the

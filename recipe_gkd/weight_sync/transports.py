@@ -107,7 +107,8 @@ class Transport(ABC):
     def push(self, crew: SyncCrew, version: int) -> dict[str, float]:
         """The driver: every rollout worker holds the actor's current weights as `version` afterwards.
 
-        Returns {"sync_export_s", "sync_load_s"}; raises WeightSyncError naming the side that failed."""
+        Returns {"sync_export_s", "sync_load_s", "sync_bytes"} (the bytes of one version as it travels, to each
+        engine); raises WeightSyncError naming the side that failed."""
 
     @abstractmethod
     def send(self, actor: ExportingActor) -> Any:
@@ -190,21 +191,22 @@ class ObjectStore(Transport):
 
     def push(self, crew: SyncCrew, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        buckets = crew.wait(crew.on_actors("send_weights"), f"actor export of weight version {version}")[0]
-        if not buckets:
+        sent = crew.wait(crew.on_actors("send_weights"), f"actor export of weight version {version}")[0]
+        if not sent or not sent["handles"]:
             raise WeightSyncError(f"actor rank 0 exported no weights for version {version}")
         exported = time.perf_counter()
-        crew.wait(crew.on_rollouts("receive_weights", version, buckets), f"rollout load of weight version {version}")
+        handles = sent["handles"]
+        crew.wait(crew.on_rollouts("receive_weights", version, handles), f"rollout load of weight version {version}")
         done = time.perf_counter()
         self.store.after_push()
-        return {"sync_export_s": exported - start, "sync_load_s": done - exported}
+        return {"sync_export_s": exported - start, "sync_load_s": done - exported, "sync_bytes": float(sent["bytes"])}
 
-    def send(self, actor: ExportingActor) -> list[Any] | None:
-        """Every rank gathers over TP; rank 0 puts the buckets as they fill and returns their handles."""
+    def send(self, actor: ExportingActor) -> dict[str, Any] | None:
+        """Every rank gathers over TP; rank 0 puts the buckets as they fill and returns their handles and bytes."""
         # In the training dtype (bf16 halves the bytes of an fp32 export); the receivers decode bf16 entries.
-        named = to_host_arrays(self.payload.export(actor, on_device=False))
+        named = TimedIterator(to_host_arrays(self.payload.export(actor, on_device=False)))
         handles = [self.store.put(bucket) for bucket in iter_buckets(named, self.bucket_bytes)]
-        return handles if actor.rank == 0 else None
+        return {"handles": handles, "bytes": named.bytes} if actor.rank == 0 else None
 
     def receive(self, engine: GroupEngine, sent: list[Any]) -> set[str]:
         """The buckets behind the handles `sent`, fetched one at a time."""
@@ -277,7 +279,7 @@ class Collective(Transport):
         if not sent or not sent.get("bytes"):
             raise WeightSyncError(f"actor rank 0 broadcast no weights for version {version}")
         total = time.perf_counter() - start
-        return {"sync_export_s": sent["export_s"], "sync_load_s": total - sent["export_s"]}
+        return {"sync_export_s": sent["export_s"], "sync_load_s": total - sent["export_s"], "sync_bytes": sent["bytes"]}
 
     def send(self, actor: ExportingActor) -> dict[str, float]:
         """Every rank gathers over TP; rank 0 broadcasts the buckets to the rollout workers as they fill."""
@@ -415,13 +417,18 @@ class InProcess(Transport):
 
     def push(self, crew: SyncCrew, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        export_s = 0.0
+        export_s, sent = 0.0, 0
         for index in range(crew.rollout_count):  # one export per worker: nothing holds a second copy of the model
             weights = crew.wait(crew.on_actors("send_weights"), f"actor export of weight version {version}")[0]
             loads = crew.on_rollouts("receive_weights", version, weights, only=index)
             crew.wait(loads, f"rollout load of weight version {version}")
             export_s += weights.seconds
-        return {"sync_export_s": export_s, "sync_load_s": time.perf_counter() - start - export_s}
+            sent = weights.bytes
+        return {
+            "sync_export_s": export_s,
+            "sync_load_s": time.perf_counter() - start - export_s,
+            "sync_bytes": float(sent),
+        }
 
     def send(self, actor: ExportingActor) -> TimedIterator:
         """The export, timed as it is consumed (a host copy in the training dtype, as the object store's)."""

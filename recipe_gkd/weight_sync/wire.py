@@ -75,11 +75,13 @@ def from_host_arrays(items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, An
 
 
 class TimedIterator:
-    """Wraps an iterator; `seconds` accumulates the time spent producing its items."""
+    """Wraps an iterator of (name, tensor or array); `seconds` accumulates the time spent producing its items,
+    `bytes` their sizes."""
 
     def __init__(self, items: Iterable[Any]) -> None:
         self._items = iter(items)
         self.seconds = 0.0
+        self.bytes = 0
 
     def __iter__(self) -> Iterator[Any]:
         while True:
@@ -90,7 +92,13 @@ class TimedIterator:
                 self.seconds += time.perf_counter() - start
                 return
             self.seconds += time.perf_counter() - start
+            self.bytes += nbytes(item[1])
             yield item
+
+
+def nbytes(value: Any) -> int:
+    """The bytes of a torch tensor or a numpy array."""
+    return int(value.nbytes) if isinstance(value, np.ndarray) else int(value.numel() * value.element_size())
 
 
 def _wire_tensor(value: Any, dtype: Any) -> Any:

@@ -59,16 +59,19 @@ def test_buckets_of_a_stream_are_yielded_before_the_stream_ends() -> None:
     assert [list(b) for b in buckets] == [["w2", "w3"], ["w4", "w5"]]
 
 
-def test_timed_iterator_counts_only_the_producer() -> None:
+def test_timed_iterator_counts_only_the_producer_and_the_bytes() -> None:
+    import torch
+
     def slow():
         for i in range(3):
             time.sleep(0.05)
-            yield i
+            yield f"t{i}", np.zeros(10, np.float32) if i else torch.zeros(3, dtype=torch.bfloat16)
 
     timed = TimedIterator(slow())
     for _ in timed:
         time.sleep(0.1)  # the consumer's time is not counted
     assert 0.15 <= timed.seconds < 0.25
+    assert timed.bytes == 3 * 2 + 2 * 10 * 4
 
 
 class FakeActor(WeightSender):

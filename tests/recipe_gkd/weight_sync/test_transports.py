@@ -86,7 +86,8 @@ def _in_process(payload: Any, count: int = 3) -> tuple[CountingActor, list[Rollo
 def test_in_process_streams_one_export_into_each_worker() -> None:
     actor, workers, sync = _in_process(FullStudent())
     stats = sync.push(4)
-    assert set(stats) == {"sync_export_s", "sync_load_s"} and min(stats.values()) >= 0
+    assert set(stats) == {"sync_export_s", "sync_load_s", "sync_bytes"} and min(stats.values()) >= 0
+    assert stats["sync_bytes"] == sum(t.numel() * t.element_size() for t in actor.named.values())
     assert actor.exports == len(workers), "one export per worker: nothing holds a second copy of the model"
     for worker in workers:
         assert worker.weight_version == 4
