@@ -49,6 +49,20 @@ def weight_transport(cfg: GKDConfig) -> WeightTransport:
     return WeightTransport.nccl
 
 
+# vLLM's accepted max_lora_rank values (vllm/config/lora.py MaxLoRARanks: the same in 0.32.0 and before).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The max_lora_rank a vLLM engine is started with for actor.lora.rank `rank`: the smallest rank vLLM accepts
+    that holds the adapter (it preallocates slots of that rank; recipe_gkd/plan/lora_memory.py counts them). Raises
+    ValueError above vLLM's largest (the config rule refuses such a rank first)."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+    return fits[0]
+
+
 def weight_group_ranks_per_engine(cfg: GKDConfig) -> int:
     """Ranks a rollout engine takes in a gloo/nccl weight-sync group: each vLLM TP worker receives itself."""
     return cfg.rollout.tp if cfg.rollout.backend == RolloutBackend.vllm else 1

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from recipe_gkd.config import teachers as teachers_config
 from recipe_gkd.config.derived import (
+    VLLM_LORA_RANKS,
     actor_data_parallel_size,
     actor_world_size,
     longest_sequence,
@@ -340,6 +341,12 @@ def _validate_lora(cfg: GKDConfig) -> None:
     require(bool(lora.targets), "actor.lora.targets", f"name at least one of {list(LORA_TARGETS)}")
     require(len(set(lora.targets)) == len(lora.targets), "actor.lora.targets", f"{list(lora.targets)} names one twice")
     require(lora.dropout < 1, "actor.lora.dropout", f"dropout={lora.dropout} must be < 1")
+    # vLLM preallocates its adapter slots at one of its own ranks (vllm/config/lora.py MaxLoRARanks).
+    require(
+        cfg.rollout.backend != RolloutBackend.vllm or lora.rank <= VLLM_LORA_RANKS[-1],
+        "actor.lora.rank",
+        f"actor.lora.rank={lora.rank} is above the largest LoRA rank vLLM serves ({VLLM_LORA_RANKS[-1]}): lower it",
+    )
     # A column-parallel adapter's A is replicated over TP: its dropout masks would have to agree on every TP rank.
     require(
         lora.dropout == 0 or cfg.actor.megatron.tp == 1,

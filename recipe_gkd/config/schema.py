@@ -145,7 +145,8 @@ class ClusterConfig:
     """torch intra-op threads per process of each role on CPU runs; 0: auto."""
     ray_object_store_mb: int = bounded(0, ge=0, note="0: auto from the student's size")
     """Ray's object store on a node this run starts (rollout shards, object-store weight syncs); 0: auto, twice the
-    student's export (training dtype) plus 128 MiB, at least 256 (memory_plan.object_store_mib)."""
+    student's export (training dtype; with actor.lora.rank > 0 the adapter's) plus 128 MiB, at least 256
+    (memory_plan.object_store_mib)."""
     placement_timeout_s: float = bounded(120.0, gt=0)
     """Every wait for Ray resources (placement groups, worker start) is bounded by this."""
     gpu_memory_gib: float = bounded(0.0, ge=0, note="0: read the device")

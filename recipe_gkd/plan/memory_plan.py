@@ -9,16 +9,19 @@ For every GPU role of the config, an estimate in GiB of what that GPU will hold:
   gathers from the whole sequence), and a fixed CUDA/NCCL reserve; a mixture of experts'
   num_experts / ep experts of every layer beside its dense parameters (their optimizer state over
   data parallel / ep), its active experts' activations and its all-to-all dispatcher's buffers
-  (`RankState`);
+  (`RankState`); a LoRA student (actor.lora.rank > 0) the frozen base weights alone and its adapters' whole
+  state, gradients and optimizer state (`AdapterRankState`), and what the adapters keep for the backward pass;
 - rollout engine GPU (vLLM): its `rollout.gpu_memory_utilization` share holds the weights (a
-  mixture of experts: every expert), a runtime reserve and the KV cache, which must hold at
-  least one sequence of `data.max_prompt_length + rollout.sampling.max_new_tokens` tokens;
+  mixture of experts: every expert), a LoRA student's adapter slots, a runtime reserve and the KV cache, which must
+  hold at least one sequence of `data.max_prompt_length + rollout.sampling.max_new_tokens` tokens;
 - teacher replica GPU (vLLM, local): weights, one request's full-vocabulary prompt log-prob
   buffers, a runtime reserve and the KV cache for `teacher.max_model_len`.
 
 The formulas follow what the code allocates (see `actor_bytes_per_token_and_layer`); they
 are compared with measured peaks in benchmarks/bench_actor_memory.py. A role that cannot fit
-raises ConfigError naming the key to change (`check_memory_plan`).
+raises ConfigError naming the key to change (`check_memory_plan`). What the actor trains (the whole student or its
+LoRA adapters) is one object built from the config (`build_trained`): its state on an actor rank, its activations,
+its lines on a rollout engine and the size of one synced version (Ray's object store, `object_store_mib`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from recipe_gkd.actor.hf_arch import check_expert_parallel
 from recipe_gkd.config import (
@@ -41,11 +45,13 @@ from recipe_gkd.config import (
     colocated_shares,
     weight_transport,
 )
-from recipe_gkd.config.derived import longest_sequence
+from recipe_gkd.config.derived import longest_sequence, vllm_max_lora_rank
 from recipe_gkd.config.rules import CONTEXT_PARALLEL_SIZES, teacher_longest_sequence, validate
+from recipe_gkd.config.schema import LoRAConfig
 from recipe_gkd.config.teachers import TeacherHandle, teacher_handles, teacher_views
 from recipe_gkd.models import Shape, UnsupportedModelError
 from recipe_gkd.parallel_layout import ParallelLayout
+from recipe_gkd.plan import lora_memory
 from recipe_gkd.plan.gpu_memory import DEFAULT_GPU_MEMORY_GIB, GpuQuery, plan_gpu_memory
 from recipe_gkd.plan.model_shape import read_shape
 from recipe_gkd.targets import build_target
@@ -206,7 +212,8 @@ def _actor_role(cfg: GKDConfig, shape: Shape, teacher: Shape | None) -> tuple[Ro
     act = 2 if bf16 else 4
     vocab_shard = layout.vocab_shard_size(shape.vocab_size)
     layers = shape.num_layers // pp
-    state = RankState.of(shape, layout, bf16=bf16, distributed=m.distributed_optimizer)
+    trained = build_trained(cfg)
+    state = trained.rank_state(shape, layout, bf16=bf16, distributed=m.distributed_optimizer)
     seq_len = longest_sequence(cfg)[0]  # multi-turn: rollout.max_total_tokens
     tokens = a.max_tokens_per_micro_batch or a.micro_batch_size * seq_len
     per_rank = cfg.data.train_batch_size // dp
@@ -231,6 +238,7 @@ def _actor_role(cfg: GKDConfig, shape: Shape, teacher: Shape | None) -> tuple[Ro
         activations += rank_tokens * actor_bytes_per_token_and_layer(
             shape, tp, act, padded_len, "none", m.attention.value
         )
+    adapter_activations = trained.activation_parts(shape, tp, act, rank_tokens, layers, in_flight, m.recompute)
     # Last stage: logits in the compute dtype, their fp32 copy, the loss's fp32 log-softmax and
     # the two gradients of the same size (measured on CPU: benchmarks/bench_actor_memory.py).
     logits = rank_tokens * vocab_shard * (act + 4 * 4)
@@ -240,7 +248,8 @@ def _actor_role(cfg: GKDConfig, shape: Shape, teacher: Shape | None) -> tuple[Ro
         *_dispatcher_parts(shape, rank_tokens, act),
         *_gathered_vocabulary_parts(cfg, shape, rank_tokens),
     ]
-    freed = activations + logits + sum(b for _, b in transient)  # all gone before the optimizer steps
+    # All gone before the optimizer steps.
+    freed = activations + logits + sum(b for _, b in [*transient, *adapter_activations])
     step_temp = state.step_temporary()
     of_tokens = (
         f"{tokens} tokens"
@@ -258,6 +267,7 @@ def _actor_role(cfg: GKDConfig, shape: Shape, teacher: Shape | None) -> tuple[Ro
                 f"{_active_experts(shape, tp)})",
                 activations,
             ),
+            *adapter_activations,
             (f"logits and loss buffers ({rank_tokens} tokens x {vocab_shard} vocabulary columns)", logits),
             *transient,
             (
@@ -462,6 +472,184 @@ class RankState:
         ]
 
 
+@dataclass(frozen=True)
+class AdapterRankState:
+    """actor.lora.rank > 0: the heaviest rank's frozen base and its LoRA adapters.
+
+    The base keeps its weights alone: megatron-core 0.16.1's DDP gives a parameter without requires_grad no room in
+    its gradient buffers and the optimizer takes no master copy or moments of it (distributed/
+    distributed_data_parallel.py, optimizer/__init__.py skip `not param.requires_grad`). The adapters (`adapter`
+    parameters on this rank, `lora_memory.actor_adapter_params` of each of its layers) have the whole state: weights
+    in the training dtype, an fp32 gradient buffer, fp32 master weights (bf16) and two Adam moments, over the dense
+    optimizer's shards (data parallel x context parallel with the distributed optimizer).
+    """
+
+    base: RankState
+    adapter: float
+    lora: LoRAConfig
+
+    @classmethod
+    def of(
+        cls, shape: Shape, layout: ParallelLayout, lora: LoRAConfig, *, bf16: bool, distributed: bool
+    ) -> AdapterRankState:
+        if shape.is_moe:  # the adapters sit on dense linears: an expert's fc1 / fc2 is not one of them
+            raise ConfigError(
+                "actor.lora.rank",
+                f"LoRA adapters on a mixture of experts ({shape.num_experts} experts a layer) are not planned: the "
+                "adapters cover a dense student's linear_qkv, linear_proj, linear_fc1 and linear_fc2; set "
+                "actor.lora.rank=0",
+            )
+        base = RankState.of(shape, layout, bf16=bf16, distributed=distributed)
+        layers = shape.num_layers // layout.pp_size
+        return cls(base, layers * lora_memory.actor_adapter_params(shape, lora, layout.tp_size), lora)
+
+    @property
+    def _weight_bytes(self) -> int:
+        return 2 if self.base.bf16 else 4
+
+    def _optimizer(self) -> float:
+        return self.adapter * (12 if self.base.bf16 else 8) / self.base.dense_shards
+
+    def total(self) -> float:
+        return self.base.weights() + self.adapter * (self._weight_bytes + 4) + self._optimizer()
+
+    def step_temporary(self) -> float:
+        """torch's foreach AdamW's fp32 sqrt of the second moments, of the adapters' shard alone."""
+        return self.adapter * 4 / self.base.dense_shards
+
+    def parts(self, layers: int) -> list[tuple[str, float]]:
+        """The frozen base's weights and the adapters' weights, gradient buffer and optimizer state."""
+        b = self.base
+        dtype = "bf16" if b.bf16 else "fp32"
+        master = "fp32 master + " if b.bf16 else ""
+        mode = f"distributed over {b._over(b.dense_shards)}" if b.distributed else "replicated"
+        split = f"; column-parallel B and row-parallel A over tp {b.tp_size}" if b.tp_size > 1 else ""
+        return [
+            (
+                f"base weights ({dtype}, {b.params / 1e9:.2f}B params on this rank, frozen: no gradient buffer, no "
+                "optimizer state)",
+                b.weights(),
+            ),
+            (
+                f"LoRA adapters ({dtype}, rank {self.lora.rank} on {', '.join(self.lora.targets)} of {layers} layers: "
+                f"{self.adapter / 1e6:.1f}M params on this rank{split})",
+                self.adapter * self._weight_bytes,
+            ),
+            ("adapter gradient buffer (fp32)", self.adapter * 4),
+            (f"adapter optimizer state ({master}Adam moments, {mode})", self._optimizer()),
+        ]
+
+
+ActorState = RankState | AdapterRankState
+
+
+class WholeStudent:
+    """actor.lora.rank = 0: the whole student is trained, and every weight sync carries it all."""
+
+    what: ClassVar[str] = "the whole student"
+    # The lighter run to name when the model state alone overflows one whole GPU and no other GPU can share it.
+    lighter: ClassVar[tuple[str, str] | None] = (
+        "actor.lora.rank",
+        "train low-rank adapters instead (actor.lora.rank > 0: the base weights frozen, without gradients or "
+        "optimizer state)",
+    )
+
+    def rank_state(self, shape: Shape, layout: ParallelLayout, *, bf16: bool, distributed: bool) -> ActorState:
+        return RankState.of(shape, layout, bf16=bf16, distributed=distributed)
+
+    def activation_parts(
+        self, shape: Shape, tp: int, act: int, tokens: int, layers: int, in_flight: int, recompute: Recompute
+    ) -> list[tuple[str, float]]:
+        return []
+
+    def engine_parts(self, shape: Shape, tp: int, dtype_bytes: int) -> list[tuple[str, float]]:
+        return []
+
+    def engine_beyond_profile(self, shape: Shape, tp: int, dtype_bytes: int) -> tuple[str, float]:
+        return reload_layer(shape, tp, dtype_bytes)
+
+    def engine_notes(self, shape: Shape, dtype_bytes: int) -> list[str]:
+        return []
+
+    def sync_params(self, shape: Shape) -> float:
+        return shape.num_params()
+
+
+@dataclass(frozen=True)
+class LoraAdapters:
+    """actor.lora.rank > 0: the adapters are trained over the frozen base; the engines load the base once, at start,
+    hold the adapter in vLLM's preallocated LoRA slots, and every weight sync carries the adapter alone (its sync
+    form, recipe_gkd/weight_sync/adapter.py) through Ray's object store."""
+
+    lora: LoRAConfig
+    what: ClassVar[str] = "the LoRA adapter alone"
+    lighter: ClassVar[tuple[str, str] | None] = None
+
+    @property
+    def engine_rank(self) -> int:
+        """vLLM's max_lora_rank, at which it preallocates its slots."""
+        return vllm_max_lora_rank(self.lora.rank)
+
+    def rank_state(self, shape: Shape, layout: ParallelLayout, *, bf16: bool, distributed: bool) -> ActorState:
+        return AdapterRankState.of(shape, layout, self.lora, bf16=bf16, distributed=distributed)
+
+    def activation_parts(
+        self, shape: Shape, tp: int, act: int, tokens: int, layers: int, in_flight: int, recompute: Recompute
+    ) -> list[tuple[str, float]]:
+        """What the adapters keep for the backward pass (`lora_memory.adapter_activation_bytes`), counted as the base
+        layer's activations are: every micro-batch in flight, plus with full recompute the recomputed layer's."""
+        per_layer = lora_memory.adapter_activation_bytes(shape, self.lora, tp, act, recompute.value)
+        held = in_flight * tokens * layers * per_layer
+        if recompute == Recompute.full:
+            held += tokens * lora_memory.adapter_activation_bytes(shape, self.lora, tp, act, "none")
+        dropout = f", dropout {self.lora.dropout}: the dropped inputs and their masks" if self.lora.dropout else ""
+        name = (
+            f"adapter activations ({in_flight} micro-batch(es) of {tokens} tokens x {layers} layers: each adapter's "
+            f"rank-{self.lora.rank} A x{dropout}, recompute {recompute.value})"
+        )
+        return [(name, held)]
+
+    def engine_parts(self, shape: Shape, tp: int, dtype_bytes: int) -> list[tuple[str, float]]:
+        """vLLM's LoRA slots (enable_lora, at start: inside the engine's share, before its KV cache)."""
+        dtype = {2: "bf16", 4: "fp32"}[dtype_bytes]
+        slots = lora_memory.vllm_lora_slots(shape, self.engine_rank, tp, dtype_bytes, VLLM_BATCHED_TOKENS)
+        sharded = f", sharded over tp {tp} as their linears" if tp > 1 else ""
+        name = (
+            f"LoRA slots (max_lora_rank {self.engine_rank}, max_loras {lora_memory.VLLM_MAX_LORAS}, {dtype}: A and B "
+            f"of every linear of the {shape.num_layers} layers{sharded}, the embedding and the LM head; punica's "
+            "buffers)"
+        )
+        return [(name, slots)]
+
+    def engine_beyond_profile(self, shape: Shape, tp: int, dtype_bytes: int) -> tuple[str, float]:
+        """No layer is reloaded: a version is one adapter, at most all on the GPU while it is copied into the slots."""
+        params = self.sync_params(shape)
+        return f"adapter update: one version being loaded ({params / 1e6:.1f}M params, a bound)", params * dtype_bytes
+
+    def engine_notes(self, shape: Shape, dtype_bytes: int) -> list[str]:
+        cache = lora_memory.VLLM_MAX_LORAS * self.sync_params(shape) * dtype_bytes
+        return [
+            f"enable_lora: vLLM's CPU cache of adapters (max_cpu_loras {lora_memory.VLLM_MAX_LORAS}) holds "
+            f"{cache / GIB:.2f} GiB of host memory, not on the GPU; the base weights are loaded once, at start"
+        ]
+
+    def sync_params(self, shape: Shape) -> float:
+        return lora_memory.sync_adapter_params(shape, self.lora)
+
+
+Trained = WholeStudent | LoraAdapters
+
+
+def build_trained(cfg: GKDConfig) -> Trained:
+    """What the actor trains and the engines receive: the whole student, or its LoRA adapters (actor.lora.rank)."""
+    return LoraAdapters(cfg.actor.lora) if cfg.actor.lora.rank > 0 else WholeStudent()
+
+
+def version_bytes(cfg: GKDConfig, shape: Shape) -> float:
+    """One synced version in the training dtype (fp32 or bf16): the whole student, or the adapter's sync form."""
+    return build_trained(cfg).sync_params(shape) * (2 if cfg.actor.precision == Precision.bf16 else 4)
+
+
 def _active_experts(shape: Shape, tp: int) -> str:
     """The activations line's note for a mixture of experts: the active width it counts."""
     if not shape.is_moe:
@@ -526,7 +714,13 @@ def _actor_remedy(
     layout = ParallelLayout.from_config(cfg)
     over = f"needs {role.total / GIB:.1f} GiB of {role.capacity / GIB:.1f} GiB"
     if state + (0 if role.outside else ACTOR_RESERVE_GIB * GIB) > role.capacity:
-        if cfg.actor.gpu_memory_utilization and cfg.cluster.colocate:
+        lighter = build_trained(cfg).lighter
+        whole_gpu = state + ACTOR_RESERVE_GIB * GIB > cfg.cluster.gpu_memory_gib * GIB
+        one_gpu = cfg.cluster.nnodes * cfg.cluster.gpus_per_node == 1  # no other GPU can share the state
+        if whole_gpu and lighter is not None and one_gpu:
+            key, how = lighter
+            return key, f"{over}; the model state alone takes {state / GIB:.1f} GiB, more than the whole GPU: {how}"
+        if cfg.actor.gpu_memory_utilization and cfg.cluster.colocate and not whole_gpu:
             return "actor.gpu_memory_utilization", f"{over}; give the actor a larger share of the colocated GPU"
         if not m.distributed_optimizer and layout.dp_size > 1:
             return "actor.megatron.distributed_optimizer", f"{over}; shard the optimizer state over data parallel"
@@ -631,10 +825,12 @@ def vllm_memory(
     *,
     dtype_bytes: int,
     beyond_profile: tuple[str, float] | None,
+    engine_parts: list[tuple[str, float]] | None = None,
 ) -> RoleMemory:
-    """One GPU of a vLLM engine with `tp` GPUs: weights, runtime reserve, KV cache in its share; outside it the
-    process's CUDA context (+ NCCL with tp > 1) and `beyond_profile`, what the engine allocates that its profile
-    run did not see: a teacher's prompt log-prob buffers, a rollout engine's reloaded layer (None: nothing).
+    """One GPU of a vLLM engine with `tp` GPUs: weights, `engine_parts` (what it allocates at start beside them: a
+    LoRA student's adapter slots), runtime reserve, KV cache in its share; outside it the process's CUDA context
+    (+ NCCL with tp > 1) and `beyond_profile`, what the engine allocates that its profile run did not see: a
+    teacher's prompt log-prob buffers, a rollout engine's reloaded layer or adapter update (None: nothing).
 
     Weights and KV cache are in the engine's dtype (`dtype_bytes`; vLLM's kv_cache_dtype "auto").
     """
@@ -650,6 +846,7 @@ def vllm_memory(
         else ""
     )
     parts = [(f"weights ({dtype}, {shape.num_params() / 1e9:.2f}B params / tp {tp}{experts})", weights)]
+    parts += engine_parts or []
     parts.append(("vLLM runtime (CUDA graphs, sampler, profile activations)", VLLM_RESERVE_GIB * GIB))
     outside = [("CUDA context of the vLLM process", VLLM_CUDA_CONTEXT_GIB * GIB)]
     if tp > 1:
@@ -706,6 +903,7 @@ def rollout_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
     # The rollout engine loads the student in the training precision (recipe_gkd/rollout/vllm.py).
     dtype_bytes = 4 if cfg.actor.precision == Precision.fp32 else 2
     gpus = r.nnodes * r.gpus_per_node
+    trained = build_trained(cfg)  # a LoRA student: the engine's adapter slots, and no layer reloaded
     memory = vllm_memory(
         "rollout GPU",
         gpus,
@@ -715,8 +913,18 @@ def rollout_memory(cfg: GKDConfig, shape: Shape) -> RoleMemory:
         max_len,
         cfg,
         dtype_bytes=dtype_bytes,
-        beyond_profile=reload_layer(shape, r.tp, dtype_bytes),
+        beyond_profile=trained.engine_beyond_profile(shape, r.tp, dtype_bytes),
+        engine_parts=trained.engine_parts(shape, r.tp, dtype_bytes),
     )
+    memory.notes += trained.engine_notes(shape, dtype_bytes)
+    if weight_transport(cfg) == WeightTransport.object_store:
+        auto = (
+            "" if cfg.cluster.ray_object_store_mb else ", cluster.ray_object_store_mb auto: two versions + the shards"
+        )
+        memory.notes.append(
+            f"weight sync: {trained.what}, {version_bytes(cfg, shape) / GIB:.2f} GiB a version, through Ray's object "
+            f"store of {object_store_mib(cfg) / 1024:.2f} GiB (host memory{auto})"
+        )
     if not memory.fits:
         memory.key = "rollout.gpu_memory_utilization" if r.gpu_memory_utilization < 0.9 else "rollout.tp"
     else:
@@ -902,8 +1110,9 @@ OBJECT_STORE_SHARDS_MIB = 128
 
 
 def object_store_mib(cfg: GKDConfig) -> int:
-    """cluster.ray_object_store_mb, or (0) twice the student's export plus room for the shards, plus the
-    teacher's hidden states of the batches in flight (teacher.output=hidden).
+    """cluster.ray_object_store_mb, or (0) twice one synced version (the student's export, or with actor.lora.rank > 0
+    the adapter's: `version_bytes`) plus room for the shards, plus the teacher's hidden states of the batches in
+    flight (teacher.output=hidden).
 
     An object-store sync puts a whole version (in the training dtype: fp32 or bf16) before the engines
     have read it, and the next version may be put before the last reference to the previous one is
@@ -916,7 +1125,7 @@ def object_store_mib(cfg: GKDConfig) -> int:
     if weight_transport(cfg) == WeightTransport.object_store:  # else the weights go over a collective, by buckets
         shape = read_shape(cfg.model.student_path, "model.student_path", [])
         if shape is not None:
-            export_mib = shape.num_params() * (2 if cfg.actor.precision == Precision.bf16 else 4) / 2**20
+            export_mib = version_bytes(cfg, shape) / 2**20
             base = max(OBJECT_STORE_MIN_MIB, math.ceil(2 * export_mib) + OBJECT_STORE_SHARDS_MIB)
     return base + math.ceil(hidden_shard_bytes(cfg) / 2**20)
 

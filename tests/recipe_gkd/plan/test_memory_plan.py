@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe_gkd.config import CONFIG_DIR, ConfigError, load_config
+from recipe_gkd.config import CONFIG_DIR, REPO_ROOT, ConfigError, load_config
 from recipe_gkd.main import main
 from recipe_gkd.models import shape_from_config
 from recipe_gkd.plan import memory_plan
@@ -102,6 +102,19 @@ HUB_MODELS = {
         "intermediate_size": 12288,
         "num_hidden_layers": 36,
         "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 40960,
+    },
+    # The teacher of 1x1_colocated_lora.yaml.
+    "Qwen/Qwen3-14B": {
+        "model_type": "qwen3",
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
         "num_key_value_heads": 8,
         "head_dim": 128,
         "vocab_size": 151936,
@@ -358,6 +371,66 @@ def test_the_one_gpu_preset_prints_every_roles_share_and_the_sum(
     assert total == pytest.approx(sum(float(x.split()[0]) for x in block), abs=0.06)  # rounded to 0.1 and 0.01
     assert "shares sum to 0.85 of the GPU" in out
     assert "GPU 0 of node 0 is shared (colocated): actor 0, rollout 0, teacher 0" in out
+
+
+COLOCATED_LORA = CONFIG_DIR / "presets" / "1x1_colocated_lora.yaml"
+
+
+def _header(preset: Path) -> str:
+    """A preset's opening comment as one line of text."""
+    lines = preset.read_text().splitlines()
+    end = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    return " ".join(line.lstrip("#").strip() for line in lines[:end])
+
+
+def test_the_one_gpu_lora_preset_fits_an_8b_student_beside_a_14b_teacher(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3-14B -> Qwen3-8B at actor.lora.rank 32 on one 80 GB GPU: the actor holds the frozen base and the adapters'
+    state, the rollout engine its LoRA slots; the yaml's header figures are the plan's."""
+    assert main(["--config", str(COLOCATED_LORA), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    gpu = out[out.index("GPU (colocated") :].splitlines()[0]
+    assert gpu.endswith("fits") and float(gpu.split("): ")[1].split()[0]) <= 79.0
+    assert "base weights (bf16, 8.19B params on this rank, frozen: no gradient buffer, no optimizer state)" in out
+    assert "LoRA adapters (bf16, rank 32 on qkv, proj, fc1, fc2 of 36 layers: 73.1M params on this rank)" in out
+    assert "LoRA slots (max_lora_rank 32, max_loras 1, bf16" in out
+    assert "weight sync: the LoRA adapter alone, 0.16 GiB a version" in out
+    assert "in-place reload" not in out
+    header = _header(COLOCATED_LORA)
+    plan = memory_plan.build_memory_plan(load_config(COLOCATED_LORA))
+    teacher = next(r for r in plan.roles if r.role == "teacher GPU")  # type: ignore[union-attr]
+    assert f"Qwen3-14B's {teacher.parts[0][1] / memory_plan.GIB:.1f} GiB of bf16 weights fit" in header
+    qwen3_32b = shape_from_config(HUB_MODELS["Qwen/Qwen3-32B"])
+    assert f"Qwen3-32B's {qwen3_32b.num_params() * 2 / memory_plan.GIB:.0f} GiB do not" in header
+
+
+def test_docs_paste_the_one_gpu_lora_presets_plan_as_it_prints(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--config", str(COLOCATED_LORA), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = out[out.index("memory plan (estimate") : out.index("dry run: config valid")].rstrip("\n")
+    doc = (REPO_ROOT / "docs" / "memory_plan.md").read_text()
+    section = doc[doc.index("## A LoRA student") :]
+    pasted = section[section.index("```\nmemory plan") + 4 :]
+    assert pasted[: pasted.index("\n```")] == plan
+
+
+def test_the_one_gpu_lora_preset_without_adapters_exits_2_naming_the_rank(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The whole Qwen3-8B's model state (bf16 weights, fp32 gradients, master weights and Adam moments) exceeds the
+    whole GPU: no share helps, and one GPU has no other to split over."""
+    assert main(["--config", str(COLOCATED_LORA), "--dry-run", "actor.lora.rank=0"]) == 2
+    out, err = capsys.readouterr()
+    assert "actor rank (x1)" in out and "DOES NOT FIT" in out
+    assert "config error at `actor.lora.rank`: actor rank does not fit" in err
+    assert "more than the whole GPU: train low-rank adapters instead" in err
+    whole = load_config(COLOCATED_LORA, ["actor.lora.rank=0"])
+    parts = dict(memory_plan.actor_memory(whole, shape_from_config(HUB_MODELS["Qwen/Qwen3-8B"])).parts)
+    state = sum(b for n, b in parts.items() if n.startswith(("weights", "gradient buffer", "optimizer state")))
+    assert f"take {state / memory_plan.GIB:.0f} GiB: with actor.lora.rank=0" in _header(COLOCATED_LORA)
 
 
 def test_the_one_gpu_shares_print_without_any_config_json(capsys: pytest.CaptureFixture[str]) -> None:
