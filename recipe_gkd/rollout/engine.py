@@ -75,7 +75,8 @@ class Engine(Protocol):
 
     def weight_checksums(self, dtype: str) -> list[EngineTensor]:
         """Every tensor the engine computes with, fingerprinted in `dtype` (the training dtype's torch name), with
-        the HF tensors it holds (recipe_gkd/weight_sync/check.py tensor_checksum)."""
+        the HF tensors it holds (recipe_gkd/weight_sync/check.py tensor_checksum); with actor.lora.rank > 0 the
+        adapter's tensors alone, under their PEFT names (the base is never synced), none before the first version."""
         ...
 
 

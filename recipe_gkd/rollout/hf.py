@@ -1,4 +1,8 @@
-"""HF transformers rollout engine: batched sampling with a KV cache (CPU, or a GPU without vLLM)."""
+"""HF transformers rollout engine: batched sampling with a KV cache (CPU, or a GPU without vLLM).
+
+A LoRA student (actor.lora.rank > 0) keeps the base it loaded and applies each synced adapter version in memory
+(`InMemoryAdapter`: forward hooks on the targeted linears).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from recipe_gkd.config import Device, GKDConfig
+from recipe_gkd.config.schema import LoRAConfig
 from recipe_gkd.models import DENSE, StackedTensor, family_of
 from recipe_gkd.rollout.engine import Generation
 from recipe_gkd.stop_set import StopSet, student_stop_set
+from recipe_gkd.weight_sync.adapter import adapter_modules, adapter_shapes, collect_version, lora_names
 
 if TYPE_CHECKING:
     from recipe_gkd.weight_sync import EngineTensor
@@ -92,6 +99,60 @@ def checkpoint_views(
     return views
 
 
+class InMemoryAdapter:
+    """A LoRA adapter in its sync form over the HF model's own linears (actor.lora.rank > 0): a forward hook on each
+    targeted nn.Linear adds B (A x) to its output, scale 1 (the sync form's B carries alpha / rank), so the
+    parameters keep their HF names and values. Absent until the first version arrives: the base model, as PEFT's
+    B = 0 at initialisation."""
+
+    def __init__(self, model: torch.nn.Module, lora: LoRAConfig) -> None:
+        num_layers = int(model.config.get_text_config().num_hidden_layers)
+        self.linears = {m: self._linear(model, m) for m in adapter_modules(num_layers, lora.targets)}
+        self.shapes = adapter_shapes(
+            {m: (lin.out_features, lin.in_features) for m, lin in self.linears.items()}, lora.rank
+        )
+        first = next(model.parameters())
+        self.dtype, self.device = first.dtype, first.device
+        self.tensors: dict[str, torch.Tensor] = {}  # PEFT name -> A or B, in the model's dtype, on its device
+        self._hooks: list[Any] = []
+
+    @staticmethod
+    def _linear(model: torch.nn.Module, module: str) -> torch.nn.Linear:
+        linear = model.get_submodule(module)
+        if not isinstance(linear, torch.nn.Linear):
+            raise ValueError(
+                f"actor.lora.targets: the student's {module} is a {type(linear).__name__}, not a linear layer "
+                "(LoRA covers dense Llama / Mistral / Qwen decoder layers)"
+            )
+        return linear
+
+    def load(self, named: Iterator[tuple[str, Any]]) -> set[str]:
+        """Take a whole version (checked complete and shaped before anything changes), then hook the linears once."""
+        version = collect_version(named, self.shapes)
+        # Cast to the model's dtype: exact from bf16 or fp32 into the fp32 model, so B is held as sent.
+        self.tensors = {n: t.to(device=self.device, dtype=self.dtype) for n, t in version.items()}
+        if not self._hooks:
+            self._hooks = [lin.register_forward_hook(self._hook(m)) for m, lin in self.linears.items()]
+        return set(version)
+
+    def _hook(self, module: str) -> Any:
+        a_name, b_name = lora_names(module)
+
+        def add_adapter(_linear: torch.nn.Module, inputs: tuple[torch.Tensor, ...], out_BTO: torch.Tensor) -> Any:
+            # [B, T, in] -> [B, T, rank] -> [B, T, out]; looked up at each call, so a new version applies at once.
+            return out_BTO + F.linear(F.linear(inputs[0], self.tensors[a_name]), self.tensors[b_name])
+
+        return add_adapter
+
+    def checksums(self, dtype: str) -> list[EngineTensor]:
+        """Each adapter tensor as the hooks compute with it, under its PEFT name, fingerprinted in `dtype`; none
+        before the first version."""
+        from recipe_gkd.weight_sync import EngineTensor, tensor_checksum
+
+        as_dtype = getattr(torch, dtype)
+        return [EngineTensor(n, ((n, 1),), tensor_checksum(t, as_dtype)) for n, t in self.tensors.items()]
+
+
 class HFEngine:
     """The student as a transformers causal LM, sampling with `generate`."""
 
@@ -110,6 +171,8 @@ class HFEngine:
         self._params = checkpoint_views(self.model.state_dict(keep_vars=True).items(), self._stacked)
         # Names that must arrive on every update: tied weights count once, as the embedding.
         self.expected = set(checkpoint_views(self.model.named_parameters(), self._stacked))
+        # actor.lora.rank > 0: every sync brings the adapter alone, applied over the base loaded above (never synced).
+        self.adapter = InMemoryAdapter(self.model, cfg.actor.lora) if cfg.actor.lora.rank > 0 else None
 
     @torch.no_grad()
     def generate(
@@ -219,6 +282,14 @@ class HFEngine:
 
         return load_draining(self.channel.receive(), self.update_weights)
 
+    @torch.no_grad()
+    def update_adapter(self, named: Iterator[tuple[str, Any]]) -> set[str]:
+        """A whole LoRA adapter version in its sync form (recipe_gkd/weight_sync/adapter.py) into the hooks; a version
+        missing a tensor, or bringing one of the wrong shape, is refused and the previous one kept."""
+        if self.adapter is None:
+            raise ValueError("an adapter-only sync reached an engine of a full student (actor.lora.rank=0)")
+        return self.adapter.load(named)
+
     def _tied_alias_loaded(self, name: str, loaded: set[str]) -> bool:
         """True when `name` shares storage with a tensor that was loaded."""
         ptr = self._params[name].data_ptr()
@@ -234,8 +305,12 @@ class HFEngine:
     @torch.no_grad()
     def weight_checksums(self, dtype: str) -> list[EngineTensor]:
         """Each tensor the model computes with under its checkpoint name (a tied head once, as the embedding; each
-        expert's slice of a stacked parameter as that expert's tensor), fingerprinted in `dtype`."""
+        expert's slice of a stacked parameter as that expert's tensor), fingerprinted in `dtype`. With actor.lora.rank
+        > 0 the adapter's tensors alone: the base, loaded once from model.student_path, is never synced."""
         from recipe_gkd.weight_sync import EngineTensor, tensor_checksum
+
+        if self.adapter is not None:
+            return self.adapter.checksums(dtype)
 
         as_dtype = getattr(torch, dtype)
         views = checkpoint_views(self.model.named_parameters(), self._stacked)

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from recipe_gkd.config import GKDConfig
+from recipe_gkd.config.schema import LoRAConfig
 from recipe_gkd.config.teachers import DEFAULT_TEACHER, record_teacher, teacher_handles
 from recipe_gkd.data import Prompt, encode_prompt, encode_response
 from recipe_gkd.rollout.answer_accuracy import AnswerAccuracy
@@ -207,7 +208,12 @@ class Conversations:
 
         cfg = self.cfg
         teacher_dir = teacher_handles(cfg)[DEFAULT_TEACHER].section.model_path
-        as_teacher = replace(cfg, model=replace(cfg.model, student_path=teacher_dir, tokenizer_path=""))
+        # The teacher's own weights, no student adapter (actor.lora is the student's; this engine never syncs).
+        as_teacher = replace(
+            cfg,
+            model=replace(cfg.model, student_path=teacher_dir, tokenizer_path=""),
+            actor=replace(cfg.actor, lora=LoRAConfig()),
+        )
         loop = MultiTurnRollout.from_config(as_teacher, HFEngine(as_teacher))
         return conversation_accuracy(loop, records, cfg.data.answer_key, cfg.data.seed)
 

