@@ -54,6 +54,8 @@ VLLM_KNOWN_HARMLESS = (
     r"Reset SSM cache type to float32",
     r"Model Runner V2 requires Triton; using the V1 model runner",
     r"(libtcmalloc|libiomp) is not found in LD_PRELOAD",
+    # A LoRA student's adapter carries no tokenizer of its own: vLLM keeps the base model's, which is the student's.
+    r"vLLM has deprecated support for supporting different tokenizers for different LoRAs",
 )
 # Environment of every worker: no library progress bars, vLLM's start-up INFO lines off the console.
 WORKER_ENV = {
