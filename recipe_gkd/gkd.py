@@ -7,8 +7,8 @@
    tail bucket (or algorithm.divergence=sampled_reverse_kl: a policy-gradient step with the advantage
    log t - log s_old of each sampled token), token mean over the whole global batch, one optimizer step.
 3. The new weights go to every rollout worker; the weight version goes up by one.
-4. Metrics every step (a diverging objective, or responses cut by the length limit, are named in one line:
-   observe/divergence_watch.py, observe/clip_watch.py); a few decoded samples in samples.jsonl; evaluation
+4. Metrics every step (a diverging objective, responses cut by the length limit, or a gradient of exactly zero
+   are named in one line: observe/divergence_watch.py, observe/clip_watch.py, observe/grad_watch.py); a few decoded samples in samples.jsonl; evaluation
    every trainer.eval_every steps; a checkpoint every trainer.save_every steps (resumed from by
    trainer.resume=auto); the student exported at the end.
 
@@ -34,6 +34,7 @@ from recipe_gkd.config.teachers import teacher_handles
 from recipe_gkd.observe import console
 from recipe_gkd.observe.clip_watch import ClipWatch
 from recipe_gkd.observe.divergence_watch import DIVERGENCE_FILE, DivergenceWatch
+from recipe_gkd.observe.grad_watch import ZeroGradWatch
 from recipe_gkd.observe.metrics import MetricsLogger
 from recipe_gkd.observe.report import FINAL_ADAPTER_DIR, FINAL_EXPORT_DIR, report, teacher_accuracy
 from recipe_gkd.observe.rows import MEMORY_SUFFIXES, eval_row, eval_teacher_kls, memory_row, step_row
@@ -98,6 +99,7 @@ def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | N
     pipeline = RolloutPipeline(cfg, pools, first)
     watch = DivergenceWatch.for_run(cfg, first)
     clipped = ClipWatch(cfg.rollout.sampling.max_new_tokens)
+    zero_grad = ZeroGradWatch(trained_description(cfg))
     sync_check = SyncCheck(cfg)  # the engines' weights and logprobs against the actor's, when due
     target = build_target(cfg)  # the target kind: which columns its teacher replies allow
     for step in range(first, cfg.trainer.total_steps):
@@ -118,6 +120,8 @@ def train(cfg: GKDConfig, pools: Pools, metrics: MetricsLogger, resume: Path | N
         metrics.log_samples(step + 1, rollout.stats[0].step, (s for st in rollout.stats for s in st.samples))
         watch_divergence(cfg, pools, watch, row, version)
         watch_clipped(clipped, row, rollout.stats)
+        if (line := zero_grad.observe(row)) is not None:
+            print(line, flush=True)
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
             evaluate(cfg, pools, metrics, step=step + 1)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
@@ -272,6 +276,12 @@ def watch_clipped(watch: ClipWatch, row: dict[str, Any], stats: list[RolloutStat
     line = watch.observe(row, stats[0].stop_ids)
     if line is not None:
         print(line, flush=True)
+
+
+def trained_description(cfg: GKDConfig) -> str:
+    """What the actor trains, in a line's words."""
+    lora = cfg.actor.lora
+    return f"LoRA adapters of rank {lora.rank} on {', '.join(lora.targets)}" if lora.rank else "the whole student"
 
 
 def check_staleness(cfg: GKDConfig, rollout: Rollout, version: int) -> None:

@@ -89,7 +89,19 @@ def add_adapters(gpt: torch.nn.Module, settings: LoRASettings, first_layer: int,
             added += linear.lora_A.numel() + linear.lora_B.numel()
     # The sharded factor's TP attributes from the converter's table (hf_convert.partition_dim), as every weight's.
     mark_tensor_parallel_params(gpt)
+    if getattr(gpt, "pre_process", False):
+        gpt.embedding.register_forward_hook(_input_requires_grad)
     return added
+
+
+def _input_requires_grad(module: torch.nn.Module, args: tuple, output: Tensor) -> Tensor:
+    """The frozen embedding's output as a tensor that requires a gradient (PEFT's `enable_input_require_grads`).
+
+    megatron's activation recompute (tensor_parallel.random.CheckpointFunction: full, every layer; selective, the
+    MLP) runs the checkpointed block without autograd and gives its output a gradient only when an input requires
+    one: with the whole base frozen the first layer's input does not, and the adapters behind it would get no
+    gradient at all (measured: a grad norm of exactly 0 with actor.megatron.recompute=full)."""
+    return output.requires_grad_(True) if not output.requires_grad else output
 
 
 def seed_of(seed: int, layer: int, target: str) -> int:

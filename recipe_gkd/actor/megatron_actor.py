@@ -618,7 +618,8 @@ class MegatronActor:
         self._enter_device()
         state = dict(self._exporter.iter_adapter_tensors(sync_form=False, on_device=False, fp32=True))
         if self.rank == 0:
-            config = adapter_config(self.lora.rank, self.lora.alpha, self.lora.targets, self.cfg.model.student_path)
+            lora, student = self.lora, self.cfg.model.student_path
+            config = adapter_config(lora.rank, lora.alpha, lora.targets, student, dropout=lora.dropout)
             write_peft_dir(Path(out_dir), state, config)
         dist.barrier()
         return str(out_dir) if self.rank == 0 else None

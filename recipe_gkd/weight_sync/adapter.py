@@ -119,15 +119,18 @@ def collect_version(named: Iterable[tuple[str, Any]], shapes: Mapping[str, tuple
     return version
 
 
-def adapter_config(rank: int, alpha: float, targets: Sequence[str], base_model: str) -> dict[str, Any]:
-    """adapter_config.json of a PEFT LoRA adapter (PEFT's LoraConfig fields that vLLM and peft read)."""
+def adapter_config(
+    rank: int, alpha: float, targets: Sequence[str], base_model: str, dropout: float = 0.0
+) -> dict[str, Any]:
+    """adapter_config.json of a PEFT LoRA adapter (PEFT's LoraConfig fields that vLLM and peft read; `dropout`: the
+    training's, a record for whoever trains it further: inference applies none)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
         "r": rank,
         "lora_alpha": alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": dropout,
         "target_modules": hf_target_modules(targets),
         "bias": "none",
         "fan_in_fan_out": False,

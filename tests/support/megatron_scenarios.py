@@ -182,6 +182,7 @@ def make_cfg(model_dir: str, world: int, device: str, **actor: Any) -> GKDConfig
     cfg.algorithm.cross_tokenizer = CrossTokenizer(actor.pop("cross_tokenizer", "none"))
     cfg.actor.lora.rank = actor.pop("lora_rank", 0)
     cfg.actor.lora.alpha = actor.pop("lora_alpha", 32.0)
+    cfg.actor.lora.dropout = actor.pop("lora_dropout", 0.0)
     m = cfg.actor.megatron
     m.distributed_optimizer = actor.pop("distributed_optimizer", False)
     m.recompute = Recompute(actor.pop("recompute", "none"))
@@ -512,6 +513,9 @@ def _lora_job(model: str, *, save: bool = False, resume: bool = False, **actor: 
     `actor['from']`'s checkpoint first and runs only the second step."""
 
     def run(job: Job) -> None:
+        import torch
+
+        torch.manual_seed(1234)  # the adapters' dropout masks: the same stream in every job
         settings = dict(actor)
         ckpt_from = settings.pop("from", None)
         a = job.actor(model, **settings)
@@ -630,6 +634,9 @@ JOBS: dict[str, Callable[[Job], None]] = {
     "lora_tp1": _lora_job("qwen3_qknorm", **LORA),
     "lora_tp2": _lora_job("qwen3_qknorm", tp=2, **LORA),
     "lora_pp2": _lora_job("qwen3_qknorm", pp=2, **LORA),
+    # Dropout on the adapters' input: active in training steps only, replayed exactly by full recompute.
+    "lora_dropout": _lora_job("qwen3_qknorm", lora_dropout=0.3, **LORA),
+    "lora_dropout_full": _lora_job("qwen3_qknorm", lora_dropout=0.3, recompute="full", **LORA),
     "lora_save": _lora_job("qwen3_qknorm", save=True, tp=2, distributed_optimizer=True, **LORA),
     "lora_resume": _lora_job(
         "qwen3_qknorm", resume=True, distributed_optimizer=True, **{"from": "w2/lora_save_ckpt"}, **LORA

@@ -38,14 +38,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
-    one = launch(1, "lora_tp1", models, root / "w1", env)
+    one = launch(1, "lora_tp1,lora_dropout", models, root / "w1", env)
+    recompute = launch(1, "lora_dropout_full", models, root / "f1", env)
     two = launch(2, "lora_tp2,lora_pp2,lora_save", models, root / "w2", env)
-    wait_all(
-        one + two, [root / "w1" / "rank0.log", *(root / "w2" / f"rank{r}.log" for r in range(2))], LAUNCH_TIMEOUT_S
-    )
+    logs = [root / "w1" / "rank0.log", root / "f1" / "rank0.log", *(root / "w2" / f"rank{r}.log" for r in range(2))]
+    wait_all(one + recompute + two, logs, LAUNCH_TIMEOUT_S)
     resume = launch(1, "lora_resume", models, root / "r1", env)
     wait_all(resume, [root / "r1" / "rank0.log"], LAUNCH_TIMEOUT_S)
-    return {"w1": root / "w1", "w2": root / "w2", "r1": root / "r1", "models": models}
+    return {"w1": root / "w1", "f1": root / "f1", "w2": root / "w2", "r1": root / "r1", "models": models}
 
 
 def hf_logits(model_dir: Path, vocab: int) -> np.ndarray:
@@ -172,6 +172,34 @@ def test_a_lora_checkpoint_saved_at_tp2_resumes_exactly_at_tp1(runs: dict[str, P
     saved_keys = list(FileSystemReader(str(runs["w2"] / "lora_save_ckpt")).read_metadata().state_dict_metadata)
     assert len(saved_keys) == 4 * 2 * 4  # 4 targets x (A, B) x (the model's, Adam's param, exp_avg, exp_avg_sq)
     assert all(key.endswith((".lora_A", ".lora_B")) for key in saved_keys), saved_keys
+
+
+@pytest.mark.slow
+def test_dropout_trains_and_full_recompute_replays_its_masks(runs: dict[str, Path]) -> None:
+    """actor.lora.dropout=0.3: step 1 is the base's loss (B = 0), but B's gradient sees the dropped inputs, so step
+    2 differs from training without dropout; full recompute replays the same masks (megatron's checkpoint keeps the
+    RNG state), so its losses and gradients are the ones without recompute; the probe and the exports run without
+    dropout (PEFT's own eval forward gives the actor's logits)."""
+    from peft import PeftModel
+
+    plain, dropped, recomputed = (result(runs, w, j) for w, j in (("w1", "lora_tp1"), ("w1", "lora_dropout"),
+                                                                   ("f1", "lora_dropout_full")))  # fmt: skip
+    np.testing.assert_allclose(dropped["first_loss"], plain["first_loss"], rtol=RTOL)
+    assert abs(float(dropped["second_loss"]) - float(plain["second_loss"])) > 1e-4, "dropout changed nothing"
+    for key in ("first_loss", "first_grad_norm", "second_loss", "second_grad_norm"):
+        np.testing.assert_allclose(recomputed[key], dropped[key], rtol=RTOL, err_msg=key)
+    for step in (1, 2):
+        reference = unsharded_grads(runs, "w1", "lora_dropout", step)
+        grads = unsharded_grads(runs, "f1", "lora_dropout_full", step)
+        for name, grad in reference.items():
+            scale = float(np.abs(grad).max()) or 1.0
+            np.testing.assert_allclose(grads[name], grad, rtol=0, atol=RTOL * scale, err_msg=f"{name} step {step}")
+    config = json.loads((runs["w1"] / "lora_dropout_adapter" / "adapter_config.json").read_text())
+    assert config["lora_dropout"] == 0.3
+    peft_model = PeftModel.from_pretrained(load_hf(runs["models"] / MODEL), str(runs["w1"] / "lora_dropout_adapter"))
+    with torch.no_grad():
+        peft_logits = peft_model.eval()(torch.from_numpy(probe_ids(98))).logits.numpy()
+    np.testing.assert_allclose(peft_logits, dropped["logits_after"], rtol=0, atol=ATOL)
 
 
 def test_a_checkpoint_resumes_only_into_the_same_adapters() -> None:
