@@ -234,3 +234,64 @@ def test_the_lora_slot_is_the_smallest_rank_vllm_takes() -> None:
     assert lora_engine_args(8, ["qkv", "fc2"])["lora_target_modules"] == ["q_proj", "k_proj", "v_proj", "down_proj"]
     with pytest.raises(ValueError, match=r"actor\.lora\.rank=513"):
         lora_engine_args(513, ["qkv"])
+
+
+TP2_SCENARIO = """
+import json, sys
+import numpy as np, torch
+from safetensors.torch import load_file
+import recipe_gkd.rollout.vllm as vllm_module
+from recipe_gkd.config import load_config
+from recipe_gkd.weight_sync import tensor_checksum, weight_mismatches
+
+student, run_dir, adapters_dir, probe_file, out_file, rank = sys.argv[1:7]
+cfg = load_config(None, [f"model.student_path={student}", f"trainer.run_dir={run_dir}", "rollout.backend=vllm",
+    "rollout.tp=2", "rollout.gpus_per_node=2", "cluster.gpus_per_node=4", f"actor.lora.rank={rank}",
+    "data.max_prompt_length=64", "rollout.sampling.max_new_tokens=6"])
+engine = vllm_module.VLLMEngine(cfg)
+probe = np.load(probe_file)
+out = {"base": engine.token_logprobs(probe).tolist()}
+for version in ("v1", "v2", "stale"):
+    sent = load_file(f"{adapters_dir}/{'v1' if version == 'stale' else version}.safetensors")
+    if version == "stale":  # v1 again under the same id, without load_inplace: vLLM keeps v2 in the slot
+        original = vllm_module.adapter_request
+        vllm_module.adapter_request = lambda path, in_place: original(path, in_place=False)
+    engine.update_adapter(iter(sent.items()))
+    sums = {n: tensor_checksum(t, torch.float32) for n, t in sent.items()}
+    out[version] = engine.token_logprobs(probe).tolist()
+    out[version + "_mismatches"] = len(weight_mismatches(sums, engine.weight_checksums("float32")))
+open(out_file, "w").write(json.dumps(out))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_tp2_vllm_engine_loads_the_adapter_in_both_workers(
+    student: Path, tmp_path: Path, adapters, references
+) -> None:
+    """rollout.tp=2 (vLLM's multiprocessing executor; the adapter reaches both workers through the engine's own LoRA
+    API): the merged model's logprobs; the checksums summed over the workers' shards of each slot (B of q/k/v and
+    gate/up split by rows, A of o/down by columns) equal the sent adapter, and a reload without load_inplace fails
+    them. In a process of its own: vLLM freezes its CPU thread binding at the first engine's start."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    for version in ("v1", "v2"):
+        save_file(
+            {n: t.float().contiguous() for n, t in adapters[version].items()}, str(tmp_path / f"{version}.safetensors")
+        )
+    np.save(tmp_path / "probe.npy", PROBE)
+    args = [str(student), str(tmp_path / "run"), str(tmp_path), str(tmp_path / "probe.npy"), str(tmp_path / "out.json")]
+    proc = subprocess.run(
+        [sys.executable, "-c", TP2_SCENARIO, *args, str(RANK)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    for version in ("base", "v1", "v2"):
+        assert _mean_diff(np.asarray(out[version]), references[version]) <= LOGPROB_TOLERANCE, version
+    assert out["v1_mismatches"] == 0 and out["v2_mismatches"] == 0
+    assert out["stale_mismatches"] == len(adapters["v1"]), "the slot kept v2: every tensor differs from v1's"
+    assert _mean_diff(np.asarray(out["stale"]), references["v2"]) <= LOGPROB_TOLERANCE
