@@ -180,7 +180,7 @@ def load_stage_shards(
     return shards
 
 
-def _layer_tensor(name: str, arch: HFArch) -> Any:
+def layer_tensor(name: str, arch: HFArch) -> Any:
     """The family table's entry of decoder-layer tensor `name` (`decoder.layers.<i>.<tensor>`)."""
     tensor_name = name.split(".", 3)[3]
     for tensor in arch.family.layer_tensors(arch):
@@ -194,14 +194,14 @@ def hf_tensor_names(name: str, arch: HFArch) -> list[str]:
     if not name.startswith("decoder.layers."):
         return hf_unit_names(name, arch)
     prefix = HF_LAYER.format(i=layer_index(name))
-    return [prefix + hf for hf in _layer_tensor(name, arch).hf]
+    return [prefix + hf for hf in layer_tensor(name, arch).hf]
 
 
 def hf_tensor_to_mcore(name: str, hf_state: Mapping[str, Tensor], arch: HFArch, tp_size: int) -> Tensor:
     """Megatron tensor `name` (global, unsharded; vocabulary padded for `tp_size`) from its HF tensors."""
     if not name.startswith("decoder.layers."):
         return hf_unit_to_mcore(name, hf_state, arch, tp_size)[name]
-    tensor = _layer_tensor(name, arch)
+    tensor = layer_tensor(name, arch)
     prefix = HF_LAYER.format(i=layer_index(name))
     return TO_MCORE[tensor.conversion]([hf_state[prefix + hf] for hf in tensor.hf], arch)
 
@@ -325,7 +325,7 @@ def stage_param_names(arch: HFArch, pp_rank: int, pp_size: int, ep_rank: int = 0
             index = layer_index(name)
             if index not in layers:
                 continue
-            local = MCORE_LAYER.format(i=index - layers.start) + name.split(".", 3)[3]
+            local = stage_local_name(name, layers.start)
             expert = expert_number(name)
             if expert is not None:
                 if expert not in mine:
@@ -337,6 +337,12 @@ def stage_param_names(arch: HFArch, pp_rank: int, pp_size: int, ep_rank: int = 0
     if arch.tie_word_embeddings and pp_size > 1 and last:
         out[OUTPUT_LAYER] = EMBEDDING
     return out
+
+
+def stage_local_name(name: str, first_layer: int) -> str:
+    """Global decoder-layer tensor `name` under its stage's numbering (the stage's layers from 0, its first global
+    layer `first_layer`)."""
+    return MCORE_LAYER.format(i=layer_index(name) - first_layer) + name.split(".", 3)[3]
 
 
 def owner_stage(name: str, arch: HFArch, pp_size: int) -> int:

@@ -71,11 +71,6 @@ def is_adapter(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in ADAPTER_PARAMS
 
 
-def adapter_param_names(layer: int, targets: tuple[str, ...]) -> list[str]:
-    """Megatron names of decoder layer `layer`'s adapter parameters (global or stage-local numbering alike)."""
-    return [MCORE_LAYER.format(i=layer) + TARGET_MODULES[t][0] + "." + p for t in targets for p in ADAPTER_PARAMS]
-
-
 def add_adapters(gpt: torch.nn.Module, settings: LoRASettings, first_layer: int, seed: int, tp_rank: int) -> int:
     """Freeze every parameter of `gpt` (this pipeline stage) and give each targeted linear its adapter; returns the
     number of adapter parameters added. `first_layer`: this stage's first global layer (the seed of each A)."""

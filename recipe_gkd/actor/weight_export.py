@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from recipe_gkd.actor import hf_convert
-from recipe_gkd.actor.lora import LoRASettings, adapter_units, merged_views
+from recipe_gkd.actor.lora import TARGET_MODULES, LoRASettings, adapter_units, merged_views
 from recipe_gkd.models import HFArch
 from recipe_gkd.models.qwen3_moe import expert_number
 from recipe_gkd.parallel_layout import ParallelLayout
-from recipe_gkd.weight_sync.adapter import HF_PROJECTIONS, lora_names
+from recipe_gkd.weight_sync.adapter import lora_names
 
 WEIGHTS_FILE = "model.safetensors"
 # Largest rank of a weight sent between pipeline stages during export (matrices and vectors).
@@ -108,7 +108,7 @@ class WeightExporter:
         first = hf_convert.stage_layers(self.arch, self.layout.pp_rank, self.layout.pp_size).start
         for layer, target, a_name, b_name in adapter_units(self.arch, self.lora.targets):
             a, b = (
-                self._whole_on_rank0(n, params.get(_stage_local(n, first)), on_device, fp32) for n in (a_name, b_name)
+                self._whole_on_rank0(n, self._stage_param(n, first, params), on_device, fp32) for n in (a_name, b_name)
             )
             if self.rank != 0:
                 continue
@@ -116,6 +116,12 @@ class WeightExporter:
             if sync_form:
                 b = (b.float() * self.lora.scale).to(b.dtype)
             yield from hf_adapter_pairs(layer, target, a, b, self.arch)
+
+    def _stage_param(self, name: str, first_layer: int, params: dict[str, Tensor]) -> Tensor | None:
+        """Global decoder-layer parameter `name` on this stage (None on the other stages)."""
+        if hf_convert.owner_stage(name, self.arch, self.layout.pp_size) != self.layout.pp_rank:
+            return None
+        return params[hf_convert.stage_local_name(name, first_layer)]
 
     def _whole_on_rank0(self, name: str, param: Tensor | None, on_device: bool, fp32: bool) -> Tensor | None:
         """Global parameter `name` unsharded on global rank 0 (None on every other rank): on this rank's
@@ -172,23 +178,15 @@ class WeightExporter:
         return shards
 
 
-def _stage_local(name: str, first_layer: int) -> str:
-    """The stage-local name of global decoder-layer parameter `name` (layers numbered from 0 on each stage)."""
-    index = hf_convert.layer_index(name)
-    return hf_convert.MCORE_LAYER.format(i=index - first_layer) + name.split(".", 3)[3]
-
-
 def hf_adapter_pairs(layer: int, target: str, a: Tensor, b: Tensor, arch: HFArch) -> Iterator[tuple[str, Tensor]]:
     """One fused linear's unsharded adapter (A [r, in], B [out, r]) as its HF projections' PEFT (lora_A, lora_B):
-    B's rows split as the fused weight's (megatron's qkv interleaved per GQA group, fc1's [gate; up]), A repeated."""
-    if target == "qkv":
-        parts = hf_convert.split_qkv(b, arch)
-    elif target == "fc1":
-        parts = b.chunk(2, dim=0)
-    else:
-        parts = (b,)
-    for proj, b_part in zip(HF_PROJECTIONS[target], parts, strict=True):
-        a_key, b_key = lora_names(hf_convert.HF_LAYER.format(i=layer) + proj)
+    B's rows split by the family table's own conversion of the linear's weight (megatron's qkv interleaved per GQA
+    group, fc1's [gate; up]), A repeated."""
+    weight = hf_convert.MCORE_LAYER.format(i=layer) + TARGET_MODULES[target][0] + ".weight"
+    tensor = hf_convert.layer_tensor(weight, arch)
+    parts = hf_convert.TO_HF[tensor.conversion](b, arch)
+    for hf_weight, b_part in zip(tensor.hf, parts, strict=True):
+        a_key, b_key = lora_names(hf_convert.HF_LAYER.format(i=layer) + hf_weight.removesuffix(".weight"))
         yield a_key, a
         yield b_key, b_part.contiguous()
 

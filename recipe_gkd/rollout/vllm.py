@@ -42,6 +42,7 @@ import numpy as np
 from recipe_gkd.actor.hf_arch import MISTRAL_WEIGHT_FILES, SAFETENSORS_INDEX, hf_weight_files
 from recipe_gkd.config import Device, GKDConfig
 from recipe_gkd.config.derived import longest_sequence
+from recipe_gkd.models import read_hf_arch
 from recipe_gkd.rollout.engine import Generation
 from recipe_gkd.rollout.engine_thread import EngineThread
 from recipe_gkd.stop_set import student_stop_set
@@ -483,9 +484,9 @@ class VLLMAdapter:
         lora = cfg.actor.lora
         self.rank, self.run_dir = lora.rank, Path(cfg.trainer.run_dir)
         self.targeted = hf_target_modules(lora.targets)  # q_proj, k_proj, ...: the slices that carry it
-        text = hf_config.get_text_config()
-        per_projection = projection_shapes(text)
-        modules = adapter_modules(int(text.num_hidden_layers), lora.targets)
+        shape = read_hf_arch(hf_config.get_text_config())
+        per_projection = projection_shapes(shape)
+        modules = adapter_modules(shape.num_layers, lora.targets)
         # "model.layers.<i>.<projection>" -> the projection's (out, in).
         self.shapes = adapter_shapes({m: per_projection[m.split(".", 3)[3]] for m in modules}, lora.rank)
         self.config = adapter_config(lora.rank, float(lora.rank), lora.targets, cfg.model.student_path)

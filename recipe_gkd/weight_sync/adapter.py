@@ -18,7 +18,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from recipe_gkd.models import Shape
 
 # PEFT's prefix of an adapter tensor over a causal LM (PeftModel -> LoraModel -> the HF model).
 PEFT_PREFIX = "base_model.model."
@@ -43,15 +46,6 @@ def lora_names(module: str) -> tuple[str, str]:
     return f"{PEFT_PREFIX}{module}.lora_A.weight", f"{PEFT_PREFIX}{module}.lora_B.weight"
 
 
-def module_of(name: str) -> tuple[str, str]:
-    """(HF module, "A" or "B") of adapter tensor `name`; raises on a name that is not one."""
-    for kind in ("A", "B"):
-        suffix = f".lora_{kind}.weight"
-        if name.startswith(PEFT_PREFIX) and name.endswith(suffix):
-            return name[len(PEFT_PREFIX) : -len(suffix)], kind
-    raise KeyError(f"{name!r} is not a LoRA adapter tensor ({PEFT_PREFIX}<module>.lora_A|lora_B.weight)")
-
-
 def adapter_names(num_layers: int, targets: Sequence[str]) -> list[str]:
     """Every adapter tensor name of a student with `num_layers` decoder layers, in export order."""
     return [name for module in adapter_modules(num_layers, targets) for name in lora_names(module)]
@@ -64,14 +58,11 @@ def adapter_modules(num_layers: int, targets: Sequence[str]) -> list[str]:
     ]
 
 
-def projection_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
-    """(out, in) of each projection of HF_PROJECTIONS in one decoder layer, from config.json's fields (the dense
-    Llama / Mistral / Qwen2 / Qwen3 layer: head_dim where the config names it, else hidden_size / heads)."""
-    hidden, heads = int(hf_config.hidden_size), int(hf_config.num_attention_heads)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
-    inter = int(hf_config.intermediate_size)
-    q, kv = heads * head_dim, kv_heads * head_dim
+def projection_shapes(shape: Shape) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection of HF_PROJECTIONS in one decoder layer of a dense student of `shape` (its
+    config.json as recipe_gkd.models reads it)."""
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     return {
         "self_attn.q_proj": (q, hidden),
         "self_attn.k_proj": (kv, hidden),
